@@ -1,0 +1,158 @@
+"""Configuration: one frozen dataclass per layer; CLI flags and their help come from the fields.
+
+Every field's `metadata["help"]` is its flag's help text; `--snake-case` of the field name is the
+flag, and the same snake_case name is the offline engine argument (`LLM(max_num_seqs=8)`).
+Derived values are properties; validation lives in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, get_type_hints
+
+if TYPE_CHECKING:
+    from mmserve.multimodal.media import MediaLimits
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt("builtin:tiny-llava", "Model directory (Hugging Face format) or builtin name.")
+    dtype: str = _opt("float32", "Weights and activations dtype.", choices=_DTYPES)
+    max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the model's).")
+    seed: int = _opt(0, "Seed of the engine's random state (requests without their own seed).")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV cache block.")
+    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache in GiB (ignored with --num-kv-blocks).")
+    num_kv_blocks: int | None = _opt(None, "Exact number of KV cache blocks (overrides --kv-cache-memory-gb).")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive; got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1; got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(64, "Most requests running in one step.")
+    max_num_batched_tokens: int = _opt(4096, "Token budget of one step (prefill chunks + decodes).")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1; got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    limit_mm_per_prompt: dict[str, int] = _opt(
+        {"image": 4}, 'Most items per prompt by modality, as JSON: {"image": 4}.', parse=json.loads)
+    allowed_local_media_path: str | None = _opt(
+        None, "Directory under which file:// images may be read (default: none may).")
+    max_media_bytes: int = _opt(20 << 20, "Largest encoded image in bytes.")
+    max_media_pixels: int = _opt(40_000_000, "Largest decoded image in pixels (width x height).")
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if modality != "image":
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (only 'image')")
+            if not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
+        if self.max_media_bytes < 1 or self.max_media_pixels < 1:
+            raise ValueError("max_media_bytes and max_media_pixels must be positive")
+
+    def media_limits(self) -> MediaLimits:
+        from mmserve.multimodal.media import MediaLimits
+
+        return MediaLimits(max_bytes=self.max_media_bytes, max_pixels=self.max_media_pixels,
+                           allowed_local_media_path=self.allowed_local_media_path)
+
+    @property
+    def max_images(self) -> int:
+        return self.limit_mm_per_prompt.get("image", 4)
+
+
+_LAYERS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "multimodal": MultiModalConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All layers' configs; each process gets its own copy."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+
+    @classmethod
+    def from_kwargs(cls, **engine_args: Any) -> EngineConfig:
+        """Build from flat snake_case engine arguments; unknown names are a ValueError."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _LAYERS}
+        for key, value in engine_args.items():
+            layer = _layer_of(key)
+            if layer is None:
+                raise ValueError(f"unknown engine argument {key!r}")
+            parts[layer][key] = value
+        return cls(**{name: _LAYERS[name](**kw) for name, kw in parts.items()})
+
+
+def _layer_of(key: str) -> str | None:
+    for name, layer in _LAYERS.items():
+        if key in layer.__dataclass_fields__:
+            return name
+    return None
+
+
+def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per config field (`--max-num-seqs`), help and type from the field."""
+    for layer in _LAYERS.values():
+        hints = get_type_hints(layer)
+        for f in fields(layer):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
+            if hints[f.name] is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = f.metadata.get("parse") or _scalar_type(hints[f.name])
+                if "choices" in f.metadata:
+                    kw["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kw)
+
+
+def engine_args_from_cli(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The engine arguments held by a parsed namespace."""
+    return {f.name: getattr(ns, f.name) for layer in _LAYERS.values() for f in fields(layer)
+            if f.name not in skip and hasattr(ns, f.name)}
+
+
+def _scalar_type(hint: Any) -> Any:
+    for t in (int, float, str):
+        if hint is t or t in getattr(hint, "__args__", ()):
+            return t
+    return str

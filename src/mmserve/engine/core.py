@@ -1,0 +1,83 @@
+"""The engine core (P1): a scheduler, a KV cache manager and an executor, driven step by step.
+
+`add_request` / `abort_requests` / `step` are the whole interface; the same object runs in
+the caller's process today and behind a socket once the frontend / engine-core split lands.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mmserve.config import EngineConfig
+from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.scheduler import Scheduler
+from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from mmserve.models.hf_config import LlavaModelConfig, load_model_config
+from mmserve.worker.executor import InProcessExecutor
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.model_config = load_model_config(model_dir)
+        self.executor = InProcessExecutor(config, model_dir)
+        num_blocks = config.cache.num_kv_blocks or int(
+            config.cache.kv_cache_memory_gb * _GIB // self.executor.kv_cache_bytes_per_block())
+        if num_blocks < 1:
+            raise ValueError("--kv-cache-memory-gb is too small for one KV block; raise it")
+        self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
+                    num_blocks, config.cache.block_size, self.max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; a ValueError (and no state change) when it can never run."""
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
+                             f"{self.max_model_len}, which must also leave room for at least one output token")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished_requests > 0
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model once, and return every request's new tokens."""
+        scheduler_output = self.scheduler.schedule()
+        result = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, result)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def resolve_max_model_len(config: EngineConfig, model: LlavaModelConfig, num_blocks: int) -> int:
+    """The model's context length, or the user's (never longer than the model's or the KV cache's)."""
+    model_max = model.text.max_position_embeddings
+    capacity = num_blocks * config.cache.block_size
+    wanted = config.model.max_model_len
+    if wanted is not None and wanted > model_max:
+        raise ValueError(f"--max-model-len {wanted} exceeds the model's max_position_embeddings ({model_max})")
+    if wanted is not None and wanted > capacity:
+        raise ValueError(f"--max-model-len {wanted} does not fit in the KV cache ({capacity} tokens); "
+                         f"raise --kv-cache-memory-gb / --num-kv-blocks or lower --max-model-len")
+    if wanted is None and model_max > capacity:
+        logger.warning("max_model_len capped at the KV cache's %d tokens (model allows %d)", capacity, model_max)
+    return wanted or min(model_max, capacity)

@@ -1,0 +1,182 @@
+"""The scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first, in
+arrival order, each taking what it still needs (1 token when decoding, a chunk of its prompt
+when prefilling). When KV blocks run out, the most recently admitted running request is
+preempted: its blocks are freed and it waits at the front of the queue, to be recomputed from
+token 0 (its outputs so far become part of what is recomputed). Waiting requests are admitted
+afterwards, in order, while budget, `max_num_seqs` and free blocks allow — and not in a step
+that had to preempt.
+
+Encoder work: an image's encoder runs in the step that first schedules any of its placeholder
+tokens; its output stays in the runner until the request has computed all of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mmserve.config import SchedulerConfig
+from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.request import Request, RequestStatus
+from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
+                                  NewRequestData, SchedulerOutput)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to drop from the runner at the next step
+        self._free_encoder_ids: list[str] = []  # encoder outputs the runner may drop
+        self._encoded: dict[str, set[int]] = {}  # request id -> items whose output the runner holds
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0  # since start, for tests and metrics
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], {}, {}, self._free_encoder_ids, sorted(self._finished_ids))
+        self._free_encoder_ids, self._finished_ids = [], set()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + n):
+                preempted = True
+                if self._preempt_last() is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            self._schedule(req, n, out)
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._schedule(req, n, out)
+            budget -= n
+        return out
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Give `req` `n` tokens this step: slots, encoder inputs, and what the runner needs."""
+        rid, start = req.request_id, req.num_computed_tokens
+        new_blocks = self.kv_cache.allocate_slots(rid, start + n)
+        assert new_blocks is not None, "caller checked can_allocate"
+        if rid in self._known_to_runner:
+            out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
+        else:
+            self._known_to_runner.add(rid)
+            out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
+                                                   self.kv_cache.get_block_ids(rid).copy(), start))
+        encoded = self._encoded.setdefault(rid, set())
+        to_encode = [idx for idx, item in enumerate(req.mm_items)
+                     if idx not in encoded and item.placeholder.overlaps(start, start + n)]
+        if to_encode:
+            out.scheduled_encoder_inputs[rid] = to_encode
+            encoded.update(to_encode)
+        out.num_scheduled_tokens[rid] = n
+        req.num_computed_tokens += n
+
+    def _preempt_last(self) -> Request:
+        victim = self.running.pop()
+        self._release(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    # ---- after the step ---------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, finish requests that stop, and say what is new per request."""
+        outputs: list[EngineCoreOutput] = []
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests[rid]
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self._free_consumed_encoder_outputs(req)
+            tokens = result.sampled_token_ids.get(rid)
+            if not tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.append_output_token_ids(tokens)
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            outputs.append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason))
+        return EngineCoreOutputs(outputs)
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        last = req.all_token_ids[-1]
+        params = req.sampling_params
+        if not params.ignore_eos and last == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            req.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._release(req)
+        del self.requests[req.request_id]
+
+    def _release(self, req: Request) -> None:
+        """Free the request's blocks and encoder outputs; the runner drops its state next step."""
+        self.kv_cache.free(req.request_id)
+        for idx in self._encoded.pop(req.request_id, ()):
+            self._free_encoder_ids.append(req.mm_items[idx].identifier)
+        if req.request_id in self._known_to_runner:
+            self._known_to_runner.discard(req.request_id)
+            self._finished_ids.add(req.request_id)
+
+    def _free_consumed_encoder_outputs(self, req: Request) -> None:
+        encoded = self._encoded.get(req.request_id, set())
+        for idx in [i for i in encoded if req.mm_items[i].placeholder.end <= req.num_computed_tokens]:
+            encoded.discard(idx)
+            self._free_encoder_ids.append(req.mm_items[idx].identifier)
+
+    def check_integrity(self) -> None:
+        """Queues and block ownership agree: every owner of blocks is running."""
+        self.kv_cache.check_integrity()
+        assert set(self.kv_cache.req_to_blocks) <= {r.request_id for r in self.running}, "a non-running request owns blocks"
+        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
+        assert len(self.running) <= self.config.max_num_seqs

@@ -1,0 +1,79 @@
+"""The offline API: `LLM(model=..., **engine_args).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.chat import parse_chat_messages
+from mmserve.frontend.llm_engine import LLMEngine
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """A VLM served in this process. Engine arguments are the CLI flags' snake_case names.
+
+    Unlike the server, the offline API reads image files anywhere by default (its caller
+    already has the machine's files); pass `allowed_local_media_path` to narrow that.
+    """
+
+    def __init__(self, model: str = "builtin:tiny-llava", **engine_args: Any) -> None:
+        engine_args.setdefault("allowed_local_media_path", "/")
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts together; outputs come back in the prompts' order.
+
+        Every prompt is checked before any runs: one bad prompt raises ValueError and none run.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast_params(sampling_params, len(prompts))
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            self.engine.abort_requests(ids)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (or a list of conversations) through the model's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            template_messages, images = parse_chat_messages(conversation, self.engine.input_processor.media_limits)
+            text = self.engine.input_processor.processor.apply_chat_template(template_messages)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in ids]
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, dict):
+        return [SamplingParams.from_dict(params)] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

@@ -1,0 +1,62 @@
+"""P0's engine: input processing -> engine core -> output processing.
+
+The engine core runs in this process for now; it is reached only through `EngineCoreRequest`s,
+`abort_requests` and `step()`'s `EngineCoreOutputs`, the messages that will cross to P1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.core import EngineCore
+from mmserve.frontend.input_processor import InputProcessor
+from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.models.builtin import resolve_model
+from mmserve.models.hf_config import load_model_config
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model.model)
+        self.core = EngineCore(config, self.model_dir)
+        eos = eos_token_id(self.model_dir)
+        self.input_processor = InputProcessor(config, self.model_dir, self.core.max_model_len, eos)
+        self.tokenizer = self.input_processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
+        """Process and queue a request; any fault in it is a ValueError and queues nothing."""
+        request = self.input_processor.process(request_id, prompt, params)
+        self.core.add_request(request)
+        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.output_processor.abort_requests(request_ids)
+        self.core.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.output_processor.process_outputs(self.core.step().outputs)
+        if batch.to_abort:
+            self.core.abort_requests(batch.to_abort)
+        return batch.outputs
+
+
+def eos_token_id(model_dir: str) -> int | None:
+    """The EOS id generation stops at: generation_config.json's, else the decoder config's."""
+    path = os.path.join(model_dir, "generation_config.json")
+    eos: Any = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = load_model_config(model_dir).text.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos

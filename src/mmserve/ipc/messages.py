@@ -1,0 +1,104 @@
+"""Every message that crosses a process boundary (or will), in one place.
+
+Directions: P0 frontend -> P1 engine core (`EngineCoreRequest`, aborts), P1 -> P0
+(`EngineCoreOutputs`), P1 scheduler -> workers (`SchedulerOutput`), workers -> P1
+(`ModelRunnerOutput`). A message carries only what the receiver lacks: a request already
+known to the workers ships its new block ids, not its history.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.sampling_params import SamplingParams
+
+
+class FinishReason:
+    """Values of `EngineCoreOutput.finish_reason` (OpenAI's names)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the client or the frontend
+
+
+# ---- P0 -> P1 ---------------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct):
+    """A tokenized, processed request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_items: list[MultiModalItem]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+
+
+# ---- P1 -> P0 ---------------------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """New tokens of one request this step; `finish_reason` set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+
+
+class EngineCoreOutputs(msgspec.Struct):
+    outputs: list[EngineCoreOutput]
+
+
+# ---- P1 scheduler -> workers -------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct):
+    """A request the workers have not seen (or lost to preemption): everything they need."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
+    mm_items: list[MultiModalItem]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct):
+    """A request the workers already hold: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct):
+    """One step's work.
+
+    `num_scheduled_tokens[id]` tokens of request `id` run from its `num_computed_tokens`.
+    `scheduled_encoder_inputs[id]` lists the indices of its items to encode this step, before
+    the decoder runs. `free_encoder_ids` are encoder outputs no scheduled work needs any more.
+    `finished_request_ids` (finished, aborted or preempted since the last step) drop their state.
+    """
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    scheduled_encoder_inputs: dict[str, list[int]]
+    free_encoder_ids: list[str]
+    finished_request_ids: list[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+# ---- workers -> P1 -----------------------------------------------------------------------
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early."""
+
+    sampled_token_ids: dict[str, list[int]]

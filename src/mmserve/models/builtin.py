@@ -1,0 +1,318 @@
+"""The built-in tiny LLaVA: a random-weight Hugging Face checkpoint made on first use, no download.
+
+`write_tiny_llava` writes a complete LLaVA directory (config, safetensors weights, generation
+config, a byte-level BPE tokenizer trained on the corpus below, a llava-1.5 chat template and the
+processor config) that `LlavaForConditionalGeneration.from_pretrained` and
+`AutoProcessor.from_pretrained` load. The same arguments always give byte-identical files.
+`resolve_model` turns a model name (`builtin:tiny-llava` or a directory) into a path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+# Bump when anything that changes the written files changes: the cache folder is named after it.
+BUILTIN_VERSION = "v1"
+BUILTIN_MODELS = ("tiny-llava",)
+
+IMAGE_TOKEN = "<image>"
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN)
+TOKENIZER_VOCAB_SIZE = 1280
+# Std of the random weights. At 0.02 (the usual init) greedy decoding cycles through one or two
+# tokens; at 0.1-0.15 some tiny variants still repeat one token 20 times; at 0.2 every variant
+# tried (GQA/MHA, 28-56 px, patch 8/14, both strategies, layers -1/-2) gives varied outputs that
+# follow the image. Larger stds saturate attention and amplify float32 rounding.
+DEFAULT_INIT_STD = 0.2
+
+# llava-1.5 style: "USER: <image>\nWhat is this? ASSISTANT:"; string content or a list of parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{{ 'USER: ' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT: ' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{ '<image>\\n' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ '</s>' }}{%- else -%}{{ ' ' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
+)
+
+_DEFAULT_VISION: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "image_size": 336,
+    "patch_size": 14,
+    "projection_dim": 128,
+}
+_DEFAULT_TEXT: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rms_norm_eps": 1e-5,
+}
+
+_CORPUS = """\
+A photo of a red car parked on a quiet street next to a small bakery with a green door.
+Two cats are sleeping on a blue sofa while a dog watches them from the kitchen floor.
+The image shows a busy market where people buy fruit, bread, fish and fresh vegetables.
+What is in this picture? Describe the image in detail and count the objects you can see.
+There is a white boat on the lake, and the mountains behind it are covered with snow.
+A young woman is reading a book under a large tree in the park on a sunny afternoon.
+The man in the yellow jacket is riding a bicycle across the bridge over the river.
+This is a chart of monthly sales; the numbers rise in spring and fall in the winter.
+The screenshot shows a web page with a search box, a menu, three buttons and a table.
+Children are playing football in the field near the school after their lessons end.
+An old clock hangs on the wall above the fireplace in a warm and quiet living room.
+The plate holds two eggs, a slice of toast, some tomatoes and a cup of black coffee.
+A train is arriving at the station and the passengers are waiting on the platform.
+The sky is grey and it looks like rain, but the streets are still full of people.
+Please answer the question about the image with one short sentence or a single word.
+How many birds are sitting on the wire? There are five birds, and one is flying away.
+The document contains a title, a date, two paragraphs of text and a signature below.
+She painted the fence white, planted flowers in the garden and watered them at night.
+A brown horse stands in the meadow beside a wooden barn with a red roof and open doors.
+The city at night is bright with lights from tall buildings, shops, cars and street lamps.
+What color is the umbrella? The umbrella is purple with small orange dots on the edge.
+The robot picks up the box, turns to the left and places it carefully on the shelf.
+In the center of the room there is a long table with eight chairs and a vase of roses.
+The beach is crowded in summer; families swim, build sand castles and eat ice cream.
+A chef is cutting onions and carrots on a board while a pot of soup boils on the stove.
+The map shows the roads between the villages, the forest to the north and the sea.
+He opened the window, looked at the garden and smiled because the sun was finally out.
+The label on the bottle says the medicine should be taken twice a day with water.
+A group of friends are sitting around a campfire, singing songs and telling stories.
+The airplane is flying above the clouds, and the wing is visible through the window.
+Is the person wearing glasses? Yes, the person wears round glasses and a grey hat.
+The kitten is playing with a ball of wool on the carpet next to an empty basket.
+Our team measured the height of each plant every week and wrote the results down.
+The museum has paintings of ancient kings, golden coins, stone tools and clay pots.
+A farmer drives a tractor through the wheat field as the evening light turns orange.
+The street sign reads Main Street, and the traffic light above it is showing green.
+Write a caption for this photograph that a person who cannot see it would find useful.
+The little girl holds a balloon shaped like a star and laughs at the funny clown.
+Snow covers the roofs of the houses, and smoke rises slowly from every chimney.
+The graph compares the temperature in three cities over the first six months.
+A laptop, a phone, a notebook and a pen are lying on the desk near the lamp.
+The river flows under the old stone bridge and past the mill toward the valley.
+Why is the road wet? It rained this morning, so the road is still wet and shiny.
+The soldiers marched through the square while the band played and the crowd cheered.
+Every morning the baker wakes early, bakes bread and opens the shop at seven.
+The zebra and the giraffe drink water together from a pool on the dry plain.
+This diagram explains how water evaporates, forms clouds and returns as rain.
+A small fishing village sits between the cliffs, with boats resting in the harbor.
+The teacher wrote the answer on the board, and the students copied it carefully.
+Look at the left side of the image: a woman in a long coat is walking her dog.
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    """Trains the byte-level BPE tokenizer on `_CORPUS` (deterministic) and returns its JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    bos_id = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return tokenizer.to_str()
+
+
+def build_tokenizer() -> Any:
+    """Returns a fresh `PreTrainedTokenizerFast` over the built-in BPE (trained once per process)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        model_max_length=4096,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _llava_config(
+    tokenizer: Any,
+    text_config: dict | None,
+    vision_config: dict | None,
+    vision_feature_layer: int,
+    vision_feature_select_strategy: str,
+) -> Any:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"), ("image", IMAGE_TOKEN))}
+    text = {**_DEFAULT_TEXT, "vocab_size": _round_up(len(tokenizer), 64), **(text_config or {})}
+    if text["vocab_size"] < len(tokenizer):
+        raise ValueError(f"text vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
+    text.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    vision = CLIPVisionConfig(**{**_DEFAULT_VISION, **(vision_config or {})})
+    num_patches = (vision.image_size // vision.patch_size) ** 2
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text),
+        image_token_index=ids["image"],
+        image_seq_length=num_patches + (1 if vision_feature_select_strategy == "full" else 0),
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy=vision_feature_select_strategy,
+        pad_token_id=ids["pad"],
+        dtype="float32",
+    )
+
+
+def _fill_random(model: Any, init_std: float, seed: int) -> None:
+    """Overwrites every parameter from a private generator: norms 1/0, biases 0, rest N(0, std).
+
+    Parameters are visited in sorted name order so the result does not depend on module order.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * init_std)
+
+
+def _processor(tokenizer: Any, config: Any) -> Any:
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    size = config.vision_config.image_size
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=config.vision_config.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def write_tiny_llava(
+    path: str | os.PathLike,
+    *,
+    text_config: dict | None = None,
+    vision_config: dict | None = None,
+    vision_feature_layer: int = -2,
+    vision_feature_select_strategy: str = "default",
+    init_std: float = DEFAULT_INIT_STD,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> None:
+    """Writes a random-weight LLaVA (CLIP vision + Llama text) checkpoint directory at `path`.
+
+    `text_config` / `vision_config` override the small defaults (`LlamaConfig` /
+    `CLIPVisionConfig` fields). Weights are float32 N(0, init_std) from a generator seeded with
+    `seed` (global RNG state is left untouched), saved as safetensors, sharded with an index
+    file when `max_shard_size` (e.g. "200KB") is given. Same arguments -> byte-identical files.
+    """
+    import torch
+    from transformers import GenerationConfig, LlavaForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = build_tokenizer()
+    config = _llava_config(
+        tokenizer, text_config, vision_config, vision_feature_layer, vision_feature_select_strategy
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = LlavaForConditionalGeneration(config)
+    _fill_random(model, init_std, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.text_config.bos_token_id,
+        eos_token_id=config.text_config.eos_token_id,
+        pad_token_id=config.text_config.pad_token_id,
+    )
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), **save_kwargs)
+    _processor(tokenizer, config).save_pretrained(str(path))
+
+
+def _cache_root() -> Path:
+    """The folder built-in models are created under: `$MMSERVE_CACHE`, else ~/.cache/mmserve."""
+    root = os.environ.get("MMSERVE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "mmserve"
+
+
+def _create_builtin(name: str) -> Path:
+    """Creates builtin `name` in the cache (once): written beside the target, then renamed in."""
+    target = _cache_root() / "builtin" / f"{name}-{BUILTIN_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(staging, 0o755)
+    try:
+        write_tiny_llava(staging)
+        for file in staging.iterdir():
+            os.chmod(file, 0o644)  # some files are written private (0600); the cache is shared
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # A concurrent creator renamed its copy first; theirs is identical, keep it.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """Returns the checkpoint directory for a model name.
+
+    `builtin:<model>` creates the built-in checkpoint on first use (under `$MMSERVE_CACHE`,
+    default ~/.cache/mmserve) and returns its path; an existing directory is returned as is.
+    Raises `ValueError` for an unknown built-in or a path that is not a directory.
+    """
+    if name.startswith(BUILTIN_PREFIX):
+        builtin = name[len(BUILTIN_PREFIX):]
+        if builtin not in BUILTIN_MODELS:
+            known = ", ".join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)
+            raise ValueError(f"unknown built-in model {name!r}; known: {known}")
+        return str(_create_builtin(builtin))
+    if os.path.isdir(name):
+        return name
+    raise ValueError(
+        f"model {name!r} is not a directory; give a Hugging Face checkpoint directory "
+        f"or {BUILTIN_PREFIX}{BUILTIN_MODELS[0]}"
+    )

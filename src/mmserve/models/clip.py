@@ -1,0 +1,104 @@
+"""The CLIP vision tower, run only up to the deepest hidden state LLaVA selects.
+
+Names follow transformers 5's `CLIPVisionModel` under LLaVA (`embeddings`, `pre_layrnorm`,
+`encoder.layers.N`), so checkpoints load by name. Images are fixed-size: x is [N, P+1, Dv]
+with P patches plus the CLS token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.models.hf_config import VisionConfig
+from mmserve.models.layers import activation
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.class_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size,
+                                         stride=cfg.patch_size, bias=False)
+        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.hidden_size)
+        self.image_size = cfg.image_size
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # pixel_values: [N, C, H, W] -> [N, P+1, Dv]
+        N, _, H, W = pixel_values.shape
+        if H != self.image_size or W != self.image_size:
+            raise ValueError(f"image of {H}x{W} pixels does not match the vision tower's {self.image_size}")
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [N, Dv, h, w]
+        patches = patches.flatten(2).transpose(1, 2)  # [N, P, Dv]
+        cls = self.class_embedding.expand(N, 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight[None]
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        N, L, D = x.shape
+        q, k, v = (p(x).view(N, L, self.num_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N, H, L, Dh] each
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [N, H, L, Dh]
+        return self.out_proj(out.transpose(1, 2).reshape(N, L, D))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.self_attn = CLIPAttention(cfg)
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = CLIPMLP(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(num_layers))
+
+
+class CLIPVisionTower(nn.Module):
+    """Returns the hidden states LLaVA selects: index 0 is the (pre-normed) embeddings,
+    index i the output of encoder layer i. Layers past the deepest selected one are not built."""
+
+    def __init__(self, cfg: VisionConfig, feature_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.feature_layers = feature_layers
+        self.embeddings = CLIPVisionEmbeddings(cfg)
+        self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.encoder = CLIPEncoder(cfg, max(feature_layers))
+
+    def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        # pixel_values: [N, C, H, W] -> one [N, P+1, Dv] per feature layer
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        hidden = [x]
+        for layer in self.encoder.layers:
+            x = layer(x)
+            hidden.append(x)
+        return [hidden[i] for i in self.feature_layers]

@@ -1,0 +1,36 @@
+"""The multimodal item: the unit that every cache layer keys, stores and moves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class PlaceholderRange(msgspec.Struct, frozen=True):
+    """Where an item's placeholder tokens sit in the prompt: `length` tokens from `offset`."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """True when the token range [start, end) touches this placeholder range."""
+        return self.offset < end and start < self.end
+
+
+class MultiModalItem(msgspec.Struct):
+    """One processed image (or other item) of one request.
+
+    `data` holds the Hugging Face processor's output for this item alone, e.g.
+    `{"pixel_values": Tensor[3, H, W]}` (float32). `identifier` is the key its encoder output
+    is stored under in the model runner; it is unique per item content (later: the `mm_hash`).
+    """
+
+    modality: str
+    identifier: str
+    data: dict[str, Any]
+    placeholder: PlaceholderRange

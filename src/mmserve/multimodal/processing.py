@@ -1,0 +1,148 @@
+"""Input processing (P0): prompt text + images -> prompt token ids and multimodal items.
+
+Each image goes through the Hugging Face image processor on its own, so that every item's
+tensors can be cached and moved by themselves; the prompt's `<image>` tokens are expanded to
+each item's placeholder count and tokenized exactly as `LlavaProcessor` does, so the token ids
+equal `processor(text=prompt, images=images)["input_ids"][0]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt ready for the engine: token ids with expanded placeholders, and its items."""
+
+    prompt_token_ids: list[int]
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Converts to RGB as transformers does: transparency is composited onto white."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+class MultiModalProcessor:
+    """Wraps a checkpoint's Hugging Face processor (LLaVA-style: one `<image>` token per image).
+
+    Stateless after construction: `process` keeps nothing between calls, so a call that raises
+    leaves nothing behind.
+    """
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoProcessor
+
+        # transformers 5 picks the PIL image-processor backend itself when torchvision is absent.
+        self._hf = AutoProcessor.from_pretrained(model_path)
+        _fill_missing_llava_fields(self._hf, model_path)
+        self.tokenizer = self._hf.tokenizer
+        self.image_token: str = self._hf.image_token
+        self.image_token_id: int = self._hf.image_token_id
+
+    def process_image(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        """Runs the image processor on one image: `{"pixel_values": Tensor[3, H, W]}` float32."""
+        _check_image(image)
+        out = self._hf.image_processor(images=[to_rgb(image)], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"][0].to(torch.float32)}
+
+    def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
+        """Placeholder tokens of one processed item, with `LlavaProcessor`'s formula."""
+        height, width = data["pixel_values"].shape[-2:]
+        patch = self._hf.patch_size
+        count = (height // patch) * (width // patch) + self._hf.num_additional_image_tokens
+        if self._hf.vision_feature_select_strategy == "default":
+            count -= 1
+        return count
+
+    def process(self, prompt: str, images: list[Any]) -> ProcessedPrompt:
+        """Processes each image, expands each `<image>` in `prompt` and tokenizes.
+
+        Raises `ValueError` when the number of `<image>` tokens differs from `len(images)` or an
+        image is not a PIL image.
+        """
+        self._validate(prompt, images)
+        datas = [self.process_image(image) for image in images]
+        counts = [self.num_placeholder_tokens(data) for data in datas]
+        pieces = prompt.split(self.image_token)
+        expanded = pieces[0] + "".join(
+            self.image_token * count + piece for count, piece in zip(counts, pieces[1:])
+        )
+        token_ids = list(self.tokenizer(expanded)["input_ids"])
+        ranges = self._placeholder_ranges(token_ids, counts)
+        items = [
+            MultiModalItem(modality="image", identifier=uuid.uuid4().hex, data=data, placeholder=rng)
+            for data, rng in zip(datas, ranges)
+        ]
+        return ProcessedPrompt(prompt_token_ids=token_ids, mm_items=items)
+
+    def apply_chat_template(self, conversation: list[dict]) -> str:
+        """Renders a conversation with the model's chat template, ending with the reply prompt."""
+        return self._hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+    def _validate(self, prompt: str, images: list[Any]) -> None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
+        if not isinstance(images, (list, tuple)):
+            raise ValueError(f"images must be a list, not {type(images).__name__}")
+        for image in images:
+            _check_image(image)
+        num_tokens = prompt.count(self.image_token)
+        if num_tokens != len(images):
+            raise ValueError(
+                f"the prompt has {num_tokens} {self.image_token} token(s) but {len(images)} "
+                f"image(s) were given; each image needs exactly one {self.image_token} in the prompt"
+            )
+
+    def _placeholder_ranges(self, token_ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
+        """Splits the image-token positions, in order, into one contiguous run per item."""
+        positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
+        if len(positions) != sum(counts):
+            raise ValueError(
+                f"expected {sum(counts)} {self.image_token} tokens after expansion, the tokenizer "
+                f"produced {len(positions)}"
+            )
+        ranges, start = [], 0
+        for count in counts:
+            run = positions[start:start + count]
+            if count and run[-1] - run[0] + 1 != count:
+                raise ValueError(f"the placeholder tokens of image {len(ranges)} are not contiguous")
+            ranges.append(PlaceholderRange(offset=run[0] if count else 0, length=count))
+            start += count
+        return ranges
+
+
+def _check_image(image: Any) -> None:
+    if not isinstance(image, Image.Image):
+        kind = type(image)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise ValueError(f"an image must be a PIL.Image.Image, got {name}")
+
+
+def _fill_missing_llava_fields(processor: Any, model_path: str) -> None:
+    """Old checkpoints (a `preprocessor_config.json` and no processor config) leave the
+    LlavaProcessor without `patch_size`; take it and the strategy from `config.json`."""
+    if getattr(processor, "patch_size", None) is not None:
+        return
+    config_file = os.path.join(model_path, "config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    processor.patch_size = config.get("vision_config", {}).get("patch_size", 14)
+    processor.vision_feature_select_strategy = config.get("vision_feature_select_strategy", "default")
+    processor.num_additional_image_tokens = 1  # CLIP's CLS token

@@ -1,0 +1,66 @@
+"""Tiny LLaVA checkpoints and test images for tests (import as `from tiny_models import ...`).
+
+`tests/conftest.py` puts this folder on `sys.path`, so any test file can import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.models.builtin import write_tiny_llava
+
+# Small enough that writing, loading and generating take well under a second each.
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 42,
+    "patch_size": 14,
+    "projection_dim": 32,
+}
+
+
+def make_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
+    """Writes a tiny LLaVA under `tmp_dir` and returns its path.
+
+    `kwargs` are `write_tiny_llava`'s; `text_config` / `vision_config` are merged over the tiny
+    defaults above. Each distinct set of arguments gets its own sub-folder, written once.
+    """
+    text = {**TINY_TEXT_CONFIG, **(kwargs.pop("text_config", None) or {})}
+    vision = {**TINY_VISION_CONFIG, **(kwargs.pop("vision_config", None) or {})}
+    key = json.dumps([text, vision, kwargs], sort_keys=True, default=str)
+    path = Path(tmp_dir) / f"tiny-llava-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not (path / "config.json").is_file():
+        write_tiny_llava(path, text_config=text, vision_config=vision, **kwargs)
+    return str(path)
+
+
+def test_image(seed: int, size: tuple[int, int] = (48, 48), mode: str = "RGB") -> Image.Image:
+    """A deterministic image of `size` (width, height): random colour blocks plus noise.
+
+    The blocks survive resizing and cropping, so two seeds give visibly different pixels.
+    """
+    rng = np.random.default_rng(seed)
+    width, height = size
+    blocks = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+    base = np.asarray(blocks.resize((width, height), Image.NEAREST), dtype=np.int16)
+    noise = rng.integers(-24, 25, (height, width, 3), dtype=np.int16)
+    image = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+    return image if mode == "RGB" else image.convert(mode)
+
+
+test_image.__test__ = False  # not a pytest test despite its name
