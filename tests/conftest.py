@@ -1,5 +1,2 @@
-"""Shared pytest setup.
-
-pytest (rootdir-based "prepend" imports, no `__init__.py` in tests/) puts this folder on
-`sys.path` when it loads this file, which lets test files `from tiny_models import ...`.
-"""
+"""Shared pytest setup: `pyproject.toml` puts `tests/` on `sys.path` (`pythonpath`), so test
+files import helpers with `from tiny_models import ...`."""

@@ -49,7 +49,7 @@ def make_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
     return str(path)
 
 
-def test_image(seed: int, size: tuple[int, int] = (48, 48), mode: str = "RGB") -> Image.Image:
+def make_image(seed: int, size: tuple[int, int] = (48, 48), mode: str = "RGB") -> Image.Image:
     """A deterministic image of `size` (width, height): random colour blocks plus noise.
 
     The blocks survive resizing and cropping, so two seeds give visibly different pixels.
@@ -63,4 +63,4 @@ def test_image(seed: int, size: tuple[int, int] = (48, 48), mode: str = "RGB") -
     return image if mode == "RGB" else image.convert(mode)
 
 
-test_image.__test__ = False  # not a pytest test despite its name
+make_image.__test__ = False  # not a pytest test despite its name

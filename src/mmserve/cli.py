@@ -33,7 +33,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.image is not None and not os.path.isfile(args.image):
         raise ValueError(f"--image {args.image!r} is not a file")
     image = args.image and "file://" + os.path.realpath(args.image)
-    llm = LLM(**engine_args_from_cli(args))
+    # unset (None) flags keep the offline API's defaults (e.g. local files readable)
+    llm = LLM(**{k: v for k, v in engine_args_from_cli(args).items() if v is not None})
     messages = [{"role": "user", "content": [
         {"type": "image", "image": image or sample_image()},
         {"type": "text", "text": args.prompt},

@@ -14,7 +14,7 @@ from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmserve import LLM, SamplingParams
-from tiny_models import make_checkpoint, test_image
+from tiny_models import make_checkpoint, make_image
 
 MAX_NEW = 10
 
@@ -37,8 +37,8 @@ LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
 
 
 def prompts() -> list[dict]:
-    a, b = test_image(0, (40, 40)), test_image(1, (64, 48))
-    odd, thin = test_image(2, (17, 93)), test_image(3, (300, 20))
+    a, b = make_image(0, (40, 40)), make_image(1, (64, 48))
+    odd, thin = make_image(2, (17, 93)), make_image(3, (300, 20))
     return [
         {"prompt": "USER: hello there ASSISTANT:"},
         {"prompt": f"USER: {LONG} ASSISTANT:"},

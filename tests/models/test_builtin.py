@@ -13,7 +13,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmserve.models import builtin
 from mmserve.models.builtin import BUILTIN_PREFIX, resolve_model, write_tiny_llava
-from tiny_models import make_checkpoint, test_image
+from tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 
@@ -80,7 +80,7 @@ def test_transformers_loads_model_and_processor(tiny):
 
 
 def test_greedy_outputs_vary_and_depend_on_the_image(tiny):
-    first, second = greedy(tiny, test_image(0)), greedy(tiny, test_image(1))
+    first, second = greedy(tiny, make_image(0)), greedy(tiny, make_image(1))
     assert first != second
     for out in (first, second):
         assert max(Counter(out).values()) < len(out) // 2, out
@@ -91,10 +91,10 @@ def test_variants_load_and_generate(tmp_path, strategy, layer, patch):
     path = make_checkpoint(tmp_path, vision_feature_select_strategy=strategy, vision_feature_layer=layer,
                            text_config=dict(num_key_value_heads=4), vision_config=dict(image_size=28, patch_size=patch))
     processor = AutoProcessor.from_pretrained(path)
-    ids = processor(text=PROMPT, images=test_image(0), return_tensors="pt")["input_ids"][0]
+    ids = processor(text=PROMPT, images=make_image(0), return_tensors="pt")["input_ids"][0]
     grid = (28 // patch) ** 2
     assert int((ids == processor.image_token_id).sum()) == grid + (1 if strategy == "full" else 0)
-    assert greedy(path, test_image(0), 5) != greedy(path, test_image(1), 5)
+    assert greedy(path, make_image(0), 5) != greedy(path, make_image(1), 5)
 
 
 def test_sharded_checkpoint_loads_the_same_weights(tmp_path, tiny):
@@ -115,7 +115,7 @@ def test_resolve_builtin_creates_once_under_the_cache(tmp_path, monkeypatch):
     assert config["vision_config"]["image_size"] == 336 and config["vision_config"]["patch_size"] == 14
     assert config["text_config"]["num_key_value_heads"] == 4
     processor = AutoProcessor.from_pretrained(path)
-    ids = processor(text=PROMPT, images=test_image(0), return_tensors="pt")["input_ids"][0]
+    ids = processor(text=PROMPT, images=make_image(0), return_tensors="pt")["input_ids"][0]
     assert int((ids == processor.image_token_id).sum()) == 576
     mtime = Path(path, "model.safetensors").stat().st_mtime_ns
     assert resolve_model(BUILTIN_PREFIX + "tiny-llava") == path

@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from mmserve.multimodal.processing import MultiModalProcessor, ProcessedPrompt
-from tiny_models import make_checkpoint, test_image
+from tiny_models import make_checkpoint, make_image
 
 
 @pytest.fixture(scope="module", params=["default-p14", "full-p8"])
@@ -31,7 +31,7 @@ def processors(checkpoint) -> tuple[MultiModalProcessor, object]:
 
 
 def transparent_image() -> Image.Image:
-    image = test_image(5, (30, 50), mode="RGBA")
+    image = make_image(5, (30, 50), mode="RGBA")
     alpha = np.zeros((50, 30), dtype=np.uint8)
     alpha[:, 15:] = 255
     image.putalpha(Image.fromarray(alpha))
@@ -40,11 +40,11 @@ def transparent_image() -> Image.Image:
 
 CASES = {
     "text-only": ("USER: hello there ASSISTANT:", []),
-    "one": ("USER: <image>\nWhat is this? ASSISTANT:", [test_image(0, (40, 40))]),
-    "two": ("USER: compare <image> and <image> please ASSISTANT:", [test_image(0), test_image(1, (64, 48))]),
-    "odd-sizes": ("<image>x<image>\n", [test_image(2, (17, 93)), test_image(3, (300, 20))]),
-    "adjacent": ("<image><image>", [test_image(4, (20, 20)), test_image(5, (50, 30))]),
-    "modes": ("A <image> B <image> C <image>", [test_image(6, mode="L"), test_image(7, mode="P"),
+    "one": ("USER: <image>\nWhat is this? ASSISTANT:", [make_image(0, (40, 40))]),
+    "two": ("USER: compare <image> and <image> please ASSISTANT:", [make_image(0), make_image(1, (64, 48))]),
+    "odd-sizes": ("<image>x<image>\n", [make_image(2, (17, 93)), make_image(3, (300, 20))]),
+    "adjacent": ("<image><image>", [make_image(4, (20, 20)), make_image(5, (50, 30))]),
+    "modes": ("A <image> B <image> C <image>", [make_image(6, mode="L"), make_image(7, mode="P"),
                                                 transparent_image()]),
 }
 
@@ -83,7 +83,7 @@ def test_placeholders_cover_each_image_run_in_order(processors, case):
 def test_num_placeholder_tokens_follows_the_strategy(processors, checkpoint):
     ours, hf = processors
     config = json.loads(Path(checkpoint, "config.json").read_text())
-    data = ours.process_image(test_image(0, (77, 33)))
+    data = ours.process_image(make_image(0, (77, 33)))
     size = config["vision_config"]["image_size"]
     assert tuple(data["pixel_values"].shape) == (3, size, size)
     grid = (size // config["vision_config"]["patch_size"]) ** 2
@@ -103,7 +103,7 @@ def test_chat_template(processors):
 def test_image_count_mismatch_names_both_counts(processors, prompt, count):
     ours, _ = processors
     with pytest.raises(ValueError, match=f"{count} <image> token.*1 image"):
-        ours.process(prompt, [test_image(0)])
+        ours.process(prompt, [make_image(0)])
 
 
 @pytest.mark.parametrize("bad", [np.zeros((8, 8, 3), dtype=np.uint8), "cat.png", None])
