@@ -153,3 +153,15 @@ def test_cli_generate_prints_the_completion(path, tmp_path, capsys, llm):
 def test_cli_reports_bad_input_as_an_error(path, capsys):
     assert cli_main(["generate", "--model", path, "--image", "/no/such/file.png"]) == 2
     assert "not a file" in capsys.readouterr().err
+
+
+def test_builtin_model_output_depends_on_the_image(tmp_path, monkeypatch):
+    from mmserve.multimodal.sample_image import sample_image
+
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    llm = LLM()  # builtin:tiny-llava, created under tmp_path
+    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": sample_image(variant=v)}} for v in (0, 1)],
+                        SamplingParams(temperature=0.0, max_tokens=12))
+    first, second = tokens(outs)
+    assert first != second
+    assert len(set(first)) > 3, "greedy output should not repeat one token"

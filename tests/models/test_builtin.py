@@ -112,11 +112,11 @@ def test_resolve_builtin_creates_once_under_the_cache(tmp_path, monkeypatch):
     path = resolve_model(BUILTIN_PREFIX + "tiny-llava")
     assert Path(path).parent.parent == tmp_path
     config = json.loads(Path(path, "config.json").read_text())
-    assert config["vision_config"]["image_size"] == 336 and config["vision_config"]["patch_size"] == 14
+    assert config["vision_config"]["image_size"] == 336 and config["vision_config"]["patch_size"] == 28
     assert config["text_config"]["num_key_value_heads"] == 4
     processor = AutoProcessor.from_pretrained(path)
     ids = processor(text=PROMPT, images=make_image(0), return_tensors="pt")["input_ids"][0]
-    assert int((ids == processor.image_token_id).sum()) == 576
+    assert int((ids == processor.image_token_id).sum()) == 144
     mtime = Path(path, "model.safetensors").stat().st_mtime_ns
     assert resolve_model(BUILTIN_PREFIX + "tiny-llava") == path
     assert Path(path, "model.safetensors").stat().st_mtime_ns == mtime

@@ -18,7 +18,7 @@ from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 # Bump when anything that changes the written files changes: the cache folder is named after it.
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"
 BUILTIN_MODELS = ("tiny-llava",)
 
 IMAGE_TOKEN = "<image>"
@@ -51,7 +51,9 @@ _DEFAULT_VISION: dict[str, Any] = {
     "num_hidden_layers": 3,
     "num_attention_heads": 4,
     "image_size": 336,
-    "patch_size": 14,
+    # 28px patches: a 12x12 grid, 144 placeholder tokens per image (llava-1.5 has 576 at 14px);
+    # keeps a batch of 64 images' prefill around a second on a 2-core CPU
+    "patch_size": 28,
     "projection_dim": 128,
 }
 _DEFAULT_TEXT: dict[str, Any] = {

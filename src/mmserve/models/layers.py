@@ -48,7 +48,7 @@ def activation(name: str):
 
 
 class RotaryEmbedding(nn.Module):
-    """Llama's default rotary embedding (rotate-half), cos/sin looked up by position."""
+    """Llama's default rotary embedding (rotate-half): cos/sin per position, computed once a step."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -57,13 +57,16 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta**exponents)  # [Dh/2]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, Dh]; k: [T, Hkv, Dh]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, 1, Dh] (broadcast over heads)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, Dh] rotated by position."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,42 +75,50 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class PrefillSpan:
+    """One request's prefill chunk: tokens [lo, hi) of the step, after `start` cached tokens."""
+
+    lo: int
+    hi: int
+    start: int
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
 class AttentionMetadata:
     """Where one step's tokens read and write K/V.
 
-    Tokens are laid out request after request. Attention runs padded: request b's queries sit
-    in row b of `q_index` (`q_valid` marks real ones), its keys are its block table's slots.
+    Tokens are laid out request after request. Decoding requests (one query each) attend
+    together, padded to the longest context (`decode_mask` marks real keys). Each prefill chunk
+    attends on its own: a chunk that starts the request needs only its own K/V (causal); a later
+    chunk reads its earlier tokens from the cache.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * S + offset) of each token
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
-    q_index: torch.Tensor  # [B, max_q] int64: flat token index of each query (0 where padded)
-    q_valid: torch.Tensor  # [B, max_q] bool
-    attn_mask: torch.Tensor  # [B, 1, max_q, max_blocks * S] bool: True where a query may attend
+    decode_index: torch.Tensor  # [Bd] int64: flat index of each decoding request's token
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * S] bool: True on the request's context
+    prefills: list[PrefillSpan]
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int) -> AttentionMetadata:
         """`query_lens[b]` new tokens of request b end its `seq_lens[b]` tokens of context."""
-        B, max_q = len(query_lens), max(query_lens)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(B, max_blocks, dtype=torch.int64)
-        for b, t in enumerate(block_tables):
-            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        tables = [torch.tensor(t, dtype=torch.int64) for t in block_tables]
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
         q_lens = torch.tensor(query_lens)
-        s_lens = torch.tensor(seq_lens)
-        starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
-        j = torch.arange(max_q)
-        q_valid = j[None, :] < q_lens[:, None]  # [B, max_q]
-        q_index = torch.where(q_valid, starts[:, None] + j[None, :], 0)
-        q_pos = (s_lens - q_lens)[:, None] + j[None, :]  # [B, max_q] absolute position
-        kv_pos = torch.arange(max_blocks * block_size)
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal, also bounds by seq_len
-        mask = mask | ~q_valid[:, :, None]  # padded rows attend everywhere (discarded) to avoid NaN
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
-        block_idx = tables.repeat_interleave(q_lens, dim=0)  # [T, max_blocks]
-        slots = block_idx.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
-        return cls(slots, tables, q_index, q_valid, mask[:, None])
+        rows = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [B, max_blocks]
+        token_rows = rows.repeat_interleave(q_lens, dim=0)  # [T, max_blocks]
+        slots = token_rows.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+        ends = torch.cumsum(q_lens, 0).tolist()
+        decode = [b for b, q in enumerate(query_lens) if q == 1]
+        d_index = torch.tensor([ends[b] - 1 for b in decode], dtype=torch.int64)
+        d_tables = rows[decode][:, : max((len(block_tables[b]) for b in decode), default=0)]
+        d_lens = torch.tensor([seq_lens[b] for b in decode])
+        d_mask = torch.arange(d_tables.shape[1] * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
+        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b])
+                    for b, q in enumerate(query_lens) if q > 1]
+        return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -119,13 +130,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     N, S, Hkv, Dh = k_cache.shape
     k_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v)
-    B = meta.block_tables.shape[0]
-    keys = k_cache[meta.block_tables].view(B, -1, Hkv, Dh).transpose(1, 2)  # [B, Hkv, L, Dh]
-    values = v_cache[meta.block_tables].view(B, -1, Hkv, Dh).transpose(1, 2)
-    queries = q[meta.q_index].transpose(1, 2)  # [B, H, max_q, Dh]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.attn_mask, scale=scale,
-                                         enable_gqa=q.shape[1] != Hkv)  # [B, H, max_q, Dh]
-    return out.transpose(1, 2)[meta.q_valid]  # [T, H, Dh]
+    gqa = q.shape[1] != Hkv
+    out = torch.empty_like(q)
+    if meta.decode_index.numel():
+        Bd = meta.decode_index.shape[0]
+        keys = k_cache[meta.decode_block_tables].view(Bd, -1, Hkv, Dh).transpose(1, 2)  # [Bd, Hkv, L, Dh]
+        values = v_cache[meta.decode_block_tables].view(Bd, -1, Hkv, Dh).transpose(1, 2)
+        queries = q[meta.decode_index][:, :, None]  # [Bd, H, 1, Dh]
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=gqa)  # [Bd, H, 1, Dh]
+        out[meta.decode_index] = o[:, :, 0]
+    for p in meta.prefills:
+        queries = q[p.lo:p.hi].transpose(0, 1)[None]  # [1, H, n, Dh]
+        if p.start == 0:  # the chunk is the whole context so far: plain causal attention
+            keys, values, mask = k[p.lo:p.hi], v[p.lo:p.hi], None
+        else:
+            ctx = p.start + p.hi - p.lo
+            keys = k_cache[p.block_table].view(-1, Hkv, Dh)[:ctx]  # [ctx, Hkv, Dh]
+            values = v_cache[p.block_table].view(-1, Hkv, Dh)[:ctx]
+            q_pos = torch.arange(p.start, ctx)
+            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # [n, ctx]: causal, offset by start
+        o = F.scaled_dot_product_attention(queries, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+        out[p.lo:p.hi] = o[0].transpose(0, 1)
+    return out
 
 
 def default_scale(head_dim: int) -> float:
