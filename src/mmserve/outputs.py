@@ -12,6 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    delta_text: str = ""  # text new since the previous output of this request (for streaming)
 
 
 @dataclass

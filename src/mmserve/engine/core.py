@@ -12,7 +12,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.models.hf_config import LlavaModelConfig, load_model_config
 from mmserve.worker.executor import InProcessExecutor
 
@@ -59,7 +59,14 @@ class EngineCore:
         """Schedule, run the model once, and return every request's new tokens."""
         scheduler_output = self.scheduler.schedule()
         result = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, result)
+        outputs = self.scheduler.update_from_output(scheduler_output, result)
+        outputs.stats = self.stats()
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,
+                              self.kv_cache.pool.num_blocks, s.num_preemptions)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -21,8 +21,9 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
 
     def to_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
+        delta = self.detokenizer.take_delta(finished=finish_reason is not None)
         completion = CompletionOutput(0, self.detokenizer.output_text, list(self.output_token_ids),
-                                      finish_reason, stop_reason)
+                                      finish_reason, stop_reason, delta)
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
                              [completion], finish_reason is not None)
 

@@ -25,7 +25,7 @@ class FinishReason:
 # ---- P0 -> P1 ---------------------------------------------------------------------------
 
 
-class EngineCoreRequest(msgspec.Struct):
+class EngineCoreRequest(msgspec.Struct, tag="add"):
     """A tokenized, processed request, ready for the scheduler."""
 
     request_id: str
@@ -36,20 +36,60 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float
 
 
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Stop these requests and free what they hold; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests  # everything P0 sends P1
+
+
 # ---- P1 -> P0 ---------------------------------------------------------------------------
 
 
+class EngineCoreReady(msgspec.Struct, tag="ready"):
+    """P1 loaded the model and sized its KV cache; it takes requests from now on."""
+
+    max_model_len: int
+    num_kv_blocks: int
+
+
+class EngineCoreFailed(msgspec.Struct, tag="failed"):
+    """P1 could not start (or hit a fatal error); `message` says why."""
+
+    message: str
+
+
 class EngineCoreOutput(msgspec.Struct):
-    """New tokens of one request this step; `finish_reason` set on its last output."""
+    """New tokens of one request this step; `finish_reason` set on its last output.
+
+    `error` is set (with finish_reason "abort") when P1 refused or lost the request.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    error: str | None = None
 
 
-class EngineCoreOutputs(msgspec.Struct):
+class SchedulerStats(msgspec.Struct):
+    """P1's state after a step, for /metrics and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int  # since start
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+
+
+EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0
 
 
 # ---- P1 scheduler -> workers -------------------------------------------------------------
