@@ -1,4 +1,4 @@
-"""`mmserve` command line: `mmserve generate` (one completion, offline)."""
+"""`mmserve` command line: `mmserve serve` (the OpenAI-compatible server), `mmserve generate` (offline)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mmserve.config import add_cli_args, engine_args_from_cli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models with caching.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="Complete one prompt about one image, offline.")
     gen.add_argument("--image", default=None, help="Image file (default: a built-in sample picture).")
     gen.add_argument("--prompt", default="What is in this image?", help="The user's message.")
@@ -20,10 +21,34 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(gen)
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as e:
         print(f"mmserve: error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from mmserve.entrypoints.openai.server_config import add_server_cli_args
+
+    serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                           description="Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, "
+                                       "GET /v1/models, GET /health, GET /metrics.")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="Model directory or builtin name (overrides --model; default builtin:tiny-llava).")
+    add_server_cli_args(serve)
+    add_cli_args(serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mmserve.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    try:
+        return run_server(args)
+    except RuntimeError as e:  # the engine core could not start
+        print(f"mmserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

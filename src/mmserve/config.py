@@ -74,8 +74,13 @@ class MultiModalConfig:
         None, "Directory under which file:// images may be read (default: none may).")
     max_media_bytes: int = _opt(20 << 20, "Largest encoded image in bytes.")
     max_media_pixels: int = _opt(40_000_000, "Largest decoded image in pixels (width x height).")
+    allowed_media_domains: list[str] = _opt(
+        [], "Hosts http(s) images may be fetched from, comma-separated or repeated (default: none).",
+        parse=lambda text: _comma_list(text), action="extend")
 
     def __post_init__(self) -> None:
+        if isinstance(self.allowed_media_domains, str):
+            object.__setattr__(self, "allowed_media_domains", _comma_list(self.allowed_media_domains))
         for modality, limit in self.limit_mm_per_prompt.items():
             if modality != "image":
                 raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (only 'image')")
@@ -88,7 +93,8 @@ class MultiModalConfig:
         from mmserve.multimodal.media import MediaLimits
 
         return MediaLimits(max_bytes=self.max_media_bytes, max_pixels=self.max_media_pixels,
-                           allowed_local_media_path=self.allowed_local_media_path)
+                           allowed_local_media_path=self.allowed_local_media_path,
+                           allowed_media_domains=tuple(self.allowed_media_domains))
 
     @property
     def max_images(self) -> int:
@@ -142,6 +148,8 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
                 kw["type"] = f.metadata.get("parse") or _scalar_type(hints[f.name])
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
+                if "action" in f.metadata:  # e.g. "extend": a repeatable flag whose parse returns a list
+                    kw["action"] = f.metadata["action"]
             parser.add_argument(flag, **kw)
 
 
@@ -149,6 +157,11 @@ def engine_args_from_cli(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> 
     """The engine arguments held by a parsed namespace."""
     return {f.name: getattr(ns, f.name) for layer in _LAYERS.values() for f in fields(layer)
             if f.name not in skip and hasattr(ns, f.name)}
+
+
+def _comma_list(text: str) -> list[str]:
+    """`"a.com, b.com"` -> `["a.com", "b.com"]` (blank items dropped)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _scalar_type(hint: Any) -> Any:

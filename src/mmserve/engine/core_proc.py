@@ -1,0 +1,195 @@
+"""P1's entry point: the engine core in its own process, driven by messages from P0.
+
+`run_engine_core` connects to the two sockets P0 bound, builds the `EngineCore`, says
+`EngineCoreReady` (or `EngineCoreFailed` and exits 1), then runs the busy loop:
+
+- idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;
+- drain every pending input without blocking: requests are added (a ValueError comes back as
+  an error output with finish_reason "abort"), aborts free their requests at once;
+- with work: `step()` once and send the `EngineCoreOutputs` if it holds outputs or the stats
+  changed since the last send (error outputs ride along with the next send);
+- every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
+  orphaned P1 removes the socket files its dead parent left.
+
+SIGTERM / SIGINT end the loop after the current step; the process closes its sockets and
+exits 0. Any other error in the loop is sent as `EngineCoreFailed` and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from mmserve.config import EngineConfig
+from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
+                                  EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason,
+                                  SchedulerStats)
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
+from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+
+if TYPE_CHECKING:
+    from mmserve.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # how long an idle P1 waits before checking that its parent lives
+_LINGER_MS = 2000  # how long exit waits for unsent messages (e.g. EngineCoreFailed) to leave
+
+
+def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str) -> None:
+    """P1's main: serve the engine core on `input_addr` (PULL) / `output_addr` (PUSH) until told
+    to stop; exit code 0 after SIGTERM / SIGINT, 1 after a startup or fatal error."""
+    ctx = zmq.Context()
+    inputs: QueueReceiver[EngineCoreInput] = QueueReceiver(
+        ctx, input_addr, MsgpackDecoder(EngineCoreInput), bind=False)
+    outputs: QueueSender[Any] = QueueSender(ctx, output_addr, MsgpackEncoder(), bind=False,
+                                            linger_ms=_LINGER_MS)
+    exit_code = 0
+    try:
+        exit_code = _serve(config, model_dir, inputs, outputs)
+    finally:
+        inputs.close()
+        outputs.close()
+        ctx.term()
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCoreInput],
+           outputs: QueueSender[Any]) -> int:
+    from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
+
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    try:
+        core = EngineCore(config, model_dir)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
+        return 1
+    try:
+        proc = EngineCoreProc(core, inputs, outputs, parent_pid)
+        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))
+        if proc.orphaned:
+            _remove_socket_files(inputs.address, outputs.address)
+        return 0
+    except Exception as e:
+        logger.exception("engine core failed")
+        outputs.send(EngineCoreFailed(f"engine core failed: {type(e).__name__}: {e}"), timeout_s=1.0)
+        return 1
+    finally:
+        core.shutdown()
+
+
+def _remove_socket_files(*addresses: str) -> None:
+    """Best effort, for an orphaned P1 only: normally P0 owns and removes these files."""
+    for address in addresses:
+        path = ipc_path(address)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # only once empty
+
+
+class EngineCoreProc:
+    """The busy loop around one `EngineCore`; `run()` returns when asked to stop.
+
+    `_last_stats` is the stats of the last `EngineCoreOutputs` sent (None before the first):
+    P0's view of P1's state equals it, so a send is due whenever the stats differ.
+    """
+
+    def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
+                 parent_pid: int) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self._stop = False
+        self.orphaned = False  # the parent died: nobody else will remove the socket files
+        self._pending: list[EngineCoreOutput] = []  # error outputs not sent yet
+        self._last_stats: SchedulerStats | None = None
+        self._wakeup_r, self._wakeup_w = socket.socketpair()  # signal.set_wakeup_fd writes here
+        self._old_wakeup_fd = -1
+        self._poller = zmq.Poller()
+        self._poller.register(inputs.socket, zmq.POLLIN)
+        self._poller.register(self._wakeup_r.fileno(), zmq.POLLIN)
+
+    def run(self, ready: EngineCoreReady) -> None:
+        """Take over SIGTERM / SIGINT, send `ready`, then serve until stopped."""
+        old_handlers = self._install_signal_handlers()
+        logger.info("engine core serving (pid %d)", os.getpid())
+        try:
+            self.outputs.send(ready)
+            while not self._stop:
+                if not self.core.has_unfinished_requests():
+                    self._wait_for_input()
+                self._drain_inputs()
+                if self._stop:
+                    break
+                if self.core.has_unfinished_requests():
+                    step_outputs = self.core.step()
+                    self._send(step_outputs.outputs, step_outputs.stats)
+                else:
+                    self._send([], self.core.stats())
+                if os.getppid() != self.parent_pid:
+                    logger.warning("engine core's parent process died; exiting")
+                    self._stop = self.orphaned = True
+        finally:
+            self._restore_signal_handlers(old_handlers)
+        logger.info("engine core stopping")
+
+    def _wait_for_input(self) -> None:
+        """Block until an input or a signal arrives, or `_IDLE_POLL_MS` passes."""
+        events = dict(self._poller.poll(_IDLE_POLL_MS))
+        if self._wakeup_r.fileno() in events:
+            self._wakeup_r.recv(4096)
+
+    def _drain_inputs(self) -> None:
+        while (msg := self.inputs.recv_nowait()) is not None:
+            if isinstance(msg, EngineCoreRequest):
+                self._add_request(msg)
+            elif isinstance(msg, AbortRequests):
+                self.core.abort_requests(msg.request_ids)
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as e:
+            self._pending.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT,
+                                                  error=str(e)))
+
+    def _send(self, step_outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+        if self._pending:
+            step_outputs = self._pending + step_outputs
+            self._pending = []
+        if not step_outputs and stats == self._last_stats:
+            return
+        self.outputs.send(EngineCoreOutputs(step_outputs, stats))
+        self._last_stats = stats
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """SIGTERM / SIGINT set `_stop`; the wake-up fd interrupts an idle poll at once."""
+        self._wakeup_w.setblocking(False)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
+        old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old[sig] = signal.signal(sig, self._on_signal)
+        return old
+
+    def _restore_signal_handlers(self, old: dict[int, Any]) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        self._wakeup_r.close()
+        self._wakeup_w.close()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible HTTP server (P0): the FastAPI app and `mmserve serve`'s main.
+
+Routes: `POST /v1/chat/completions`, `GET /v1/models` (both behind the API key when one is
+set), `GET /health` (200 while the engine core lives, else 503) and `GET /metrics`.
+
+Lifecycle: SIGTERM or Ctrl-C stops uvicorn gracefully, then the engine core is shut down and
+the process exits 0. If the engine core dies while serving, in-flight requests fail with 503
+(or an error event in a stream), /health turns 503 and the process exits with
+`ENGINE_DEAD_EXIT_CODE` within a few seconds. It does not restart the engine core: its
+requests, KV cache and caches are gone, and a supervisor (systemd, Kubernetes) restarting the
+whole server is simpler and more honest than a half-restarted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
+from mmserve.entrypoints.openai.server_config import ServerConfig
+from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, cancel_on_disconnect
+from mmserve.metrics import CONTENT_TYPE, ServerMetrics
+
+if TYPE_CHECKING:
+    from mmserve.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEAD_EXIT_CODE = 3  # the engine core died while serving
+GRACEFUL_SHUTDOWN_S = 5  # longest uvicorn waits for open connections when stopping
+HEALTH_POLL_S = 0.5
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`."""
+    if not served_model_names:
+        raise ValueError("served_model_names must name at least one model")
+    app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
+    app.state.engine = engine
+    app.state.metrics = metrics = ServerMetrics(engine.stats)
+    install_error_handlers(app)
+    chat = OpenAIServingChat(engine, served_model_names, metrics)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(chat.create_chat_completion(raw_request), raw_request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=engine.model_dir, max_model_len=engine.max_model_len)
+                               for name in served_model_names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        reason = getattr(engine, "dead_error", None) or "the engine core process is not running"
+        return OpenAIError(503, f"unhealthy: {reason}", code="engine_dead").to_response()
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(v1)
+    return app
+
+
+def _api_key_check(api_key: str | None) -> Any:
+    """A dependency refusing requests without `Authorization: Bearer <api_key>` (none when unset)."""
+    expected = None if api_key is None else api_key.encode()
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise OpenAIError(401, "missing API key: send it as 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        if not secrets.compare_digest(given.strip().encode(), expected):
+            raise OpenAIError(401, "invalid API key", code="invalid_api_key")
+
+    return check
+
+
+# ---- mmserve serve ---------------------------------------------------------------------------
+
+
+@dataclass
+class _RunState:
+    exit_code: int = 0
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / Ctrl-C (exit 0) or the engine core's death (`ENGINE_DEAD_EXIT_CODE`).
+
+    ValueError for bad flags; RuntimeError if the engine core cannot start.
+    """
+    server_config = ServerConfig.from_cli(args)
+    engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
+    _configure_logging(server_config.log_level)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
+    try:
+        return asyncio.run(_serve(server_config, engine_config))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    from mmserve.frontend.async_llm import AsyncLLM
+
+    engine = AsyncLLM(engine_config)
+    try:
+        model = engine_config.model.model
+        app = build_app(engine, server_config.served_model_names(model), server_config.api_key)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        state = _RunState()
+        supervisor = asyncio.create_task(_supervise(server, engine, model, state))
+        try:
+            await server.serve()
+        finally:
+            supervisor.cancel()
+        return state.exit_code
+    finally:
+        engine.shutdown()
+
+
+async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState) -> None:
+    """Announce readiness, then stop the server (non-zero exit) if the engine core dies."""
+    while not server.started:
+        await asyncio.sleep(0.05)
+    print(f"mmserve: serving {model} on http://{server.config.host}:{_bound_port(server)}", flush=True)
+    while engine.is_healthy:
+        await asyncio.sleep(HEALTH_POLL_S)
+    logger.error("the engine core died (%s); stopping the server",
+                 getattr(engine, "dead_error", None) or "process not running")
+    state.exit_code = ENGINE_DEAD_EXIT_CODE
+    server.should_exit = True
+
+
+def _bound_port(server: uvicorn.Server) -> int:
+    for s in getattr(server, "servers", []):
+        for sock in s.sockets:
+            return sock.getsockname()[1]
+    return server.config.port
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mmserve").setLevel(level.upper())

@@ -1,0 +1,255 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Requests accept fields mmserve does not know (`extra="allow"`): they are ignored and named in one
+warning per request, as vLLM does. Parameters it knows but cannot honour (`n` > 1, log
+probabilities, tool calling) are refused with a 400 naming the parameter rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from mmserve.sampling_params import SamplingParams
+
+
+class ParameterError(ValueError):
+    """A request parameter mmserve refuses (a 400 whose body names `param`)."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+# Union members are picked by a discriminator, so a bad value gets one error naming one member.
+# Their tags start with UNION_TAG so that error locations can drop them (see errors.py).
+UNION_TAG = "#"
+
+
+TEXT, PARTS, IMAGE_URL = UNION_TAG + "text", UNION_TAG + "parts", UNION_TAG + "image_url"
+
+
+def _content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return TEXT
+    if isinstance(value, list):
+        return PARTS
+    return None
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return UNION_TAG + kind if kind in ("text", "image_url") else None
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(BaseModel):
+    """An image by URL (data:, file:// or http(s)); `uuid` names the item instead of hashing it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageURL
+    uuid: str | None = None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag(TEXT)] | Annotated[ImageURLPart, Tag(IMAGE_URL)],
+    Discriminator(_part_kind, custom_error_type="invalid_part",
+                  custom_error_message="a content part's type must be 'text' or 'image_url'"),
+]
+MessageContent = Annotated[
+    Annotated[str, Tag(TEXT)] | Annotated[list[ContentPart], Tag(PARTS)],
+    Discriminator(_content_kind, custom_error_type="invalid_content",
+                  custom_error_message="content must be a string or a list of content parts"),
+]
+
+
+class ChatMessage(BaseModel):
+    """One message; the role's allowed values are checked when the prompt is built."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: MessageContent
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions` body: OpenAI's fields plus vLLM's sampling extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None: the first served model name
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool | None = False  # every optional field also takes null, as some clients send it
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: Any = None  # a string or a list of strings (checked below, for a one-line error)
+    seed: int | None = None
+    n: int | None = 1
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # vLLM's extras
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    def check_supported(self) -> None:
+        """Raise `ParameterError` naming the first parameter mmserve cannot honour."""
+        if self.n not in (None, 1):
+            _unsupported("n", f"n={self.n} is not supported: mmserve returns exactly one choice (n=1)")
+        if self.logprobs:
+            _unsupported("logprobs", "logprobs is not supported by mmserve")
+        if self.top_logprobs:
+            _unsupported("top_logprobs", "top_logprobs is not supported by mmserve")
+        if self.tools:
+            _unsupported("tools", "tool calling (tools) is not supported by mmserve")
+        if self.tool_choice not in (None, "none", "auto"):
+            _unsupported("tool_choice", "tool calling (tool_choice) is not supported by mmserve")
+        if self.stream_options is not None and not self.stream:
+            raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
+
+    def unknown_fields(self) -> list[str]:
+        """Names of the body's top-level fields mmserve ignores."""
+        return sorted(self.model_extra or {})
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters; ValueError for a bad value."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        values: dict[str, Any] = {
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+    def messages_as_dicts(self) -> list[dict[str, Any]]:
+        """The messages as plain OpenAI-style dicts, for `AsyncLLM.build_prompt`."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+def _unsupported(param: str, message: str) -> None:
+    raise ParameterError(param, message, code="unsupported_parameter")
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk; `usage` is set (null but present) on every chunk when usage was asked for."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "code", "param"}}`."""
+
+    error: ErrorInfo

@@ -1,0 +1,61 @@
+"""The HTTP server's settings (`mmserve serve`'s own flags), in config.py's style.
+
+Each field's `metadata["help"]` is its flag's help; `--snake-case` of the field name is the flag.
+The engine's flags come from `mmserve.config.add_cli_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "Address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)."})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on (0: any free port)."})
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "Name(s) clients use in 'model' (default: the model argument); the first is the default.",
+        "nargs": "+"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
+    log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
+        if self.served_model_name is not None:
+            names = tuple(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError("served_model_name must be one or more non-empty names")
+            object.__setattr__(self, "served_model_name", names)
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+
+    def served_model_names(self, model: str) -> list[str]:
+        """The names the server answers to: the configured ones, else `model`."""
+        return list(self.served_model_name) if self.served_model_name else [model]
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerConfig:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per `ServerConfig` field (`--served-model-name`, ...)."""
+    for f in fields(ServerConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
+        if f.name == "port":
+            kw["type"] = int
+        for key in ("nargs", "choices"):
+            if key in f.metadata:
+                kw[key] = f.metadata[key]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)

@@ -1,0 +1,220 @@
+"""P0's side of the engine channel: starts P1, sends it requests, receives its outputs.
+
+`EngineCoreClient` binds two ZMQ sockets in a private temp directory (P0 owns the socket
+files), spawns P1 (`run_engine_core`) and waits for `EngineCoreReady`. After that:
+`add_request` / `abort_requests` send without waiting for P1, `get_output` /
+`get_output_async` return P1's next `EngineCoreOutputs`, and raise `EngineDeadError` once P1
+has died or reported a fatal error (outputs it sent before dying are still returned first).
+
+Invariant: after `shutdown()` (idempotent; also run at interpreter exit and when the client is
+garbage collected) no P1 process, socket or socket file of this client is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import signal
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from mmserve.config import EngineConfig
+from mmserve.engine.core_proc import run_engine_core
+from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
+                                  EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir
+from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+_LIVENESS_POLL_S = 0.5  # longest wait between checks that P1 is alive
+_TERM_GRACE_S = 5.0  # how long P1 may take to finish its step after SIGTERM before SIGKILL
+_LAST_WORDS_S = 0.2  # after P1 died: how long to wait for its EngineCoreFailed, already sent
+
+
+class EngineDeadError(RuntimeError):
+    """P1 died or failed; the client cannot serve any more requests."""
+
+
+@dataclass
+class _Resources:
+    """What a client owns; `release()` frees all of it and may run more than once."""
+
+    ipc_dir: str
+    ctx: zmq.Context | None = None
+    inputs: QueueSender[EngineCoreInput] | None = None
+    outputs: QueueReceiver[EngineCoreEvent] | None = None
+    proc: BaseProcess | None = None
+
+    def release(self) -> None:
+        if self.proc is not None and self.proc.pid is not None:
+            _stop_process(self.proc)
+        for queue in (self.inputs, self.outputs):
+            if queue is not None:
+                queue.close()
+        self.inputs = self.outputs = None
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
+            self.ctx = None
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _stop_process(proc: BaseProcess) -> None:
+    """SIGTERM, then SIGKILL after `_TERM_GRACE_S`; returns once the process is reaped."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(_TERM_GRACE_S)
+    if proc.is_alive():
+        logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
+        proc.kill()
+    proc.join()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+class EngineCoreClient:
+    """The engine core running in its own process (P1), seen from P0.
+
+    Attributes: `max_model_len`, `num_kv_blocks` (from P1's ready message), `proc` (P1).
+    One thread (or one event loop) at a time uses a client.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0) -> None:
+        self._res = _Resources(make_ipc_dir())
+        self._finalizer = weakref.finalize(self, self._res.release)  # also runs at exit
+        self._dead_reason: str | None = None
+        try:
+            ready = self._start(config, model_dir, startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = ready.max_model_len
+        self.num_kv_blocks = ready.num_kv_blocks
+
+    @property
+    def proc(self) -> BaseProcess:
+        assert self._res.proc is not None
+        return self._res.proc
+
+    def _start(self, config: EngineConfig, model_dir: str, timeout_s: float) -> EngineCoreReady:
+        res = self._res
+        res.ctx = zmq.Context()
+        input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
+        res.inputs = QueueSender(res.ctx, input_addr, MsgpackEncoder(), bind=True)
+        res.outputs = QueueReceiver(res.ctx, output_addr, MsgpackDecoder(EngineCoreEvent), bind=True)
+        res.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, model_dir, input_addr, output_addr),
+            name="mmserve-engine-core", daemon=True)
+        res.proc.start()
+        return self._wait_for_ready(timeout_s)
+
+    def _wait_for_ready(self, timeout_s: float) -> EngineCoreReady:
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            event = self._outputs.recv(min(remaining, _LIVENESS_POLL_S))
+            if isinstance(event, EngineCoreReady):
+                return event
+            if event is None and not self.proc.is_alive():
+                event = self._outputs.recv(_LAST_WORDS_S)
+                if event is None:
+                    raise RuntimeError(f"the engine core process exited while starting "
+                                       f"({_describe_exit(self.proc.exitcode)}); see its log above")
+            if isinstance(event, EngineCoreFailed):
+                raise RuntimeError(f"the engine core failed to start: {event.message}")
+        raise RuntimeError(f"the engine core did not start within {timeout_s:g} s (startup_timeout_s)")
+
+    @property
+    def _outputs(self) -> QueueReceiver[EngineCoreEvent]:
+        if self._res.outputs is None:
+            raise EngineDeadError("the engine core client is shut down")
+        return self._res.outputs
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request; P1 answers a bad one with an output carrying `error`."""
+        self._send(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Ask P1 to stop these requests and free their blocks; unknown ids are ignored."""
+        self._send(AbortRequests(list(request_ids)))
+
+    def _send(self, msg: EngineCoreInput) -> None:
+        self._raise_if_dead()
+        assert self._res.inputs is not None
+        while True:
+            try:
+                self._res.inputs.send(msg, timeout_s=_LIVENESS_POLL_S)
+                return
+            except TimeoutError:  # no peer: P1 not connected yet, or gone
+                self._raise_if_dead()
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        """P1's next outputs; None after `timeout_s` (None: wait until some come or P1 dies)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = _LIVENESS_POLL_S if deadline is None else min(_LIVENESS_POLL_S, deadline - time.monotonic())
+            event = self._outputs.recv(max(wait, 0.0))
+            if event is not None:
+                if (outputs := self._accept(event)) is not None:
+                    return outputs
+                continue
+            self._raise_if_dead()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """P1's next outputs, awaited without blocking the event loop; EngineDeadError if P1 dies."""
+        while True:
+            event = await self._outputs.recv_async(_LIVENESS_POLL_S)
+            if event is not None:
+                if (outputs := self._accept(event)) is not None:
+                    return outputs
+                continue
+            self._raise_if_dead()
+
+    def _accept(self, event: EngineCoreEvent) -> EngineCoreOutputs | None:
+        if isinstance(event, EngineCoreOutputs):
+            return event
+        if isinstance(event, EngineCoreFailed):
+            self._dead_reason = event.message
+            raise EngineDeadError(event.message)
+        logger.warning("ignoring an unexpected %s from the engine core", type(event).__name__)
+        return None
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self._finalizer.alive and self._dead_reason is None and self.proc.is_alive()
+
+    def _raise_if_dead(self) -> None:
+        if not self._finalizer.alive:
+            raise EngineDeadError("the engine core client is shut down")
+        if self._dead_reason is None and not self.proc.is_alive():
+            self._dead_reason = f"the engine core process exited unexpectedly ({_describe_exit(self.proc.exitcode)})"
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def shutdown(self) -> None:
+        """Stop P1 (SIGTERM, then SIGKILL after a grace period), close the sockets and remove
+        the socket files and their directory. Safe to call more than once."""
+        self._finalizer()
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

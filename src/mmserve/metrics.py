@@ -1,0 +1,103 @@
+"""Prometheus metrics, one registry per server (so two servers or tests never share counts).
+
+Request metrics are counted once per request when it ends, never per token. Engine-core state
+(running and waiting requests, KV blocks, preemptions) is read from `engine.stats()` when
+/metrics is scraped. Cache layers count their queries and hits with `on_cache_lookup`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mmserve.ipc.messages import SchedulerStats
+
+OUTCOMES = ("success", "error", "abort")  # success: finished by stop or length
+CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# seconds; from a few ms (a cached image, a short prompt) to minutes (a long generation)
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineStatsCollector(Collector):
+    """Engine-core gauges read at scrape time from `stats_fn()` (None before the first step).
+
+    Before the engine core's first step the request gauges read 0 and the block gauges are absent.
+    """
+
+    def __init__(self, stats_fn: Callable[[], SchedulerStats | None]) -> None:
+        self.stats_fn = stats_fn
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats_fn()
+        running, waiting, preempted = (0, 0, 0) if stats is None else (
+            stats.num_running, stats.num_waiting, stats.num_preemptions)
+        free, total = (None, None) if stats is None else (stats.num_free_blocks, stats.num_total_blocks)
+        yield _gauge("mmserve_num_requests_running", "Requests in the engine core's running batch.", running)
+        yield _gauge("mmserve_num_requests_waiting", "Requests queued in the engine core.", waiting)
+        yield _gauge("mmserve_kv_cache_free_blocks", "Free KV cache blocks.", free)
+        yield _gauge("mmserve_kv_cache_total_blocks", "KV cache blocks in all.", total)
+        preemptions = CounterMetricFamily("mmserve_num_preemptions_total",
+                                          "Requests preempted (KV blocks taken back) since start.")
+        preemptions.add_metric([], preempted)
+        yield preemptions
+
+
+def _gauge(name: str, documentation: str, value: int | None) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(name, documentation)
+    if value is not None:
+        gauge.add_metric([], value)
+    return gauge
+
+
+class ServerMetrics:
+    """The server's metrics; the HTTP layer calls `on_request_finished` once per request."""
+
+    def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mmserve_requests", "Chat completion requests by outcome "
+                                "(success: finished by stop or length).", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        self.prompt_tokens = Counter("mmserve_prompt_tokens", "Prompt tokens of requests that reached "
+                                     "the engine (image placeholders included).", registry=r)
+        self.generation_tokens = Counter("mmserve_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("mmserve_time_to_first_token_seconds", "From the request's arrival to its "
+                              "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "From arrival to the last token, for "
+                             "requests finished by stop or length.", buckets=_E2E_BUCKETS, registry=r)
+        self.cache_queries = Counter("mmserve_cache_queries", "Cache lookups by cache layer.", ["layer"], registry=r)
+        self.cache_hits = Counter("mmserve_cache_hits", "Cache lookups that hit, by cache layer.", ["layer"],
+                                  registry=r)
+        if stats_fn is not None:
+            r.register(EngineStatsCollector(stats_fn))
+
+    def on_request_finished(self, outcome: str, prompt_tokens: int, generation_tokens: int,
+                            ttft_s: float | None, e2e_s: float | None) -> None:
+        """Count one ended request; `ttft_s` None when no token came, `e2e_s` observed on success only."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
+        self.requests.labels(outcome=outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if e2e_s is not None and outcome == "success":
+            self.e2e.observe(e2e_s)
+
+    def on_cache_lookup(self, layer: str, queries: int, hits: int) -> None:
+        """Count `queries` lookups of cache `layer`, `hits` of which hit."""
+        if layer not in CACHE_LAYERS:
+            raise ValueError(f"cache layer must be one of {', '.join(CACHE_LAYERS)}; got {layer!r}")
+        self.cache_queries.labels(layer=layer).inc(queries)
+        self.cache_hits.labels(layer=layer).inc(hits)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,357 @@
+"""The HTTP layer alone: the FastAPI app over a fake engine that follows `AsyncLLM`'s interface."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.frontend.core_client import EngineDeadError
+from mmserve.ipc.messages import SchedulerStats
+from mmserve.multimodal.media import MediaError
+from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+MODEL = "tiny"
+PROMPT_IDS = [1, 2, 3, 4, 5]
+PIECES = ["Hel", "lo", " wor", "ld"]
+
+
+class FakeEngine:
+    """`AsyncLLM`'s interface: one text piece per step, scripted failures, records aborts."""
+
+    model_dir = "/models/tiny"
+    max_model_len = 64
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.step_s = 0.0
+        self.die_after: int | None = None  # raise EngineDeadError after this many outputs
+        self.params: list[SamplingParams] = []
+        self.prompts: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self._stats: SchedulerStats | None = None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    def stats(self) -> SchedulerStats | None:
+        return self._stats
+
+    async def build_prompt(self, messages: list[dict]) -> dict:
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"bad role {m['role']!r}")
+            for part in m["content"] if isinstance(m["content"], list) else []:
+                if part["type"] == "image_url" and part["image_url"]["url"].startswith("bad:"):
+                    raise MediaError("the data is not a supported image")
+                if part["type"] == "image_url" and part["image_url"]["url"] == "crash":
+                    raise RuntimeError("secret internal detail")
+        parts = [p for m in messages for p in (m["content"] if isinstance(m["content"], list)
+                                               else [{"type": "text", "text": m["content"]}])]
+        text = " ".join(p["text"] for p in parts if p["type"] == "text")
+        prompt = {"prompt": text, "multi_modal_data": {"image": []}}
+        self.prompts.append({"messages": messages, **prompt})
+        return prompt
+
+    async def generate(self, request_id: str, prompt: dict, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if not self.healthy:
+            raise EngineDeadError("engine core died")
+        if "too long" in prompt["prompt"]:
+            raise ValueError("the prompt has 999 tokens, but max_model_len is 64")
+        self.params.append(params)
+        n = min(params.max_tokens, len(PIECES))
+        text, ids, done = "", [], False
+        try:
+            for i in range(n):
+                await asyncio.sleep(self.step_s)
+                if self.die_after is not None and i >= self.die_after:
+                    raise EngineDeadError("engine core died")
+                text += PIECES[i]
+                ids.append(100 + i)
+                done = i == n - 1
+                reason = ("length" if n == params.max_tokens else "stop") if done else None
+                yield RequestOutput(request_id, prompt["prompt"], PROMPT_IDS, [CompletionOutput(
+                    0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done)
+        finally:
+            (self.finished if done else self.aborted).append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def messages(text: str = "hi", url: str | None = None) -> list[dict]:
+    """One user message: an optional image part, then a text part."""
+    parts: list[dict] = [{"type": "text", "text": text}]
+    if url is not None:
+        parts.insert(0, {"type": "image_url", "image_url": {"url": url}, "uuid": "img-1"})
+    return [{"role": "user", "content": parts}]
+
+
+GOOD = messages()
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(engine) -> TestClient:
+    return TestClient(build_app(engine, [MODEL, "alias"]), raise_server_exceptions=False)
+
+
+def post(client: TestClient, body: Any, **kw: Any):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"}, **kw)
+
+
+def sse_events(text: str) -> list[Any]:
+    assert text.endswith("data: [DONE]\n\n")
+    events = [block.removeprefix("data: ") for block in text.split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in text.split("\n\n") if block)
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def metric(client: TestClient, sample: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise KeyError(sample)
+
+
+# ---- successes ---------------------------------------------------------------------------------
+
+
+def test_whole_completion_and_usage(client, engine):
+    r = post(client, {"model": MODEL, "messages": messages(url="data:image/png;base64,AA=="), "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and len(body["id"]) == len("chatcmpl-") + 32
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello wor"},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    part = engine.prompts[0]["messages"][0]["content"][0]
+    assert part == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}, "uuid": "img-1"}
+
+
+def test_sampling_params_mapping(client, engine):
+    assert post(client, {"messages": messages(), "temperature": 0, "top_k": 5, "seed": 7, "stop": "x",
+                         "ignore_eos": True, "max_tokens": 2, "max_completion_tokens": 9}).status_code == 200
+    assert post(client, {"model": "alias", "messages": [{"role": "user", "content": "plain"}]}).status_code == 200
+    first, default = engine.params
+    assert (first.max_tokens, first.temperature, first.top_k, first.seed, first.stop, first.ignore_eos) == (
+        9, 0.0, 5, 7, ["x"], True)
+    assert default.max_tokens == FakeEngine.max_model_len  # the engine stops at max_model_len
+
+
+def test_null_optional_fields_are_defaults(client, engine):
+    body = {"messages": GOOD, "n": None, "logprobs": None, "stream": None, "temperature": None, "stop": None,
+            "ignore_eos": None, "tools": None, "tool_choice": None, "max_tokens": None}
+    assert post(client, body).json()["choices"][0]["finish_reason"] == "stop"
+    assert engine.params[0].temperature == 1.0 and engine.params[0].max_tokens == FakeEngine.max_model_len
+
+
+def test_stream_chunks_usage_and_done(client):
+    body = {"model": MODEL, "messages": messages(), "stream": True, "stream_options": {"include_usage": True}}
+    r = post(client, body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    chunks, done = events[:-1], events[-1]
+    assert done == "[DONE]"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
+    assert "".join(content) == "Hello world" and content == PIECES
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_stream_without_usage_has_no_usage_field(client):
+    events = sse_events(post(client, {"messages": messages(), "stream": True}).text)
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_models(client):
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL, "alias"]
+    assert data[0]["object"] == "model" and data[0]["max_model_len"] == 64
+
+
+def test_unknown_field_accepted_with_one_warning(client, caplog):
+    with caplog.at_level(logging.WARNING, logger="mmserve"):
+        r = post(client, {"model": MODEL, "messages": messages(), "frobnicate": 1, "zeta": {}})
+    assert r.status_code == 200
+    warnings = [rec.getMessage() for rec in caplog.records if "unknown field" in rec.getMessage()]
+    assert len(warnings) == 1 and "frobnicate, zeta" in warnings[0]
+
+
+# ---- client faults ---------------------------------------------------------------------------------
+
+
+CLIENT_FAULTS = {
+    "malformed json": (b"{not json", 400, "invalid_json", None),
+    "not an object": (b"[1, 2]", 400, "invalid_value", None),
+    "no messages": ({"model": MODEL}, 400, "invalid_value", "messages"),
+    "empty messages": ({"messages": []}, 400, "invalid_value", "messages"),
+    "bad part type": ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "invalid_value",
+                      "messages[0].content[0]"),
+    "part without url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                         400, "invalid_value", "messages[0].content[0].image_url.url"),
+    "content a number": ({"messages": [{"role": "user", "content": 5}]}, 400, "invalid_value",
+                         "messages[0].content"),
+    "temperature a word": ({"messages": GOOD, "temperature": "hot"}, 400, "invalid_value", "temperature"),
+    "stop a number": ({"messages": GOOD, "stop": 3}, 400, "invalid_value", "stop"),
+    "negative temperature": ({"messages": GOOD, "temperature": -1}, 400, "invalid_value", None),
+    "zero max_tokens": ({"messages": GOOD, "max_tokens": 0}, 400, "invalid_value", None),
+    "top_p zero": ({"messages": GOOD, "top_p": 0}, 400, "invalid_value", None),
+    "n=2": ({"messages": GOOD, "n": 2}, 400, "unsupported_parameter", "n"),
+    "logprobs": ({"messages": GOOD, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    "top_logprobs": ({"messages": GOOD, "top_logprobs": 3}, 400, "unsupported_parameter", "top_logprobs"),
+    "tools": ({"messages": GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+              "unsupported_parameter", "tools"),
+    "stream_options without stream": ({"messages": GOOD, "stream_options": {"include_usage": True}}, 400,
+                                      "invalid_value", "stream_options"),
+    "unknown model": ({"model": "nope", "messages": GOOD}, 404, "model_not_found", "model"),
+    "bad role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value", None),
+    "media error": ({"messages": messages(url="bad:x")}, 400, "invalid_media", None),
+    "prompt too long": ({"messages": messages("too long")}, 400, "invalid_value", None),
+    "prompt too long, streamed": ({"messages": messages("too long"), "stream": True}, 400, "invalid_value", None),
+}
+
+
+@pytest.mark.parametrize("name", CLIENT_FAULTS)
+def test_client_faults_get_4xx_openai_errors(client, engine, name):
+    body, status, code, param = CLIENT_FAULTS[name]
+    r = post(client, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == code and error["param"] == param
+    assert error["message"] and "Traceback" not in error["message"]
+    if param:
+        assert param.split("[")[0] in error["message"]
+    assert engine.aborted == [] and engine.finished == []
+
+
+def test_api_key(engine):
+    client = TestClient(build_app(engine, [MODEL], api_key="sekret"))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sekret"}):
+        r = client.post("/v1/chat/completions", json={"messages": GOOD}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models", headers=headers).status_code == 401
+    ok = {"Authorization": "Bearer sekret"}
+    assert client.post("/v1/chat/completions", json={"messages": GOOD}, headers=ok).status_code == 200
+    assert client.get("/v1/models", headers=ok).status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_unknown_route_and_internal_error_use_the_error_body(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = post(client, {"messages": messages(url="crash")})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error" and "secret" not in r.text
+
+
+# ---- engine health -----------------------------------------------------------------------------
+
+
+def test_health_and_dead_engine(client, engine):
+    assert client.get("/health").status_code == 200
+    engine.healthy = False
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    for stream in (False, True):
+        r = post(client, {"messages": GOOD, "stream": stream})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_engine_death_mid_stream_is_an_error_event(client, engine):
+    engine.die_after = 2
+    events = sse_events(post(client, {"messages": GOOD, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "engine_dead" and "error" not in events[-3]
+    assert metric(client, 'mmserve_requests_total{outcome="error"}') == 1
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_names_and_outcomes(client, engine):
+    text = client.get("/metrics").text
+    for name in ("mmserve_requests_total", "mmserve_prompt_tokens_total", "mmserve_generation_tokens_total",
+                 "mmserve_time_to_first_token_seconds", "mmserve_e2e_request_latency_seconds",
+                 "mmserve_num_requests_running", "mmserve_num_requests_waiting", "mmserve_kv_cache_free_blocks",
+                 "mmserve_kv_cache_total_blocks", "mmserve_num_preemptions_total", "mmserve_cache_queries_total",
+                 "mmserve_cache_hits_total"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    assert post(client, {"messages": GOOD}).status_code == 200
+    assert post(client, {"messages": GOOD, "stream": True}).status_code == 200
+    assert post(client, {"messages": GOOD, "n": 3}).status_code == 400
+    assert metric(client, 'mmserve_requests_total{outcome="success"}') == 2
+    assert metric(client, 'mmserve_requests_total{outcome="error"}') == 1
+    assert metric(client, 'mmserve_requests_total{outcome="abort"}') == 0
+    assert metric(client, "mmserve_prompt_tokens_total") == 10
+    assert metric(client, "mmserve_generation_tokens_total") == 8
+    assert metric(client, "mmserve_time_to_first_token_seconds_count") == 2
+    assert metric(client, "mmserve_e2e_request_latency_seconds_count") == 2
+    engine._stats = SchedulerStats(num_running=3, num_waiting=1, num_free_blocks=7, num_total_blocks=9,
+                                   num_preemptions=2)
+    assert metric(client, "mmserve_num_requests_running") == 3
+    assert metric(client, "mmserve_num_requests_waiting") == 1
+    assert metric(client, "mmserve_kv_cache_free_blocks") == 7
+    assert metric(client, "mmserve_kv_cache_total_blocks") == 9
+    assert metric(client, "mmserve_num_preemptions_total") == 2
+    client.app.state.metrics.on_cache_lookup("processor", queries=3, hits=1)
+    assert metric(client, 'mmserve_cache_hits_total{layer="processor"}') == 1
+
+
+# ---- client disconnects abort the request ---------------------------------------------------------
+
+
+async def call_asgi(app: Any, body: dict, disconnect_after_s: float) -> list[dict]:
+    """POST `body` straight to the ASGI app; the client disconnects after `disconnect_after_s`."""
+    sent: list[dict] = []
+    messages_in = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if messages_in:
+            return messages_in.pop(0)
+        await asyncio.sleep(disconnect_after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_request(engine, stream):
+    engine.step_s = 0.05
+    app = build_app(engine, [MODEL])
+    sent = asyncio.run(call_asgi(app, {"messages": GOOD, "stream": stream, "max_tokens": 4}, 0.12))
+    assert len(engine.aborted) == 1 and engine.finished == []
+    assert app.state.metrics.requests.labels(outcome="abort")._value.get() == 1
+    if stream:
+        assert sent[0]["status"] == 200

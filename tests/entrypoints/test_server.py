@@ -1,0 +1,202 @@
+"""The OpenAI-compatible server as a real process on loopback, driven by the official client."""
+
+from __future__ import annotations
+
+import base64
+import glob
+import io
+import json
+import os
+import signal
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from mmserve import LLM, SamplingParams
+from server_process import ServerProcess, child_pids, pid_alive
+from tiny_models import make_checkpoint, make_image
+
+MAX_TOKENS = 8
+
+
+def data_url(image, fmt="PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(url: str, text: str = "What is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    make_image(11).save(d / "ok.png")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_path, media_dir):
+    s = ServerProcess(model_path, "--max-model-len", "256", "--allowed-local-media-path", str(media_dir),
+                      "--limit-mm-per-prompt", '{"image": 2}', "--max-media-bytes", "300000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model=model_path, max_model_len=256)
+
+
+def expected_text(offline, url: str) -> str:
+    return offline.chat(messages(url), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+
+
+def chat(client, model_path, url, **kw):
+    return client.chat.completions.create(model=model_path, messages=messages(url), temperature=0,
+                                          max_tokens=MAX_TOKENS, **kw)
+
+
+def assert_all_blocks_free(server, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (server.metric("mmserve_num_requests_running") == 0
+                and server.metric("mmserve_kv_cache_free_blocks") == server.metric("mmserve_kv_cache_total_blocks")):
+            return
+        time.sleep(0.1)
+    raise AssertionError("KV blocks were not all freed")
+
+
+def test_models_and_health(server, client, model_path):
+    assert [m.id for m in client.models.list().data] == [model_path]
+    assert server.get("/health")[0] == 200
+
+
+def test_streamed_and_whole_agree_with_offline(client, model_path, offline):
+    url = data_url(make_image(1))
+    whole = chat(client, model_path, url)
+    assert whole.choices[0].message.content == expected_text(offline, url)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == MAX_TOKENS and whole.usage.prompt_tokens > 0
+    chunks = list(chat(client, model_path, url, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_32_concurrent_requests_with_different_images(client, model_path, offline, server):
+    urls = [data_url(make_image(100 + i)) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda u: chat(client, model_path, u).choices[0].message.content, urls))
+    expected = [o.outputs[0].text for o in offline.chat([messages(u) for u in urls],
+                                                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))]
+    assert got == expected
+    assert len(set(got)) > 1
+    assert_all_blocks_free(server)
+
+
+def bad_requests(model_path, media_dir):
+    good = messages(data_url(make_image(2)))
+    noise = np.random.default_rng(0).integers(0, 256, (700, 700, 3), dtype=np.uint8)
+    big_noise = data_url(Image.fromarray(noise))  # ~1.5 MB of PNG, over --max-media-bytes
+    return {
+        "malformed json": b"{not json",
+        "no messages": {"model": model_path},
+        "bad temperature": {"model": model_path, "messages": good, "temperature": -1},
+        "bad max_tokens": {"model": model_path, "messages": good, "max_tokens": 0},
+        "n > 1": {"model": model_path, "messages": good, "n": 2},
+        "logprobs": {"model": model_path, "messages": good, "logprobs": True},
+        "tools": {"model": model_path, "messages": good, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "unknown model": {"model": "nope", "messages": good},
+        "bad base64": {"model": model_path, "messages": messages("data:image/png;base64,@@@notbase64")},
+        "not an image": {"model": model_path, "messages": messages("data:image/png;base64,"
+                                                                   + base64.b64encode(b"hello").decode())},
+        "too many bytes": {"model": model_path, "messages": messages(big_noise)},
+        "file outside allowed dir": {"model": model_path, "messages": messages("file:///etc/hostname")},
+        "dotdot escape": {"model": model_path, "messages": messages(f"file://{media_dir}/../../etc/hostname")},
+        "http not allowed": {"model": model_path, "messages": messages("http://example.com/cat.png")},
+        "too many images": {"model": model_path, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(make_image(i))}} for i in range(3)]}]},
+        "prompt too long": {"model": model_path, "messages": [{"role": "user", "content": "word " * 400}]},
+        "bad role": {"model": model_path, "messages": [{"role": "wizard", "content": "hi"}]},
+    }
+
+
+def test_bad_input_is_4xx_and_leaves_nothing(server, client, model_path, media_dir, offline):
+    url = data_url(make_image(4))
+    before = chat(client, model_path, url).choices[0].message.content
+    for name, body in bad_requests(model_path, media_dir).items():
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(server.base_url + "/v1/chat/completions", content=content,
+                       headers={"Content-Type": "application/json"}, timeout=30)
+        assert 400 <= r.status_code < 500, f"{name}: {r.status_code} {r.text}"
+        error = r.json()["error"]
+        assert error["message"] and error["type"], name
+    assert_all_blocks_free(server)
+    assert chat(client, model_path, url).choices[0].message.content == before
+    local = chat(client, model_path, f"file://{media_dir}/ok.png").choices[0].message.content
+    assert local == expected_text(offline, f"file://{media_dir}/ok.png")
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server, model_path):
+    body = {"model": model_path, "messages": messages(data_url(make_image(5))), "max_tokens": 200,
+            "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+        assert server.metric("mmserve_num_requests_running") >= 0
+    assert_all_blocks_free(server)
+
+
+def engine_core_pid(server) -> int:
+    children = [p for p in child_pids(server.proc.pid) if pid_alive(p)]
+    # spawn may add a resource tracker child; P1 is the one running mmserve's engine core
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                return pid
+    raise AssertionError(f"no engine core child among {children}")
+
+
+def leftover_sockets(pid: int) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"mmserve-{pid}*"))
+
+
+def test_sigterm_leaves_no_process_and_no_socket(model_path):
+    s = ServerProcess(model_path)
+    p1 = engine_core_pid(s)
+    assert leftover_sockets(s.proc.pid)
+    assert s.stop(signal.SIGTERM) == 0
+    deadline = time.monotonic() + 10
+    while pid_alive(p1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(p1)
+    assert leftover_sockets(s.proc.pid) == []
+
+
+def test_killed_engine_core_fails_requests_and_exits_nonzero(model_path):
+    s = ServerProcess(model_path)
+    p1 = engine_core_pid(s)
+    os.kill(p1, signal.SIGKILL)
+    code = s.proc.wait(timeout=20)
+    assert code != 0
+    assert leftover_sockets(s.proc.pid) == []

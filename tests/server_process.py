@@ -1,0 +1,88 @@
+"""Start `mmserve serve` as a real process on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc; no psutil)."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """`mmserve serve MODEL --port P ...` in a subprocess; `base_url` once healthy."""
+
+    def __init__(self, model: str, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled Prometheus sample from /metrics."""
+        _, text = self.get("/metrics")
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
