@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# the OpenAI-compatible server on the built-in model, http://127.0.0.1:8000 (Ctrl-C stops it)
 run: $(STAMP)
+	$(BIN)/mmserve serve builtin:tiny-llava --host 127.0.0.1 --port $(or $(PORT),8000)
+
+# one offline completion about a built-in sample picture
+generate: $(STAMP)
 	$(BIN)/mmserve generate --prompt "What is in this image?" --max-tokens 32
 
 test: $(STAMP)
@@ -25,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/serving_overhead.py
 
 clean:
 	rm -rf $(VENV)

@@ -61,13 +61,13 @@ def server_ttft(model: str, urls: list[str]) -> list[float]:
                 body = {"model": model, "messages": chat_messages(url), "max_tokens": 1, "temperature": 0,
                         "stream": True}
                 start = time.perf_counter()
+                elapsed = None
                 with client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as r:
+                    # the server answers once the first token exists: time the first event, read to the end
                     for line in r.iter_lines():
-                        if '"content"' in line and '"content":""' not in line:
+                        if elapsed is None and line.startswith("data:"):
                             elapsed = time.perf_counter() - start
-                            break
-                    for _ in r.iter_lines():
-                        pass
+                assert elapsed is not None, "empty stream"
                 return elapsed
 
             one(urls[0])  # warm-up
