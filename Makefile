@@ -26,7 +26,7 @@ generate: $(STAMP)
 	$(BIN)/mmserve generate --prompt "What is in this image?" --max-tokens 32
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
