@@ -1,8 +1,9 @@
 """Prometheus metrics, one registry per server (so two servers or tests never share counts).
 
-Request metrics are counted once per request when it ends, never per token. Engine-core state
-(running and waiting requests, KV blocks, preemptions) is read from `engine.stats()` when
-/metrics is scraped. Cache layers count their queries and hits with `on_cache_lookup`.
+Request metrics are counted once per request when it ends, never per token. Engine state
+(running and waiting requests, KV blocks, preemptions) and every cache layer's counters are read
+from `engine.stats()` when /metrics is scraped: P1's layers travel in `SchedulerStats.caches`,
+P0's are merged in by the frontend, so no cache counts anything on the request path twice.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mmserve.ipc.messages import SchedulerStats
+from mmserve.ipc.messages import CacheStats, SchedulerStats
 
 OUTCOMES = ("success", "error", "abort")  # success: finished by stop or length
 CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix")
@@ -46,6 +47,29 @@ class EngineStatsCollector(Collector):
                                           "Requests preempted (KV blocks taken back) since start.")
         preemptions.add_metric([], preempted)
         yield preemptions
+        yield from _cache_metrics({} if stats is None else stats.caches)
+
+
+_CACHE_FIELDS = (  # (CacheStats field, metric name, kind, help)
+    ("queries", "mmserve_cache_queries", "counter", "Cache lookups by cache layer."),
+    ("hits", "mmserve_cache_hits", "counter", "Cache lookups that hit, by cache layer."),
+    ("evictions", "mmserve_cache_evictions", "counter", "Entries evicted, by cache layer."),
+    ("bytes_saved", "mmserve_cache_bytes_saved", "counter", "Bytes kept off the P0 -> P1 wire, by cache layer."),
+    ("entries", "mmserve_cache_entries", "gauge", "Entries held, by cache layer."),
+    ("bytes_used", "mmserve_cache_bytes_used", "gauge", "Bytes held, by cache layer."),
+)
+
+
+def _cache_metrics(caches: dict[str, CacheStats]) -> Iterator[Metric]:
+    """One family per CacheStats field, a sample per layer (every layer, 0 when absent)."""
+    for field, name, kind, doc in _CACHE_FIELDS:
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["layer"])
+        for layer in CACHE_LAYERS:
+            family.add_metric([layer], getattr(caches.get(layer, _EMPTY), field))
+        yield family
+
+
+_EMPTY = CacheStats()
 
 
 def _gauge(name: str, documentation: str, value: int | None) -> GaugeMetricFamily:
@@ -72,9 +96,6 @@ class ServerMetrics:
                               "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "From arrival to the last token, for "
                              "requests finished by stop or length.", buckets=_E2E_BUCKETS, registry=r)
-        self.cache_queries = Counter("mmserve_cache_queries", "Cache lookups by cache layer.", ["layer"], registry=r)
-        self.cache_hits = Counter("mmserve_cache_hits", "Cache lookups that hit, by cache layer.", ["layer"],
-                                  registry=r)
         if stats_fn is not None:
             r.register(EngineStatsCollector(stats_fn))
 
@@ -90,13 +111,6 @@ class ServerMetrics:
             self.ttft.observe(ttft_s)
         if e2e_s is not None and outcome == "success":
             self.e2e.observe(e2e_s)
-
-    def on_cache_lookup(self, layer: str, queries: int, hits: int) -> None:
-        """Count `queries` lookups of cache `layer`, `hits` of which hit."""
-        if layer not in CACHE_LAYERS:
-            raise ValueError(f"cache layer must be one of {', '.join(CACHE_LAYERS)}; got {layer!r}")
-        self.cache_queries.labels(layer=layer).inc(queries)
-        self.cache_hits.labels(layer=layer).inc(hits)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -108,7 +108,7 @@ def test_encoder_runs_once_per_item_across_chunks_and_is_freed_after():
         freed.extend(so.free_encoder_ids)
     # chunks [0,5) [5,10) [10,15) [15,20): item 0 starts in chunk 1, item 1 in chunk 3
     assert scheduled[:4] == [[0], [], [1], []]
-    assert freed == ["a-0", "a-1"]  # each once, after the step that computed its last placeholder
+    assert freed == ["a#0", "a#1"]  # each once, after the step that computed its last placeholder
     assert s.requests["a"].num_output_tokens == 3  # sampled after chunk 4 and two decodes
 
 
@@ -120,5 +120,5 @@ def test_abort_frees_blocks_and_tells_the_runner():
     s.check_integrity()
     so = s.schedule()
     assert so.finished_request_ids == ["a"]
-    assert so.free_encoder_ids == ["a-0"]
+    assert so.free_encoder_ids == ["a#0"]
     assert s.kv_cache.num_free_blocks == 64

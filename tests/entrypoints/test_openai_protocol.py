@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.frontend.core_client import EngineDeadError
-from mmserve.ipc.messages import SchedulerStats
+from mmserve.ipc.messages import CacheStats, SchedulerStats
 from mmserve.multimodal.media import MediaError
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -311,14 +311,15 @@ def test_metrics_names_and_outcomes(client, engine):
     assert metric(client, "mmserve_time_to_first_token_seconds_count") == 2
     assert metric(client, "mmserve_e2e_request_latency_seconds_count") == 2
     engine._stats = SchedulerStats(num_running=3, num_waiting=1, num_free_blocks=7, num_total_blocks=9,
-                                   num_preemptions=2)
+                                   num_preemptions=2, caches={"processor": CacheStats(queries=3, hits=1)})
     assert metric(client, "mmserve_num_requests_running") == 3
     assert metric(client, "mmserve_num_requests_waiting") == 1
     assert metric(client, "mmserve_kv_cache_free_blocks") == 7
     assert metric(client, "mmserve_kv_cache_total_blocks") == 9
     assert metric(client, "mmserve_num_preemptions_total") == 2
-    client.app.state.metrics.on_cache_lookup("processor", queries=3, hits=1)
     assert metric(client, 'mmserve_cache_hits_total{layer="processor"}') == 1
+    assert metric(client, 'mmserve_cache_queries_total{layer="processor"}') == 3
+    assert metric(client, 'mmserve_cache_queries_total{layer="prefix"}') == 0
 
 
 # ---- client disconnects abort the request ---------------------------------------------------------

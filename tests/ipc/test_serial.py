@@ -14,7 +14,7 @@ import torch
 
 import mmserve
 import mmserve.ipc.messages as messages
-from mmserve.ipc.messages import (AbortRequests, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
+from mmserve.ipc.messages import (AbortRequests, CachedRequestData, CacheStats, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ModelRunnerOutput, NewRequestData, SchedulerOutput,
                                   SchedulerStats)
@@ -25,15 +25,15 @@ from mmserve.sampling_params import SamplingParams
 SRC = pathlib.Path(mmserve.__file__).parent
 
 
-def item(identifier: str = "img0", **data: torch.Tensor) -> MultiModalItem:
+def item(mm_hash: str = "img0", **data: torch.Tensor) -> MultiModalItem:
     data = data or {"pixel_values": torch.randn(3, 336, 336)}
-    return MultiModalItem("image", identifier, data, PlaceholderRange(5, 576))
+    return MultiModalItem("image", mm_hash, data, PlaceholderRange(5, 576))
 
 
 def samples() -> list[Any]:
     """One instance of every Struct in messages.py (nested ones inside their parent)."""
     params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], stop_token_ids=[2], seed=3)
-    stats = SchedulerStats(1, 2, 3, 4, 5)
+    stats = SchedulerStats(1, 2, 3, 4, 5, {"prefix": CacheStats(10, 4, 1, 0, 3, 0)})
     return [
         EngineCoreRequest("r0", [1, 2, 3], [item("a"), item("b", pixel_values=torch.rand(3, 42, 42))],
                           params, 2, 12.5),

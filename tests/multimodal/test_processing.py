@@ -76,8 +76,8 @@ def test_placeholders_cover_each_image_run_in_order(processors, case):
         assert ids[rng.offset:rng.end] == [ours.image_token_id] * rng.length
         covered.extend(range(rng.offset, rng.end))
     assert covered == [i for i, t in enumerate(ids) if t == ours.image_token_id]
-    assert len({item.identifier for item in got.mm_items}) == len(images)
-    assert all(item.modality == "image" and len(item.identifier) == 32 for item in got.mm_items)
+    assert len({item.mm_hash for item in got.mm_items}) == len(images)
+    assert all(item.modality == "image" and len(item.mm_hash) == 32 for item in got.mm_items)
 
 
 def test_num_placeholder_tokens_follows_the_strategy(processors, checkpoint):

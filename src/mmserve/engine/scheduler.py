@@ -20,7 +20,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
-                                  NewRequestData, SchedulerOutput)
+                                  NewRequestData, SchedulerOutput, encoder_key)
 
 
 class Scheduler:
@@ -163,7 +163,7 @@ class Scheduler:
         """Free the request's blocks and encoder outputs; the runner drops its state next step."""
         self.kv_cache.free(req.request_id)
         for idx in self._encoded.pop(req.request_id, ()):
-            self._free_encoder_ids.append(req.mm_items[idx].identifier)
+            self._free_encoder_ids.append(encoder_key(req.request_id, idx))
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_ids.add(req.request_id)
@@ -172,7 +172,7 @@ class Scheduler:
         encoded = self._encoded.get(req.request_id, set())
         for idx in [i for i in encoded if req.mm_items[i].placeholder.end <= req.num_computed_tokens]:
             encoded.discard(idx)
-            self._free_encoder_ids.append(req.mm_items[idx].identifier)
+            self._free_encoder_ids.append(encoder_key(req.request_id, idx))
 
     def check_integrity(self) -> None:
         """Queues and block ownership agree: every owner of blocks is running."""

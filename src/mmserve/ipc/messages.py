@@ -34,6 +34,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    cache_salt: str | None = None  # isolates a tenant in every cache (prefix blocks included)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -72,16 +73,30 @@ class EngineCoreOutput(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the first output)
+
+
+class CacheStats(msgspec.Struct):
+    """One cache layer's counters since start (cumulative) and its current size."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+    bytes_saved: int = 0  # bytes kept off the P0 -> P1 wire (ipc, shm)
+    entries: int = 0
+    bytes_used: int = 0
 
 
 class SchedulerStats(msgspec.Struct):
-    """P1's state after a step, for /metrics and tests."""
+    """P1's state after a step, for /metrics and tests. `caches` maps a cache layer
+    ("processor", "ipc", "shm", "encoder", "prefix") to its stats."""
 
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int  # since start
+    caches: dict[str, CacheStats] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
@@ -112,6 +127,11 @@ class CachedRequestData(msgspec.Struct):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+
+
+def encoder_key(request_id: str, item_index: int) -> str:
+    """The key one item's encoder output is held under in the runner (per request, for now)."""
+    return f"{request_id}#{item_index}"
 
 
 class SchedulerOutput(msgspec.Struct):

@@ -26,11 +26,12 @@ class MultiModalItem(msgspec.Struct):
     """One processed image (or other item) of one request.
 
     `data` holds the Hugging Face processor's output for this item alone, e.g.
-    `{"pixel_values": Tensor[3, H, W]}` (float32). `identifier` is the key its encoder output
-    is stored under in the model runner; it is unique per item content (later: the `mm_hash`).
+    `{"pixel_values": Tensor[3, H, W]}` (float32); it is None while the item travels P0 -> P1
+    as its hash alone (the engine core's IPC cache restores it). `mm_hash` identifies the
+    item's content (with model, processor settings and salt) for every cache layer.
     """
 
     modality: str
-    identifier: str
-    data: dict[str, Any]
+    mm_hash: str
+    data: dict[str, Any] | None
     placeholder: PlaceholderRange

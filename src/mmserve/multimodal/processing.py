@@ -87,7 +87,7 @@ class MultiModalProcessor:
         token_ids = list(self.tokenizer(expanded)["input_ids"])
         ranges = self._placeholder_ranges(token_ids, counts)
         items = [
-            MultiModalItem(modality="image", identifier=uuid.uuid4().hex, data=data, placeholder=rng)
+            MultiModalItem(modality="image", mm_hash=uuid.uuid4().hex, data=data, placeholder=rng)
             for data, rng in zip(datas, ranges)
         ]
         return ProcessedPrompt(prompt_token_ids=token_ids, mm_items=items)

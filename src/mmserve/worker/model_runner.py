@@ -1,7 +1,7 @@
 """The model runner: turns a `SchedulerOutput` into one forward pass and sampled tokens.
 
 It keeps what the scheduler sends only once: each request's tokens, items, block table and
-sampling state (`RunnerRequest`), and encoder outputs keyed by item identifier until the
+sampling state (`RunnerRequest`), and encoder outputs by `encoder_key` until the
 scheduler frees them. The KV cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh]
 tensors per decoder layer.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, encoder_key
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.multimodal.inputs import MultiModalItem
@@ -41,7 +41,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RunnerRequest] = {}
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # identifier -> [F, D]
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # encoder_key -> [F, D]
         self.generator = torch.Generator().manual_seed(config.model.seed)
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -73,8 +73,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
-        for identifier in so.free_encoder_ids:
-            self.encoder_outputs.pop(identifier, None)
+        for key in so.free_encoder_ids:
+            self.encoder_outputs.pop(key, None)
         for new in so.new_requests:
             self.requests[new.request_id] = self._new_state(new)
         for cached in so.cached_requests:
@@ -91,16 +91,16 @@ class ModelRunner:
         return RunnerRequest(list(new.token_ids), new.mm_items, new.sampling_params, list(new.block_ids), generator)
 
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
-        items = [self.requests[rid].mm_items[idx] for rid, idxs in scheduled.items() for idx in idxs]
-        items = list({item.identifier: item for item in items}.values())  # one encode per identifier
-        if not items:
+        keyed = [(encoder_key(rid, idx), self.requests[rid].mm_items[idx]) for rid, idxs in scheduled.items()
+                 for idx in idxs]
+        if not keyed:
             return
-        pixels = torch.stack([item.data["pixel_values"] for item in items]).to(self.dtype)  # [N, C, H, W]
+        pixels = torch.stack([item.data["pixel_values"] for _, item in keyed]).to(self.dtype)  # [N, C, H, W]
         features = self.model.encode_images(pixels)  # [N, F, D]
-        for item, feats in zip(items, features):
+        for (key, item), feats in zip(keyed, features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
-            self.encoder_outputs[item.identifier] = feats
+            self.encoder_outputs[key] = feats
 
     def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]):
         input_ids: list[int] = []
@@ -123,11 +123,11 @@ class ModelRunner:
         for rid in req_ids:
             state, n = self.requests[rid], num_sched[rid]
             start = state.num_computed_tokens
-            for item in state.mm_items:
+            for idx, item in enumerate(state.mm_items):
                 ph = item.placeholder
                 lo, hi = max(start, ph.offset), min(start + n, ph.end)
                 if lo < hi:
-                    feats = self.encoder_outputs[item.identifier]
+                    feats = self.encoder_outputs[encoder_key(rid, idx)]
                     embeds[offset + lo - start: offset + hi - start] = feats[lo - ph.offset: hi - ph.offset]
             offset += n
         return embeds
