@@ -44,8 +44,14 @@ class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV cache block.")
     kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache in GiB (ignored with --num-kv-blocks).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV cache blocks (overrides --kv-cache-memory-gb).")
+    enable_prefix_caching: bool = _opt(True, "Reuse the KV blocks of identical prompt prefixes (images included).")
+    prefix_caching_hash_algo: str = _opt(
+        "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
+        choices=("sha256", "blake3", "xxh3_128"))
 
     def __post_init__(self) -> None:
+        if self.prefix_caching_hash_algo not in ("sha256", "blake3", "xxh3_128"):
+            raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
         if self.kv_cache_memory_gb <= 0:
@@ -73,6 +79,12 @@ class MultiModalConfig:
     allowed_local_media_path: str | None = _opt(
         None, "Directory under which file:// images may be read (default: none may).")
     max_media_bytes: int = _opt(20 << 20, "Largest encoded image in bytes.")
+    mm_processor_cache_gb: float = _opt(4.0, "P0's processed-item cache in GiB (0 turns it off).")
+    mm_ipc_cache_gb: float = _opt(4.0, "P0 -> P1 item cache in GiB, mirrored on both sides (0 turns it off).")
+    mm_cache_type: str = _opt("lru", "How processed items reach P1: lru (the IPC cache) or shm (shared memory).",
+                              choices=("lru", "shm"))
+    mm_shm_cache_gb: float = _opt(4.0, "Shared-memory object store size in GiB (with --mm-cache-type shm).")
+    mm_shm_max_object_mb: float = _opt(128.0, "Largest item the shared-memory store takes, in MiB.")
     max_media_pixels: int = _opt(40_000_000, "Largest decoded image in pixels (width x height).")
     allowed_media_domains: list[str] = _opt(
         [], "Hosts http(s) images may be fetched from, comma-separated or repeated (default: none).",
@@ -88,6 +100,11 @@ class MultiModalConfig:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
         if self.max_media_bytes < 1 or self.max_media_pixels < 1:
             raise ValueError("max_media_bytes and max_media_pixels must be positive")
+        for name in ("mm_processor_cache_gb", "mm_ipc_cache_gb", "mm_shm_cache_gb", "mm_shm_max_object_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
+        if self.mm_cache_type not in ("lru", "shm"):
+            raise ValueError(f"mm_cache_type must be lru or shm; got {self.mm_cache_type!r}")
 
     def media_limits(self) -> MediaLimits:
         from mmserve.multimodal.media import MediaLimits
