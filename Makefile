@@ -1,11 +1,12 @@
-# The two README commands: `make run` (the demo on the built-in model) and `make test`.
+# The two README commands: `make run` (the demo on the built-in model) and `make test`;
+# `make bench-serve` shows what the caches save (a cold run beside a warm run).
 # Both create .venv on first use and are safe to run again.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate test bench clean
+.PHONY: setup run generate test bench bench-serve clean
 
 setup: $(STAMP)
 
@@ -28,9 +29,14 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider
 
+# every component benchmark in benchmarks/ (one at a time: make bench ONLY=serving_overhead)
 bench: $(STAMP)
-	$(BIN)/python benchmarks/offline_throughput.py
-	$(BIN)/python benchmarks/serving_overhead.py
+	$(BIN)/python -m benchmarks $(if $(ONLY),--only $(ONLY))
+
+# the serving benchmark on the built-in model: launches a server, sends the same requests twice
+# (cold, then warm), prints both runs side by side with each cache layer's hit rate, stops the server
+bench-serve: $(STAMP)
+	$(BIN)/mmserve bench serve --launch --repeat 2
 
 clean:
 	rm -rf $(VENV)

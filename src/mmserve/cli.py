@@ -1,4 +1,5 @@
-"""`mmserve` command line: `mmserve serve` (the OpenAI-compatible server), `mmserve generate` (offline)."""
+"""`mmserve` command line: `mmserve serve` (the OpenAI-compatible server), `mmserve bench` (benchmarks),
+`mmserve generate` (offline)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import os
 import sys
 
+from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import add_cli_args, engine_args_from_cli
 
 
@@ -13,13 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models with caching.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
+    add_bench_parser(sub)
     gen = sub.add_parser("generate", help="Complete one prompt about one image, offline.")
     gen.add_argument("--image", default=None, help="Image file (default: a built-in sample picture).")
     gen.add_argument("--prompt", default="What is in this image?", help="The user's message.")
     gen.add_argument("--max-tokens", type=int, default=32, help="Most tokens to generate.")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
     add_cli_args(gen)
+    argv, server_args = split_server_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        args.server_args = server_args
+        return run_bench(args)
     try:
         return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as e:
