@@ -22,3 +22,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None before the first token

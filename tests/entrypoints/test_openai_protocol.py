@@ -19,6 +19,7 @@ from mmserve.sampling_params import SamplingParams
 
 MODEL = "tiny"
 PROMPT_IDS = [1, 2, 3, 4, 5]
+CACHED = 2  # of PROMPT_IDS, "served from the prefix cache"
 PIECES = ["Hel", "lo", " wor", "ld"]
 
 
@@ -46,7 +47,7 @@ class FakeEngine:
     def stats(self) -> SchedulerStats | None:
         return self._stats
 
-    async def build_prompt(self, messages: list[dict]) -> dict:
+    async def build_prompt(self, messages: list[dict], cache_salt: str | None = None) -> dict:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"bad role {m['role']!r}")
@@ -80,7 +81,8 @@ class FakeEngine:
                 done = i == n - 1
                 reason = ("length" if n == params.max_tokens else "stop") if done else None
                 yield RequestOutput(request_id, prompt["prompt"], PROMPT_IDS, [CompletionOutput(
-                    0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done)
+                    0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done,
+                    num_cached_tokens=CACHED)
         finally:
             (self.finished if done else self.aborted).append(request_id)
 
@@ -142,7 +144,8 @@ def test_whole_completion_and_usage(client, engine):
     assert body["object"] == "chat.completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello wor"},
                                 "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": CACHED}}
     part = engine.prompts[0]["messages"][0]["content"][0]
     assert part == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}, "uuid": "img-1"}
 
@@ -178,7 +181,7 @@ def test_stream_chunks_usage_and_done(client):
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
-        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": CACHED}}
 
 
 def test_stream_without_usage_has_no_usage_field(client):
@@ -212,7 +215,7 @@ CLIENT_FAULTS = {
     "bad part type": ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "invalid_value",
                       "messages[0].content[0]"),
     "part without url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-                         400, "invalid_value", "messages[0].content[0].image_url.url"),
+                         400, "invalid_value", "messages[0].content[0]"),
     "content a number": ({"messages": [{"role": "user", "content": 5}]}, 400, "invalid_value",
                          "messages[0].content"),
     "temperature a word": ({"messages": GOOD, "temperature": "hot"}, 400, "invalid_value", "temperature"),

@@ -200,3 +200,54 @@ def test_killed_engine_core_fails_requests_and_exits_nonzero(model_path):
     code = s.proc.wait(timeout=20)
     assert code != 0
     assert leftover_sockets(s.proc.pid) == []
+
+
+def labelled(server, name: str, layer: str) -> float:
+    _, text = server.get("/metrics")
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{layer="{layer}"}} '):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_a_repeated_image_is_processed_once_and_crosses_once(server, client, model_path):
+    image = data_url(make_image(900))
+    before = {m: labelled(server, m, layer) for m, layer in [("mmserve_cache_hits_total", "processor"),
+                                                               ("mmserve_cache_hits_total", "ipc"),
+                                                               ("mmserve_cache_bytes_saved_total", "ipc")]}
+    first = chat(client, model_path, image).choices[0].message.content
+    second = chat(client, model_path, image).choices[0].message.content
+    assert first == second
+    assert labelled(server, "mmserve_cache_hits_total", "processor") == before["mmserve_cache_hits_total"] + 1
+    assert labelled(server, "mmserve_cache_hits_total", "ipc") > before["mmserve_cache_hits_total"]
+    assert labelled(server, "mmserve_cache_bytes_saved_total", "ipc") > before["mmserve_cache_bytes_saved_total"]
+
+
+def test_uuid_parts_over_the_api(server, client, model_path):
+    image = data_url(make_image(901))
+    with_uuid = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}, "uuid": "img-901"},
+                                              {"type": "text", "text": "What is this?"}]}]
+    alone = [{"role": "user", "content": [{"type": "image_url", "uuid": "img-901"},
+                                          {"type": "text", "text": "What is this?"}]}]
+    kw = dict(model=model_path, temperature=0, max_tokens=MAX_TOKENS)
+    first = client.chat.completions.create(messages=with_uuid, **kw).choices[0].message.content
+    assert client.chat.completions.create(messages=alone, **kw).choices[0].message.content == first
+    unknown = [{"role": "user", "content": [{"type": "image_url", "uuid": "never-sent"}]}]
+    with pytest.raises(openai.BadRequestError, match="send the image again"):
+        client.chat.completions.create(messages=unknown, **kw)
+
+
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, client, model_path):
+    msgs = [{"role": "system", "content": "You answer about foxes. " * 6},
+            {"role": "user", "content": "How quick is the brown fox?"}]
+    kw = dict(model=model_path, messages=msgs, temperature=0, max_tokens=MAX_TOKENS)
+    hits_before = labelled(server, "mmserve_cache_hits_total", "prefix")
+    first = client.chat.completions.create(**kw)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = whole.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < whole.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert whole.choices[0].message.content == first.choices[0].message.content
+    assert labelled(server, "mmserve_cache_hits_total", "prefix") == hits_before + 2 * cached

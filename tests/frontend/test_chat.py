@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mmserve.frontend.chat import parse_chat_messages
-from mmserve.multimodal.media import MediaError, MediaLimits
+from mmserve.multimodal.media import MediaError, MediaLimits, load_image
 
 
 def png_url(color: tuple[int, int, int], size: tuple[int, int] = (4, 4)) -> str:
@@ -22,10 +22,16 @@ def png_url(color: tuple[int, int, int], size: tuple[int, int] = (4, 4)) -> str:
 LIMITS = MediaLimits()
 
 
+def parse(messages, limits=LIMITS):
+    """The conversation, and the images loaded as input processing would load them."""
+    inputs = parse_chat_messages(messages)
+    return inputs.conversation, [load_image(src, limits) for src in inputs.images]
+
+
 def test_string_content_is_kept() -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello"}]
-    conversation, images = parse_chat_messages(messages, LIMITS)
+    conversation, images = parse(messages)
     assert conversation == messages and images == []
 
 
@@ -38,7 +44,7 @@ def test_parts_are_normalised_and_images_kept_in_order() -> None:
         {"type": "image_url", "image_url": png_url((0, 0, 255), (5, 5))},
         {"type": "image", "image": gray},
     ]}]
-    conversation, images = parse_chat_messages(messages, LIMITS)
+    conversation, images = parse(messages)
     assert conversation == [{"role": "user", "content": [
         {"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}, {"type": "image"},
         {"type": "image"}]}]
@@ -50,8 +56,7 @@ def test_parts_are_normalised_and_images_kept_in_order() -> None:
 def test_image_part_with_path(tmp_path: Path) -> None:
     Image.new("RGB", (6, 6)).save(tmp_path / "a.png")
     limits = MediaLimits(allowed_local_media_path=str(tmp_path))
-    _, images = parse_chat_messages(
-        [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")}]}], limits)
+    _, images = parse([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")}]}], limits)
     assert images[0].size == (6, 6)
 
 
@@ -60,7 +65,7 @@ def test_multi_turn_images_across_messages() -> None:
                 {"role": "assistant", "content": [{"type": "text", "text": "a dot"}]},
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url((4, 5, 6))}},
                                              {"type": "text", "text": "and this?"}]}]
-    conversation, images = parse_chat_messages(messages, LIMITS)
+    conversation, images = parse(messages)
     assert [image.getpixel((0, 0)) for image in images] == [(1, 2, 3), (4, 5, 6)]
     assert conversation[1] == {"role": "assistant", "content": [{"type": "text", "text": "a dot"}]}
 
@@ -84,14 +89,28 @@ def test_multi_turn_images_across_messages() -> None:
 ])
 def test_malformed_messages(messages: object, words: str) -> None:
     with pytest.raises(ValueError) as info:
-        parse_chat_messages(messages, LIMITS)  # type: ignore[arg-type]
+        parse_chat_messages(messages)  # type: ignore[arg-type]
     assert words in str(info.value)
 
 
-def test_refused_media_names_the_part() -> None:
+def test_refused_media_is_a_media_error_when_loaded() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "x"},
                                              {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with pytest.raises(MediaError, match=r"messages\[0\]\.content\[1\]: .*--allowed-media-domains"):
-        parse_chat_messages(messages, LIMITS)
-    with pytest.raises(MediaError, match="PIL image"):
-        parse_chat_messages([{"role": "user", "content": [{"type": "image", "image": 3}]}], LIMITS)
+    with pytest.raises(MediaError, match="--allowed-media-domains"):
+        parse(messages)
+    with pytest.raises(ValueError, match="PIL image"):
+        parse_chat_messages([{"role": "user", "content": [{"type": "image", "image": 3}]}])
+
+
+def test_uuid_parts_may_leave_out_the_url() -> None:
+    inputs = parse_chat_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url((1, 1, 1))}, "uuid": "a"},
+        {"type": "image_url", "uuid": "b"},
+        {"type": "image_url", "image_url": {}, "uuid": "c"},
+        {"type": "image_url", "image_url": {"url": png_url((2, 2, 2))}}]}])
+    assert inputs.uuids == ["a", "b", "c", None]
+    assert inputs.images[1:3] == [None, None]
+    prompt = inputs.prompt("text", cache_salt="tenant")
+    assert prompt["multi_modal_uuids"] == {"image": ["a", "b", "c", None]} and prompt["cache_salt"] == "tenant"
+    with pytest.raises(ValueError, match="uuid"):
+        parse_chat_messages([{"role": "user", "content": [{"type": "image_url", "uuid": ""}]}])

@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 
 from mmserve.config import EngineConfig
+from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.models.hf_config import LlavaModelConfig, load_model_config
 from mmserve.worker.executor import InProcessExecutor
 
@@ -32,7 +33,11 @@ class EngineCore:
             raise ValueError("--kv-cache-memory-gb is too small for one KV block; raise it")
         self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
         self.executor.initialize_kv_cache(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size)
+        cache = config.cache
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # requests hash their blocks only when the prefix cache can use the hashes
+        self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
+                             if cache.enable_prefix_caching else None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
@@ -47,7 +52,7 @@ class EngineCore:
                              f"{self.max_model_len}, which must also leave room for at least one output token")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -65,8 +70,11 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
+        pool = self.kv_cache.pool
+        prefix = CacheStats(queries=s.prefix_queries, hits=s.prefix_hits, evictions=pool.num_evictions,
+                            entries=pool.num_cached_blocks)
         return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,
-                              self.kv_cache.pool.num_blocks, s.num_preemptions)
+                              self.kv_cache.pool.num_blocks, s.num_preemptions, caches={"prefix": prefix})
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -4,8 +4,10 @@
 `EngineCoreReady` (or `EngineCoreFailed` and exits 1), then runs the busy loop:
 
 - idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;
-- drain every pending input without blocking: requests are added (a ValueError comes back as
-  an error output with finish_reason "abort"), aborts free their requests at once;
+- drain every pending input without blocking: a request's items sent by hash alone are restored
+  from the IPC receiver cache (hashes it lacks go back in `resend`, and the request waits for
+  P0 to send it again in full); requests are added (a ValueError comes back as an error output
+  with finish_reason "abort"); aborts free their requests at once;
 - with work: `step()` once and send the `EngineCoreOutputs` if it holds outputs or the stats
   changed since the last send (error outputs ride along with the next send);
 - every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
@@ -34,6 +36,7 @@ from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInp
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from mmserve.multimodal.cache import IpcReceiverCache, gib_to_bytes
 
 if TYPE_CHECKING:
     from mmserve.engine.core import EngineCore
@@ -76,7 +79,8 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     try:
-        proc = EngineCoreProc(core, inputs, outputs, parent_pid)
+        receiver = IpcReceiverCache(gib_to_bytes(config.multimodal.mm_ipc_cache_gb))
+        proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver)
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))
         if proc.orphaned:
             _remove_socket_files(inputs.address, outputs.address)
@@ -107,8 +111,10 @@ class EngineCoreProc:
     """
 
     def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
-                 parent_pid: int) -> None:
+                 parent_pid: int, receiver: IpcReceiverCache | None = None) -> None:
         self.core = core
+        self.receiver = receiver or IpcReceiverCache(0)
+        self._resend: dict[str, list[str]] = {}  # requests to ask P0 for again, with missing hashes
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
@@ -160,6 +166,10 @@ class EngineCoreProc:
                 self.core.abort_requests(msg.request_ids)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        missing = self.receiver.update(request.mm_items, request.ipc_epoch)
+        if missing:
+            self._resend[request.request_id] = missing
+            return
         try:
             self.core.add_request(request)
         except ValueError as e:
@@ -170,9 +180,10 @@ class EngineCoreProc:
         if self._pending:
             step_outputs = self._pending + step_outputs
             self._pending = []
-        if not step_outputs and stats == self._last_stats:
+        if not step_outputs and not self._resend and stats == self._last_stats:
             return
-        self.outputs.send(EngineCoreOutputs(step_outputs, stats))
+        self.outputs.send(EngineCoreOutputs(step_outputs, stats, self._resend))
+        self._resend = {}
         self._last_stats = stats
 
     def _install_signal_handlers(self) -> dict[int, Any]:

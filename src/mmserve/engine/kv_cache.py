@@ -1,62 +1,37 @@
-"""The paged KV cache's bookkeeping: which blocks each request owns.
+"""The paged KV cache's bookkeeping: which blocks each request owns, and the prefix cache.
 
 The tensors live in the model runner ([num_blocks, block_size, Hkv, Dh] per layer); this file
 decides block ids only. A request's tokens 0..n-1 sit in its blocks in order: token i in
-block `blocks[i // block_size]` at offset `i % block_size`.
+block `blocks[i // block_size]` at offset `i % block_size`. The pool (blocks, LRU free queue,
+hash map) is in `block_pool.py`; how block hashes are made is in `block_hash.py`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Sequence
 
+from mmserve.engine.block_hash import BlockHash
+from mmserve.engine.block_pool import BlockPool, KVBlock
 
-class BlockPool:
-    """`num_blocks` blocks, each free or referenced.
-
-    Invariant: a block is in the free queue exactly when its ref count is 0. The queue is
-    FIFO: blocks are handed out in the order they were freed (least recently used first).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each). The caller checks `num_free_blocks` first."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self.ref_counts[b] = 1
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go to the free queue's end."""
-        for b in blocks:
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self._free.append(b)
-
-    def check_integrity(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is queued twice"
-        for b, rc in enumerate(self.ref_counts):
-            assert rc >= 0, f"block {b} has ref count {rc}"
-            assert (rc == 0) == (b in free), f"block {b}: ref count {rc} but free={b in free}"
+__all__ = ["BlockPool", "KVBlock", "KVCacheManager"]
 
 
 class KVCacheManager:
-    """Owns each request's block list; `allocate_slots` grows it, `free` returns it."""
+    """Owns each request's block list: `find_cached_prefix` looks up, `allocate_slots` grows,
+    `cache_full_blocks` registers computed blocks, `free` returns them.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    Invariants: a request's blocks are never shared for writing — a cache hit covers whole
+    blocks that the request only reads; its first `num_cached_blocks[id]` blocks are registered
+    in the pool under the request's block hashes. With `enable_caching` False nothing is looked
+    up or registered, and the pool is a plain LRU free list.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[int]] = {}
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> its blocks registered so far
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,33 +41,75 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return self.req_to_blocks.get(request_id, [])
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """True when the request's first `num_tokens` tokens can have slots."""
-        have = len(self.req_to_blocks.get(request_id, ()))
-        return self.blocks_needed(num_tokens) - have <= self.pool.num_free_blocks
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVBlock]:
+        """The longest run of cached blocks matching `block_hashes` from the first, at most
+        `max_blocks` long. Changes nothing: `allocate_slots` takes them."""
+        hits: list[KVBlock] = []
+        if not self.enable_caching:
+            return hits
+        for block_hash in block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's blocks to hold `num_tokens` tokens in all; return the new block ids,
-        or None (and change nothing) when too few blocks are free."""
-        if not self.can_allocate(request_id, num_tokens):
+    def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> bool:
+        """True when the request's first `num_tokens` tokens can have slots, `computed` (cache
+        hits for a request without blocks) covering the first of them."""
+        have = len(self.req_to_blocks.get(request_id, ())) + len(computed)
+        taken_from_free = sum(1 for b in computed if b.ref_cnt == 0)  # hits that leave the free queue
+        return self.blocks_needed(num_tokens) - have + taken_from_free <= self.pool.num_free_blocks
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       computed: Sequence[KVBlock] = ()) -> list[int] | None:
+        """Grow the request's blocks to hold `num_tokens` tokens in all, starting with the cache
+        hits `computed` (only for a request that owns no blocks yet). Return the ids of the newly
+        allocated blocks (not the hits), or None (and change nothing) when too few are free."""
+        if not self.can_allocate(request_id, num_tokens, computed):
             return None
         blocks = self.req_to_blocks.setdefault(request_id, [])
+        if computed:
+            assert not blocks, "cache hits are only taken by a request without blocks"
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[request_id] = len(computed)
         new = self.pool.allocate(max(0, self.blocks_needed(num_tokens) - len(blocks)))
         blocks.extend(new)
-        return new
+        return [b.block_id for b in new]
+
+    def cache_full_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
+        """Register the request's blocks that `num_computed_tokens` fill (and that have a hash),
+        so that later requests hit them. The K/V of the last ones may be computed in the step
+        being scheduled: a request admitted later in the same step reads them only after that
+        step's cache writes (each layer writes all of the step's K/V before attending)."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks[request_id]
+        done = self.num_cached_blocks.get(request_id, 0)
+        full = min(num_computed_tokens // self.block_size, len(block_hashes), len(blocks))
+        for i in range(done, full):
+            self.pool.cache_block(blocks[i], block_hashes[i])
+        self.num_cached_blocks[request_id] = max(done, full)
 
     def free(self, request_id: str) -> None:
-        """Release all the request's blocks, last block first (so tail blocks are reused first)."""
+        """Release all the request's blocks, last block first: freed blocks keep their hashes, and
+        the request's tail blocks are evicted before its head blocks."""
         blocks = self.req_to_blocks.pop(request_id, [])
-        self.pool.free(blocks[::-1])
+        self.num_cached_blocks.pop(request_id, None)
+        self.pool.free(reversed(blocks))
 
     def check_integrity(self) -> None:
-        """Every block is free or owned; ref counts equal the number of owners."""
+        """The pool is sound; ref counts equal the number of owners; registered blocks have hashes."""
         self.pool.check_integrity()
         owners = [0] * self.pool.num_blocks
-        for blocks in self.req_to_blocks.values():
+        for rid, blocks in self.req_to_blocks.items():
             for b in blocks:
-                owners[b] += 1
-        assert owners == self.pool.ref_counts, "ref counts disagree with request ownership"
+                owners[b.block_id] += 1
+            cached = self.num_cached_blocks.get(rid, 0)
+            assert cached <= len(blocks), f"{rid}: {cached} cached blocks of {len(blocks)}"
+            assert all(b.block_hash is not None for b in blocks[:cached]), f"{rid}: a registered block lost its hash"
+        assert owners == [b.ref_cnt for b in self.pool.blocks], "ref counts disagree with request ownership"
+        assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "cached-block count of a request without blocks"

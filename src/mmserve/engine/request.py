@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from mmserve.engine.block_hash import BlockHash, BlockHasher
 from mmserve.ipc.messages import EngineCoreRequest, FinishReason
 from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.sampling_params import SamplingParams
@@ -38,10 +39,16 @@ class Request:
 
     Invariant: 0 <= num_computed_tokens <= num_tokens. After a step has been scheduled,
     `num_computed_tokens` already counts its tokens (the runner computes them that step).
+
+    With a `block_hasher` (prefix caching on), `block_hashes[i]` is the hash of full block i of
+    `all_token_ids`; it grows as tokens become known (at creation, then in
+    `append_output_token_ids`), so each block is hashed once. Without one it stays empty.
+    `num_cached_tokens` is the prefix-cache hit of its first admission (None before it).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
-                 sampling_params: SamplingParams, eos_token_id: int | None, arrival_time: float) -> None:
+                 sampling_params: SamplingParams, eos_token_id: int | None, arrival_time: float, *,
+                 cache_salt: str | None = None, block_hasher: BlockHasher | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.mm_items = mm_items
@@ -53,10 +60,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.num_cached_tokens: int | None = None
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
 
     @classmethod
-    def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:
-        return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time)
+    def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
+        return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
+                   cache_salt=r.cache_salt, block_hasher=block_hasher)
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +88,15 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
+        """Append sampled tokens; hashes the blocks they fill (mutates `block_hashes`)."""
         self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        hasher = self._block_hasher
+        if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes += hasher.new_block_hashes(self.all_token_ids, self.mm_items, self.cache_salt,
+                                                         self.block_hashes)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

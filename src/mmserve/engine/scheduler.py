@@ -8,6 +8,13 @@ token 0 (its outputs so far become part of what is recomputed). Waiting requests
 afterwards, in order, while budget, `max_num_seqs` and free blocks allow — and not in a step
 that had to preempt.
 
+Prefix cache: a request being admitted first takes the longest run of cached full blocks that
+match its block hashes, and its prefill starts after them. At least one token is always computed
+(the hit is capped at `num_tokens - 1`, so a prompt that hits whole recomputes its last block),
+and a hit never ends strictly inside an item's placeholder range (see `back_off_from_placeholders`).
+Blocks are registered in the cache as soon as the scheduled tokens fill them; finished, aborted and
+preempted requests free their blocks into the LRU queue with their hashes kept.
+
 Encoder work: an image's encoder runs in the step that first schedules any of its placeholder
 tokens; its output stays in the runner until the request has computed all of them.
 """
@@ -15,12 +22,14 @@ tokens; its output stays in the runner until the request has computed all of the
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 from mmserve.config import SchedulerConfig
-from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, encoder_key)
+from mmserve.multimodal.inputs import MultiModalItem
 
 
 class Scheduler:
@@ -36,6 +45,8 @@ class Scheduler:
         self._encoded: dict[str, set[int]] = {}  # request id -> items whose output the runner holds
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0  # since start, for tests and metrics
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
+        self.prefix_hits = 0  # of which were cache hits
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -81,21 +92,43 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + n):
+            computed = self._cached_prefix(req)
+            num_hit = len(computed) * self.kv_cache.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._schedule(req, n, out)
+            self._admit(req, num_hit)
+            self._schedule(req, n, out, computed)
             budget -= n
         return out
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        """Give `req` `n` tokens this step: slots, encoder inputs, and what the runner needs."""
+    def _cached_prefix(self, req: Request) -> list[KVBlock]:
+        """The cache hits a waiting request can use: whole blocks, at least one token left to
+        compute, not ending inside a placeholder range. Changes nothing."""
+        bs = self.kv_cache.block_size
+        hits = self.kv_cache.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
+        return hits[:back_off_from_placeholders(len(hits) * bs, req.mm_items, bs) // bs]
+
+    def _admit(self, req: Request, num_hit: int) -> None:
+        """Start `req` after its `num_hit` cached tokens; the first admission sets its
+        `num_cached_tokens` and counts the lookup in `prefix_queries` / `prefix_hits`."""
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_hit
+            if self.kv_cache.enable_caching:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += num_hit
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput, computed: Sequence[KVBlock] = ()) -> None:
+        """Give `req` `n` tokens this step (after the cache hits `computed`, when admitted): slots,
+        encoder inputs, and what the runner needs; blocks the step fills join the prefix cache."""
         rid, start = req.request_id, req.num_computed_tokens
-        new_blocks = self.kv_cache.allocate_slots(rid, start + n)
+        new_blocks = self.kv_cache.allocate_slots(rid, start + n, computed)
         assert new_blocks is not None, "caller checked can_allocate"
+        self.kv_cache.cache_full_blocks(rid, req.block_hashes, start + n)
         if rid in self._known_to_runner:
             out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
         else:
@@ -139,7 +172,9 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            outputs.append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason))
+            first = req.num_output_tokens == len(tokens)
+            outputs.append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason,
+                                            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0))
         return EngineCoreOutputs(outputs)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
@@ -180,3 +215,26 @@ class Scheduler:
         assert set(self.kv_cache.req_to_blocks) <= {r.request_id for r in self.running}, "a non-running request owns blocks"
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
         assert len(self.running) <= self.config.max_num_seqs
+        for req in self.running:
+            blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))
+            assert blocks >= self.kv_cache.blocks_needed(req.num_computed_tokens), f"{req} lacks KV blocks"
+
+
+def back_off_from_placeholders(num_tokens: int, mm_items: Sequence[MultiModalItem], block_size: int) -> int:
+    """The longest block-aligned prefix of at most `num_tokens` (block-aligned) tokens that does
+    not end strictly inside any item's placeholder range.
+
+    A cached prefix that ends inside an image would leave the rest of its placeholders to compute,
+    which needs the image's encoder output; until encoder outputs are cached across requests, the
+    hit backs off to the block holding the image's first placeholder (and again, should that
+    block boundary fall inside an earlier image).
+    """
+    changed = True
+    while changed:
+        changed = False
+        for item in mm_items:
+            ph = item.placeholder
+            if ph.offset < num_tokens < ph.end:
+                num_tokens = ph.offset // block_size * block_size
+                changed = True
+    return num_tokens

@@ -53,9 +53,8 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
-            template_messages, images = parse_chat_messages(conversation, self.engine.input_processor.media_limits)
-            text = self.engine.input_processor.processor.apply_chat_template(template_messages)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            inputs = parse_chat_messages(conversation)
+            prompts.append(inputs.prompt(self.engine.input_processor.processor.apply_chat_template(inputs.conversation)))
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

@@ -2,13 +2,18 @@
 outputs come back on one background task and are routed to each request's queue.
 
 Input processing (media decoding, the HF image processor, tokenizing) runs in worker threads
-so the event loop keeps serving while images are processed.
+so the event loop keeps serving while images are processed. The IPC sender cache is updated on
+the event loop, right before each send, so its updates happen in send order — the order P1
+applies them in. Until P1 produces a request's first output, P0 keeps the request's processed
+items: if P1 lacked an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+
+import msgspec
 from typing import Any, AsyncIterator
 
 from mmserve.config import EngineConfig
@@ -17,7 +22,9 @@ from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.llm_engine import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.multimodal.cache import IpcSenderCache, gib_to_bytes
+from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -33,7 +40,11 @@ class AsyncLLM:
         self.model_dir = resolve_model(config.model.model)
         self.client = EngineCoreClient(config, self.model_dir)
         self.max_model_len = self.client.max_model_len
-        self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir))
+        ipc_gb = config.multimodal.mm_ipc_cache_gb if config.multimodal.mm_cache_type == "lru" else 0
+        self.ipc_sender = IpcSenderCache(gib_to_bytes(ipc_gb))
+        self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
+                                              known_tokens=self.ipc_sender.num_tokens)
+        self._unadmitted: dict[str, EngineCoreRequest] = {}  # full requests until P1's first output
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
@@ -50,16 +61,21 @@ class AsyncLLM:
         return self._dead_error
 
     def stats(self) -> SchedulerStats | None:
-        return self._stats
+        """P1's latest stats, with P0's cache layers (processor, ipc) merged in."""
+        base = self._stats or SchedulerStats(0, 0, 0, 0, 0)
+        caches = {**base.caches, "processor": self.input_processor.processor_cache.stats(),
+                  "ipc": self.ipc_sender.stats()}
+        return msgspec.structs.replace(base, caches=caches)
 
-    async def build_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """OpenAI messages -> a prompt dict with its images loaded (ValueError for bad input)."""
-        return await asyncio.to_thread(self._build_prompt, messages)
+    def reset_mm_cache(self) -> None:
+        """Empty the IPC cache on both sides (P1 empties on the next request's new epoch)."""
+        self.ipc_sender.reset()
 
-    def _build_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        conversation, images = parse_chat_messages(messages, self.input_processor.media_limits)
-        text = self.input_processor.processor.apply_chat_template(conversation)
-        return {"prompt": text, "multi_modal_data": {"image": images}}
+    async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None) -> dict[str, Any]:
+        """OpenAI messages -> a prompt dict naming its images (ValueError for bad input); the
+        images are read, hashed and processed by `generate`, off the event loop."""
+        inputs = parse_chat_messages(messages)
+        return inputs.prompt(self.input_processor.processor.apply_chat_template(inputs.conversation), cache_salt)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -77,7 +93,7 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
-        self.client.add_request(request)
+        self._send(request)
         finished = False
         try:
             while not finished:
@@ -95,7 +111,31 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
+    def _send(self, request: EngineCoreRequest) -> None:
+        """Update the IPC sender cache and send: items P1 will hold cross as their hash alone."""
+        cached = self.ipc_sender.update(request.mm_items)
+        items = [MultiModalItem(i.modality, i.mm_hash, None if hit else i.data, i.placeholder)
+                 for i, hit in zip(request.mm_items, cached)]
+        if any(cached):
+            self._unadmitted[request.request_id] = request
+        self.client.add_request(msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.ipc_sender.epoch))
+
+    def _resend(self, request_id: str, missing: list[str]) -> None:
+        """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
+        request = self._unadmitted.get(request_id)
+        if request is None or request_id not in self._queues:
+            return  # aborted meanwhile
+        logger.warning("IPC cache drift: P1 lacked %d item(s) of %s; resending", len(missing), request_id)
+        if any(item.data is None for item in request.mm_items):
+            self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
+                                              "again together with its uuid"))
+            return
+        self.ipc_sender.reset()
+        self._send(request)
+
     def _abort_now(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._unadmitted.pop(rid, None)
         self.output_processor.abort_requests(request_ids)
         if self.is_healthy:
             self.client.abort_requests(request_ids)
@@ -104,7 +144,23 @@ class AsyncLLM:
 
     def _ensure_output_task(self) -> None:
         if self._output_task is None or self._output_task.done():
-            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+            loop = asyncio.get_running_loop()
+            self._output_task = loop.create_task(self._output_loop())
+            self._log_task = loop.create_task(self._log_stats_periodically())
+
+    async def _log_stats_periodically(self, every_s: float = 10.0) -> None:
+        """One INFO line every `every_s` seconds while anything happened: load and hit rates."""
+        last = None
+        while True:
+            await asyncio.sleep(every_s)
+            stats = self.stats()
+            if stats is None or stats == last:
+                continue
+            last = stats
+            rates = ", ".join(f"{layer} {c.hits / c.queries:.0%}" for layer, c in sorted(stats.caches.items())
+                              if c.queries)
+            logger.info("running %d, waiting %d, KV blocks free %d/%d; cache hit rates: %s", stats.num_running,
+                        stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks, rates or "no lookups")
 
     async def _output_loop(self) -> None:
         try:
@@ -121,15 +177,15 @@ class AsyncLLM:
     def _dispatch(self, batch: EngineCoreOutputs) -> None:
         if batch.stats is not None:
             self._stats = batch.stats
+        for request_id, missing in batch.resend.items():
+            self._resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
+            self._unadmitted.pop(out.request_id, None)
             if out.error is None:
                 ok.append(out)
-                continue
-            self.output_processor.abort_requests([out.request_id])
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(ValueError(out.error))
+            else:
+                self._fail(out.request_id, ValueError(out.error))
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
             self.client.abort_requests(processed.to_abort)
@@ -137,6 +193,13 @@ class AsyncLLM:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        self.output_processor.abort_requests([request_id])
+        self._unadmitted.pop(request_id, None)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
 
     def _fail_all(self, message: str) -> None:
         self._dead_error = message
@@ -148,4 +211,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._output_task is not None:
             self._output_task.cancel()
+            self._log_task.cancel()
         self.client.shutdown()

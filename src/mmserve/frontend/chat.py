@@ -1,49 +1,66 @@
-"""OpenAI-style chat messages to a chat-template conversation plus the images it names."""
+"""OpenAI-style chat messages to a chat-template conversation plus the images it names.
+
+Images are not loaded here: their sources (a URL / path string or a PIL image) go on to input
+processing, which hashes a source's bytes first and decodes only on a processor-cache miss.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
-
-from mmserve.multimodal.media import MediaError, MediaLimits, load_image
 
 ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "image_url", "image_pil", "image")
 
 
-def parse_chat_messages(
-    messages: list[dict[str, Any]], limits: MediaLimits
-) -> tuple[list[dict[str, Any]], list[Image.Image]]:
-    """Turn OpenAI-style chat messages into a conversation for `apply_chat_template` and images.
+@dataclass
+class ChatInputs:
+    """A conversation for `apply_chat_template`, and its images in order of appearance."""
+
+    conversation: list[dict[str, Any]]
+    images: list[Any] = field(default_factory=list)  # URL / path strings or PIL images; None: by uuid
+    uuids: list[str | None] = field(default_factory=list)  # the client's id per image, if given
+
+    def prompt(self, text: str, cache_salt: str | None = None) -> dict[str, Any]:
+        """The prompt dict `LLM.generate` / `AsyncLLM.generate` take, for the rendered `text`."""
+        prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": {"image": self.images}}
+        if any(u is not None for u in self.uuids):
+            prompt["multi_modal_uuids"] = {"image": self.uuids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+
+
+def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
+    """Turn OpenAI-style chat messages into a template conversation and image sources.
 
     A message is `{"role": "system" | "user" | "assistant", "content": ...}` where content is a
     string (kept as a string) or a list of parts: `{"type": "text", "text": str}`,
-    `{"type": "image_url", "image_url": {"url": str}}` (or `"image_url": str`),
-    `{"type": "image_pil", "image_pil": PIL.Image}` or `{"type": "image", "image": PIL.Image | str}`.
-    In the conversation every text part becomes `{"type": "text", "text": ...}` and every image
-    part `{"type": "image"}`; the images come back loaded (RGB) in the order they appear.
+    `{"type": "image_url", "image_url": {"url": str}, "uuid"?: str}` (or `"image_url": str`; with a
+    `uuid`, the url may be left out to reuse an image sent before), `{"type": "image_pil",
+    "image_pil": PIL.Image}` or `{"type": "image", "image": PIL.Image | str}`. In the conversation
+    every text part becomes `{"type": "text", "text": ...}` and every image part `{"type": "image"}`.
 
-    Malformed messages raise `ValueError` naming the offending field; refused or unreadable media
-    raise `MediaError` (a `ValueError`) prefixed with where the item was.
+    Malformed messages raise `ValueError` naming the offending field.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    conversation: list[dict[str, Any]] = []
-    images: list[Image.Image] = []
+    inputs = ChatInputs([])
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         role = _role(message, where)
         content = message.get("content")
         if isinstance(content, str):
-            conversation.append({"role": role, "content": content})
+            inputs.conversation.append({"role": role, "content": content})
         elif isinstance(content, list):
-            parts = [_part(part, f"{where}.content[{i}]", limits, images) for i, part in enumerate(content)]
-            conversation.append({"role": role, "content": parts})
+            parts = [_part(part, f"{where}.content[{i}]", inputs) for i, part in enumerate(content)]
+            inputs.conversation.append({"role": role, "content": parts})
         else:
             raise ValueError(f"{where}.content must be a string or a list of content parts; "
                              f"got {type(content).__name__}")
-    return conversation, images
+    return inputs
 
 
 def _role(message: object, where: str) -> str:
@@ -55,32 +72,37 @@ def _role(message: object, where: str) -> str:
     return role
 
 
-def _part(part: object, where: str, limits: MediaLimits, images: list[Image.Image]) -> dict[str, Any]:
-    """Normalise one content part; an image part's loaded image is appended to `images`."""
+def _part(part: object, where: str, inputs: ChatInputs) -> dict[str, Any]:
+    """Normalise one content part; an image part's source (and uuid) is appended to `inputs`."""
     if not isinstance(part, dict):
         raise ValueError(f"{where} must be an object with a 'type'; got {type(part).__name__}")
     kind = part.get("type")
     if kind not in PART_TYPES:
         raise ValueError(f"{where}.type must be one of {', '.join(PART_TYPES)}; got {kind!r}")
-    if kind not in part:
+    uid = part.get("uuid")
+    if uid is not None and (not isinstance(uid, str) or not uid):
+        raise ValueError(f"{where}.uuid must be a non-empty string")
+    if kind not in part and not (kind == "image_url" and uid is not None):
         raise ValueError(f"{where} has type {kind!r} but no {kind!r} field")
-    value = part[kind]
+    value = part.get(kind)
     if kind == "text":
         if not isinstance(value, str):
             raise ValueError(f"{where}.text must be a string; got {type(value).__name__}")
         return {"type": "text", "text": value}
     if kind == "image_url":
-        value = _image_url(value, where)
+        value = _image_url(value, where, uid)
     elif kind == "image_pil" and not isinstance(value, Image.Image):
         raise ValueError(f"{where}.image_pil must be a PIL image; got {type(value).__name__}")
-    try:
-        images.append(load_image(value, limits))
-    except MediaError as exc:
-        raise MediaError(f"{where}: {exc}") from exc
+    elif kind == "image" and not isinstance(value, (Image.Image, str)):
+        raise ValueError(f"{where}.image must be a PIL image or a URL/path string; got {type(value).__name__}")
+    inputs.images.append(value)
+    inputs.uuids.append(uid)
     return {"type": "image"}
 
 
-def _image_url(value: object, where: str) -> str:
+def _image_url(value: object, where: str, uid: str | None) -> str | None:
+    if uid is not None and (value is None or (isinstance(value, dict) and not value.get("url"))):
+        return None  # an image sent before, named by its uuid
     if isinstance(value, dict):
         value = value.get("url")
         where = f"{where}.image_url.url"

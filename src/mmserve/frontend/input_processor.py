@@ -1,57 +1,86 @@
 """P0's input processing: prompt (+ images) -> an `EngineCoreRequest`.
 
 Everything a user can get wrong is checked here, before the engine core sees the request:
-the prompt's shape, the number and kind of images, the prompt's length.
+the prompt's shape, the number and kind of images, the prompt's length. Images are resolved
+through the processor cache (`multimodal/items.py`); a request that fails leaves no entry.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import EngineCoreRequest
-from mmserve.multimodal.media import load_image
+from mmserve.multimodal.cache import ProcessorCache, gib_to_bytes
+from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.multimodal.items import ItemResolver
 from mmserve.multimodal.processing import MultiModalProcessor
 from mmserve.sampling_params import SamplingParams
 
-_PROMPT_KEYS = {"prompt", "multi_modal_data"}
+_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt"}
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None,
+                 known_tokens: Callable[[str], int | None] = lambda h: None) -> None:
         self.config = config
         self.processor = MultiModalProcessor(model_dir)
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self.media_limits = config.multimodal.media_limits()
+        mm = config.multimodal
+        self.media_limits = mm.media_limits()
+        self.processor_cache = ProcessorCache(gib_to_bytes(mm.mm_processor_cache_gb))
+        hashing = mm.mm_processor_cache_gb > 0 or mm.mm_ipc_cache_gb > 0 or config.cache.enable_prefix_caching
+        self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
+                                  hashing, known_tokens)
 
     def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> EngineCoreRequest:
-        text, images = self._split_prompt(prompt)
+        text, images, uuids, salt = _split_prompt(prompt)
         limit = self.config.multimodal.max_images
         if len(images) > limit:
             raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                              f"(--limit-mm-per-prompt)")
-        processed = self.processor.process(text, [load_image(img, self.media_limits) for img in images])
-        n = len(processed.prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens (images included), but max_model_len is "
+        self.processor.check_image_count(text, len(images))
+        resolved = self.items.resolve(images, uuids, salt)
+        token_ids, ranges = self.processor.expand(text, [r.num_tokens for r in resolved])
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len is "
                              f"{self.max_model_len}, which must also leave room for at least one output token")
-        return EngineCoreRequest(request_id, processed.prompt_token_ids, processed.mm_items, params,
-                                 self.eos_token_id, time.time())
+        self.items.commit(resolved)
+        items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
+        return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
+                                 cache_salt=salt)
 
-    @staticmethod
-    def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any]]:
-        if isinstance(prompt, str):
-            return prompt, []
-        if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
-            raise ValueError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
-        unknown = set(prompt) - _PROMPT_KEYS
-        if unknown:
-            raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
-        mm = prompt.get("multi_modal_data") or {}
-        if not isinstance(mm, dict) or set(mm) - {"image"}:
-            raise ValueError("multi_modal_data takes only the key 'image' (an image or a list of images)")
-        images = mm.get("image", [])
-        return prompt["prompt"], list(images) if isinstance(images, (list, tuple)) else [images]
+
+def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[str | None], str | None]:
+    """(text, image sources, per-image uuids, cache salt); a ValueError for a malformed prompt."""
+    if isinstance(prompt, str):
+        return prompt, [], [], None
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
+        raise ValueError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
+    unknown = set(prompt) - _PROMPT_KEYS
+    if unknown:
+        raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+    images = _image_list(prompt.get("multi_modal_data"), "multi_modal_data")
+    uuids = _image_list(prompt.get("multi_modal_uuids"), "multi_modal_uuids") or [None] * len(images)
+    if len(uuids) != len(images):
+        raise ValueError(f"multi_modal_uuids has {len(uuids)} image uuid(s) for {len(images)} image(s)")
+    if not all(u is None or (isinstance(u, str) and u) for u in uuids):
+        raise ValueError("each image uuid must be a non-empty string (or None)")
+    if any(img is None and u is None for img, u in zip(images, uuids)):
+        raise ValueError("an image may be None only when its uuid is given")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return prompt["prompt"], images, uuids, salt
+
+
+def _image_list(mm: Any, name: str) -> list[Any]:
+    if mm is None:
+        return []
+    if not isinstance(mm, dict) or set(mm) - {"image"}:
+        raise ValueError(f"{name} takes only the key 'image' (one value or a list)")
+    value = mm.get("image", [])
+    return list(value) if isinstance(value, (list, tuple)) else [value]

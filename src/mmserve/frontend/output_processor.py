@@ -19,13 +19,14 @@ class RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # from the request's first engine-core output
 
     def to_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
         delta = self.detokenizer.take_delta(finished=finish_reason is not None)
         completion = CompletionOutput(0, self.detokenizer.output_text, list(self.output_token_ids),
                                       finish_reason, stop_reason, delta)
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
-                             [completion], finish_reason is not None)
+                             [completion], finish_reason is not None, self.num_cached_tokens)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted here after the engine core produced it
+            if state.num_cached_tokens is None:
+                state.num_cached_tokens = out.num_cached_tokens
             state.output_token_ids.extend(out.new_token_ids)
             stop_string = state.detokenizer.update(out.new_token_ids, finished=out.finish_reason is not None)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason

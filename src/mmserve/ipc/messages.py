@@ -35,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     eos_token_id: int | None
     arrival_time: float
     cache_salt: str | None = None  # isolates a tenant in every cache (prefix blocks included)
+    ipc_epoch: int = 0  # the IPC cache epoch the sender was in; a newer one empties the receiver
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -100,8 +101,12 @@ class SchedulerStats(msgspec.Struct):
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    """Outputs of a step. `resend` names requests P1 could not admit because their items came
+    by hash alone and its IPC cache lacks them (request id -> the missing hashes): P0 resends."""
+
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    resend: dict[str, list[str]] = {}
 
 
 EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0

@@ -69,17 +69,27 @@ class MediaLimits:
         return os.path.realpath(self.allowed_local_media_path)
 
 
-def load_image(source: object, limits: MediaLimits) -> Image.Image:
-    """Load one image as RGB from a PIL image, a data/file/http(s) URL or a local path.
+def read_image_source(source: object, limits: MediaLimits) -> bytes | Image.Image:
+    """What identifies an image's content, before decoding: the encoded bytes of a URL or
+    path (read and size-checked), or a PIL image as given (pixel count checked).
 
     Raises `MediaError` for anything refused or unreadable.
     """
     if isinstance(source, Image.Image):
         check_pixels(source.width, source.height, limits)
-        return to_rgb(source)
+        return source
     if not isinstance(source, str):
         raise MediaError(f"an image must be a PIL image or a URL/path string; got {type(source).__name__}")
-    return decode_image(read_media_bytes(source, limits), limits)
+    return read_media_bytes(source, limits)
+
+
+def load_image(source: object, limits: MediaLimits) -> Image.Image:
+    """Load one image as RGB from a PIL image, a data/file/http(s) URL or a local path.
+
+    Raises `MediaError` for anything refused or unreadable.
+    """
+    raw = read_image_source(source, limits)
+    return to_rgb(raw) if isinstance(raw, Image.Image) else decode_image(raw, limits)
 
 
 def read_media_bytes(url: str, limits: MediaLimits) -> bytes:

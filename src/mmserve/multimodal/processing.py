@@ -79,36 +79,50 @@ class MultiModalProcessor:
         """
         self._validate(prompt, images)
         datas = [self.process_image(image) for image in images]
-        counts = [self.num_placeholder_tokens(data) for data in datas]
-        pieces = prompt.split(self.image_token)
-        expanded = pieces[0] + "".join(
-            self.image_token * count + piece for count, piece in zip(counts, pieces[1:])
-        )
-        token_ids = list(self.tokenizer(expanded)["input_ids"])
-        ranges = self._placeholder_ranges(token_ids, counts)
+        token_ids, ranges = self.expand(prompt, [self.num_placeholder_tokens(data) for data in datas])
         items = [
             MultiModalItem(modality="image", mm_hash=uuid.uuid4().hex, data=data, placeholder=rng)
             for data, rng in zip(datas, ranges)
         ]
         return ProcessedPrompt(prompt_token_ids=token_ids, mm_items=items)
 
+    def check_image_count(self, prompt: str, num_images: int) -> None:
+        """ValueError unless the prompt has exactly one `<image>` per image."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
+        num_tokens = prompt.count(self.image_token)
+        if num_tokens != num_images:
+            raise ValueError(
+                f"the prompt has {num_tokens} {self.image_token} token(s) but {num_images} "
+                f"image(s) were given; each image needs exactly one {self.image_token} in the prompt"
+            )
+
+    def expand(self, prompt: str, counts: list[int]) -> tuple[list[int], list[PlaceholderRange]]:
+        """Expands the i-th `<image>` to `counts[i]` placeholders and tokenizes as LlavaProcessor
+        does: the token ids and each item's placeholder range."""
+        pieces = prompt.split(self.image_token)
+        expanded = pieces[0] + "".join(
+            self.image_token * count + piece for count, piece in zip(counts, pieces[1:])
+        )
+        token_ids = list(self.tokenizer(expanded)["input_ids"])
+        return token_ids, self._placeholder_ranges(token_ids, counts)
+
+    def settings(self) -> dict[str, Any]:
+        """The image processor's settings (what changes its output), for the item hash."""
+        return {"image_processor": self._hf.image_processor.to_dict(), "patch_size": self._hf.patch_size,
+                "strategy": self._hf.vision_feature_select_strategy,
+                "extra_tokens": self._hf.num_additional_image_tokens}
+
     def apply_chat_template(self, conversation: list[dict]) -> str:
         """Renders a conversation with the model's chat template, ending with the reply prompt."""
         return self._hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
-        if not isinstance(prompt, str):
-            raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
         if not isinstance(images, (list, tuple)):
             raise ValueError(f"images must be a list, not {type(images).__name__}")
         for image in images:
             _check_image(image)
-        num_tokens = prompt.count(self.image_token)
-        if num_tokens != len(images):
-            raise ValueError(
-                f"the prompt has {num_tokens} {self.image_token} token(s) but {len(images)} "
-                f"image(s) were given; each image needs exactly one {self.image_token} in the prompt"
-            )
+        self.check_image_count(prompt, len(images))
 
     def _placeholder_ranges(self, token_ids: list[int], counts: list[int]) -> list[PlaceholderRange]:
         """Splits the image-token positions, in order, into one contiguous run per item."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from mmserve.sampling_params import SamplingParams
 
@@ -56,17 +56,24 @@ class TextPart(BaseModel):
 
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="allow")
-    url: str
+    url: str | None = None  # may be left out when the part's uuid names an image sent before
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImageURLPart(BaseModel):
-    """An image by URL (data:, file:// or http(s)); `uuid` names the item instead of hashing it."""
+    """An image by URL (data:, file:// or http(s)); `uuid` names the item instead of hashing it,
+    and alone (no url) reuses an image sent before under that uuid."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = None
     uuid: str | None = None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> ImageURLPart:
+        if (self.image_url is None or not self.image_url.url) and not self.uuid:
+            raise ValueError("an image_url part needs image_url.url (or a uuid naming an image sent before)")
+        return self
 
 
 ContentPart = Annotated[
@@ -109,6 +116,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = None
     stop: Any = None  # a string or a list of strings (checked below, for a one-line error)
     seed: int | None = None
+    cache_salt: str | None = None  # isolates this tenant in every cache (vLLM's name)
     n: int | None = 1
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -173,15 +181,21 @@ def _unsupported(param: str, message: str) -> None:
 # ---- responses -------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class AssistantMessage(BaseModel):

@@ -42,12 +42,14 @@ class RequestRecord:
     arrival: float
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None
     finished: bool = False
 
     def observe(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
         self.generation_tokens = len(out.outputs[0].token_ids)
+        self.cached_tokens = out.num_cached_tokens or 0
         if self.first_token_time is None and self.generation_tokens:
             self.first_token_time = time.perf_counter()
 
@@ -95,7 +97,7 @@ class OpenAIServingChat:
             logger.warning("request %s: ignoring unknown field(s): %s", request_id,
                            ", ".join(request.unknown_fields()))
         params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
-        prompt = await self.engine.build_prompt(request.messages_as_dicts())
+        prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt)
         outputs = self.engine.generate(request_id, prompt, params)
         handed_over = False
         try:
@@ -142,7 +144,7 @@ async def _complete(request_id: str, model: str, outputs: AsyncIterator[RequestO
         id=request_id, model=model,
         choices=[ChatCompletionChoice(message=AssistantMessage(content=completion.text),
                                       finish_reason=completion.finish_reason)],
-        usage=UsageInfo.of(record.prompt_tokens, record.generation_tokens))
+        usage=UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     return JSONResponse(response.model_dump())
 
 
@@ -197,7 +199,7 @@ class ChatStream:
         return self._encode(chunk, delta)
 
     def _usage_chunk(self) -> str:
-        usage = UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens)
+        usage = UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens, self.record.cached_tokens)
         chunk = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                              choices=[], usage=usage)
         return f"data: {chunk.model_dump_json()}\n\n"

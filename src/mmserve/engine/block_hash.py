@@ -1,0 +1,119 @@
+"""Prefix-cache keys: one chained hash per full KV block of a request.
+
+    hash(block i) = H(encode(parent, token_ids, extra_keys))
+
+- `parent` is block i-1's hash, or `BlockHasher.seed` for the first block (a constant of the
+  algorithm, so hashes agree across processes and restarts);
+- `token_ids` are the block's `block_size` token ids;
+- `extra_keys` is a tuple of `("mm", mm_hash, offset)` for every multimodal item whose placeholder
+  range overlaps the block — `offset` is the item's start relative to the block's start (negative
+  when the item began in an earlier block) — then `("salt", cache_salt)` on the first block.
+  Placeholder tokens are identical for every image, so without the item's hash two images would
+  share blocks; with the offset, one image at two positions gives two keys.
+
+`encode` is msgpack (msgspec): every value is type-tagged and length-prefixed, and the same
+values always give the same bytes — never Python's `hash()`, which is salted per process.
+`H` is chosen by `--prefix-caching-hash-algo`: sha256 (default) and blake3 are collision
+resistant; xxh3_128 is several times faster but NOT collision resistant — a crafted (or
+unlucky) collision would let one prompt read another's KV blocks, so use it only where every
+client is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Sequence
+
+import msgspec
+
+from mmserve.multimodal.inputs import MultiModalItem
+
+BlockHash = bytes  # a digest: 32 bytes (sha256, blake3) or 16 (xxh3_128)
+HashFn = Callable[[bytes], BlockHash]
+ExtraKeys = tuple[tuple[object, ...], ...]  # ("mm", mm_hash, offset) ... then ("salt", salt)
+
+HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
+_SEED_TEXT = b"mmserve prefix cache v1"  # bump when the encoding of a block changes
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _sha256(data: bytes) -> BlockHash:
+    return hashlib.sha256(data).digest()
+
+
+def _blake3(data: bytes) -> BlockHash:
+    from blake3 import blake3
+
+    return blake3(data).digest()
+
+
+def _xxh3_128(data: bytes) -> BlockHash:
+    import xxhash
+
+    return xxhash.xxh3_128_digest(data)
+
+
+_HASH_FNS: dict[str, HashFn] = {"sha256": _sha256, "blake3": _blake3, "xxh3_128": _xxh3_128}
+
+
+def get_hash_fn(algo: str) -> HashFn:
+    """The digest function of `algo` (one of `HASH_ALGOS`); ValueError for another name."""
+    if algo not in _HASH_FNS:
+        raise ValueError(f"unknown prefix caching hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
+    return _HASH_FNS[algo]
+
+
+def hash_block(hash_fn: HashFn, parent: BlockHash, token_ids: Sequence[int], extra_keys: ExtraKeys) -> BlockHash:
+    """One block's key: `hash_fn` over the canonical encoding of (parent, tokens, extra keys)."""
+    return hash_fn(_ENCODER.encode((parent, token_ids, extra_keys)))
+
+
+def block_extra_keys(mm_items: Sequence[MultiModalItem], cache_salt: str | None, start: int, end: int,
+                     first: int = 0) -> ExtraKeys:
+    """The extra keys of the block holding tokens [start, end) (see the module docstring).
+
+    `mm_items` are in placeholder order (as in a prompt); the scan starts at `first` and stops at
+    the first item that begins at or after `end`.
+    """
+    keys: list[tuple[object, ...]] = []
+    for i in range(first, len(mm_items)):
+        ph = mm_items[i].placeholder
+        if ph.offset >= end:
+            break
+        if ph.end > start and ph.length:
+            keys.append(("mm", mm_items[i].mm_hash, ph.offset - start))
+    if start == 0 and cache_salt is not None:
+        keys.append(("salt", cache_salt))
+    return tuple(keys)
+
+
+class BlockHasher:
+    """Computes a request's block hashes, given the hashes it already has.
+
+    Stateless between calls: a request keeps its own list and passes it in, so each block is
+    hashed once, when its last token becomes known (prompt tokens at arrival, generated tokens
+    as they are sampled).
+    """
+
+    def __init__(self, block_size: int, algo: str = "sha256") -> None:
+        self.block_size = block_size
+        self.algo = algo
+        self.hash_fn = get_hash_fn(algo)
+        self.seed: BlockHash = self.hash_fn(_SEED_TEXT)  # the first block's parent
+
+    def new_block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem],
+                         cache_salt: str | None, known: Sequence[BlockHash]) -> list[BlockHash]:
+        """Hashes of the full blocks after the `len(known)` already hashed; [] when none is new."""
+        bs = self.block_size
+        parent = known[-1] if known else self.seed
+        new: list[BlockHash] = []
+        if len(mm_items) > 1:
+            mm_items = sorted(mm_items, key=lambda item: item.placeholder.offset)
+        first = 0  # items before `first` end before the current block
+        for start in range(len(known) * bs, len(token_ids) - bs + 1, bs):
+            while first < len(mm_items) and mm_items[first].placeholder.end <= start:
+                first += 1
+            extra = block_extra_keys(mm_items, cache_salt, start, start + bs, first)
+            parent = hash_block(self.hash_fn, parent, token_ids[start:start + bs], extra)
+            new.append(parent)
+        return new

@@ -1,0 +1,84 @@
+"""P0: each image of a request -> its `mm_hash` and processed tensors, the processor run only
+on processor-cache misses.
+
+Order per item: read the source's bytes (no decoding yet), hash them, look the hash up in the
+processor cache, and only on a miss decode and run the Hugging Face image processor. A client
+uuid replaces the content hash; a uuid part with no image is served from what P0 still holds
+(the processor cache, else the IPC cache's record of what P1 holds).
+
+Nothing is stored while a request is being resolved: `commit` puts the fresh items into the
+processor cache once the whole request has been accepted, so a rejected request leaves no entry.
+"""
+
+from __future__ import annotations
+
+import uuid as uuid_lib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mmserve.multimodal.cache import ProcessorCache
+from mmserve.multimodal.hasher import ItemHasher
+from mmserve.multimodal.media import MediaLimits, decode_image, read_image_source
+from mmserve.multimodal.processing import MultiModalProcessor
+
+
+@dataclass
+class ResolvedItem:
+    mm_hash: str
+    data: dict[str, Any] | None  # None: known to P1 by hash alone (a uuid-only part)
+    num_tokens: int
+    fresh: bool  # processed for this request; goes into the processor cache on commit
+
+
+class ItemResolver:
+    """Turns image sources (+ optional uuids, salt) into `ResolvedItem`s.
+
+    `hashing` False (no cache layer needs the content hash) gives each item a random id instead.
+    `known_tokens(mm_hash)` answers the placeholder count of an item P1 holds, else None.
+    """
+
+    def __init__(self, model_id: str, processor: MultiModalProcessor, cache: ProcessorCache, limits: MediaLimits,
+                 hashing: bool, known_tokens: Callable[[str], int | None] = lambda h: None) -> None:
+        self.processor = processor
+        self.cache = cache
+        self.limits = limits
+        self.hashing = hashing
+        self.known_tokens = known_tokens
+        self.hasher = ItemHasher(model_id, processor.settings())
+        self.num_processed = 0  # image processor runs since start
+
+    def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None) -> list[ResolvedItem]:
+        return [self._resolve_one(source, uid, salt) for source, uid in zip(sources, uuids)]
+
+    def commit(self, items: list[ResolvedItem]) -> None:
+        """Keep the request's freshly processed items (call once the request is accepted)."""
+        for item in items:
+            if item.fresh and item.data is not None:
+                self.cache.put(item.mm_hash, item.data)
+
+    def _resolve_one(self, source: Any, uid: str | None, salt: str | None) -> ResolvedItem:
+        if uid is not None:
+            mm_hash = self.hasher.hash_uuid("image", uid, salt)
+            if source is None:
+                return self._from_uuid_alone(mm_hash, uid)
+            raw = read_image_source(source, self.limits)
+        else:
+            raw = read_image_source(source, self.limits)
+            mm_hash = self.hasher.hash_item("image", raw, salt) if self.hashing else uuid_lib.uuid4().hex
+        data = self.cache.get(mm_hash) if self.cache.enabled else None
+        if data is not None:
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+        image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(raw, self.limits)
+        data = self.processor.process_image(image)
+        self.num_processed += 1
+        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
+
+    def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
+        data = self.cache.get(mm_hash) if self.cache.enabled else None
+        if data is not None:
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+        num_tokens = self.known_tokens(mm_hash)
+        if num_tokens is None:
+            raise ValueError(f"the image with uuid {uid!r} is not cached (any more): send the image again "
+                             "together with its uuid")
+        return ResolvedItem(mm_hash, None, num_tokens, fresh=False)
