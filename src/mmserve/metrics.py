@@ -55,6 +55,8 @@ _CACHE_FIELDS = (  # (CacheStats field, metric name, kind, help)
     ("hits", "mmserve_cache_hits", "counter", "Cache lookups that hit, by cache layer."),
     ("evictions", "mmserve_cache_evictions", "counter", "Entries evicted, by cache layer."),
     ("bytes_saved", "mmserve_cache_bytes_saved", "counter", "Bytes kept off the P0 -> P1 wire, by cache layer."),
+    ("fallbacks", "mmserve_cache_fallbacks", "counter", "Items sent inline because the layer could not "
+     "take them (too big, store full), by cache layer."),
     ("entries", "mmserve_cache_entries", "gauge", "Entries held, by cache layer."),
     ("bytes_used", "mmserve_cache_bytes_used", "gauge", "Bytes held, by cache layer."),
 )

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 import pytest
 
-from mmserve import LLM, SamplingParams
+from mm_prompts import PARAMS, PROMPT, TWO, one, url
+from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
-from tiny_models import make_checkpoint, make_image
-
-PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
-TWO = "USER: <image> and <image>? ASSISTANT:"
-PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def url(seed: int) -> str:
-    buf = io.BytesIO()
-    make_image(seed).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def one(seed: int, **extra) -> dict:
-    return {"prompt": PROMPT, "multi_modal_data": {"image": url(seed)}, **extra}
-
+from tiny_models import make_checkpoint
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):

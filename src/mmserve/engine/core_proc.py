@@ -28,6 +28,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
@@ -36,6 +37,8 @@ from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInp
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+from mmserve.ipc.shm_handle import ShmStoreInfo
+from mmserve.ipc.shm_items import ShmItemReader
 from mmserve.multimodal.cache import IpcReceiverCache, gib_to_bytes
 
 if TYPE_CHECKING:
@@ -47,7 +50,8 @@ _IDLE_POLL_MS = 1000  # how long an idle P1 waits before checking that its paren
 _LINGER_MS = 2000  # how long exit waits for unsent messages (e.g. EngineCoreFailed) to leave
 
 
-def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str) -> None:
+def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
+                    shm_info: bytes | None = None) -> None:
     """P1's main: serve the engine core on `input_addr` (PULL) / `output_addr` (PUSH) until told
     to stop; exit code 0 after SIGTERM / SIGINT, 1 after a startup or fatal error."""
     ctx = zmq.Context()
@@ -57,7 +61,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
                                             linger_ms=_LINGER_MS)
     exit_code = 0
     try:
-        exit_code = _serve(config, model_dir, inputs, outputs)
+        exit_code = _serve(config, model_dir, inputs, outputs, shm_info)
     finally:
         inputs.close()
         outputs.close()
@@ -67,11 +71,12 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
 
 
 def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCoreInput],
-           outputs: QueueSender[Any]) -> int:
+           outputs: QueueSender[Any], shm_info: bytes | None = None) -> int:
     from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
 
     parent = multiprocessing.parent_process()
     parent_pid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    shm = None
     try:
         core = EngineCore(config, model_dir)
     except Exception as e:
@@ -80,7 +85,8 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         return 1
     try:
         receiver = IpcReceiverCache(gib_to_bytes(config.multimodal.mm_ipc_cache_gb))
-        proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver)
+        shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
+        proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver, shm)
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))
         if proc.orphaned:
             _remove_socket_files(inputs.address, outputs.address)
@@ -91,6 +97,8 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         return 1
     finally:
         core.shutdown()
+        if shm is not None:
+            shm.close()
 
 
 def _remove_socket_files(*addresses: str) -> None:
@@ -111,9 +119,11 @@ class EngineCoreProc:
     """
 
     def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
-                 parent_pid: int, receiver: IpcReceiverCache | None = None) -> None:
+                 parent_pid: int, receiver: IpcReceiverCache | None = None,
+                 shm: ShmItemReader | None = None) -> None:
         self.core = core
         self.receiver = receiver or IpcReceiverCache(0)
+        self.shm = shm
         self._resend: dict[str, list[str]] = {}  # requests to ask P0 for again, with missing hashes
         self.inputs = inputs
         self.outputs = outputs
@@ -164,19 +174,33 @@ class EngineCoreProc:
                 self._add_request(msg)
             elif isinstance(msg, AbortRequests):
                 self.core.abort_requests(msg.request_ids)
+                for request_id in msg.request_ids:
+                    self._release(request_id)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
-        missing = self.receiver.update(request.mm_items, request.ipc_epoch)
-        if missing:
-            self._resend[request.request_id] = missing
-            return
+        """Restore the request's items (shm handles, IPC cache) and admit it; items P1 lacks go
+        back in `resend`, a bad request comes back as an error output."""
         try:
+            missing = self.shm.attach(request) if self.shm is not None else []
+            missing = missing or self.receiver.update(request.mm_items, request.ipc_epoch)
+            if missing:
+                self._release(request.request_id)
+                self._resend[request.request_id] = missing
+                return
             self.core.add_request(request)
         except ValueError as e:
+            self._release(request.request_id)
             self._pending.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT,
                                                   error=str(e)))
 
+    def _release(self, request_id: str) -> None:
+        if self.shm is not None:
+            self.shm.release(request_id)
+
     def _send(self, step_outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+        for out in step_outputs:
+            if out.finish_reason is not None:
+                self._release(out.request_id)
         if self._pending:
             step_outputs = self._pending + step_outputs
             self._pending = []

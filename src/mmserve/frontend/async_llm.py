@@ -23,6 +23,7 @@ from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.llm_engine import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.ipc.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache, gib_to_bytes
 from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.models.builtin import resolve_model
@@ -38,7 +39,15 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        self.client = EngineCoreClient(config, self.model_dir)
+        mm = config.multimodal
+        self.shm = (ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb)
+                    if mm.mm_cache_type == "shm" and mm.mm_shm_cache_gb > 0 else None)
+        try:
+            self.client = EngineCoreClient(config, self.model_dir, shm_info=self.shm.info if self.shm else None)
+        except BaseException:
+            if self.shm is not None:
+                self.shm.close()
+            raise
         self.max_model_len = self.client.max_model_len
         ipc_gb = config.multimodal.mm_ipc_cache_gb if config.multimodal.mm_cache_type == "lru" else 0
         self.ipc_sender = IpcSenderCache(gib_to_bytes(ipc_gb))
@@ -65,6 +74,8 @@ class AsyncLLM:
         base = self._stats or SchedulerStats(0, 0, 0, 0, 0)
         caches = {**base.caches, "processor": self.input_processor.processor_cache.stats(),
                   "ipc": self.ipc_sender.stats()}
+        if self.shm is not None:
+            caches["shm"] = self.shm.stats()
         return msgspec.structs.replace(base, caches=caches)
 
     def reset_mm_cache(self) -> None:
@@ -107,12 +118,21 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort_now([request_id])
+            if self.shm is not None:
+                self.shm.finish(request_id)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
-    def _send(self, request: EngineCoreRequest) -> None:
-        """Update the IPC sender cache and send: items P1 will hold cross as their hash alone."""
+    def _send(self, request: EngineCoreRequest, inline: bool = False) -> None:
+        """Send the request, its items by shm handle (`--mm-cache-type shm`, unless `inline`) or
+        through the IPC sender cache: items P1 will hold cross as their hash alone."""
+        if self.shm is not None:
+            items = self.shm.to_wire(request, inline)
+            if any(item.shm_handle is not None for item in items):
+                self._unadmitted[request.request_id] = request
+            self.client.add_request(msgspec.structs.replace(request, mm_items=items))
+            return
         cached = self.ipc_sender.update(request.mm_items)
         items = [MultiModalItem(i.modality, i.mm_hash, None if hit else i.data, i.placeholder)
                  for i, hit in zip(request.mm_items, cached)]
@@ -125,10 +145,14 @@ class AsyncLLM:
         request = self._unadmitted.get(request_id)
         if request is None or request_id not in self._queues:
             return  # aborted meanwhile
-        logger.warning("IPC cache drift: P1 lacked %d item(s) of %s; resending", len(missing), request_id)
+        logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
+                       len(missing), request_id)
         if any(item.data is None for item in request.mm_items):
             self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
                                               "again together with its uuid"))
+            return
+        if self.shm is not None:
+            self._send(request, inline=True)  # the store lost the entry: no second try through it
             return
         self.ipc_sender.reset()
         self._send(request)
@@ -213,3 +237,5 @@ class AsyncLLM:
             self._output_task.cancel()
             self._log_task.cancel()
         self.client.shutdown()
+        if self.shm is not None:
+            self.shm.close()

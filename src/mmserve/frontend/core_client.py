@@ -90,12 +90,14 @@ class EngineCoreClient:
     One thread (or one event loop) at a time uses a client.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0,
+                 shm_info: bytes | None = None) -> None:
+        """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm)."""
         self._res = _Resources(make_ipc_dir())
         self._finalizer = weakref.finalize(self, self._res.release)  # also runs at exit
         self._dead_reason: str | None = None
         try:
-            ready = self._start(config, model_dir, startup_timeout_s)
+            ready = self._start(config, model_dir, startup_timeout_s, shm_info)
         except BaseException:
             self.shutdown()
             raise
@@ -107,14 +109,15 @@ class EngineCoreClient:
         assert self._res.proc is not None
         return self._res.proc
 
-    def _start(self, config: EngineConfig, model_dir: str, timeout_s: float) -> EngineCoreReady:
+    def _start(self, config: EngineConfig, model_dir: str, timeout_s: float,
+               shm_info: bytes | None) -> EngineCoreReady:
         res = self._res
         res.ctx = zmq.Context()
         input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
         res.inputs = QueueSender(res.ctx, input_addr, MsgpackEncoder(), bind=True)
         res.outputs = QueueReceiver(res.ctx, output_addr, MsgpackDecoder(EngineCoreEvent), bind=True)
         res.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, model_dir, input_addr, output_addr),
+            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
             name="mmserve-engine-core", daemon=True)
         res.proc.start()
         return self._wait_for_ready(timeout_s)

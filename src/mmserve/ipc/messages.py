@@ -86,6 +86,7 @@ class CacheStats(msgspec.Struct):
     bytes_saved: int = 0  # bytes kept off the P0 -> P1 wire (ipc, shm)
     entries: int = 0
     bytes_used: int = 0
+    fallbacks: int = 0  # items the layer could not take and that went inline instead (shm)
 
 
 class SchedulerStats(msgspec.Struct):

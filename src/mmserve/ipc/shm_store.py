@@ -41,6 +41,7 @@ import msgspec
 import torch
 
 from mmserve.ipc.serial import tensor_bytes, tensor_from_bytes
+from mmserve.ipc.shm_handle import ShmHandle, ShmStoreInfo
 from mmserve.ipc.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader, align
 
 _SIGNED = struct.Struct("<QQQ")  # offset, chunk id, nbytes; the key's UTF-8 follows
@@ -48,24 +49,6 @@ _U32 = struct.Struct("<I")
 _Specs = list[tuple[str, str, list[int], int, int]]  # name, dtype, shape, offset, nbytes
 _META_ENCODER = msgspec.msgpack.Encoder()
 _META_DECODER = msgspec.msgpack.Decoder(_Specs)
-
-
-class ShmHandle(msgspec.Struct, frozen=True, array_like=True):
-    """Where one entry lies; travels in messages in place of the item (~100 bytes)."""
-
-    key: str
-    offset: int
-    chunk_id: int
-    nbytes: int  # payload bytes
-    tag: bytes
-
-
-class ShmStoreInfo(msgspec.Struct, frozen=True):
-    """What a reader needs to attach: the segment's name, its size and the handle secret."""
-
-    name: str
-    capacity: int
-    secret: bytes
 
 
 class ShmHandleError(ValueError):

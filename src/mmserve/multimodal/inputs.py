@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from mmserve.ipc.shm_handle import ShmHandle
+
 
 class PlaceholderRange(msgspec.Struct, frozen=True):
     """Where an item's placeholder tokens sit in the prompt: `length` tokens from `offset`."""
@@ -27,11 +29,13 @@ class MultiModalItem(msgspec.Struct):
 
     `data` holds the Hugging Face processor's output for this item alone, e.g.
     `{"pixel_values": Tensor[3, H, W]}` (float32); it is None while the item travels P0 -> P1
-    as its hash alone (the engine core's IPC cache restores it). `mm_hash` identifies the
-    item's content (with model, processor settings and salt) for every cache layer.
+    as its hash alone (the engine core's IPC cache restores it) or as `shm_handle`, its place in
+    the shared-memory object store (readers map it in place). `mm_hash` identifies the item's
+    content (with model, processor settings and salt) for every cache layer.
     """
 
     modality: str
     mm_hash: str
     data: dict[str, Any] | None
     placeholder: PlaceholderRange
+    shm_handle: ShmHandle | None = None

@@ -1,0 +1,87 @@
+"""The shared-memory object store as the multimodal cache (`--mm-cache-type shm`).
+
+P0 (`ShmItemWriter`) writes each processed item once and sends its handle in place of the
+tensors; an item too big for the store, or one that finds it full, goes inline. Entries are
+pinned for the request that uses them until P0 calls `finish`. P1 (`ShmItemReader`) maps each
+handle's tensors in place (zero-copy, read-only views) and holds their leases until the request
+ends; a stale handle (the entry was evicted or the store cleared) is reported missing, and P0
+then resends the request with the item inline.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mmserve.ipc.messages import CacheStats, EngineCoreRequest
+from mmserve.ipc.shm_handle import ShmStoreInfo
+from mmserve.ipc.shm_store import ShmLease, ShmStore, ShmStoreReader
+from mmserve.multimodal.inputs import MultiModalItem
+
+
+class ShmItemWriter:
+    """P0's side: owns the store (the single writer)."""
+
+    def __init__(self, cache_gb: float, max_object_mb: float) -> None:
+        self.store = ShmStore.from_flags(cache_gb, max_object_mb)
+
+    @property
+    def info(self) -> bytes:
+        """What P1 attaches with (holds the handle secret: never log it)."""
+        return msgspec.msgpack.encode(self.store.info)
+
+    def to_wire(self, request: EngineCoreRequest, inline: bool = False) -> list[MultiModalItem]:
+        """The request's items as they cross to P1: by handle where the store takes them."""
+        items = []
+        for item in request.mm_items:
+            handle = None
+            if not inline and item.data is not None:
+                handle = (self.store.lookup(item.mm_hash, request.request_id)
+                          or self.store.put(item.mm_hash, item.data, request.request_id))
+            items.append(item if handle is None else
+                         MultiModalItem(item.modality, item.mm_hash, None, item.placeholder, handle))
+        return items
+
+    def finish(self, request_id: str) -> None:
+        """Unpin the request's entries (after its last output, an abort or an error)."""
+        self.store.finish_request(request_id)
+
+    def stats(self) -> CacheStats:
+        s = self.store.stats
+        return CacheStats(s.queries, s.hits, s.evictions, s.bytes_saved, s.entries, s.bytes_used, s.fallbacks)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ShmItemReader:
+    """P1's side: restores items from handles, holding each request's leases until `release`."""
+
+    def __init__(self, info: ShmStoreInfo) -> None:
+        self.reader = ShmStoreReader(info)
+        self._leases: dict[str, list[ShmLease]] = {}
+
+    def attach(self, request: EngineCoreRequest) -> list[str]:
+        """Map the request's items in place; the hashes whose handles went stale (then nothing is held)."""
+        leases, missing = [], []
+        for item in request.mm_items:
+            if item.shm_handle is None:
+                continue
+            lease = self.reader.get(item.shm_handle)
+            if lease is None:
+                missing.append(item.mm_hash)
+            else:
+                leases.append(lease)
+                item.data = lease.data
+        self._leases[request.request_id] = leases
+        if missing:
+            self.release(request.request_id)
+        return missing
+
+    def release(self, request_id: str) -> None:
+        for lease in self._leases.pop(request_id, ()):
+            lease.release()
+
+    def close(self) -> None:
+        for request_id in list(self._leases):
+            self.release(request_id)
+        self.reader.close()

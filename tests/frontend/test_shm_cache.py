@@ -1,0 +1,102 @@
+"""`--mm-cache-type shm`: items cross P0 -> P1 by shared-memory handle, through a real engine core."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.async_llm import AsyncLLM
+from mmserve.ipc.shm_items import ShmItemReader, ShmItemWriter
+from mmserve.ipc.shm_store import ShmStore
+from mm_prompts import PARAMS, TWO, one, url
+from tiny_models import make_checkpoint
+
+
+def shm_listing() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mmserve")}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("mmcache"))
+
+
+def generate(engine: AsyncLLM, prompt: dict, rid: str) -> list[int]:
+    async def run() -> list[int]:
+        final = None
+        async for out in engine.generate(rid, prompt, PARAMS):
+            final = out
+        return final.outputs[0].token_ids
+    return asyncio.run(run())
+
+
+def run_all(engine: AsyncLLM) -> list[list[int]]:
+    two = {"prompt": TWO, "multi_modal_data": {"image": [url(1), url(2)]}}
+    return [generate(engine, one(1), "a"), generate(engine, one(1), "b"), generate(engine, two, "c")]
+
+
+@pytest.fixture(scope="module")
+def lru_tokens(path):
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=path))
+    try:
+        return run_all(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_shm_gives_the_same_tokens_as_lru_and_cleans_up(path, lru_tokens):
+    before = shm_listing()
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=path, mm_cache_type="shm", mm_shm_cache_gb=0.02,
+                                               mm_processor_cache_gb=0))
+    try:
+        assert len(shm_listing() - before) == 1  # the store's one segment
+        assert run_all(engine) == lru_tokens
+        shm = engine.stats().caches["shm"]
+        assert (shm.queries, shm.hits) == (4, 2)  # image 1 written once, then found twice
+        assert shm.bytes_saved > 0 and shm.fallbacks == 0
+        assert engine.stats().caches["ipc"].queries == 0  # shm replaces the IPC cache
+    finally:
+        engine.shutdown()
+    assert shm_listing() == before
+
+
+def test_items_the_store_cannot_take_go_inline(path, lru_tokens):
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=path, mm_cache_type="shm", mm_shm_cache_gb=0.02,
+                                               mm_shm_max_object_mb=0.001))  # smaller than any item
+    try:
+        assert run_all(engine) == lru_tokens
+        assert engine.stats().caches["shm"].fallbacks == 4
+    finally:
+        engine.shutdown()
+
+
+def test_a_stale_handle_is_reported_missing_not_misread(path):
+    from mmserve.config import EngineConfig as Cfg
+    from mmserve.frontend.input_processor import InputProcessor
+    from mmserve.frontend.llm_engine import eos_token_id
+
+    inputs = InputProcessor(Cfg.from_kwargs(model=path), path, 512, eos_token_id(path))
+    request = inputs.process("r", one(3), PARAMS)
+    writer = ShmItemWriter(0.01, 16)
+    try:
+        reader = ShmItemReader(writer.store.info)
+        wire = request.__class__(**{f: getattr(request, f) for f in request.__struct_fields__})
+        wire.mm_items = writer.to_wire(request)
+        assert wire.mm_items[0].shm_handle is not None and wire.mm_items[0].data is None
+        writer.store.clear()
+        assert reader.attach(wire) == [request.mm_items[0].mm_hash]
+        wire.mm_items = writer.to_wire(request)  # written again: a fresh handle reads back
+        assert reader.attach(wire) == []
+        assert wire.mm_items[0].data["pixel_values"].equal(request.mm_items[0].data["pixel_values"])
+        reader.release("r")
+        reader.close()
+    finally:
+        writer.close()
+
+
+def test_store_larger_than_dev_shm_is_a_clear_error():
+    with pytest.raises(Exception, match="mm-shm-cache-gb"):
+        ShmStore.from_flags(100_000, 16)

@@ -1,0 +1,23 @@
+"""Prompts with images as data URLs, shared by the multimodal cache tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from mmserve import SamplingParams
+from tiny_models import make_image
+
+PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
+TWO = "USER: <image> and <image>? ASSISTANT:"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def url(seed: int) -> str:
+    buf = io.BytesIO()
+    make_image(seed).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def one(seed: int, **extra) -> dict:
+    return {"prompt": PROMPT, "multi_modal_data": {"image": url(seed)}, **extra}
