@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -21,3 +22,13 @@ def url(seed: int) -> str:
 
 def one(seed: int, **extra) -> dict:
     return {"prompt": PROMPT, "multi_modal_data": {"image": url(seed)}, **extra}
+
+
+def generate(engine, prompt: dict, request_id: str) -> list[int]:
+    """Run one request through an `AsyncLLM` to the end: its greedy output token ids."""
+    async def run() -> list[int]:
+        final = None
+        async for out in engine.generate(request_id, prompt, PARAMS):
+            final = out
+        return final.outputs[0].token_ids
+    return asyncio.run(run())

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from mm_prompts import PARAMS, PROMPT, TWO, one, url
+from mm_prompts import PARAMS, PROMPT, TWO, generate, one, url
 from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
@@ -26,15 +25,6 @@ def expected(path):
     prompts = {"a": one(1), "b": one(2), "ab": {"prompt": TWO, "multi_modal_data": {"image": [url(1), url(2)]}}}
     outs = llm.generate(list(prompts.values()), PARAMS)
     return {k: o.outputs[0].token_ids for k, o in zip(prompts, outs)}
-
-
-def generate(engine: AsyncLLM, prompt: dict, rid: str) -> list[int]:
-    async def run() -> list[int]:
-        final = None
-        async for out in engine.generate(rid, prompt, PARAMS):
-            final = out
-        return final.outputs[0].token_ids
-    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("processor_gb, ipc_gb", [(4, 4), (0, 4), (4, 0), (0, 0)])

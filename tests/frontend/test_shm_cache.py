@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
@@ -11,7 +10,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.shm_items import ShmItemReader, ShmItemWriter
 from mmserve.ipc.shm_store import ShmStore
-from mm_prompts import PARAMS, TWO, one, url
+from mm_prompts import PARAMS, TWO, generate, one, url
 from tiny_models import make_checkpoint
 
 
@@ -22,15 +21,6 @@ def shm_listing() -> set[str]:
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("mmcache"))
-
-
-def generate(engine: AsyncLLM, prompt: dict, rid: str) -> list[int]:
-    async def run() -> list[int]:
-        final = None
-        async for out in engine.generate(rid, prompt, PARAMS):
-            final = out
-        return final.outputs[0].token_ids
-    return asyncio.run(run())
 
 
 def run_all(engine: AsyncLLM) -> list[list[int]]:

@@ -107,7 +107,22 @@ class LruBytes(Generic[V]):
         assert self.used <= self.capacity, "over capacity"
 
 
-class ProcessorCache:
+class _LruCache:
+    """What the three caches share: an `LruBytes` as `_lru`, its keys, stats and integrity."""
+
+    _lru: LruBytes[Any]
+
+    def keys(self) -> list[str]:
+        return self._lru.keys()
+
+    def stats(self) -> CacheStats:
+        return self._lru.snapshot()
+
+    def check_integrity(self) -> None:
+        self._lru.check_integrity()
+
+
+class ProcessorCache(_LruCache):
     """P0's processed items by mm_hash, so the HF image processor never runs twice on one item.
 
     `get` counts a query (and a hit) and refreshes the entry; `put` stores an item unless it is
@@ -132,14 +147,8 @@ class ProcessorCache:
         if self.enabled:
             self._lru.put(mm_hash, item_size(data), data)
 
-    def stats(self) -> CacheStats:
-        return self._lru.snapshot()
 
-    def check_integrity(self) -> None:
-        self._lru.check_integrity()
-
-
-class IpcSenderCache:
+class IpcSenderCache(_LruCache):
     """P0's half of the IPC cache: keys and sizes only, mirroring the receiver (module docstring).
 
     `update(items)` applies one request: it returns, per item, whether the receiver will hold it
@@ -184,17 +193,8 @@ class IpcSenderCache:
         self._lru.clear()
         self.epoch += 1
 
-    def keys(self) -> list[str]:
-        return self._lru.keys()
 
-    def stats(self) -> CacheStats:
-        return self._lru.snapshot()
-
-    def check_integrity(self) -> None:
-        self._lru.check_integrity()
-
-
-class IpcReceiverCache:
+class IpcReceiverCache(_LruCache):
     """P1's half of the IPC cache: the items themselves, updated exactly as the sender is.
 
     `update(items, epoch)` applies one request: items sent by hash alone get their data back;
@@ -226,12 +226,3 @@ class IpcReceiverCache:
             else:
                 self._lru.put(item.mm_hash, item_size(item.data), item.data, protected=keys)
         return []
-
-    def keys(self) -> list[str]:
-        return self._lru.keys()
-
-    def stats(self) -> CacheStats:
-        return self._lru.snapshot()
-
-    def check_integrity(self) -> None:
-        self._lru.check_integrity()
