@@ -42,7 +42,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV cache block.")
-    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache in GiB (ignored with --num-kv-blocks).")
+    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache in GiB, per tensor-parallel rank "
+                                     "(ignored with --num-kv-blocks).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV cache blocks (overrides --kv-cache-memory-gb).")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV blocks of identical prompt prefixes (images included).")
     prefix_caching_hash_algo: str = _opt(
@@ -64,12 +65,26 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = _opt(64, "Most requests running in one step.")
     max_num_batched_tokens: int = _opt(4096, "Token budget of one step (prefill chunks + decodes).")
+    max_num_encoder_input_tokens: int | None = _opt(
+        None, "Vision encoder budget of one step in embedding tokens (default: --max-num-batched-tokens; "
+        "never below one image's).")
+    encoder_cache_tokens: int | None = _opt(
+        None, "Encoder outputs kept for reuse across requests, in embedding tokens (default: "
+        "--max-num-batched-tokens; never below one image's); 0 keeps an output only while running "
+        "requests use it (no reuse by later requests).")
+    disable_chunked_mm_input: bool = _opt(
+        False, "Never split an image's placeholder tokens across steps (--max-num-batched-tokens must hold one image).")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1; got {self.max_num_batched_tokens}")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError("max_num_encoder_input_tokens must be at least 1; "
+                             f"got {self.max_num_encoder_input_tokens}")
+        if self.encoder_cache_tokens is not None and self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must not be negative; got {self.encoder_cache_tokens}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +133,18 @@ class MultiModalConfig:
         return self.limit_mm_per_prompt.get("image", 4)
 
 
-_LAYERS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "multimodal": MultiModalConfig}
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(
+        1, "Worker processes the model is sharded over (Megatron-style); 1 runs it inside the engine core.")
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1; got {self.tensor_parallel_size}")
+
+
+_LAYERS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "multimodal": MultiModalConfig,
+           "parallel": ParallelConfig}
 
 
 @dataclass(frozen=True)
@@ -129,6 +155,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **engine_args: Any) -> EngineConfig:

@@ -1,5 +1,6 @@
 """The prefix cache without a model: the block pool's LRU queue and hash map, and the scheduler's
-hits (whole blocks, never ending inside an image, at least one token left to compute)."""
+hits (whole blocks, never ending inside an image whose encoder output is not resident, at least one
+token left to compute)."""
 
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ def test_random_allocate_hit_cache_free_keeps_integrity(ops):
 # ---- the scheduler ----------------------------------------------------------------------------
 
 
-def make_scheduler(num_blocks=64, max_tokens=64, enable_caching=True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens),
+def make_scheduler(num_blocks=64, max_tokens=64, enable_caching=True, encoder_cache_tokens=None) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens,
+                                     encoder_cache_tokens=encoder_cache_tokens),
                      KVCacheManager(num_blocks, BS, enable_caching), 256)
 
 
@@ -160,9 +162,10 @@ def run(s: Scheduler, *reqs: Request) -> None:
         step(s)
 
 
-def hit_after_warmup(tokens, images=(), second=None) -> int:
-    """Run one request to the end, then admit `second` (default: the same request again)."""
-    s = make_scheduler()
+def hit_after_warmup(tokens, images=(), second=None, encoder_cache_tokens=0) -> int:
+    """Run one request to the end, then admit `second` (default: the same request again). The
+    encoder cache is off by default, so the first request's images are no longer resident."""
+    s = make_scheduler(encoder_cache_tokens=encoder_cache_tokens)
     run(s, make_request("first", tokens, images))
     req = second or make_request("second", tokens, images)
     s.add_request(req)
@@ -184,11 +187,16 @@ def test_hit_lengths_with_images_inside_and_on_block_boundaries(n, images, expec
     assert hit_after_warmup(range(100, 100 + n), images) == expected
 
 
+@pytest.mark.parametrize("images", [[("img", 6, 12)], [("img", 8, 10)], [("a", 2, 7), ("b", 9, 9)]])
+def test_a_hit_may_end_inside_an_image_whose_encoder_output_is_resident(images):
+    assert hit_after_warmup(range(100, 120), images, encoder_cache_tokens=None) == 16
+
+
 def test_a_different_image_with_identical_tokens_hits_only_the_blocks_before_it():
     tokens = range(100, 124)
     other = make_request("second", tokens, [("dog", 6, 9)])
     assert other.all_token_ids == make_request("x", tokens, [("cat", 6, 9)]).all_token_ids
-    assert hit_after_warmup(tokens, [("cat", 6, 9)], second=other) == 4
+    assert hit_after_warmup(tokens, [("cat", 6, 9)], second=other, encoder_cache_tokens=None) == 4
 
 
 def test_salt_isolates_requests():
@@ -267,3 +275,5 @@ def test_a_hit_never_ends_inside_an_image_and_leaves_a_token_to_compute(n, raw):
 def test_back_off_from_placeholders_directly():
     items = [MultiModalItem("image", "a", None, PlaceholderRange(5, 6))]
     assert [back_off_from_placeholders(h, items, BS) for h in (0, 4, 8, 12)] == [0, 4, 4, 12]
+    assert back_off_from_placeholders(8, items, BS, resident=lambda h: h == "a") == 8
+    assert back_off_from_placeholders(8, items, BS, resident=lambda h: False) == 4

@@ -11,9 +11,11 @@ from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_len=256):
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
-                     KVCacheManager(num_blocks, block_size), max_len)
+def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_len=256, max_item_tokens=16,
+                   **config):
+    """`max_item_tokens`: the largest image these tests use (the encoder budgets are at least that)."""
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens, **config),
+                     KVCacheManager(num_blocks, block_size), max_len, max_item_tokens)
 
 
 def make_request(rid, n_prompt, max_tokens=4, items=(), eos=None, **params):
@@ -99,7 +101,7 @@ def test_preemption_frees_the_last_request_and_recomputes_it():
 
 
 def test_encoder_runs_once_per_item_across_chunks_and_is_freed_after():
-    s = make_scheduler(max_tokens=5)
+    s = make_scheduler(max_tokens=5, encoder_cache_tokens=0)  # no reuse: outputs go once consumed
     s.add_request(make_request("a", 20, items=[(3, 8), (12, 4)]))
     scheduled, freed = [], []
     for _ in range(6):
@@ -108,17 +110,20 @@ def test_encoder_runs_once_per_item_across_chunks_and_is_freed_after():
         freed.extend(so.free_encoder_ids)
     # chunks [0,5) [5,10) [10,15) [15,20): item 0 starts in chunk 1, item 1 in chunk 3
     assert scheduled[:4] == [[0], [], [1], []]
-    assert freed == ["a#0", "a#1"]  # each once, after the step that computed its last placeholder
+    assert freed == ["a-0", "a-1"]  # each hash once, after the step that computed its last placeholder
     assert s.requests["a"].num_output_tokens == 3  # sampled after chunk 4 and two decodes
 
 
 def test_abort_frees_blocks_and_tells_the_runner():
-    s = make_scheduler()
-    s.add_request(make_request("a", 9, items=[(2, 4)]))
-    fake_step(s)
-    s.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
-    s.check_integrity()
-    so = s.schedule()
-    assert so.finished_request_ids == ["a"]
-    assert so.free_encoder_ids == ["a#0"]
-    assert s.kv_cache.num_free_blocks == 64
+    for cache_tokens, freed in ((0, ["a-0"]), (None, [])):  # off: dropped; on: kept for reuse, unused
+        s = make_scheduler(encoder_cache_tokens=cache_tokens)
+        s.add_request(make_request("a", 9, items=[(2, 4)]))
+        fake_step(s)
+        s.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
+        s.check_integrity()
+        so = s.schedule()
+        assert so.finished_request_ids == ["a"]
+        assert so.free_encoder_ids == freed
+        assert s.encoder_cache.held_items("a") == {}
+        assert s.encoder_cache.contains("a-0") == (cache_tokens is None)
+        assert s.kv_cache.num_free_blocks == 64

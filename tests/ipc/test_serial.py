@@ -16,8 +16,9 @@ import mmserve
 import mmserve.ipc.messages as messages
 from mmserve.ipc.messages import (AbortRequests, CachedRequestData, CacheStats, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                                  EngineCoreRequest, ModelRunnerOutput, NewRequestData, SchedulerOutput,
-                                  SchedulerStats)
+                                  EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
+                                  NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
+                                  WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
@@ -47,6 +48,15 @@ def samples() -> list[Any]:
         SchedulerOutput([NewRequestData("r0", [1, 2], [item()], params, [0, 1], 0)],
                         [CachedRequestData("r1", [7], 30)], {"r0": 2, "r1": 1}, {"r0": [0]}, ["img9"], ["r2"]),
         ModelRunnerOutput({"r0": [9], "r1": []}),
+        # P1 executor <-> tensor-parallel workers: inputs [9:12], events [12:16]
+        InitializeKVCache(64),
+        ExecuteModel(SchedulerOutput([NewRequestData("r0", [1], [item()], params, [0], 0)], [], {"r0": 1}, {}, [], [])),
+        ShutdownWorker(),
+        WorkerReady(1, 4096),
+        WorkerDone(1),
+        WorkerStepOutput(0, ModelRunnerOutput({"r0": [9]})),
+        WorkerFailed(1, "boom"),
+        ShmBroadcastInfo("mmserve_1_" + "0" * 32, 4, 1 << 22, 2, ["ipc:///tmp/x/broadcast-0.sock"]),
     ]
 
 
@@ -107,6 +117,10 @@ def test_tagged_unions_pick_the_right_type():
         assert_same(round_trip(obj, EngineCoreInput), obj)
     for obj in samples()[3:7]:
         assert_same(round_trip(obj, EngineCoreEvent), obj)
+    for obj in samples()[9:12]:
+        assert_same(round_trip(obj, WorkerInput), obj)
+    for obj in samples()[12:16]:
+        assert_same(round_trip(obj, WorkerEvent), obj)
 
 
 TENSORS = {

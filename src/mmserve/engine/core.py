@@ -10,12 +10,13 @@ import logging
 
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
+from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.models.hf_config import LlavaModelConfig, load_model_config
-from mmserve.worker.executor import InProcessExecutor
+from mmserve.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -23,22 +24,30 @@ _GIB = 1 << 30
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, shm_store: bytes | None = None) -> None:
+        """`shm_store`: the msgpack `ShmStoreInfo` of the multimodal object store (--mm-cache-type
+        shm), so that tensor-parallel workers read items by handle instead of receiving them."""
         self.config = config
         self.model_config = load_model_config(model_dir)
-        self.executor = InProcessExecutor(config, model_dir)
-        num_blocks = config.cache.num_kv_blocks or int(
-            config.cache.kv_cache_memory_gb * _GIB // self.executor.kv_cache_bytes_per_block())
-        if num_blocks < 1:
-            raise ValueError("--kv-cache-memory-gb is too small for one KV block; raise it")
-        self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
-        self.executor.initialize_kv_cache(num_blocks)
+        compute_encoder_budget(config.scheduler, self.model_config.image_feature_size)  # refuse before loading
+        self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
+        try:
+            num_blocks = config.cache.num_kv_blocks or int(  # KV memory and block bytes are per rank
+                config.cache.kv_cache_memory_gb * _GIB // self.executor.kv_cache_bytes_per_block())
+            if num_blocks < 1:
+                raise ValueError("--kv-cache-memory-gb is too small for one KV block; raise it")
+            self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         cache = config.cache
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # requests hash their blocks only when the prefix cache can use the hashes
         self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
                              if cache.enable_prefix_caching else None)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   self.model_config.image_feature_size)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
 
@@ -69,15 +78,25 @@ class EngineCore:
         return outputs
 
     def stats(self) -> SchedulerStats:
+        """P1's state. Prefix layer: queries and hits in prompt tokens, entries in cached blocks.
+        Encoder layer: queries and hits in items, `entries` resident outputs, and `bytes_used`
+        their size in embedding tokens (not bytes: the runner's dtype and hidden size decide those)."""
         s = self.scheduler
-        pool = self.kv_cache.pool
+        pool, enc = self.kv_cache.pool, s.encoder_cache
         prefix = CacheStats(queries=s.prefix_queries, hits=s.prefix_hits, evictions=pool.num_evictions,
                             entries=pool.num_cached_blocks)
+        encoder = CacheStats(queries=enc.num_queries, hits=enc.num_hits, evictions=enc.num_evictions,
+                             entries=enc.num_resident_items, bytes_used=enc.num_resident_tokens)
         return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,
-                              self.kv_cache.pool.num_blocks, s.num_preemptions, caches={"prefix": prefix})
+                              self.kv_cache.pool.num_blocks, s.num_preemptions,
+                              caches={"prefix": prefix, "encoder": encoder})
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def check_health(self) -> None:
+        """Raise if the model can no longer run (a tensor-parallel worker died); cheap."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -11,7 +11,8 @@
 - with work: `step()` once and send the `EngineCoreOutputs` if it holds outputs or the stats
   changed since the last send (error outputs ride along with the next send);
 - every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
-  orphaned P1 removes the socket files its dead parent left.
+  orphaned P1 removes the socket files its dead parent left. Fail (below) if the model can no
+  longer run, e.g. a tensor-parallel worker died, even while idle.
 
 SIGTERM / SIGINT end the loop after the current step; the process closes its sockets and
 exits 0. Any other error in the loop is sent as `EngineCoreFailed` and the process exits 1.
@@ -78,7 +79,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
     parent_pid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
     shm = None
     try:
-        core = EngineCore(config, model_dir)
+        core = EngineCore(config, model_dir, shm_store=shm_info)
     except Exception as e:
         logger.exception("engine core failed to start")
         outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
@@ -158,6 +159,7 @@ class EngineCoreProc:
                 if os.getppid() != self.parent_pid:
                     logger.warning("engine core's parent process died; exiting")
                     self._stop = self.orphaned = True
+                self.core.check_health()
         finally:
             self._restore_signal_handlers(old_handlers)
         logger.info("engine core stopping")

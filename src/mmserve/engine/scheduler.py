@@ -11,38 +11,49 @@ that had to preempt.
 Prefix cache: a request being admitted first takes the longest run of cached full blocks that
 match its block hashes, and its prefill starts after them. At least one token is always computed
 (the hit is capped at `num_tokens - 1`, so a prompt that hits whole recomputes its last block),
-and a hit never ends strictly inside an item's placeholder range (see `back_off_from_placeholders`).
-Blocks are registered in the cache as soon as the scheduled tokens fill them; finished, aborted and
-preempted requests free their blocks into the LRU queue with their hashes kept.
+and a hit never ends strictly inside the placeholder range of an item whose encoder output is not
+resident (see `back_off_from_placeholders`). Blocks are registered in the cache as soon as the
+scheduled tokens fill them; finished, aborted and preempted requests free their blocks into the
+LRU queue with their hashes kept.
 
-Encoder work: an image's encoder runs in the step that first schedules any of its placeholder
-tokens; its output stays in the runner until the request has computed all of them.
+Encoder work (`encoder_planner.py`, `encoder_cache.py`): a chunk that reaches an item's
+placeholders references its output — resident already (shared across requests by `mm_hash`), or
+encoded this step within the encoder compute budget. The request holds the reference until it
+has computed all the item's placeholders, or until it finishes or is preempted; unused outputs
+stay resident until the cache needs room, and each step's output names the hashes dropped.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mmserve.config import SchedulerConfig
+from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
+from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
-                                  NewRequestData, SchedulerOutput, encoder_key)
+                                  NewRequestData, SchedulerOutput)
 from mmserve.multimodal.inputs import MultiModalItem
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    """`max_item_tokens`: the model's largest item in embedding tokens (it sizes the encoder
+    budgets, see `compute_encoder_budget`; a ValueError when the config cannot run one)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 max_item_tokens: int = 0) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        compute_budget, cache_size = compute_encoder_budget(config, max_item_tokens)
+        self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
+        self.encoder_planner = EncoderPlanner(self.encoder_cache, compute_budget, not config.disable_chunked_mm_input)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
-        self._free_encoder_ids: list[str] = []  # encoder outputs the runner may drop
-        self._encoded: dict[str, set[int]] = {}  # request id -> items whose output the runner holds
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0  # since start, for tests and metrics
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
@@ -51,6 +62,8 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; a ValueError (and no change) when one of its items can never run."""
+        self.encoder_planner.check_fits(request, self.config.max_num_batched_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -73,44 +86,64 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [], {}, {}, self._free_encoder_ids, sorted(self._finished_ids))
-        self._free_encoder_ids, self._finished_ids = [], set()
+        """Plan one step: running requests first (preempting when KV blocks run out), then
+        waiting ones; `free_encoder_ids` carries the encoder outputs dropped since the last step."""
+        out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
+        self._finished_ids = set()
+        self.encoder_planner.start_step()
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + n):
+            plan = self.encoder_planner.plan(req, req.num_computed_tokens,
+                                             min(req.num_tokens - req.num_computed_tokens, budget))
+            if plan.num_tokens == 0:  # its next item cannot run this step
+                i += 1
+                continue
+            while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
                 preempted = True
                 if self._preempt_last() is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            self._schedule(req, n, out)
-            budget -= n
+            self._schedule(req, plan, out)
+            budget -= plan.num_tokens
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            computed = self._cached_prefix(req)
-            num_hit = len(computed) * self.kv_cache.block_size
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
+            if not self._admit_next(budget, out):
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._admit(req, num_hit)
-            self._schedule(req, n, out, computed)
-            budget -= n
+            budget -= out.num_scheduled_tokens[self.running[-1].request_id]
+        out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
         return out
+
+    def _admit_next(self, budget: int, out: SchedulerOutput) -> bool:
+        """Schedule the first waiting request within `budget` tokens, after its prefix-cache hit;
+        False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
+        req = self.waiting[0]
+        computed = self._cached_prefix(req)
+        num_hit = len(computed) * self.kv_cache.block_size
+        n = min(req.num_tokens - num_hit, budget)
+        if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
+            return False
+        plan = self.encoder_planner.plan(req, num_hit, n)  # may shorten the chunk: it still fits the blocks
+        if plan.num_tokens == 0:
+            return False  # took no reference: its first needed item was the one that cannot run
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._admit(req, num_hit)
+        self._schedule(req, plan, out, computed)
+        return True
 
     def _cached_prefix(self, req: Request) -> list[KVBlock]:
         """The cache hits a waiting request can use: whole blocks, at least one token left to
-        compute, not ending inside a placeholder range. Changes nothing."""
+        compute, not ending inside the placeholders of an item whose encoder output is not
+        resident. Changes nothing (the planner then references that output before anything
+        else can evict it)."""
         bs = self.kv_cache.block_size
         hits = self.kv_cache.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
-        return hits[:back_off_from_placeholders(len(hits) * bs, req.mm_items, bs) // bs]
+        return hits[:back_off_from_placeholders(len(hits) * bs, req.mm_items, bs, self.encoder_cache.contains) // bs]
 
     def _admit(self, req: Request, num_hit: int) -> None:
         """Start `req` after its `num_hit` cached tokens; the first admission sets its
@@ -122,10 +155,12 @@ class Scheduler:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += num_hit
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput, computed: Sequence[KVBlock] = ()) -> None:
-        """Give `req` `n` tokens this step (after the cache hits `computed`, when admitted): slots,
-        encoder inputs, and what the runner needs; blocks the step fills join the prefix cache."""
-        rid, start = req.request_id, req.num_computed_tokens
+    def _schedule(self, req: Request, plan: EncoderPlan, out: SchedulerOutput,
+                  computed: Sequence[KVBlock] = ()) -> None:
+        """Give `req` `plan.num_tokens` tokens this step (after the cache hits `computed`, when
+        admitted): slots, encoder inputs, and what the runner needs; blocks the step fills join
+        the prefix cache."""
+        rid, start, n = req.request_id, req.num_computed_tokens, plan.num_tokens
         new_blocks = self.kv_cache.allocate_slots(rid, start + n, computed)
         assert new_blocks is not None, "caller checked can_allocate"
         self.kv_cache.cache_full_blocks(rid, req.block_hashes, start + n)
@@ -135,12 +170,9 @@ class Scheduler:
             self._known_to_runner.add(rid)
             out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
                                                    self.kv_cache.get_block_ids(rid).copy(), start))
-        encoded = self._encoded.setdefault(rid, set())
-        to_encode = [idx for idx, item in enumerate(req.mm_items)
-                     if idx not in encoded and item.placeholder.overlaps(start, start + n)]
-        if to_encode:
-            out.scheduled_encoder_inputs[rid] = to_encode
-            encoded.update(to_encode)
+        self.encoder_planner.commit(req, plan)
+        if plan.to_encode:
+            out.scheduled_encoder_inputs[rid] = plan.to_encode
         out.num_scheduled_tokens[rid] = n
         req.num_computed_tokens += n
 
@@ -163,7 +195,7 @@ class Scheduler:
             req = self.requests[rid]
             if req.status is not RequestStatus.RUNNING:
                 continue
-            self._free_consumed_encoder_outputs(req)
+            self.encoder_planner.release_consumed(req)
             tokens = result.sampled_token_ids.get(rid)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -195,46 +227,47 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def _release(self, req: Request) -> None:
-        """Free the request's blocks and encoder outputs; the runner drops its state next step."""
+        """Free the request's blocks and encoder references; the runner drops its state next step."""
         self.kv_cache.free(req.request_id)
-        for idx in self._encoded.pop(req.request_id, ()):
-            self._free_encoder_ids.append(encoder_key(req.request_id, idx))
+        self.encoder_cache.free(req)
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_ids.add(req.request_id)
 
-    def _free_consumed_encoder_outputs(self, req: Request) -> None:
-        encoded = self._encoded.get(req.request_id, set())
-        for idx in [i for i in encoded if req.mm_items[i].placeholder.end <= req.num_computed_tokens]:
-            encoded.discard(idx)
-            self._free_encoder_ids.append(encoder_key(req.request_id, idx))
-
     def check_integrity(self) -> None:
-        """Queues and block ownership agree: every owner of blocks is running."""
+        """Between steps: queues, block ownership and encoder references agree — every owner of
+        blocks or encoder outputs is running, and references only outputs it still needs."""
         self.kv_cache.check_integrity()
-        assert set(self.kv_cache.req_to_blocks) <= {r.request_id for r in self.running}, "a non-running request owns blocks"
-        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(self.requests)
+        self.encoder_cache.check_integrity()
+        running = {r.request_id for r in self.running}
+        assert set(self.kv_cache.req_to_blocks) <= running, "a non-running request owns blocks"
+        assert not any(self.encoder_cache.held_items(r.request_id) for r in self.waiting), "a waiting request holds one"
+        assert running | {r.request_id for r in self.waiting} == set(self.requests)
         assert len(self.running) <= self.config.max_num_seqs
         for req in self.running:
             blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))
             assert blocks >= self.kv_cache.blocks_needed(req.num_computed_tokens), f"{req} lacks KV blocks"
+            for idx in self.encoder_cache.held_items(req.request_id):
+                assert req.mm_items[idx].placeholder.end > req.num_computed_tokens, f"{req} kept a consumed output"
 
 
-def back_off_from_placeholders(num_tokens: int, mm_items: Sequence[MultiModalItem], block_size: int) -> int:
+def back_off_from_placeholders(num_tokens: int, mm_items: Sequence[MultiModalItem], block_size: int,
+                               resident: Callable[[str], bool] | None = None) -> int:
     """The longest block-aligned prefix of at most `num_tokens` (block-aligned) tokens that does
-    not end strictly inside any item's placeholder range.
+    not end strictly inside the placeholder range of an item that is not `resident(mm_hash)`.
 
-    A cached prefix that ends inside an image would leave the rest of its placeholders to compute,
-    which needs the image's encoder output; until encoder outputs are cached across requests, the
-    hit backs off to the block holding the image's first placeholder (and again, should that
-    block boundary fall inside an earlier image).
+    A cached prefix that ends inside an image leaves the rest of its placeholders to compute,
+    which needs the image's encoder output. When that output is resident the hit stands (the
+    request references the output before anything can evict it, and the runner scatters the
+    remaining rows of it); otherwise the hit backs off to the block holding the image's first
+    placeholder (and again, should that block boundary fall inside an earlier image).
     """
     changed = True
     while changed:
         changed = False
         for item in mm_items:
             ph = item.placeholder
-            if ph.offset < num_tokens < ph.end:
+            if ph.offset < num_tokens < ph.end and not (resident is not None and resident(item.mm_hash)):
                 num_tokens = ph.offset // block_size * block_size
                 changed = True
     return num_tokens

@@ -12,6 +12,7 @@ garbage collected) no P1 process, socket or socket file of this client is left.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import shutil
@@ -118,8 +119,11 @@ class EngineCoreClient:
         res.outputs = QueueReceiver(res.ctx, output_addr, MsgpackDecoder(EngineCoreEvent), bind=True)
         res.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
-            name="mmserve-engine-core", daemon=True)
+            name="mmserve-engine-core", daemon=False)  # a daemon could not start tensor-parallel workers
         res.proc.start()
+        # multiprocessing's exit handler joins non-daemon children: stop P1 before it runs
+        # (atexit runs the latest registration first)
+        atexit.register(self._finalizer)
         return self._wait_for_ready(timeout_s)
 
     def _wait_for_ready(self, timeout_s: float) -> EngineCoreReady:
@@ -214,6 +218,7 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         """Stop P1 (SIGTERM, then SIGKILL after a grace period), close the sockets and remove
         the socket files and their directory. Safe to call more than once."""
+        atexit.unregister(self._finalizer)
         self._finalizer()
 
     def __enter__(self) -> EngineCoreClient:

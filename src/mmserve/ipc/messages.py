@@ -1,9 +1,10 @@
 """Every message that crosses a process boundary (or will), in one place.
 
 Directions: P0 frontend -> P1 engine core (`EngineCoreRequest`, aborts), P1 -> P0
-(`EngineCoreOutputs`), P1 scheduler -> workers (`SchedulerOutput`), workers -> P1
-(`ModelRunnerOutput`). A message carries only what the receiver lacks: a request already
-known to the workers ships its new block ids, not its history.
+(`EngineCoreOutputs`), P1 scheduler -> workers (`SchedulerOutput`, wrapped in `ExecuteModel`
+when it crosses to tensor-parallel worker processes), workers -> P1 (`ModelRunnerOutput`).
+A message carries only what the receiver lacks: a request already known to the workers ships
+its new block ids, not its history; its multimodal items travel once, in its `NewRequestData`.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class CacheStats(msgspec.Struct):
     evictions: int = 0
     bytes_saved: int = 0  # bytes kept off the P0 -> P1 wire (ipc, shm)
     entries: int = 0
-    bytes_used: int = 0
+    bytes_used: int = 0  # the encoder layer counts embedding tokens here (see EngineCore.stats)
     fallbacks: int = 0  # items the layer could not take and that went inline instead (shm)
 
 
@@ -117,7 +118,12 @@ EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # ever
 
 
 class NewRequestData(msgspec.Struct):
-    """A request the workers have not seen (or lost to preemption): everything they need."""
+    """A request the workers have not seen (or lost to preemption): everything they need.
+
+    Sent once per request (and again after a preemption), so it is the only message that
+    carries the request's items to the workers; every later step ships `CachedRequestData`.
+    Items come with `data` (--mm-cache-type lru), or as `shm_handle` alone when the executor
+    strips them for workers that read the shared-memory store themselves."""
 
     request_id: str
     token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
@@ -135,17 +141,14 @@ class CachedRequestData(msgspec.Struct):
     num_computed_tokens: int
 
 
-def encoder_key(request_id: str, item_index: int) -> str:
-    """The key one item's encoder output is held under in the runner (per request, for now)."""
-    return f"{request_id}#{item_index}"
-
-
 class SchedulerOutput(msgspec.Struct):
     """One step's work.
 
     `num_scheduled_tokens[id]` tokens of request `id` run from its `num_computed_tokens`.
     `scheduled_encoder_inputs[id]` lists the indices of its items to encode this step, before
-    the decoder runs. `free_encoder_ids` are encoder outputs no scheduled work needs any more.
+    the decoder runs; each `mm_hash` appears at most once per step (a request whose items are
+    resident, or encoded this step for another request, reads the runner's output by hash).
+    `free_encoder_ids` are the `mm_hash`es of encoder outputs the runner deletes before encoding.
     `finished_request_ids` (finished, aborted or preempted since the last step) drop their state.
     """
 
@@ -168,3 +171,67 @@ class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early."""
 
     sampled_token_ids: dict[str, list[int]]
+
+
+# ---- P1 executor <-> tensor-parallel workers ---------------------------------------------
+# P1 broadcasts `WorkerInput`s to every rank through the shared-memory ring (ipc/shm_broadcast.py);
+# ranks answer with `WorkerEvent`s on one ZMQ PUSH/PULL queue.
+
+
+class ShmBroadcastInfo(msgspec.Struct, frozen=True):
+    """What a reader needs to attach to a broadcast ring (given to each worker at spawn)."""
+
+    name: str  # the shared-memory segment
+    num_slots: int
+    slot_bytes: int  # payload bytes per slot; bigger messages go over ZMQ
+    num_readers: int
+    overflow_addresses: list[str]  # reader i receives oversized messages on address i
+
+
+class InitializeKVCache(msgspec.Struct, tag="init_kv_cache"):
+    """Allocate `num_blocks` KV blocks (of this rank's KV heads); every rank answers `WorkerDone`."""
+
+    num_blocks: int
+
+
+class ExecuteModel(msgspec.Struct, tag="execute_model"):
+    """Run one step; rank 0 answers `WorkerStepOutput`, the others only on failure."""
+
+    scheduler_output: SchedulerOutput
+
+
+class ShutdownWorker(msgspec.Struct, tag="shutdown"):
+    """Leave the loop and exit 0."""
+
+
+WorkerInput = InitializeKVCache | ExecuteModel | ShutdownWorker  # P1 -> every rank
+
+
+class WorkerReady(msgspec.Struct, tag="worker_ready"):
+    """The rank loaded its shard of the model."""
+
+    rank: int
+    kv_cache_bytes_per_block: int
+
+
+class WorkerDone(msgspec.Struct, tag="worker_done"):
+    """The rank finished an `InitializeKVCache`."""
+
+    rank: int
+
+
+class WorkerStepOutput(msgspec.Struct, tag="worker_step_output"):
+    """The sampled tokens of one `ExecuteModel`, sent by rank 0 alone (every rank sampled the same)."""
+
+    rank: int
+    output: ModelRunnerOutput
+
+
+class WorkerFailed(msgspec.Struct, tag="worker_failed"):
+    """The rank hit an error (it exits 1 after sending this)."""
+
+    rank: int
+    message: str
+
+
+WorkerEvent = WorkerReady | WorkerDone | WorkerStepOutput | WorkerFailed  # ranks -> P1

@@ -72,13 +72,15 @@ def create_segment(size: int) -> tuple[str, int, mmap.mmap]:
         raise
 
 
-def open_segment(name: str) -> tuple[int, mmap.mmap]:
-    """A reader's fd and read-only mapping of the segment `name`."""
+def open_segment(name: str, writable: bool = False) -> tuple[int, mmap.mmap]:
+    """A reader's fd and read-only mapping of the segment `name` (read-write when `writable`,
+    for protocols whose readers write acknowledgements, e.g. ipc/shm_broadcast.py)."""
     if not _NAME_RE.fullmatch(name):
         raise ValueError(f"not an mmserve shared-memory segment name: {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     try:
-        return fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
     except BaseException:
         os.close(fd)
         raise

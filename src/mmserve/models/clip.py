@@ -2,7 +2,8 @@
 
 Names follow transformers 5's `CLIPVisionModel` under LLaVA (`embeddings`, `pre_layrnorm`,
 `encoder.layers.N`), so checkpoints load by name. Images are fixed-size: x is [N, P+1, Dv]
-with P patches plus the CLS token.
+with P patches plus the CLS token. Under tensor parallelism the attention heads and the MLP's
+inner features are split (models/parallel.py); embeddings and layer norms are replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from mmserve.models.hf_config import VisionConfig
 from mmserve.models.layers import activation
+from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -36,28 +38,32 @@ class CLIPVisionEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """`num_heads` is this rank's share of the heads."""
+
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        D, what = cfg.hidden_size, "the vision tower's num_attention_heads"
+        self.num_heads = tp.split(cfg.num_attention_heads, what)
+        self.head_dim = D // cfg.num_attention_heads
+        self.q_proj = ColumnParallelLinear(D, D, True, tp, what=what)
+        self.k_proj = ColumnParallelLinear(D, D, True, tp, what=what)
+        self.v_proj = ColumnParallelLinear(D, D, True, tp, what=what)
+        self.out_proj = RowParallelLinear(D, D, True, tp, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        N, L, D = x.shape
+        N, L, _ = x.shape
         q, k, v = (p(x).view(N, L, self.num_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N, H, L, Dh] each
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [N, H, L, Dh]
-        return self.out_proj(out.transpose(1, 2).reshape(N, L, D))
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N, H/tp, L, Dh] each
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [N, H/tp, L, Dh]
+        return self.out_proj(out.transpose(1, 2).reshape(N, L, -1))  # [N, L, Dv], all-reduced
 
 
 class CLIPMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        what = "the vision tower's intermediate_size"
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, tp, what=what)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, what=what)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +71,11 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = CLIPAttention(cfg)
+        self.self_attn = CLIPAttention(cfg, tp)
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = CLIPMLP(cfg)
+        self.mlp = CLIPMLP(cfg, tp)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,21 +84,21 @@ class CLIPEncoderLayer(nn.Module):
 
 
 class CLIPEncoder(nn.Module):
-    def __init__(self, cfg: VisionConfig, num_layers: int) -> None:
+    def __init__(self, cfg: VisionConfig, num_layers: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(num_layers))
+        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, tp) for _ in range(num_layers))
 
 
 class CLIPVisionTower(nn.Module):
     """Returns the hidden states LLaVA selects: index 0 is the (pre-normed) embeddings,
     index i the output of encoder layer i. Layers past the deepest selected one are not built."""
 
-    def __init__(self, cfg: VisionConfig, feature_layers: tuple[int, ...]) -> None:
+    def __init__(self, cfg: VisionConfig, feature_layers: tuple[int, ...], tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.feature_layers = feature_layers
         self.embeddings = CLIPVisionEmbeddings(cfg)
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.encoder = CLIPEncoder(cfg, max(feature_layers))
+        self.encoder = CLIPEncoder(cfg, max(feature_layers), tp)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         # pixel_values: [N, C, H, W] -> one [N, P+1, Dv] per feature layer

@@ -1,7 +1,9 @@
 """The Llama decoder with paged KV: RMSNorm, rotary, grouped-query attention, SwiGLU.
 
 Module and parameter names follow transformers' `LlamaModel`, so checkpoints load by name.
-Tokens of all requests in a step run together, flattened: x is [T, D].
+Tokens of all requests in a step run together, flattened: x is [T, D]. Under tensor
+parallelism (models/parallel.py) each rank runs H / N query heads and its KV heads (split, or
+one replicated head); x is the same full [T, D] on every rank between layers.
 """
 
 from __future__ import annotations
@@ -13,23 +15,31 @@ from torch import nn
 from mmserve.models.hf_config import TextConfig
 from mmserve.models.layers import (AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rotary, default_scale,
                                    paged_attention)
+from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                     VocabParallelEmbedding, kv_head_shard)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    """`num_heads` / `num_kv_heads` are this rank's (all of them when tp.size == 1)."""
+
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        first_kv, self.num_kv_heads = kv_head_shard(cfg.num_key_value_heads, tp)
+        self.head_dim = Dh
+        kv_rows = (first_kv * Dh, self.num_kv_heads * Dh)
+        self.q_proj = ColumnParallelLinear(D, cfg.num_attention_heads * Dh, bias, tp)
+        self.k_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, bias, tp, rows=kv_rows)
+        self.v_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, bias, tp, rows=kv_rows)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * Dh, D, bias, tp)
         self.scale = default_scale(self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
+        T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -39,21 +49,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        D, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = ColumnParallelLinear(D, inner, bias, tp, what="intermediate_size")
+        self.up_proj = ColumnParallelLinear(D, inner, bias, tp, what="intermediate_size")
+        self.down_proj = RowParallelLinear(inner, D, bias, tp, what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, I / N] (this rank's share) -> [T, D] (all-reduced)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -66,10 +78,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm (no LM head)."""
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 

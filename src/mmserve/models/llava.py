@@ -3,6 +3,8 @@ feature-layer / select-strategy choice, a two-layer projector, and a Llama decod
 
 The runner calls three things: `encode_images` (pixels -> embedding rows for the placeholders),
 `embed_tokens` + `forward` (the decoder over one step's flattened tokens), `compute_logits`.
+With a `TensorParallel` of size N the model is this rank's shard (models/parallel.py): every
+call must run on all N ranks with the same inputs, and returns the same full result on each.
 """
 
 from __future__ import annotations
@@ -14,39 +16,50 @@ from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.hf_config import LlavaModelConfig
 from mmserve.models.layers import AttentionMetadata, activation
 from mmserve.models.llama import LlamaModel
+from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
+                                     kv_head_shard)
 
 
 class LlavaMultiModalProjector(nn.Module):
-    def __init__(self, cfg: LlavaModelConfig) -> None:
+    """Column-parallel linear_1, elementwise activation, row-parallel linear_2."""
+
+    def __init__(self, cfg: LlavaModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         in_dim = cfg.vision.hidden_size * len(cfg.feature_layers)
-        out_dim = cfg.text.hidden_size
-        self.linear_1 = nn.Linear(in_dim, out_dim, bias=cfg.multimodal_projector_bias)
+        out_dim, bias, what = cfg.text.hidden_size, cfg.multimodal_projector_bias, "the decoder's hidden_size"
+        self.linear_1 = ColumnParallelLinear(in_dim, out_dim, bias, tp, what=what)
         self.act = activation(cfg.projector_hidden_act)
-        self.linear_2 = nn.Linear(out_dim, out_dim, bias=cfg.multimodal_projector_bias)
+        self.linear_2 = RowParallelLinear(out_dim, out_dim, bias, tp, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, F, Dv * layers] -> [N, F, D / tp] -> [N, F, D] (all-reduced)
         return self.linear_2(self.act(self.linear_1(x)))
 
 
 class LlavaInner(nn.Module):
     """The `model.` prefix of the checkpoint: vision tower, projector, language model."""
 
-    def __init__(self, cfg: LlavaModelConfig) -> None:
+    def __init__(self, cfg: LlavaModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.vision_tower = CLIPVisionTower(cfg.vision, cfg.feature_layers)
-        self.multi_modal_projector = LlavaMultiModalProjector(cfg)
-        self.language_model = LlamaModel(cfg.text)
+        self.vision_tower = CLIPVisionTower(cfg.vision, cfg.feature_layers, tp)
+        self.multi_modal_projector = LlavaMultiModalProjector(cfg, tp)
+        self.language_model = LlamaModel(cfg.text, tp)
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    def __init__(self, cfg: LlavaModelConfig) -> None:
+    def __init__(self, cfg: LlavaModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlavaInner(cfg)
-        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlavaInner(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.text.vocab_size, cfg.text.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them when not tensor-parallel)."""
+        return kv_head_shard(self.config.text.num_key_value_heads, self.tp)[1]
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

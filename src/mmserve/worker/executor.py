@@ -1,9 +1,23 @@
-"""Executors run the model for the engine core; this one runs it in the engine core's process."""
+"""Executors run the model for the engine core: in its own process (tensor parallel size 1) or
+in one worker process per rank (worker/multiproc_executor.py). Both offer the same calls:
+`kv_cache_bytes_per_block`, `initialize_kv_cache`, `execute_model`, `check_health`, `shutdown`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+def make_executor(config: EngineConfig, model_dir: str, shm_store: bytes | None = None) -> Any:
+    """The in-process executor for --tensor-parallel-size 1 (no extra process), else N workers
+    (which read multimodal items from the shared-memory store `shm_store` when given)."""
+    if config.parallel.tensor_parallel_size == 1:
+        return InProcessExecutor(config, model_dir)
+    from mmserve.worker.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, model_dir, shm_store)
 
 
 class InProcessExecutor:
@@ -22,6 +36,9 @@ class InProcessExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass

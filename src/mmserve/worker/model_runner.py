@@ -1,9 +1,9 @@
 """The model runner: turns a `SchedulerOutput` into one forward pass and sampled tokens.
 
 It keeps what the scheduler sends only once: each request's tokens, items, block table and
-sampling state (`RunnerRequest`), and encoder outputs by `encoder_key` until the
-scheduler frees them. The KV cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh]
-tensors per decoder layer.
+sampling state (`RunnerRequest`), and encoder outputs by `mm_hash` — shared by every request
+whose items have that hash — until the scheduler names the hash in `free_encoder_ids`. The KV
+cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh] tensors per decoder layer.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, encoder_key
+from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
+from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.sampler import sample
@@ -34,25 +35,28 @@ class RunnerRequest:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, tp: TensorParallel = SINGLE) -> None:
+        """With `tp.size > 1` this is one rank's runner: every rank gets the same calls (the
+        model's collectives pair them up) and samples the same tokens."""
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = load_model(model_dir, config.model.dtype)
+        self.model = load_model(model_dir, config.model.dtype, tp)
         self.dtype = next(self.model.parameters()).dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RunnerRequest] = {}
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # encoder_key -> [F, D]
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
+        self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
         self.generator = torch.Generator().manual_seed(config.model.seed)
 
     # ---- KV cache ---------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
         t = self.model.config.text
-        return 2 * t.num_hidden_layers * self.block_size * t.num_key_value_heads * t.head_dim * self.dtype.itemsize
+        return 2 * t.num_hidden_layers * self.block_size * self.model.num_kv_heads * t.head_dim * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         t = self.model.config.text
-        shape = (num_blocks, self.block_size, t.num_key_value_heads, t.head_dim)
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
                           for _ in range(t.num_hidden_layers)]
 
@@ -91,16 +95,18 @@ class ModelRunner:
         return RunnerRequest(list(new.token_ids), new.mm_items, new.sampling_params, list(new.block_ids), generator)
 
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
-        keyed = [(encoder_key(rid, idx), self.requests[rid].mm_items[idx]) for rid, idxs in scheduled.items()
-                 for idx in idxs]
+        """Encode the scheduled items, once per `mm_hash`, into `encoder_outputs`."""
+        keyed = {item.mm_hash: item for rid, idxs in scheduled.items()
+                 for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
         if not keyed:
             return
-        pixels = torch.stack([item.data["pixel_values"] for _, item in keyed]).to(self.dtype)  # [N, C, H, W]
+        pixels = torch.stack([item.data["pixel_values"] for item in keyed.values()]).to(self.dtype)  # [N, C, H, W]
         features = self.model.encode_images(pixels)  # [N, F, D]
-        for (key, item), feats in zip(keyed, features):
+        for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
             self.encoder_outputs[key] = feats
+        self.num_encoded_items += len(keyed)
 
     def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]):
         input_ids: list[int] = []
@@ -123,11 +129,11 @@ class ModelRunner:
         for rid in req_ids:
             state, n = self.requests[rid], num_sched[rid]
             start = state.num_computed_tokens
-            for idx, item in enumerate(state.mm_items):
+            for item in state.mm_items:
                 ph = item.placeholder
                 lo, hi = max(start, ph.offset), min(start + n, ph.end)
                 if lo < hi:
-                    feats = self.encoder_outputs[encoder_key(rid, idx)]
+                    feats = self.encoder_outputs[item.mm_hash]
                     embeds[offset + lo - start: offset + hi - start] = feats[lo - ph.offset: hi - ph.offset]
             offset += n
         return embeds
