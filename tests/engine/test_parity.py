@@ -9,11 +9,9 @@ image's placeholders, and with so few KV blocks that requests are preempted.
 from __future__ import annotations
 
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmserve import LLM, SamplingParams
+from hf_reference import hf_greedy
 from tiny_models import make_checkpoint, make_image
 
 MAX_NEW = 10
@@ -51,27 +49,11 @@ def prompts() -> list[dict]:
     ]
 
 
-def hf_reference(path: str, items: list[dict]) -> tuple[list[list[int]], list[int]]:
-    """Greedy outputs one prompt at a time, and each prompt's length in tokens."""
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    refs, lens = [], []
-    for item in items:
-        images = item.get("multi_modal_data", {}).get("image")
-        images = [images] if isinstance(images, Image.Image) else images
-        inputs = processor(text=item["prompt"], images=images, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-        lens.append(inputs["input_ids"].shape[1])
-    return refs, lens
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
     items = prompts()
-    refs, prompt_lens = hf_reference(path, items)
+    refs, prompt_lens = hf_greedy(path, items, MAX_NEW)
     return path, items, refs, prompt_lens
 
 

@@ -13,8 +13,6 @@ import signal
 import time
 
 import pytest
-import torch
-from PIL import Image
 
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
@@ -25,6 +23,7 @@ from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import TensorParallel, check_shardable
 from mmserve.worker.executor import InProcessExecutor
 from mmserve.worker.multiproc_executor import WorkerFailedError
+from hf_reference import hf_greedy
 from mm_prompts import PARAMS, generate, one
 from tiny_models import make_checkpoint, make_image
 
@@ -63,22 +62,6 @@ def prompts() -> list[dict]:
     ]
 
 
-def hf_reference(path: str, items: list[dict]) -> list[list[int]]:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    refs = []
-    for item in items:
-        images = item.get("multi_modal_data", {}).get("image")
-        images = [images] if isinstance(images, Image.Image) else images
-        inputs = processor(text=item["prompt"], images=images, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return refs
-
-
 def run(llm: LLM, items: list[dict]) -> list[list[int]]:
     outs = llm.generate(items, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     return [o.outputs[0].token_ids for o in outs]
@@ -88,7 +71,7 @@ def run(llm: LLM, items: list[dict]) -> list[list[int]]:
 def test_tp2_greedy_equals_tp1_and_transformers(variant, tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp(variant), **VARIANTS[variant])
     items = prompts()
-    refs = hf_reference(path, items)
+    refs, _ = hf_greedy(path, items, MAX_NEW)
     assert refs[1] != refs[2], "the images must change the outputs, or the test could pass by accident"
     assert run(LLM(model=path, **SMALL), items) == refs
     before = shm_listing()
