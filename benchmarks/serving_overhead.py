@@ -92,7 +92,8 @@ def channel_seconds(item, runs: int) -> float:
     from mmserve.multimodal.inputs import MultiModalItem
 
     ctx = zmq.Context()
-    path = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+    tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
+    path = f"ipc://{tmp.name}/bench.sock"
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     pull.bind(path)
     push.connect(path)
@@ -107,6 +108,7 @@ def channel_seconds(item, runs: int) -> float:
     push.close(0)
     pull.close(0)
     ctx.term()
+    tmp.cleanup()
     return statistics.median(times)
 
 
