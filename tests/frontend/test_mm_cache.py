@@ -97,3 +97,21 @@ def test_a_rejected_request_leaves_no_cache_entry(engine):
     with pytest.raises(ValueError, match="max_model_len"):
         generate(engine, too_long, "bad")
     assert engine.stats().caches["processor"].entries == before
+
+
+def test_a_burst_of_one_new_image_runs_the_processor_once(path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmserve.frontend.input_processor import InputProcessor
+    from mmserve.frontend.llm_engine import eos_token_id
+
+    inputs = InputProcessor(EngineConfig.from_kwargs(model=path), path, 512, eos_token_id(path))
+    with ThreadPoolExecutor(8) as pool:
+        requests = list(pool.map(lambda i: inputs.process(f"r{i}", one(321), PARAMS), range(8)))
+    assert inputs.items.num_processed == 1
+    assert all(r.mm_items[0].data["pixel_values"].equal(requests[0].mm_items[0].data["pixel_values"])
+               for r in requests)
+    with pytest.raises(ValueError):  # a bad image fails every waiter, and nothing is left in flight
+        list(ThreadPoolExecutor(4).map(lambda i: inputs.process(f"b{i}", {
+            "prompt": PROMPT, "multi_modal_data": {"image": "data:image/png;base64,aGVsbG8="}}, PARAMS), range(4)))
+    assert inputs.items._inflight == {}

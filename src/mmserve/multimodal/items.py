@@ -8,11 +8,15 @@ uuid replaces the content hash; a uuid part with no image is served from what P0
 
 Nothing is stored while a request is being resolved: `commit` puts the fresh items into the
 processor cache once the whole request has been accepted, so a rejected request leaves no entry.
+Requests are resolved in worker threads; an item that another thread is processing right now is
+waited for, not processed twice (a burst of requests with one new image runs the processor once).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid as uuid_lib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,6 +50,8 @@ class ItemResolver:
         self.known_tokens = known_tokens
         self.hasher = ItemHasher(model_id, processor.settings())
         self.num_processed = 0  # image processor runs since start
+        self._inflight: dict[str, Future[dict[str, Any]]] = {}  # mm_hash -> the thread processing it
+        self._lock = threading.Lock()
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None) -> list[ResolvedItem]:
         return [self._resolve_one(source, uid, salt) for source, uid in zip(sources, uuids)]
@@ -68,10 +74,30 @@ class ItemResolver:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
             return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
-        image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(raw, self.limits)
-        data = self.processor.process_image(image)
-        self.num_processed += 1
+        data = self._process_once(mm_hash, raw)
         return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
+
+    def _process_once(self, mm_hash: str, raw: Any) -> dict[str, Any]:
+        """Decode and process `raw`, unless another thread is processing the same item: then wait
+        for its result (or its error: the same content fails the same way)."""
+        with self._lock:
+            pending = self._inflight.get(mm_hash)
+            if pending is None:
+                self._inflight[mm_hash] = future = Future()
+        if pending is not None:
+            return pending.result()
+        try:
+            image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(raw, self.limits)
+            data = self.processor.process_image(image)
+            self.num_processed += 1
+            future.set_result(data)
+            return data
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[mm_hash]
 
     def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
