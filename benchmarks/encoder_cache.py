@@ -25,22 +25,10 @@ import statistics
 import time
 
 import msgspec
+from _engine_timing import ttft
 
 FIRST = "USER: <image>\nWhat is in this image? ASSISTANT:"
 SECOND = "USER: <image>\nDescribe the colours of this image in one sentence. ASSISTANT:"
-
-
-def ttft(core, req) -> float:
-    """Seconds from add_request to the first sampled token (then runs the request to the end)."""
-    start = time.perf_counter()
-    core.add_request(req)
-    while True:
-        for out in core.step().outputs:
-            if out.request_id == req.request_id and out.new_token_ids:
-                elapsed = time.perf_counter() - start
-                while core.has_unfinished_requests():
-                    core.step()
-                return elapsed
 
 
 class Engine:
@@ -76,7 +64,7 @@ class Engine:
         first, second = (msgspec.structs.replace(t, request_id=f"{key}-{i}", mm_items=[
             msgspec.structs.replace(item, mm_hash=key) for item in t.mm_items]) for i, t in enumerate(self.templates))
         ttft(self.core, first)
-        return ttft(self.core, second)
+        return ttft(self.core, second)[0]
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import msgspec
+from _engine_timing import ttft
 
 PROMPT = "USER: <image>\nWhat is in this image? Describe it in one sentence. ASSISTANT:"
 
@@ -35,19 +36,6 @@ def processed_request(llm, rid: str):
                                              params)
     req.mm_items = [msgspec.structs.replace(item, mm_hash="bench-image") for item in req.mm_items]
     return req
-
-
-def ttft(core, req) -> tuple[float, int]:
-    """Seconds from add_request to the first sampled token, and the request's cached tokens."""
-    start = time.perf_counter()
-    core.add_request(req)
-    while True:
-        for out in core.step().outputs:
-            if out.request_id == req.request_id and out.new_token_ids:
-                elapsed = time.perf_counter() - start
-                while core.has_unfinished_requests():
-                    core.step()
-                return elapsed, out.num_cached_tokens
 
 
 class Engine:

@@ -10,9 +10,10 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+from mmserve.ipc.messages import SchedulerOutput
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
+from scheduler_sim import fake_step
 
 
 def make_scheduler(max_tokens=64, num_blocks=64, max_item_tokens=8, **config) -> Scheduler:
@@ -28,12 +29,7 @@ def make_request(rid: str, n_prompt: int, images=(), max_tokens=2) -> Request:
 
 
 def step(s: Scheduler) -> SchedulerOutput:
-    so = s.schedule()
-    sampled = {rid: ([7] if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens else [])
-               for rid in so.num_scheduled_tokens}
-    s.update_from_output(so, ModelRunnerOutput(sampled))
-    s.check_integrity()
-    return so
+    return fake_step(s)[0]
 
 
 def run(s: Scheduler, *reqs: Request) -> list[SchedulerOutput]:

@@ -14,9 +14,9 @@ from mmserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler, back_off_from_placeholders
-from mmserve.ipc.messages import ModelRunnerOutput
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
+from scheduler_sim import fake_step
 
 BS = 4
 IMG = 32000
@@ -146,20 +146,11 @@ def make_request(rid, tokens, images=(), salt=None, max_tokens=3) -> Request:
                    cache_salt=salt, block_hasher=BlockHasher(BS))
 
 
-def step(s: Scheduler, token=7):
-    so = s.schedule()
-    sampled = {rid: ([token] if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens else [])
-               for rid in so.num_scheduled_tokens}
-    out = s.update_from_output(so, ModelRunnerOutput(sampled))
-    s.check_integrity()
-    return so, out
-
-
 def run(s: Scheduler, *reqs: Request) -> None:
     for r in reqs:
         s.add_request(r)
     while s.num_unfinished_requests:
-        step(s)
+        fake_step(s)
 
 
 def hit_after_warmup(tokens, images=(), second=None, encoder_cache_tokens=0) -> int:
@@ -169,7 +160,7 @@ def hit_after_warmup(tokens, images=(), second=None, encoder_cache_tokens=0) -> 
     run(s, make_request("first", tokens, images))
     req = second or make_request("second", tokens, images)
     s.add_request(req)
-    so, _ = step(s)
+    so, _ = fake_step(s)
     assert so.new_requests[0].num_computed_tokens == req.num_cached_tokens
     return req.num_cached_tokens
 
@@ -219,7 +210,7 @@ def test_a_request_admitted_in_the_same_step_hits_blocks_scheduled_just_before_i
     a, b = make_request("a", range(100, 120)), make_request("b", range(100, 120))
     s.add_request(a)
     s.add_request(b)
-    so, _ = step(s)
+    so, _ = fake_step(s)
     assert so.num_scheduled_tokens == {"a": 20, "b": 4} and b.num_cached_tokens == 16
     assert so.new_requests[1].block_ids[:4] == so.new_requests[0].block_ids[:4]
 
@@ -228,7 +219,7 @@ def test_first_output_carries_num_cached_tokens_and_stats_count_it():
     s = make_scheduler()
     run(s, make_request("a", range(100, 120)))
     s.add_request(make_request("b", range(100, 120), max_tokens=2))
-    outs = [o for _ in range(2) for o in step(s)[1].outputs]
+    outs = [o for _ in range(2) for o in fake_step(s)[1].outputs]
     assert [o.num_cached_tokens for o in outs] == [16, 0]
     assert (s.prefix_queries, s.prefix_hits) == (40, 16)
 
@@ -249,7 +240,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks():
         s.add_request(r)
     resumed = []
     while s.num_unfinished_requests:
-        so, _ = step(s)
+        so, _ = fake_step(s)
         resumed += [n.num_computed_tokens for n in so.new_requests if n.request_id == "b" and b.num_preemptions]
     assert b.num_preemptions > 0 and resumed and resumed[0] > 0
     assert b.num_cached_tokens == 0  # reported for the first admission only

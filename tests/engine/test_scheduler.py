@@ -6,9 +6,9 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import ModelRunnerOutput
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
+from scheduler_sim import fake_step
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_len=256, max_item_tokens=16,
@@ -21,16 +21,6 @@ def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_l
 def make_request(rid, n_prompt, max_tokens=4, items=(), eos=None, **params):
     mm = [MultiModalItem("image", f"{rid}-{i}", {}, PlaceholderRange(off, length)) for i, (off, length) in enumerate(items)]
     return Request(rid, list(range(10, 10 + n_prompt)), mm, SamplingParams(max_tokens=max_tokens, **params), eos, 0.0)
-
-
-def fake_step(s: Scheduler, token=7):
-    """Schedule, then 'sample' `token` for every request whose known tokens are all computed."""
-    so = s.schedule()
-    sampled = {rid: ([token] if s.requests[rid].num_computed_tokens == s.requests[rid].num_tokens else [])
-               for rid in so.num_scheduled_tokens}
-    out = s.update_from_output(so, ModelRunnerOutput(sampled))
-    s.check_integrity()
-    return so, out
 
 
 def test_chunked_prefill_respects_the_budget_and_decodes_after():
