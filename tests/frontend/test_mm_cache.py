@@ -115,3 +115,7 @@ def test_a_burst_of_one_new_image_runs_the_processor_once(path):
         list(ThreadPoolExecutor(4).map(lambda i: inputs.process(f"b{i}", {
             "prompt": PROMPT, "multi_modal_data": {"image": "data:image/png;base64,aGVsbG8="}}, PARAMS), range(4)))
     assert inputs.items._inflight == {}
+    too_long = {"prompt": PROMPT + " word" * 5000, "multi_modal_data": {"image": url(322)}}
+    with pytest.raises(ValueError, match="max_model_len"):
+        inputs.process("long", too_long, PARAMS)
+    assert inputs.items._inflight == {}  # a rejected request releases what it processed

@@ -44,10 +44,14 @@ class InputProcessor:
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
         resolved = self.items.resolve(images, uuids, salt)
-        token_ids, ranges = self.processor.expand(text, [r.num_tokens for r in resolved])
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len is "
-                             f"{self.max_model_len}, which must also leave room for at least one output token")
+        try:
+            token_ids, ranges = self.processor.expand(text, [r.num_tokens for r in resolved])
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
+                                 f"is {self.max_model_len}, which must also leave room for one output token")
+        except BaseException:
+            self.items.release(resolved)
+            raise
         self.items.commit(resolved)
         items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),

@@ -8,8 +8,10 @@ uuid replaces the content hash; a uuid part with no image is served from what P0
 
 Nothing is stored while a request is being resolved: `commit` puts the fresh items into the
 processor cache once the whole request has been accepted, so a rejected request leaves no entry.
-Requests are resolved in worker threads; an item that another thread is processing right now is
-waited for, not processed twice (a burst of requests with one new image runs the processor once).
+Requests are resolved in worker threads; an item that another request is processing, or has
+processed but not committed yet, is taken from that request (waited for), not processed twice: a
+burst of requests with one new image runs the processor once. The in-flight entry lives until
+the owner's request is committed or released.
 """
 
 from __future__ import annotations
@@ -54,13 +56,31 @@ class ItemResolver:
         self._lock = threading.Lock()
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None) -> list[ResolvedItem]:
-        return [self._resolve_one(source, uid, salt) for source, uid in zip(sources, uuids)]
+        """Every item, or an error (and then nothing of this request stays in flight)."""
+        done: list[ResolvedItem] = []
+        try:
+            for source, uid in zip(sources, uuids):
+                done.append(self._resolve_one(source, uid, salt))
+        except BaseException:
+            self.release(done)
+            raise
+        return done
 
     def commit(self, items: list[ResolvedItem]) -> None:
         """Keep the request's freshly processed items (call once the request is accepted)."""
         for item in items:
             if item.fresh and item.data is not None:
                 self.cache.put(item.mm_hash, item.data)
+        self.release(items)
+
+    def release(self, items: list[ResolvedItem]) -> None:
+        """End the in-flight entries of the request's processed items (commit calls it; call it
+        alone for a request that was rejected after `resolve`)."""
+        with self._lock:
+            for item in items:
+                pending = self._inflight.get(item.mm_hash)
+                if item.fresh and pending is not None and pending.done():
+                    del self._inflight[item.mm_hash]
 
     def _resolve_one(self, source: Any, uid: str | None, salt: str | None) -> ResolvedItem:
         if uid is not None:
@@ -78,8 +98,8 @@ class ItemResolver:
         return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
 
     def _process_once(self, mm_hash: str, raw: Any) -> dict[str, Any]:
-        """Decode and process `raw`, unless another thread is processing the same item: then wait
-        for its result (or its error: the same content fails the same way)."""
+        """Decode and process `raw`, unless another request holds the same item in flight: then
+        wait for its result (or its error: the same content fails the same way)."""
         with self._lock:
             pending = self._inflight.get(mm_hash)
             if pending is None:
@@ -94,10 +114,9 @@ class ItemResolver:
             return data
         except BaseException as e:
             future.set_exception(e)
-            raise
-        finally:
             with self._lock:
                 del self._inflight[mm_hash]
+            raise
 
     def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
