@@ -9,7 +9,7 @@ same image. "Off" is `--encoder-cache-tokens 0`: an output lives only while requ
 the second request encodes the image again. Prefix caching is off in both, so the second
 request's prefill is computed whole either way: the difference is the vision encoder.
 
-Encoder time per hit: the runner's `encode_images` calls are timed in the "off" engine (each
+Encoder time per hit: the runner's `encode_items` calls are timed in the "off" engine (each
 encodes the one image a hit would skip), beside the measured TTFT difference off - on.
 
 Target: second-request TTFT with the cache on <= 0.6x off. A hit can save at most the encoder's
@@ -43,15 +43,15 @@ class Engine:
         self.core = llm.engine.core
         self.runner = self.core.executor.runner
         self.encode_seconds: list[float] = []
-        encode = self.runner.model.encode_images
+        encode = self.runner.model.encode_items
 
-        def timed_encode(pixels):  # pixels: [N, C, H, W]
+        def timed_encode(datas, dtype):  # one processed image per entry
             start = time.perf_counter()
-            features = encode(pixels)
+            features = encode(datas, dtype)
             self.encode_seconds.append(time.perf_counter() - start)
             return features
 
-        self.runner.model.encode_images = timed_encode
+        self.runner.model.encode_items = timed_encode
         params = SamplingParams(temperature=0.0, max_tokens=1)
         image = {"image": sample_image(336)}
         self.templates = [llm.engine.input_processor.process(f"t{i}", {"prompt": p, "multi_modal_data": image}, params)

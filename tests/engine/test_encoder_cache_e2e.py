@@ -59,7 +59,7 @@ def test_the_same_image_after_different_text_is_not_encoded_again(path, hf):
     assert second.outputs[0].token_ids == hf_tokens(hf, OTHER_TEXT, image)
     assert first.outputs[0].token_ids == hf_tokens(hf, FIRST, image)
     enc = llm.engine.core.stats().caches["encoder"]
-    feature_size = llm.engine.core.model_config.image_feature_size
+    feature_size = llm.engine.core.model_config.max_item_tokens
     assert (enc.queries, enc.hits, enc.entries, enc.bytes_used, enc.evictions) == (2, 1, 1, feature_size, 0)
     exported = ServerMetrics(llm.engine.core.stats).render().decode()
     assert 'mmserve_cache_hits_total{layer="encoder"} 1.0' in exported

@@ -106,10 +106,17 @@ def repeat_rate(requests: list[BenchRequest]) -> float:
     return repeats / with_images if with_images else 0.0
 
 
-def random_mm_requests(num_prompts: int, *, image_size: tuple[int, int] = (336, 336), images_per_prompt: int = 1,
-                       input_len: int = 32, output_len: int = 32, image_repeat_rate: float = 0.0,
-                       seed: int = 0) -> list[BenchRequest]:
-    """The `random-mm` dataset (see the module docstring); deterministic given the arguments."""
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """`"336"` -> [(336, 336)]; `"224,640x480"` -> [(224, 224), (640, 480)] (mixed sizes)."""
+    return [parse_image_size(part.strip()) for part in text.split(",")]
+
+
+def random_mm_requests(num_prompts: int, *, image_size: tuple[int, int] | list[tuple[int, int]] = (336, 336),
+                       images_per_prompt: int = 1, input_len: int = 32, output_len: int = 32,
+                       image_repeat_rate: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+    """The `random-mm` dataset (see the module docstring); deterministic given the arguments.
+    With a list of sizes, new images take them in turn (dynamic-resolution models)."""
+    sizes = image_size if isinstance(image_size, list) else [image_size]
     if num_prompts < 1 or images_per_prompt < 0 or input_len < 1 or output_len < 1:
         raise ValueError("num_prompts, input_len and output_len must be positive, images_per_prompt >= 0")
     rng = np.random.default_rng(seed)
@@ -126,7 +133,8 @@ def random_mm_requests(num_prompts: int, *, image_size: tuple[int, int] = (336, 
             fresh.append(keys)
             for j, key in enumerate(keys):
                 image_seed = [seed, i, j]  # a distinct pixel stream per image
-                urls[key] = image_data_url(png_bytes(synthetic_image(image_seed, image_size)))
+                size = sizes[(len(urls)) % len(sizes)]
+                urls[key] = image_data_url(png_bytes(synthetic_image(image_seed, size)))
         text = random_words(rng, input_len)
         requests.append(BenchRequest(chat_messages([urls[k] for k in keys], text), output_len, keys))
     return requests

@@ -19,7 +19,7 @@ from typing import Any
 
 from mmserve.bench.client import RequestSettings
 from mmserve.bench.dataset_files import image_dir_requests, jsonl_requests
-from mmserve.bench.datasets import BenchRequest, parse_image_size, random_mm_requests, repeat_rate
+from mmserve.bench.datasets import BenchRequest, parse_image_sizes, random_mm_requests, repeat_rate
 from mmserve.bench.launch import LaunchedServer
 from mmserve.bench.prometheus import cache_deltas
 from mmserve.bench.report import RunReport, comparison_line, format_table, summarize, write_result
@@ -33,7 +33,7 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     """The dataset `--dataset-name` names, from the parsed flags."""
     if args.dataset_name == "random-mm":
         return random_mm_requests(
-            args.num_prompts or DEFAULT_NUM_PROMPTS, image_size=parse_image_size(args.image_size),
+            args.num_prompts or DEFAULT_NUM_PROMPTS, image_size=parse_image_sizes(args.image_size),
             images_per_prompt=args.images_per_prompt, input_len=args.input_len, output_len=args.output_len,
             image_repeat_rate=args.image_repeat_rate, seed=args.seed)
     if args.dataset_path is None:

@@ -29,7 +29,7 @@ class EngineCore:
         shm), so that tensor-parallel workers read items by handle instead of receiving them."""
         self.config = config
         self.model_config = load_model_config(model_dir)
-        compute_encoder_budget(config.scheduler, self.model_config.image_feature_size)  # refuse before loading
+        compute_encoder_budget(config.scheduler, self.model_config.max_item_tokens)  # refuse before loading
         self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
         try:
             num_blocks = config.cache.num_kv_blocks or int(  # KV memory and block bytes are per rank
@@ -47,7 +47,7 @@ class EngineCore:
         self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
                              if cache.enable_prefix_caching else None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   self.model_config.image_feature_size)
+                                   self.model_config.max_item_tokens)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
 

@@ -11,21 +11,23 @@ import time
 from typing import Any, Callable
 
 from mmserve.config import EngineConfig
+from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.cache import ProcessorCache, gib_to_bytes
 from mmserve.multimodal.inputs import MultiModalItem
-from mmserve.multimodal.items import ItemResolver
-from mmserve.multimodal.processing import MultiModalProcessor
+from mmserve.multimodal.items import ItemResolver, ResolvedItem
+from mmserve.multimodal.processing import create_processor
 from mmserve.sampling_params import SamplingParams
 
-_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs"}
 
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None,
                  known_tokens: Callable[[str], int | None] = lambda h: None) -> None:
         self.config = config
-        self.processor = MultiModalProcessor(model_dir)
+        self.processor = create_processor(model_dir)
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -35,16 +37,21 @@ class InputProcessor:
         hashing = mm.mm_processor_cache_gb > 0 or mm.mm_ipc_cache_gb > 0 or config.cache.enable_prefix_caching
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
                                   hashing, known_tokens)
+        # the model's largest item at default settings sizes the engine's encoder budgets; a
+        # request's own processor settings may make a larger item, refused here with a clear error
+        self.max_encoder_tokens = _encoder_limit(config, load_model_config(model_dir).max_item_tokens)
 
     def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> EngineCoreRequest:
         text, images, uuids, salt = _split_prompt(prompt)
+        mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
         if len(images) > limit:
             raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
-        resolved = self.items.resolve(images, uuids, salt)
+        resolved = self.items.resolve(images, uuids, salt, mm_kwargs)
         try:
+            self._check_item_sizes(resolved)
             token_ids, ranges = self.processor.expand(text, [r.num_tokens for r in resolved])
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
@@ -56,6 +63,25 @@ class InputProcessor:
         items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt)
+
+
+    def _check_item_sizes(self, resolved: list[ResolvedItem]) -> None:
+        """A ValueError for an item larger than the engine's encoder budget (it could never run)."""
+        limit = self.max_encoder_tokens
+        for index, item in enumerate(resolved):
+            if item.num_tokens > limit:
+                raise ValueError(f"image {index} needs {item.num_tokens} embedding tokens, more than the encoder "
+                                 f"cache and budget hold ({limit}); send a smaller image or lower max_pixels")
+
+
+def _encoder_limit(config: EngineConfig, max_item_tokens: int) -> int:
+    """The most embedding tokens one item may have: the encoder budget and cache (and with
+    --disable-chunked-mm-input, one step's tokens), as the engine's scheduler sizes them."""
+    compute, cache_size = compute_encoder_budget(config.scheduler, max_item_tokens)
+    limit = min(compute, cache_size)
+    if config.scheduler.disable_chunked_mm_input:
+        limit = min(limit, config.scheduler.max_num_batched_tokens)
+    return limit
 
 
 def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[str | None], str | None]:
@@ -75,6 +101,9 @@ def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[st
         raise ValueError("each image uuid must be a non-empty string (or None)")
     if any(img is None and u is None for img, u in zip(images, uuids)):
         raise ValueError("an image may be None only when its uuid is given")
+    kwargs = prompt.get("mm_processor_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError("mm_processor_kwargs must be an object of processor settings")
     salt = prompt.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError("cache_salt must be a non-empty string")

@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
-_SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+if TYPE_CHECKING:
+    from mmserve.models.qwen_config import QwenVLModelConfig
+
+_SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                            "Qwen3VLForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -75,14 +79,15 @@ class LlavaModelConfig:
         return tuple(layer % n for layer in layers)
 
     @property
-    def image_feature_size(self) -> int:
-        """Embedding tokens per image (placeholder tokens in the prompt)."""
+    def max_item_tokens(self) -> int:
+        """Embedding tokens per image (placeholder tokens in the prompt); every image has as many."""
         cls_token = 1 if self.vision_feature_select_strategy == "full" else 0
         return self.vision.num_patches + cls_token
 
 
-def load_model_config(model_dir: str) -> LlavaModelConfig:
-    """Read `model_dir/config.json`; a clear ValueError for what mmserve cannot serve."""
+def load_model_config(model_dir: str) -> ModelConfig:
+    """Read `model_dir/config.json` (a LLaVA or a Qwen-VL family, by `architectures`); a clear
+    ValueError for what mmserve cannot serve."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} has no config.json: not a Hugging Face model directory")
@@ -91,6 +96,10 @@ def load_model_config(model_dir: str) -> LlavaModelConfig:
     archs = raw.get("architectures") or []
     if not any(a in _SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llava":
         raise ValueError(f"unsupported architecture {archs}; mmserve serves {', '.join(_SUPPORTED_ARCHITECTURES)}")
+    if "LlavaForConditionalGeneration" not in archs and raw.get("model_type") != "llava":
+        from mmserve.models.qwen_config import load_qwen_config
+
+        return load_qwen_config(raw, model_dir)
     strategy = raw.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}")
@@ -106,6 +115,9 @@ def load_model_config(model_dir: str) -> LlavaModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)
                                  or (raw.get("text_config") or {}).get("tie_word_embeddings", False)),
     )
+
+
+ModelConfig = Union[LlavaModelConfig, "QwenVLModelConfig"]
 
 
 def _text_config(t: dict[str, Any]) -> TextConfig:

@@ -16,8 +16,8 @@ from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.hf_config import LlavaModelConfig
 from mmserve.models.layers import AttentionMetadata, activation
 from mmserve.models.llama import LlamaModel
-from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
-                                     kv_head_shard)
+from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, check_decoder_shardable
+from mmserve.models.vlm import VisionLanguageModel
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -46,20 +46,46 @@ class LlavaInner(nn.Module):
         self.language_model = LlamaModel(cfg.text, tp)
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
+    OLD_PREFIXES = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.vision_model.", "model.vision_tower."),
+        ("vision_tower.", "model.vision_tower."),  # what transformers 5 writes
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+
     def __init__(self, cfg: LlavaModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
         self.model = LlavaInner(cfg, tp)
-        self.lm_head = ParallelLMHead(cfg.text.vocab_size, cfg.text.hidden_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        self._init_lm_head(self.model.language_model.embed_tokens)
 
-    @property
-    def num_kv_heads(self) -> int:
-        """KV heads this rank caches (all of them when not tensor-parallel)."""
-        return kv_head_shard(self.config.text.num_key_value_heads, self.tp)[1]
+    # ---- loading --------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_shardable(cfg: LlavaModelConfig, tp: TensorParallel) -> None:
+        """ValueError naming the first size that does not split over tp.size."""
+        check_decoder_shardable(cfg.text, tp)
+        tp.split(cfg.text.hidden_size, "the decoder's hidden_size (the projector's inner size)")
+        tp.split(cfg.vision.num_attention_heads, "the vision tower's num_attention_heads")
+        tp.split(cfg.vision.intermediate_size, "the vision tower's intermediate_size")
+
+    @staticmethod
+    def is_unused(name: str, cfg: LlavaModelConfig) -> bool:
+        """Vision layers past the deepest selected feature layer and the post-norm are skipped."""
+        prefix = "model.vision_tower."
+        if not name.startswith(prefix):
+            return False
+        rest = name[len(prefix):]
+        if rest.startswith("post_layernorm.") or rest == "embeddings.position_ids":
+            return True
+        if rest.startswith("encoder.layers."):
+            return int(rest.split(".")[2]) >= max(cfg.feature_layers)
+        return False
+
+    # ---- the runner's interface -------------------------------------------------------------
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -70,6 +96,12 @@ class LlavaForConditionalGeneration(nn.Module):
         features = torch.cat(hidden, dim=-1)  # [N, F, Dv * len(feature_layers)]
         return self.model.multi_modal_projector(features)
 
+    @torch.inference_mode()
+    def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """One processed image per entry -> its embedding rows [F, D], in order."""
+        pixels = torch.stack([data["pixel_values"] for data in datas]).to(dtype)  # [N, C, H, W]
+        return list(self.encode_images(pixels))
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> [T, D]. Image placeholders embed as token 0; the runner overwrites them."""
         ids = torch.where(input_ids == self.config.image_token_id, 0, input_ids)
@@ -77,11 +109,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: [T, D], positions: [T] -> hidden states [T, D]."""
         return self.model.language_model(inputs_embeds, positions, kv_caches, meta)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, D] (the rows to sample from) -> float32 logits [R, V]."""
-        return self.lm_head(hidden).float()

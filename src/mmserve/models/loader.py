@@ -1,13 +1,14 @@
-"""Loading a Hugging Face LLaVA directory: config, then safetensors weights by name.
+"""Loading a Hugging Face checkpoint directory: config, the family's model class (models/registry.py),
+then safetensors weights by name.
 
 Under tensor parallelism each rank reads only its shard: a parameter whose module lists it in
 `tp_shards` is read with `safe_open(...).get_slice(name)[...]` over its `Shard` (zero-padded
-where the shard runs past the checkpoint, e.g. vocab rows), everything else whole.
+where the shard runs past the checkpoint, e.g. vocab rows), everything else whole. A list of
+`Shard`s (a fused QKV: the rank's rows of q, k and v) is read range by range and concatenated.
 
 One file (`model.safetensors`) or several with `model.safetensors.index.json`. Names in the
-module-tree layout (`model.language_model.*`) load as they are; the saved layouts
-(`language_model.model.*`, `vision_tower.vision_model.*` or `vision_tower.*`) are renamed. Weights of vision layers past the deepest selected
-feature layer, and the vision tower's post-norm, are not needed and skipped.
+module-tree layout (`model.language_model.*`) load as they are; each family renames its older
+saved layouts (`canonical_name`) and names the checkpoint tensors it does not need (`is_unused`).
 """
 
 from __future__ import annotations
@@ -18,39 +19,33 @@ import os
 import torch
 from safetensors import safe_open
 
-from mmserve.models.hf_config import LlavaModelConfig, load_model_config
-from mmserve.models.llava import LlavaForConditionalGeneration
-from mmserve.models.parallel import SINGLE, Shard, TensorParallel, check_shardable
+from mmserve.models.hf_config import load_model_config
+from mmserve.models.parallel import SINGLE, Shard, TensorParallel
+from mmserve.models.registry import model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-_OLD_PREFIXES = (  # saved layouts -> the module tree (first match wins)
-    ("language_model.model.", "model.language_model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("vision_tower.vision_model.", "model.vision_tower."),
-    ("vision_tower.", "model.vision_tower."),  # what transformers 5 writes
-    ("multi_modal_projector.", "model.multi_modal_projector."),
-)
 
 
-def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE) -> LlavaForConditionalGeneration:
+def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE) -> torch.nn.Module:
     """Build the model (this rank's shard of it) from `model_dir/config.json` and load its
     weights (eval mode, no grad)."""
     cfg = load_model_config(model_dir)
-    check_shardable(cfg, tp)
+    cls = model_class(cfg)
+    cls.check_shardable(cfg, tp)
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(cfg, tp)
+        model = cls(cfg, tp)
     model = model.to_empty(device="cpu")
     params = dict(model.named_parameters())
     shards = _shards(model)
     loaded: set[str] = set()
     for name, tensor_slice in iter_checkpoint(model_dir):
-        name = canonical_name(name)
+        name = cls.canonical_name(name)
         if name in params:
             with torch.no_grad():
                 _copy_checked(params[name], _read(tensor_slice, shards.get(name)), name, shards.get(name))
             loaded.add(name)
-        elif not _is_unused(name, cfg):
+        elif not cls.is_unused(name, cfg):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     missing = set(params) - loaded
     if cfg.tie_word_embeddings:
@@ -77,7 +72,10 @@ def iter_checkpoint(model_dir: str):
                 yield name, f.get_slice(name)
 
 
-def _shards(model: torch.nn.Module) -> dict[str, Shard]:
+ShardSpec = Shard | list[Shard]
+
+
+def _shards(model: torch.nn.Module) -> dict[str, ShardSpec]:
     """Parameter name -> its checkpoint slice, for every sharded parameter."""
     found = {}
     for prefix, module in model.named_modules():
@@ -86,36 +84,22 @@ def _shards(model: torch.nn.Module) -> dict[str, Shard]:
     return found
 
 
-def _read(tensor_slice, shard: Shard | None) -> torch.Tensor:
-    """The whole tensor, or the shard's indices along its dim (zero-padded past the shape)."""
+def _read(tensor_slice, shard: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor, or the shard's indices along its dim (zero-padded past the shape); a
+    list of shards along one dim is read piece by piece and concatenated."""
     if shard is None:
         return tensor_slice[:]
+    if isinstance(shard, list):
+        return torch.cat([_read(tensor_slice, s) for s in shard], dim=shard[0].dim)
     index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)
     return tensor_slice[index]
 
 
-def canonical_name(name: str) -> str:
-    for old, new in _OLD_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
-
-
-def _is_unused(name: str, cfg: LlavaModelConfig) -> bool:
-    prefix = "model.vision_tower."
-    if not name.startswith(prefix):
-        return False
-    rest = name[len(prefix):]
-    if rest.startswith("post_layernorm.") or rest == "embeddings.position_ids":
-        return True
-    if rest.startswith("encoder.layers."):
-        return int(rest.split(".")[2]) >= max(cfg.feature_layers)
-    return False
-
-
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: Shard | None = None) -> None:
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: ShardSpec | None = None) -> None:
     """Copy `tensor` in; a shard shorter than `param` along its dim (padded vocab rows) is zero-filled."""
     expected = list(param.shape)
+    if isinstance(shard, list):
+        shard = Shard(shard[0].dim, 0, sum(s.length for s in shard))
     if shard is not None:
         expected[shard.dim] = shard.length
     if list(tensor.shape) != expected:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.hf_config import LlavaModelConfig
+from mmserve.models.hf_config import ModelConfig, TextConfig
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,18 @@ def kv_head_shard(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank // (tp.size // num_kv_heads), 1
 
 
-def check_shardable(cfg: LlavaModelConfig, tp: TensorParallel) -> None:
+def check_shardable(cfg: ModelConfig, tp: TensorParallel) -> None:
     """Raise ValueError, before any process starts, for a model that does not split over tp.size."""
-    t, v = cfg.text, cfg.vision
+    from mmserve.models.registry import model_class
+
+    model_class(cfg).check_shardable(cfg, tp)
+
+
+def check_decoder_shardable(t: TextConfig, tp: TensorParallel) -> None:
+    """The decoder's part of `check_shardable`: heads, KV heads, MLP inner features."""
     tp.split(t.num_attention_heads, "the decoder's num_attention_heads")
     kv_head_shard(t.num_key_value_heads, tp)
     tp.split(t.intermediate_size, "the decoder's intermediate_size")
-    tp.split(t.hidden_size, "the decoder's hidden_size (the projector's inner size)")
-    tp.split(v.num_attention_heads, "the vision tower's num_attention_heads")
-    tp.split(v.intermediate_size, "the vision tower's intermediate_size")
 
 
 class ColumnParallelLinear(nn.Module):

@@ -112,14 +112,18 @@ class ItemHasher:
     def __init__(self, model_id: str, processor_settings: dict[str, Any]) -> None:
         self._scope = hash_object(["mmserve-item-v1", model_id, _jsonable(processor_settings)])
 
-    def hash_item(self, modality: str, item: Any, salt: str | None = None) -> str:
-        """`item`: the encoded bytes it came as, or a PIL image / array / tensor."""
+    def hash_item(self, modality: str, item: Any, salt: str | None = None,
+                  kwargs: dict[str, Any] | None = None) -> str:
+        """`item`: the encoded bytes it came as, or a PIL image / array / tensor. `kwargs`: the
+        request's processor settings (`mm_processor_kwargs`), which change the processed item."""
         kind = "bytes" if isinstance(item, (bytes, bytearray, memoryview)) else "object"
-        return FramedHasher().update([self._scope, modality, salt, kind]).update(item).hexdigest()
+        scope = [self._scope, modality, salt, kind, _jsonable(kwargs or {})]
+        return FramedHasher().update(scope).update(item).hexdigest()
 
-    def hash_uuid(self, modality: str, uuid: str, salt: str | None = None) -> str:
+    def hash_uuid(self, modality: str, uuid: str, salt: str | None = None,
+                  kwargs: dict[str, Any] | None = None) -> str:
         """A client-given id in place of the content, scoped the same way."""
-        return hash_object([self._scope, modality, salt, "uuid", uuid])
+        return hash_object([self._scope, modality, salt, "uuid", uuid, _jsonable(kwargs or {})])
 
 
 def _jsonable(value: Any) -> Any:

@@ -55,12 +55,15 @@ class ItemResolver:
         self._inflight: dict[str, Future[dict[str, Any]]] = {}  # mm_hash -> the thread processing it
         self._lock = threading.Lock()
 
-    def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None) -> list[ResolvedItem]:
-        """Every item, or an error (and then nothing of this request stays in flight)."""
+    def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
+                mm_kwargs: dict[str, Any] | None = None) -> list[ResolvedItem]:
+        """Every item, or an error (and then nothing of this request stays in flight).
+        `mm_kwargs`: the request's processor settings; they are part of every item's hash."""
         done: list[ResolvedItem] = []
+        mm_kwargs = self.processor.check_mm_kwargs(mm_kwargs)
         try:
             for source, uid in zip(sources, uuids):
-                done.append(self._resolve_one(source, uid, salt))
+                done.append(self._resolve_one(source, uid, salt, mm_kwargs))
         except BaseException:
             self.release(done)
             raise
@@ -82,22 +85,23 @@ class ItemResolver:
                 if item.fresh and pending is not None and pending.done():
                     del self._inflight[item.mm_hash]
 
-    def _resolve_one(self, source: Any, uid: str | None, salt: str | None) -> ResolvedItem:
+    def _resolve_one(self, source: Any, uid: str | None, salt: str | None, mm_kwargs: dict[str, Any]) -> ResolvedItem:
         if uid is not None:
-            mm_hash = self.hasher.hash_uuid("image", uid, salt)
+            mm_hash = self.hasher.hash_uuid("image", uid, salt, mm_kwargs)
             if source is None:
                 return self._from_uuid_alone(mm_hash, uid)
             raw = read_image_source(source, self.limits)
         else:
             raw = read_image_source(source, self.limits)
-            mm_hash = self.hasher.hash_item("image", raw, salt) if self.hashing else uuid_lib.uuid4().hex
+            mm_hash = (self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing
+                       else uuid_lib.uuid4().hex)
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
             return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
-        data = self._process_once(mm_hash, raw)
+        data = self._process_once(mm_hash, raw, mm_kwargs)
         return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
 
-    def _process_once(self, mm_hash: str, raw: Any) -> dict[str, Any]:
+    def _process_once(self, mm_hash: str, raw: Any, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Decode and process `raw`, unless another request holds the same item in flight: then
         wait for its result (or its error: the same content fails the same way)."""
         with self._lock:
@@ -108,7 +112,7 @@ class ItemResolver:
             return pending.result()
         try:
             image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(raw, self.limits)
-            data = self.processor.process_image(image)
+            data = self.processor.process_image(image, mm_kwargs)
             self.num_processed += 1
             future.set_result(data)
             return data

@@ -56,7 +56,13 @@ class MultiModalProcessor:
         self.image_token: str = self._hf.image_token
         self.image_token_id: int = self._hf.image_token_id
 
-    def process_image(self, image: Image.Image) -> dict[str, torch.Tensor]:
+    def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
+        if mm_kwargs:
+            raise ValueError(f"this model takes no mm_processor_kwargs; got {', '.join(sorted(mm_kwargs))}")
+        return {}
+
+    def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Runs the image processor on one image: `{"pixel_values": Tensor[3, H, W]}` float32."""
         _check_image(image)
         out = self._hf.image_processor(images=[to_rgb(image)], return_tensors="pt")
@@ -140,6 +146,18 @@ class MultiModalProcessor:
             ranges.append(PlaceholderRange(offset=run[0] if count else 0, length=count))
             start += count
         return ranges
+
+
+def create_processor(model_path: str) -> Any:
+    """The P0 processor for a checkpoint: LLaVA's (this module) or the Qwen-VL families'
+    (multimodal/qwen_processing.py), chosen by `config.json`'s architectures."""
+    from mmserve.models.hf_config import LlavaModelConfig, load_model_config
+
+    if isinstance(load_model_config(model_path), LlavaModelConfig):
+        return MultiModalProcessor(model_path)
+    from mmserve.multimodal.qwen_processing import QwenVLProcessor
+
+    return QwenVLProcessor(model_path)
 
 
 def _check_image(image: Any) -> None:

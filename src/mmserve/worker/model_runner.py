@@ -4,6 +4,12 @@ It keeps what the scheduler sends only once: each request's tokens, items, block
 sampling state (`RunnerRequest`), and encoder outputs by `mm_hash` — shared by every request
 whose items have that hash — until the scheduler names the hash in `free_encoder_ids`. The KV
 cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh] tensors per decoder layer.
+
+Positions: 1-D token indices, or for M-RoPE models (Qwen-VL) the [3, L] positions the model
+computes once per request from its tokens and items (`mrope_positions`), continued past them by
+`index + delta` for generated tokens; a chunk, a prefix-cache hit or a preemption therefore
+resumes at exactly the positions of a whole-prompt forward. Encoder outputs of deepstack models
+(Qwen3-VL) carry the deepstack features beside the embedding: rows [F, D * (1 + layers)].
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ class RunnerRequest:
     block_ids: list[int]
     generator: torch.Generator | None
     num_computed_tokens: int = 0
+    mrope: tuple[torch.Tensor, int] | None = None  # M-RoPE positions [3, L] of token_ids[:L], and the delta
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): [end - start], or [3, end - start] with M-RoPE."""
+        if self.mrope is None:
+            return torch.arange(start, end)
+        table, delta = self.mrope
+        known = table[:, start:min(end, table.shape[1])]  # [3, n] from the table
+        rest = torch.arange(max(start, table.shape[1]), end) + delta  # generated tokens
+        return torch.cat([known, rest.expand(3, -1)], dim=1)
 
 
 class ModelRunner:
@@ -70,8 +86,8 @@ class ModelRunner:
         self._run_encoders(so.scheduled_encoder_inputs)
         req_ids = list(so.num_scheduled_tokens)
         input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
-        embeds = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
-        hidden = self.model(embeds, positions, self.kv_caches, meta)  # [T, D]
+        embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
+        hidden = self.model(embeds, positions, self.kv_caches, meta, deepstack)  # [T, D]
         return self._sample(req_ids, so.num_scheduled_tokens, hidden)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -80,7 +96,9 @@ class ModelRunner:
         for key in so.free_encoder_ids:
             self.encoder_outputs.pop(key, None)
         for new in so.new_requests:
-            self.requests[new.request_id] = self._new_state(new)
+            state = self.requests[new.request_id] = self._new_state(new)
+            if self.model.uses_mrope:
+                state.mrope = self.model.mrope_positions(state.token_ids, state.mm_items)
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -100,8 +118,7 @@ class ModelRunner:
                  for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
         if not keyed:
             return
-        pixels = torch.stack([item.data["pixel_values"] for item in keyed.values()]).to(self.dtype)  # [N, C, H, W]
-        features = self.model.encode_images(pixels)  # [N, F, D]
+        features = self.model.encode_items([item.data for item in keyed.values()], self.dtype)  # each [F, D']
         for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
@@ -119,12 +136,18 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(state.block_ids)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
+        positions = torch.cat([self.requests[rid].positions(s - q, s)
+                               for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
         return torch.tensor(input_ids, dtype=torch.int64), positions, meta
 
-    def _embed(self, req_ids: list[str], num_sched: dict[str, int], input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, D], with image placeholders overwritten by encoder outputs."""
+    def _embed(self, req_ids: list[str], num_sched: dict[str, int],
+               input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token embeddings [T, D], with image placeholders overwritten by encoder outputs, and
+        for deepstack models the features added after the first decoder layers [layers, T, D]
+        (zero on text tokens; None when the step has no image token)."""
         embeds = self.model.embed_tokens(input_ids)
+        D, layers = embeds.shape[-1], self.model.num_deepstack
+        deepstack = None
         offset = 0
         for rid in req_ids:
             state, n = self.requests[rid], num_sched[rid]
@@ -133,10 +156,15 @@ class ModelRunner:
                 ph = item.placeholder
                 lo, hi = max(start, ph.offset), min(start + n, ph.end)
                 if lo < hi:
-                    feats = self.encoder_outputs[item.mm_hash]
-                    embeds[offset + lo - start: offset + hi - start] = feats[lo - ph.offset: hi - ph.offset]
+                    feats = self.encoder_outputs[item.mm_hash][lo - ph.offset: hi - ph.offset]  # [n, D']
+                    rows = slice(offset + lo - start, offset + hi - start)
+                    embeds[rows] = feats[:, :D]
+                    if layers:
+                        if deepstack is None:
+                            deepstack = embeds.new_zeros(layers, embeds.shape[0], D)
+                        deepstack[:, rows] = feats[:, D:].view(-1, layers, D).transpose(0, 1)
             offset += n
-        return embeds
+        return embeds, deepstack
 
     def _sample(self, req_ids: list[str], num_sched: dict[str, int], hidden: torch.Tensor) -> ModelRunnerOutput:
         rows, sampling = [], []

@@ -1,0 +1,52 @@
+"""What every family's top-level model shares: the LM head and logits, the KV heads a rank
+caches, and renaming a checkpoint's older saved layout into the module tree.
+
+A family subclasses `VisionLanguageModel`, builds its `model` (vision tower + decoder) and
+calls `_init_lm_head`; the runner's and loader's interface is listed in models/registry.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmserve.models.parallel import ParallelLMHead, TensorParallel, kv_head_shard
+
+
+class VisionLanguageModel(nn.Module):
+    OLD_PREFIXES: tuple[tuple[str, str], ...] = ()  # saved layouts -> the module tree (first match wins)
+    uses_mrope = False  # 1-D positions unless a family says otherwise
+    num_deepstack = 0  # decoder layers that take vision features besides the embeddings
+
+    config: Any
+    tp: TensorParallel
+
+    def _init_lm_head(self, embed_tokens: nn.Module) -> None:
+        text = self.config.text
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, self.tp)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = embed_tokens.weight
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str:
+        """A checkpoint tensor's name in this module tree (older saved layouts renamed)."""
+        for old, new in cls.OLD_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.text.hidden_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them when not tensor-parallel)."""
+        return kv_head_shard(self.config.text.num_key_value_heads, self.tp)[1]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, D] (the rows to sample from) -> float32 logits [R, V]."""
+        return self.lm_head(hidden).float()
