@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import socket
@@ -86,3 +88,25 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def data_url(image, fmt="PNG") -> str:
+    """A PIL image as a `data:` URL."""
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(url: str, text: str = "What is this?") -> list[dict]:
+    """One user turn: an image part, then a text part."""
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def labelled(server: ServerProcess, name: str, layer: str) -> float:
+    """The value of a `{layer="..."}` sample from the server's /metrics."""
+    _, text = server.get("/metrics")
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{layer="{layer}"}} '):
+            return float(line.split()[1])
+    raise KeyError(name)

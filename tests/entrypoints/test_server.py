@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import glob
-import io
 import json
 import os
 import signal
@@ -19,21 +18,10 @@ import pytest
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
-from server_process import ServerProcess, child_pids, pid_alive
+from server_process import ServerProcess, child_pids, data_url, labelled, messages, pid_alive
 from tiny_models import make_checkpoint, make_image
 
 MAX_TOKENS = 8
-
-
-def data_url(image, fmt="PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def messages(url: str, text: str = "What is this?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +188,6 @@ def test_killed_engine_core_fails_requests_and_exits_nonzero(model_path):
     code = s.proc.wait(timeout=20)
     assert code != 0
     assert leftover_sockets(s.proc.pid) == []
-
-
-def labelled(server, name: str, layer: str) -> float:
-    _, text = server.get("/metrics")
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{layer="{layer}"}} '):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 def test_a_repeated_image_is_processed_once_and_crosses_once(server, client, model_path):

@@ -1,0 +1,111 @@
+"""Qwen2.5-VL and Qwen3-VL as transformers' `*ForConditionalGeneration` define them: a dynamic-
+resolution vision tower (`model.visual`), a Qwen2 / Qwen3 decoder with M-RoPE
+(`model.language_model`) and the LM head.
+
+The runner's interface is LLaVA's (models/llava.py) plus what the family needs:
+`mrope_positions` (3-D positions of a whole prompt, computed once per request) and, for
+Qwen3-VL, deepstack features that travel with each item's encoder output (rows
+[F, D * (1 + num_deepstack)]: the embedding, then each deepstack layer's features) and are
+added after the first decoder layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmserve.models.layers import AttentionMetadata
+from mmserve.models.parallel import SINGLE, TensorParallel, check_decoder_shardable
+from mmserve.models.qwen2_5_vit import Qwen2_5VisionTower
+from mmserve.models.qwen3_vit import Qwen3VisionTower
+from mmserve.models.qwen_config import QWEN3_VL, QwenVLModelConfig
+from mmserve.models.qwen_lm import QwenTextModel
+from mmserve.models.qwen_rope import mrope_positions
+from mmserve.models.qwen_vit import check_vision_shardable
+from mmserve.models.vlm import VisionLanguageModel
+from mmserve.multimodal.inputs import MultiModalItem
+
+
+class QwenVLInner(nn.Module):
+    """The `model.` prefix of the checkpoint: vision tower and decoder."""
+
+    def __init__(self, cfg: QwenVLModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        tower = Qwen3VisionTower if cfg.family == QWEN3_VL else Qwen2_5VisionTower
+        self.visual = tower(cfg.vision, tp)
+        self.language_model = QwenTextModel(cfg.text, tp)
+
+
+class QwenVLForConditionalGeneration(VisionLanguageModel):
+    OLD_PREFIXES = (  # Qwen2.5-VL's published layout (transformers 4.49) -> the module tree
+        ("visual.", "model.visual."),
+        ("model.layers.", "model.language_model.layers."),
+        ("model.embed_tokens.", "model.language_model.embed_tokens."),
+        ("model.norm.", "model.language_model.norm."),
+    )
+    uses_mrope = True
+
+    def __init__(self, cfg: QwenVLModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = QwenVLInner(cfg, tp)
+        self._init_lm_head(self.model.language_model.embed_tokens)
+
+    # ---- loading --------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_shardable(cfg: QwenVLModelConfig, tp: TensorParallel) -> None:
+        """ValueError naming the first size that does not split over tp.size."""
+        check_decoder_shardable(cfg.text, tp)
+        check_vision_shardable(cfg.vision, tp)
+
+    @staticmethod
+    def is_unused(name: str, cfg: QwenVLModelConfig) -> bool:
+        return False
+
+    # ---- the runner's interface -------------------------------------------------------------
+
+    @property
+    def num_deepstack(self) -> int:  # type: ignore[override]
+        return self.config.num_deepstack
+
+    def mrope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, len(token_ids)] of a prompt with its image items, and the delta
+        that continues them (token i >= len at position i + delta on every axis)."""
+        grids = [(item.placeholder.offset, *_grid(item)) for item in items]
+        return mrope_positions(token_ids, grids, self.config.vision.spatial_merge_size)
+
+    @torch.inference_mode()
+    def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Processed images -> each one's rows [F_i, D * (1 + num_deepstack)], in order.
+
+        All images run in one tower call; attention never crosses an image."""
+        pixels = torch.cat([data["pixel_values"] for data in datas]).to(dtype)  # [P, C * Tp * p * p]
+        grids = [_grid_of(data) for data in datas]
+        embeds, deepstack = self.model.visual(pixels, grids)  # [F, D], each [F, D]
+        rows = torch.cat([embeds, *deepstack], dim=-1) if deepstack else embeds
+        merge = self.config.vision.merge_unit
+        return list(rows.split([t * h * w // merge for t, h, w in grids]))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, D]; the runner overwrites image placeholders with encoder outputs."""
+        return self.model.language_model.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: [T, D], positions: [3, T], deepstack: [layers, T, D] or None -> [T, D]."""
+        return self.model.language_model(inputs_embeds, positions, kv_caches, meta, deepstack)
+
+
+def _grid_of(data: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    t, h, w = (int(v) for v in data["image_grid_thw"].reshape(3).tolist())
+    return t, h, w
+
+
+def _grid(item: MultiModalItem) -> tuple[int, int, int]:
+    if item.data is None:
+        raise ValueError(f"item {item.mm_hash} reached the model runner without its data")
+    return _grid_of(item.data)
