@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.models.builtin import write_tiny_llava
+from mmserve.models.builtin_qwen_vl import write_tiny_qwen_vl
 
 # Small enough that writing, loading and generating take well under a second each.
 TINY_TEXT_CONFIG: dict[str, Any] = {
@@ -46,6 +47,16 @@ def make_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
     path = Path(tmp_dir) / f"tiny-llava-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (path / "config.json").is_file():
         write_tiny_llava(path, text_config=text, vision_config=vision, **kwargs)
+    return str(path)
+
+
+def make_qwen_checkpoint(tmp_dir: str | Path, family: str = "qwen3_vl", **kwargs: Any) -> str:
+    """Writes a tiny Qwen3-VL or Qwen2.5-VL under `tmp_dir` and returns its path (`kwargs` are
+    `write_tiny_qwen_vl`'s); each distinct set of arguments gets its own sub-folder, written once."""
+    key = json.dumps([family, kwargs], sort_keys=True, default=str)
+    path = Path(tmp_dir) / f"tiny-{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not (path / "config.json").is_file():
+        write_tiny_qwen_vl(path, family=family, **kwargs)
     return str(path)
 
 

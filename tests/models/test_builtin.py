@@ -34,8 +34,8 @@ def greedy(path: str, image, max_new_tokens: int = 20) -> list[int]:
 
 
 def test_tokenizer_training_is_deterministic():
-    first = builtin._tokenizer_json.__wrapped__()
-    assert builtin._tokenizer_json.__wrapped__() == first
+    first = builtin.tokenizer_json.__wrapped__()
+    assert builtin.tokenizer_json.__wrapped__() == first
     tokenizer = builtin.build_tokenizer()
     assert 1000 <= len(tokenizer) <= 2000
     assert [tokenizer.convert_tokens_to_ids(t) for t in builtin.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]

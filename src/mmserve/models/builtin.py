@@ -21,7 +21,7 @@ from mmserve.models.builtin_corpus import CORPUS as _CORPUS
 BUILTIN_PREFIX = "builtin:"
 # Bump when anything that changes the written files changes: the cache folder is named after it.
 BUILTIN_VERSION = "v2"
-BUILTIN_MODELS = ("tiny-llava",)
+BUILTIN_MODELS = ("tiny-llava", "tiny-qwen3-vl")
 
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN)
@@ -71,9 +71,10 @@ _DEFAULT_TEXT: dict[str, Any] = {
 
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
-    """Trains the byte-level BPE tokenizer on `_CORPUS` (deterministic) and returns its JSON."""
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, bos: str | None = "<s>") -> str:
+    """Trains the byte-level BPE tokenizer on `_CORPUS` (deterministic) and returns its JSON;
+    `bos` (if any) is prepended to every encoded text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -82,15 +83,15 @@ def _tokenizer_json() -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    bos_id = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
     return tokenizer.to_str()
 
 
@@ -100,7 +101,7 @@ def build_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json()),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -111,7 +112,7 @@ def build_tokenizer() -> Any:
     )
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
@@ -126,7 +127,7 @@ def _llava_config(
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
            (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"), ("image", IMAGE_TOKEN))}
-    text = {**_DEFAULT_TEXT, "vocab_size": _round_up(len(tokenizer), 64), **(text_config or {})}
+    text = {**_DEFAULT_TEXT, "vocab_size": round_up(len(tokenizer), 64), **(text_config or {})}
     if text["vocab_size"] < len(tokenizer):
         raise ValueError(f"text vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
     text.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
@@ -144,7 +145,7 @@ def _llava_config(
     )
 
 
-def _fill_random(model: Any, init_std: float, seed: int) -> None:
+def fill_random(model: Any, init_std: float, seed: int) -> None:
     """Overwrites every parameter from a private generator: norms 1/0, biases 0, rest N(0, std).
 
     Parameters are visited in sorted name order so the result does not depend on module order.
@@ -208,7 +209,7 @@ def write_tiny_llava(
     )
     with torch.random.fork_rng(devices=[]):
         model = LlavaForConditionalGeneration(config)
-    _fill_random(model, init_std, seed)
+    fill_random(model, init_std, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=config.text_config.bos_token_id,
         eos_token_id=config.text_config.eos_token_id,
@@ -235,7 +236,7 @@ def _create_builtin(name: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     os.chmod(staging, 0o755)
     try:
-        write_tiny_llava(staging)
+        _writer(name)(staging)
         for file in staging.iterdir():
             os.chmod(file, 0o644)  # some files are written private (0600); the cache is shared
         try:
@@ -247,6 +248,15 @@ def _create_builtin(name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _writer(name: str) -> Any:
+    """The function that writes built-in `name` into a directory."""
+    if name == "tiny-qwen3-vl":
+        from mmserve.models.builtin_qwen_vl import write_tiny_qwen_vl
+
+        return write_tiny_qwen_vl
+    return write_tiny_llava
 
 
 def resolve_model(name: str) -> str:

@@ -63,10 +63,10 @@ class MRotaryEmbedding(nn.Module):
 
 def _axis_of_frequency(section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
     """For each rotary frequency, the axis (0 t, 1 h, 2 w) whose position drives it."""
-    n = sum(section)
+    n = sum(section)  # tensors made on the CPU explicitly: models are built under the meta device
     if not interleaved:  # blocks: section[0] temporal, then height, then width
-        return torch.cat([torch.full((size,), axis) for axis, size in enumerate(section)])
-    axis = torch.zeros(n, dtype=torch.int64)  # t, h, w, t, h, w, ... while each axis has frequencies left
+        return torch.cat([torch.full((size,), axis, device="cpu") for axis, size in enumerate(section)])
+    axis = torch.zeros(n, dtype=torch.int64, device="cpu")  # t, h, w, t, h, w, ... while each has some left
     for a in (1, 2):
         axis[a:section[a] * 3:3] = a
     return axis

@@ -150,12 +150,12 @@ class MultiModalProcessor:
 
 def create_processor(model_path: str) -> Any:
     """The P0 processor for a checkpoint: LLaVA's (this module) or the Qwen-VL families'
-    (multimodal/qwen_processing.py), chosen by `config.json`'s architectures."""
+    (multimodal/qwen_processor.py), chosen by `config.json`'s architectures."""
     from mmserve.models.hf_config import LlavaModelConfig, load_model_config
 
     if isinstance(load_model_config(model_path), LlavaModelConfig):
         return MultiModalProcessor(model_path)
-    from mmserve.multimodal.qwen_processing import QwenVLProcessor
+    from mmserve.multimodal.qwen_processor import QwenVLProcessor
 
     return QwenVLProcessor(model_path)
 

@@ -45,8 +45,9 @@ class RunnerRequest:
         if self.mrope is None:
             return torch.arange(start, end)
         table, delta = self.mrope
-        known = table[:, start:min(end, table.shape[1])]  # [3, n] from the table
-        rest = torch.arange(max(start, table.shape[1]), end) + delta  # generated tokens
+        known_end = table.shape[1]
+        known = table[:, start:min(end, known_end)]  # [3, n] from the table
+        rest = torch.arange(max(start, known_end), max(end, known_end)) + delta  # generated tokens
         return torch.cat([known, rest.expand(3, -1)], dim=1)
 
 

@@ -1,0 +1,78 @@
+"""Input processing (P0) for Qwen2.5-VL and Qwen3-VL: dynamic resolution, placeholders expanded here.
+
+transformers' Qwen-VL processor classes need torchvision, which this CPU torch lacks; as vLLM
+does, the pixels come from `Qwen2VLImageProcessorPil` (the same values as the HF processor) and
+each `<|image_pad|>` in the prompt is repeated t*h*w/merge² times before tokenizing, exactly as
+`Qwen2_5_VLProcessor` / `Qwen3VLProcessor` do. A request may bring its own pixel budget
+(`mm_processor_kwargs`: `min_pixels`, `max_pixels`, vLLM's names); it changes the processed item,
+so it is part of the item's hash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mmserve.multimodal.processing import MultiModalProcessor, _check_image, to_rgb
+
+MM_KWARGS = ("min_pixels", "max_pixels")
+_MAX_PIXELS_LIMIT = 1 << 31  # beyond any image a server would accept
+
+
+class QwenVLProcessor(MultiModalProcessor):
+    """The checkpoint's tokenizer and chat template, and its image processor settings.
+
+    Stateless after construction (as the LLaVA processor): a call that raises leaves nothing."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        self.image_token = "<|image_pad|>"
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.merge_size: int = self.image_processor.merge_size
+        size = self.image_processor.size
+        self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
+
+    def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """The request's pixel budget, validated (a ValueError names the fault); only the keys given."""
+        mm_kwargs = dict(mm_kwargs or {})
+        unknown = sorted(set(mm_kwargs) - set(MM_KWARGS))
+        if unknown:
+            raise ValueError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; this model takes "
+                             f"{' and '.join(MM_KWARGS)}")
+        for key, value in mm_kwargs.items():
+            if type(value) is not int or not 0 < value <= _MAX_PIXELS_LIMIT:
+                raise ValueError(f"mm_processor_kwargs.{key} must be an integer in [1, {_MAX_PIXELS_LIMIT}]; "
+                                 f"got {value!r:.40}")
+        budget = {**self.default_pixels, **mm_kwargs}
+        if budget["min_pixels"] > budget["max_pixels"]:
+            raise ValueError(f"mm_processor_kwargs: min_pixels ({budget['min_pixels']}) exceeds max_pixels "
+                             f"({budget['max_pixels']})")
+        return mm_kwargs
+
+    def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """One image -> `{"pixel_values": Tensor[P, C * Tp * p * p] float32, "image_grid_thw":
+        Tensor[3] int64}` (P = t * h * w patches in merge-block order)."""
+        _check_image(image)
+        budget = {**self.default_pixels, **(mm_kwargs or {})}
+        size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
+        out = self.image_processor(images=[to_rgb(image)], return_tensors="pt", size=size)
+        return {"pixel_values": out["pixel_values"].to(torch.float32),
+                "image_grid_thw": out["image_grid_thw"][0].to(torch.int64)}
+
+    def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
+        """t * h * w / merge²: one embedding per merged block of patches."""
+        return int(data["image_grid_thw"].prod()) // self.merge_size**2
+
+    def settings(self) -> dict[str, Any]:
+        """The image processor's settings (what changes its output), for the item hash."""
+        return {"image_processor": self.image_processor.to_dict(), "merge_size": self.merge_size}
+
+    def apply_chat_template(self, conversation: list[dict]) -> str:
+        """Renders a conversation with the checkpoint's chat template, ending with the reply prompt."""
+        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
