@@ -117,6 +117,7 @@ class ChatCompletionRequest(BaseModel):
     stop: Any = None  # a string or a list of strings (checked below, for a one-line error)
     seed: int | None = None
     cache_salt: str | None = None  # isolates this tenant in every cache (vLLM's name)
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: this request's min_pixels / max_pixels
     n: int | None = 1
     logprobs: bool | None = False
     top_logprobs: int | None = None

@@ -98,6 +98,8 @@ class OpenAIServingChat:
                            ", ".join(request.unknown_fields()))
         params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
         prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt)
+        if request.mm_processor_kwargs is not None:
+            prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         outputs = self.engine.generate(request_id, prompt, params)
         handed_over = False
         try:
