@@ -132,6 +132,19 @@ class MultiModalConfig:
     def max_images(self) -> int:
         return self.limit_mm_per_prompt.get("image", 4)
 
+    # ---- the item transport, decided once: P0 and P1 both read these ----------------------------
+
+    @property
+    def uses_shm(self) -> bool:
+        """Items reach P1 (and TP workers) through the shared-memory store, not the IPC cache."""
+        return self.mm_cache_type == "shm" and self.mm_shm_cache_gb > 0
+
+    @property
+    def ipc_cache_bytes(self) -> int:
+        """Capacity of the mirrored IPC cache, the same on both sides: 0 under shm (P1 keeps no
+        receiver entries then, neither inline items nor views of shared memory)."""
+        return 0 if self.mm_cache_type == "shm" else int(self.mm_ipc_cache_gb * (1 << 30))
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -156,6 +169,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def needs_item_hash(self) -> bool:
+        """Whether any layer keys on an item's content hash (processor, IPC or shm store, encoder
+        cache across requests, prefix blocks); if none does, items get random ids instead."""
+        mm = self.multimodal
+        return (mm.mm_processor_cache_gb > 0 or mm.ipc_cache_bytes > 0 or mm.uses_shm
+                or self.cache.enable_prefix_caching or self.scheduler.encoder_cache_tokens != 0)
 
     @classmethod
     def from_kwargs(cls, **engine_args: Any) -> EngineConfig:

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 _GREEDY_EPS = 1e-5
+_INT64 = 2**63  # every integer crosses to the engine process as msgpack int64
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -35,15 +36,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             if self.top_k not in (0, -1):
                 raise ValueError(f"top_k must be a positive integer, 0 or -1 (disabled); got {self.top_k}")
             self.top_k = None
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer of at least 1; got {self.max_tokens!r}")
+        _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens < _INT64,
+               f"max_tokens must be a positive 64-bit integer; got {self.max_tokens!r:.40}")
+        _check(self.top_k is None or self.top_k < _INT64, f"top_k must be a 64-bit integer; got {self.top_k!r:.40}")
         _check(0.0 <= self.temperature <= 100.0,
                f"temperature must be between 0 and 100; got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p}")
-        _check(self.seed is None or 0 <= self.seed < 2**63, f"seed must be a non-negative 64-bit integer; got {self.seed}")
+        _check(self.seed is None or 0 <= self.seed < _INT64,
+               f"seed must be a non-negative 64-bit integer; got {self.seed!r:.40}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative integers")
+        _check(all(isinstance(t, int) and 0 <= t < _INT64 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative 64-bit integers (token ids)")
 
     @property
     def greedy(self) -> bool:

@@ -149,3 +149,53 @@ def test_reset_clears_both_sides_together():
     got = link.send([item("a")])
     assert got[0].data is not None and link.resends == 0
     assert link.receiver.epoch == link.sender.epoch == 1
+
+
+def test_threads_hammering_the_processor_and_sender_caches_keep_exact_accounting():
+    """Regression: P0's caches are used from worker threads and the event loop at once; without
+    a lock a threaded stress corrupted the byte accounting."""
+    import sys
+    import threading
+
+    import torch
+
+    from mmserve.multimodal.cache import IpcSenderCache, ProcessorCache
+    from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+
+    processor, sender = ProcessorCache(40_000), IpcSenderCache(40_000)
+    items = [MultiModalItem("image", f"k{i}", {"pixel_values": torch.zeros(i % 7 + 1, 500)}, PlaceholderRange(0, 1))
+             for i in range(40)]
+
+    def work(seed: int) -> None:
+        for n in range(400):
+            item = items[(seed * 7 + n * 13) % len(items)]
+            processor.put(item.mm_hash, item.data)
+            processor.get(items[(n * 5 + seed) % len(items)].mm_hash)
+            sender.update([item, items[(n + seed) % len(items)]])
+            sender.num_tokens(item.mm_hash)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    processor.check_integrity()
+    sender.check_integrity()
+    assert processor.stats().queries == 6 * 400 and sender.stats().queries == 6 * 400 * 2
+
+
+def test_under_shm_neither_side_keeps_an_ipc_cache():
+    """Both sides size the IPC cache from one derived property: 0 under --mm-cache-type shm, so P1
+    keeps neither inline items nor views of released shared memory."""
+    from mmserve.config import EngineConfig
+
+    shm = EngineConfig.from_kwargs(mm_cache_type="shm", mm_ipc_cache_gb=4)
+    lru = EngineConfig.from_kwargs(mm_cache_type="lru", mm_ipc_cache_gb=1)
+    assert shm.multimodal.ipc_cache_bytes == 0 and lru.multimodal.ipc_cache_bytes == 1 << 30
+    assert shm.needs_item_hash and EngineConfig.from_kwargs(
+        mm_processor_cache_gb=0, mm_ipc_cache_gb=0, enable_prefix_caching=False).needs_item_hash  # encoder cache

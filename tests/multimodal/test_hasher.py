@@ -81,3 +81,47 @@ def test_unhashable_types_are_refused():
         hash_object(object())
     with pytest.raises(TypeError):
         hash_object({1: "a"})
+
+
+def _variants() -> list[Image.Image]:
+    """Images that differ in one property processing might read (mode, palette, transparency
+    as a palette index, a colour or per-entry alphas, an unrelated info key, pixels)."""
+    base = Image.fromarray(np.arange(48, dtype=np.uint8).reshape(4, 4, 3)).convert("P")
+    out = [base, base.convert("RGB"), base.convert("L"), base.convert("RGBA"), palette_image(3)]
+    for transparency in (0, 1, bytes([0, 128, 255])):
+        t = base.copy()
+        t.info["transparency"] = transparency
+        out.append(t)
+    grey = base.convert("L")
+    grey.info["transparency"] = 5
+    rgb = base.convert("RGB")
+    rgb.info["transparency"] = (0, 1, 2)
+    dpi = base.copy()
+    dpi.info["dpi"] = (72, 72)  # nothing reads it: it may hash alike
+    return out + [grey, rgb, dpi]
+
+
+def test_transparency_alone_changes_the_hash():
+    """Regression: two images differing only in info['transparency'] got one mm_hash, though
+    processing composites with it, so the second was answered with the first one's output."""
+    from mmserve.multimodal.media import to_rgb
+
+    plain = palette_image(0)
+    clear = palette_image(0)
+    clear.info["transparency"] = 1
+    assert to_rgb(plain).tobytes() != to_rgb(clear).tobytes()
+    hasher = ItemHasher("m", {})
+    assert hasher.hash_item("image", plain) != hasher.hash_item("image", clear)
+
+
+def test_whatever_changes_the_processed_pixels_changes_the_hash():
+    """Processing sees an image only through `to_rgb`: any two inputs it turns into different
+    pixels must hash differently (fails if to_rgb starts reading a property the hasher skips)."""
+    from mmserve.multimodal.media import to_rgb
+
+    hasher = ItemHasher("m", {})
+    images = _variants()
+    for i, a in enumerate(images):
+        for b in images[i + 1:]:
+            if to_rgb(a).tobytes() != to_rgb(b).tobytes() or to_rgb(a).size != to_rgb(b).size:
+                assert hasher.hash_item("image", a) != hasher.hash_item("image", b), (a.mode, a.info, b.mode, b.info)

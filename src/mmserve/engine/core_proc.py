@@ -40,7 +40,7 @@ from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_handle import ShmStoreInfo
 from mmserve.ipc.shm_items import ShmItemReader
-from mmserve.multimodal.cache import IpcReceiverCache, gib_to_bytes
+from mmserve.multimodal.cache import IpcReceiverCache
 
 if TYPE_CHECKING:
     from mmserve.engine.core import EngineCore
@@ -85,7 +85,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     try:
-        receiver = IpcReceiverCache(gib_to_bytes(config.multimodal.mm_ipc_cache_gb))
+        receiver = IpcReceiverCache(config.multimodal.ipc_cache_bytes)
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
         proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver, shm)
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))

@@ -22,9 +22,10 @@ from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.llm_engine import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.ipc.shm_items import ShmItemWriter
-from mmserve.multimodal.cache import IpcSenderCache, gib_to_bytes
+from mmserve.multimodal.cache import IpcSenderCache
 from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
@@ -40,8 +41,7 @@ class AsyncLLM:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
         mm = config.multimodal
-        self.shm = (ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb)
-                    if mm.mm_cache_type == "shm" and mm.mm_shm_cache_gb > 0 else None)
+        self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
         try:
             self.client = EngineCoreClient(config, self.model_dir, shm_info=self.shm.info if self.shm else None)
         except BaseException:
@@ -49,8 +49,7 @@ class AsyncLLM:
                 self.shm.close()
             raise
         self.max_model_len = self.client.max_model_len
-        ipc_gb = config.multimodal.mm_ipc_cache_gb if config.multimodal.mm_cache_type == "lru" else 0
-        self.ipc_sender = IpcSenderCache(gib_to_bytes(ipc_gb))
+        self.ipc_sender = IpcSenderCache(mm.ipc_cache_bytes)
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
                                               known_tokens=self.ipc_sender.num_tokens)
         self._unadmitted: dict[str, EngineCoreRequest] = {}  # full requests until P1's first output
@@ -98,13 +97,8 @@ class AsyncLLM:
         self._ensure_output_task()
         if not self.is_healthy:
             raise EngineDeadError(self._dead_error or "the engine core process is not running")
-        request = await asyncio.to_thread(self.input_processor.process, request_id, prompt, params)
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
-        self._send(request)
+        request = await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False)
+        queue = self._admit(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
         finished = False
         try:
             while not finished:
@@ -124,21 +118,57 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
-    def _send(self, request: EngineCoreRequest, inline: bool = False) -> None:
+    def _admit(self, request: EngineCoreRequest, prompt_text: str | None) -> asyncio.Queue[RequestOutput | Exception]:
+        """Register a processed request and send it to P1: the one place that owns the undo.
+
+        The rule: from the moment P0 starts resolving a request until its message is on the
+        wire to P1, every step that changes shared state registers how to take itself back —
+        processor-cache in-flight entries (`InputProcessor.reject`), the request's queue and
+        output state, IPC sender keys (a checkpoint) or shm pins, the resend record. Any
+        exception runs them all in reverse, so nothing of the request stays; a client fault is a
+        ValueError (a 4xx), anything else is ours (a 5xx). After the send nothing is undone here:
+        P1 owns the request, and an abort goes through P1."""
+        rid = request.request_id
+        undo = UndoLog()
+        undo.push(self.input_processor.reject, rid)
+        try:
+            if rid in self._queues:
+                raise ValueError(f"request id {rid!r} is already in use")
+            queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+            self._queues[rid] = queue
+            undo.push(self._queues.pop, rid, None)
+            self.output_processor.add_request(request, prompt_text)
+            undo.push(self.output_processor.abort_requests, [rid])
+            self._send(request, undo)
+        except BaseException:
+            undo.run()
+            raise
+        self.input_processor.accept(rid)
+        return queue
+
+    def _send(self, request: EngineCoreRequest, undo: UndoLog, inline: bool = False) -> None:
         """Send the request, its items by shm handle (`--mm-cache-type shm`, unless `inline`) or
-        through the IPC sender cache: items P1 will hold cross as their hash alone."""
+        through the IPC sender cache: items P1 will hold cross as their hash alone. Each change
+        is registered in `undo` before the next step that can fail."""
+        rid = request.request_id
         if self.shm is not None:
-            items = self.shm.to_wire(request, inline)
-            if any(item.shm_handle is not None for item in items):
-                self._unadmitted[request.request_id] = request
-            self.client.add_request(msgspec.structs.replace(request, mm_items=items))
-            return
-        cached = self.ipc_sender.update(request.mm_items)
-        items = [MultiModalItem(i.modality, i.mm_hash, None if hit else i.data, i.placeholder)
-                 for i, hit in zip(request.mm_items, cached)]
-        if any(cached):
-            self._unadmitted[request.request_id] = request
-        self.client.add_request(msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.ipc_sender.epoch))
+            written: list[str] = []
+            undo.push(self.shm.finish, rid)
+            undo.push(self.shm.discard, written)
+            items = self.shm.to_wire(request, inline, written)
+            message = msgspec.structs.replace(request, mm_items=items)
+            resend = any(item.shm_handle is not None for item in items)
+        else:
+            undo.push(self.ipc_sender.rollback, self.ipc_sender.checkpoint())
+            cached = self.ipc_sender.update(request.mm_items)
+            items = [MultiModalItem(i.modality, i.mm_hash, None if hit else i.data, i.placeholder)
+                     for i, hit in zip(request.mm_items, cached)]
+            message = msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.ipc_sender.epoch)
+            resend = any(cached)
+        if resend:
+            self._unadmitted[rid] = request
+            undo.push(self._unadmitted.pop, rid, None)
+        self.client.add_request(message)
 
     def _resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
@@ -151,11 +181,14 @@ class AsyncLLM:
             self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
                                               "again together with its uuid"))
             return
-        if self.shm is not None:
-            self._send(request, inline=True)  # the store lost the entry: no second try through it
-            return
-        self.ipc_sender.reset()
-        self._send(request)
+        if self.shm is None:
+            self.ipc_sender.reset()
+        undo = UndoLog()
+        try:  # through shm: the store lost the entry, so no second try through it
+            self._send(request, undo, inline=self.shm is not None)
+        except Exception as e:
+            undo.run()
+            self._fail(request_id, e)
 
     def _abort_now(self, request_ids: list[str]) -> None:
         for rid in request_ids:

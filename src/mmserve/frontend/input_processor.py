@@ -7,6 +7,7 @@ through the processor cache (`multimodal/items.py`); a request that fails leaves
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -34,14 +35,23 @@ class InputProcessor:
         mm = config.multimodal
         self.media_limits = mm.media_limits()
         self.processor_cache = ProcessorCache(gib_to_bytes(mm.mm_processor_cache_gb))
-        hashing = mm.mm_processor_cache_gb > 0 or mm.mm_ipc_cache_gb > 0 or config.cache.enable_prefix_caching
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
-                                  hashing, known_tokens)
+                                  config.needs_item_hash, known_tokens)
+        self.vocab_size = load_model_config(model_dir).text.vocab_size
+        self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)
+        self._pending_lock = threading.Lock()
         # the model's largest item at default settings sizes the engine's encoder budgets; a
         # request's own processor settings may make a larger item, refused here with a clear error
         self.max_encoder_tokens = _encoder_limit(config, load_model_config(model_dir).max_item_tokens)
 
-    def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> EngineCoreRequest:
+    def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                commit: bool = True) -> EngineCoreRequest:
+        """The request for the engine, or a ValueError (and then nothing of it stays).
+
+        With `commit` False the freshly processed items stay out of the processor cache (and in
+        flight) until the caller says `accept(request_id)` once the engine has the request, or
+        `reject(request_id)` when a later step failed: a request that fails anywhere leaves no entry."""
+        self._check_params(params)
         text, images, uuids, salt = _split_prompt(prompt)
         mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
@@ -59,11 +69,37 @@ class InputProcessor:
         except BaseException:
             self.items.release(resolved)
             raise
-        self.items.commit(resolved)
+        if commit:
+            self.items.commit(resolved)
+        else:
+            with self._pending_lock:
+                self._pending[request_id] = resolved
         items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt)
 
+
+    def accept(self, request_id: str) -> None:
+        """The engine has the request: its fresh items join the processor cache."""
+        with self._pending_lock:
+            resolved = self._pending.pop(request_id, [])
+        self.items.commit(resolved)
+
+    def reject(self, request_id: str) -> None:
+        """A step after `process` failed: end the request's in-flight items, keep nothing."""
+        with self._pending_lock:
+            resolved = self._pending.pop(request_id, [])
+        self.items.release(resolved)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length."""
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
+                             f"{self.vocab_size})")
+        if params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this model's context length "
+                             f"(max_model_len {self.max_model_len})")
 
     def _check_item_sizes(self, resolved: list[ResolvedItem]) -> None:
         """A ValueError for an item larger than the engine's encoder budget (it could never run)."""

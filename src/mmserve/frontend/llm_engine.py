@@ -32,8 +32,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
         """Process and queue a request; any fault in it is a ValueError and queues nothing."""
-        request = self.input_processor.process(request_id, prompt, params)
-        self.core.add_request(request)
+        request = self.input_processor.process(request_id, prompt, params, commit=False)
+        try:
+            self.core.add_request(request)
+        except BaseException:
+            self.input_processor.reject(request_id)
+            raise
+        self.input_processor.accept(request_id)
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -29,17 +29,27 @@ class ShmItemWriter:
         """What P1 attaches with (holds the handle secret: never log it)."""
         return msgspec.msgpack.encode(self.store.info)
 
-    def to_wire(self, request: EngineCoreRequest, inline: bool = False) -> list[MultiModalItem]:
-        """The request's items as they cross to P1: by handle where the store takes them."""
+    def to_wire(self, request: EngineCoreRequest, inline: bool = False,
+                written: list[str] | None = None) -> list[MultiModalItem]:
+        """The request's items as they cross to P1: by handle where the store takes them. The
+        keys of entries written for it are appended to `written` (for `discard`)."""
         items = []
         for item in request.mm_items:
             handle = None
             if not inline and item.data is not None:
-                handle = (self.store.lookup(item.mm_hash, request.request_id)
-                          or self.store.put(item.mm_hash, item.data, request.request_id))
+                handle = self.store.lookup(item.mm_hash, request.request_id)
+                if handle is None:
+                    handle = self.store.put(item.mm_hash, item.data, request.request_id)
+                    if handle is not None and written is not None:
+                        written.append(item.mm_hash)
             items.append(item if handle is None else
                          MultiModalItem(item.modality, item.mm_hash, None, item.placeholder, handle))
         return items
+
+    def discard(self, keys: list[str]) -> None:
+        """Drop entries written for a request that was never sent (the undo of `to_wire`)."""
+        for key in keys:
+            self.store.discard(key)
 
     def finish(self, request_id: str) -> None:
         """Unpin the request's entries (after its last output, an abort or an error)."""

@@ -131,6 +131,13 @@ class ShmStore:
         self._stats.bytes_written += nbytes
         return self._hand_out(chunk, request_id)
 
+    def discard(self, key: str) -> None:
+        """Drop `key`'s entry (written for a request that then never reached a reader): the chunk
+        becomes an orphan that the hand frees; handles to it no longer resolve."""
+        chunk = self._entries.pop(key, None)
+        if chunk is not None:
+            chunk.key, chunk.hits = None, 0
+
     def finish_request(self, request_id: str) -> None:
         """Unpin what `request_id` pinned; an unknown id is ignored (finish and abort may both call)."""
         for chunk in self._requests.pop(request_id, ()):

@@ -15,8 +15,11 @@ frontend then resends the items and both sides start a new epoch from empty (see
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Generic, Iterable, TypeVar
+
+import msgspec
 
 from mmserve.ipc.messages import CacheStats
 from mmserve.multimodal.inputs import MultiModalItem
@@ -98,6 +101,14 @@ class LruBytes(Generic[V]):
         self._entries.clear()
         self.used = 0
 
+    def save(self) -> tuple[list[tuple[str, tuple[int, V | None]]], int, CacheStats]:
+        """Everything `restore` needs to undo later calls (O(entries): for rare undo paths)."""
+        return list(self._entries.items()), self.used, msgspec.structs.replace(self.stats)
+
+    def restore(self, state: tuple[list[tuple[str, tuple[int, V | None]]], int, CacheStats]) -> None:
+        entries, self.used, self.stats = state
+        self._entries = OrderedDict(entries)
+
     def snapshot(self) -> CacheStats:
         s = self.stats
         return CacheStats(s.queries, s.hits, s.evictions, s.bytes_saved, len(self._entries), self.used)
@@ -108,18 +119,30 @@ class LruBytes(Generic[V]):
 
 
 class _LruCache:
-    """What the three caches share: an `LruBytes` as `_lru`, its keys, stats and integrity."""
+    """What the three caches share: an `LruBytes` as `_lru`, its keys, stats and integrity.
+
+    Thread safety: P0 resolves requests in worker threads while the event loop updates the IPC
+    sender, so every public method of a cache holds `_lock` (re-entrant) for its whole call; no
+    caller touches `_lru` directly."""
 
     _lru: LruBytes[Any]
+    _lock: threading.RLock
+
+    def __init__(self, lru: LruBytes[Any]) -> None:
+        self._lru = lru
+        self._lock = threading.RLock()
 
     def keys(self) -> list[str]:
-        return self._lru.keys()
+        with self._lock:
+            return self._lru.keys()
 
     def stats(self) -> CacheStats:
-        return self._lru.snapshot()
+        with self._lock:
+            return self._lru.snapshot()
 
     def check_integrity(self) -> None:
-        self._lru.check_integrity()
+        with self._lock:
+            self._lru.check_integrity()
 
 
 class ProcessorCache(_LruCache):
@@ -130,22 +153,24 @@ class ProcessorCache(_LruCache):
     """
 
     def __init__(self, capacity_bytes: int) -> None:
-        self._lru: LruBytes[dict[str, Any]] = LruBytes(capacity_bytes)
+        super().__init__(LruBytes(capacity_bytes))
 
     @property
     def enabled(self) -> bool:
         return self._lru.capacity > 0
 
     def get(self, mm_hash: str) -> dict[str, Any] | None:
-        self._lru.stats.queries += 1
-        if mm_hash not in self._lru:
-            return None
-        self._lru.stats.hits += 1
-        return self._lru.touch(mm_hash)
+        with self._lock:
+            self._lru.stats.queries += 1
+            if mm_hash not in self._lru:
+                return None
+            self._lru.stats.hits += 1
+            return self._lru.touch(mm_hash)
 
     def put(self, mm_hash: str, data: dict[str, Any]) -> None:
         if self.enabled:
-            self._lru.put(mm_hash, item_size(data), data)
+            with self._lock:
+                self._lru.put(mm_hash, item_size(data), data)
 
 
 class IpcSenderCache(_LruCache):
@@ -157,7 +182,7 @@ class IpcSenderCache(_LruCache):
     """
 
     def __init__(self, capacity_bytes: int) -> None:
-        self._lru: LruBytes[int] = LruBytes(capacity_bytes)  # value: the item's placeholder count
+        super().__init__(LruBytes(capacity_bytes))  # value: the item's placeholder count
         self.epoch = 0
 
     @property
@@ -165,15 +190,27 @@ class IpcSenderCache(_LruCache):
         return self._lru.capacity > 0
 
     def __contains__(self, mm_hash: str) -> bool:
-        return mm_hash in self._lru
+        with self._lock:
+            return mm_hash in self._lru
 
     def num_tokens(self, mm_hash: str) -> int | None:
         """The placeholder count of a held item (for uuid-only parts)."""
-        return self._lru.peek(mm_hash) if mm_hash in self._lru else None
+        with self._lock:
+            return self._lru.peek(mm_hash) if mm_hash in self._lru else None
 
     def update(self, items: list[MultiModalItem]) -> list[bool]:
+        """Raises ValueError, changing nothing, when an item without data is not held (a
+        uuid-only item evicted since it was resolved): the request must send the image again."""
         if not self.enabled:
             return [False] * len(items)
+        with self._lock:
+            lost = [item.mm_hash for item in items if item.data is None and item.mm_hash not in self._lru]
+            if lost:
+                raise ValueError("an image given by uuid alone was evicted before the request was sent: send the "
+                                 "image again together with its uuid")
+            return self._update(items)
+
+    def _update(self, items: list[MultiModalItem]) -> list[bool]:
         keys = [item.mm_hash for item in items]
         cached = []
         for item in items:
@@ -190,8 +227,20 @@ class IpcSenderCache(_LruCache):
 
     def reset(self) -> None:
         """Start a new epoch from empty; the receiver empties itself when it sees the epoch."""
-        self._lru.clear()
-        self.epoch += 1
+        with self._lock:
+            self._lru.clear()
+            self.epoch += 1
+
+    def checkpoint(self) -> tuple[int, Any]:
+        """A token for `rollback`: taken right before an `update` whose message may not be sent."""
+        with self._lock:
+            return self.epoch, self._lru.save()
+
+    def rollback(self, token: tuple[int, Any]) -> None:
+        """Undo every update since `checkpoint` (the receiver never saw them)."""
+        with self._lock:
+            self.epoch, state = token
+            self._lru.restore(state)
 
 
 class IpcReceiverCache(_LruCache):
@@ -203,7 +252,7 @@ class IpcReceiverCache(_LruCache):
     """
 
     def __init__(self, capacity_bytes: int) -> None:
-        self._lru: LruBytes[dict[str, Any]] = LruBytes(capacity_bytes)
+        super().__init__(LruBytes(capacity_bytes))
         self.epoch = 0
 
     def update(self, items: list[MultiModalItem], epoch: int) -> list[str]:

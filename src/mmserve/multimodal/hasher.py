@@ -81,8 +81,13 @@ class FramedHasher:
             self.update(d[key])
 
     def _image(self, image: Image.Image) -> None:
+        """Everything `media.to_rgb` and the processors read: mode, size, palette, the
+        transparency key (a colour, or per-palette-entry alphas as bytes), pixels."""
         palette = image.getpalette() if image.mode in ("P", "PA") else None
-        self._container(b"P", ["pil", image.mode, list(image.size), palette])
+        transparency = image.info.get("transparency")
+        if isinstance(transparency, tuple):
+            transparency = list(transparency)
+        self._container(b"P", ["pil", image.mode, list(image.size), palette, transparency])
         self._chunk(b"R", image.tobytes())
 
     def _array(self, tag: bytes, dtype: str, shape: tuple, data: Any) -> None:

@@ -142,16 +142,16 @@ def check_pixels(width: int, height: int, limits: MediaLimits) -> None:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Return `image` in RGB mode; transparent pixels are composited onto white."""
+    """Return `image` in RGB mode as transformers' `convert_to_rgb` does: transparency (an alpha
+    band, or `info["transparency"]`) is alpha-composited onto white. The one conversion every
+    image goes through; what it reads (mode, size, palette, `info["transparency"]`, pixels) is
+    what the item hash covers (multimodal/hasher.py)."""
     if image.mode == "RGB":
         return image
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, _WHITE)
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
+        background = Image.new("RGBA", rgba.size, (*_WHITE, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
 
 

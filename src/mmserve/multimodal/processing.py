@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.multimodal.media import to_rgb
 
 
 @dataclass
@@ -26,17 +27,6 @@ class ProcessedPrompt:
 
     prompt_token_ids: list[int]
     mm_items: list[MultiModalItem] = field(default_factory=list)
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Converts to RGB as transformers does: transparency is composited onto white."""
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 class MultiModalProcessor:
