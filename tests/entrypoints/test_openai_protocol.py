@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 import pytest
 from fastapi.testclient import TestClient
 
+from mmserve.config import EngineConfig
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.frontend.core_client import EngineDeadError
 from mmserve.ipc.messages import CacheStats, SchedulerStats
@@ -29,6 +30,7 @@ class FakeEngine:
     model_dir = "/models/tiny"
     max_model_len = 64
     tokenizer = None
+    config = EngineConfig()
 
     def __init__(self) -> None:
         self.healthy = True
@@ -359,3 +361,28 @@ def test_client_disconnect_aborts_the_request(engine, stream):
     assert app.state.metrics.requests.labels(outcome="abort")._value.get() == 1
     if stream:
         assert sent[0]["status"] == 200
+
+
+def test_a_non_ascii_api_key_can_match(engine):
+    """Regression: the header arrives decoded as latin-1, so a UTF-8 key never matched."""
+    client = TestClient(build_app(engine, [MODEL], api_key="clé-秘密"))
+    raw = "Bearer clé-秘密".encode("utf-8")
+    assert client.get("/v1/models", headers=[(b"authorization", raw)]).status_code == 200
+    assert client.get("/v1/models", headers=[(b"authorization", b"Bearer cle")]).status_code == 401
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(engine):
+    """Regression: there was no limit on the body; a 200 MiB JSON was read and parsed whole."""
+    client = TestClient(build_app(engine, [MODEL], max_body_bytes=10_000), raise_server_exceptions=False)
+    big = {"messages": [{"role": "user", "content": "x" * 20_000}]}
+    r = client.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it streams in
+        for _ in range(30):
+            yield b"x" * 1000
+
+    r = client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert engine.prompts == []  # nothing reached the engine
+    assert client.post("/v1/chat/completions", json={"messages": GOOD}).status_code == 200

@@ -223,3 +223,37 @@ def test_limits_validation() -> None:
     with pytest.raises(ValueError):
         MediaLimits(max_pixels=-1)
     assert issubclass(MediaError, ValueError)
+
+
+def test_an_upper_case_data_scheme_is_read(red: Image.Image) -> None:
+    """Regression: `DATA:` was refused though URL schemes are case-insensitive."""
+    url = data_url(encode(red, "PNG"), "image/png")
+    assert load_image("DATA:" + url[len("data:"):], MediaLimits()).size == (8, 6)
+
+
+def test_a_file_swapped_for_a_symlink_is_not_followed(tmp_path, red: Image.Image) -> None:
+    """The check and the open are two steps: the open refuses a symlink (O_NOFOLLOW)."""
+    import os
+
+    from mmserve.multimodal import media
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    red.save(allowed / "a.png")
+    secret = tmp_path / "secret.png"
+    red.save(secret)
+    limits = MediaLimits(allowed_local_media_path=str(allowed))
+    real_realpath = os.path.realpath
+
+    def swap_after_check(path):  # the attacker swaps the file between the check and the open
+        resolved = real_realpath(path)
+        if resolved.endswith("a.png") and not os.path.islink(resolved):
+            os.remove(resolved)
+            os.symlink(secret, resolved)
+        return resolved
+
+    media.os.path.realpath = swap_after_check
+    try:
+        refused(str(allowed / "a.png"), limits, "could not read")
+    finally:
+        media.os.path.realpath = real_realpath

@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -94,7 +95,7 @@ def load_image(source: object, limits: MediaLimits) -> Image.Image:
 
 def read_media_bytes(url: str, limits: MediaLimits) -> bytes:
     """Return the encoded bytes a data URL, file URL, local path or http(s) URL names."""
-    if url.startswith("data:"):
+    if url[:5].lower() == "data:":  # schemes are case-insensitive (RFC 3986)
         return _read_data_url(url, limits)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "":
@@ -213,9 +214,10 @@ def _read_local_file(path: str, limits: MediaLimits) -> bytes:
         raise MediaError(f"image path {path!r} is outside the allowed directory {root!r} ({FLAG_LOCAL_PATH})")
     if not os.path.isfile(real):
         raise MediaError(f"image file {path!r} does not exist or is not a regular file")
-    check_bytes(os.path.getsize(real), limits)
-    try:
-        with open(real, "rb") as file:
+    try:  # O_NOFOLLOW: a file swapped for a symlink after the check above is refused, not followed
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as file:
+            check_bytes(os.fstat(file.fileno()).st_size, limits)
             data = file.read(limits.max_bytes + 1)
     except OSError as exc:
         raise MediaError(f"could not read image file {path!r}: {exc.strerror}") from exc
@@ -223,15 +225,31 @@ def _read_local_file(path: str, limits: MediaLimits) -> bytes:
     return data
 
 
+def _read_until(response: Any, max_bytes: int, deadline: float, url: str) -> bytes:
+    """Read up to `max_bytes` in pieces, refusing once the fetch's total deadline has passed (a
+    server trickling bytes under the per-call timeout cannot hold a worker longer)."""
+    parts, total = [], 0
+    while total < max_bytes:
+        if time.monotonic() > deadline:
+            raise MediaError(f"fetching image {url!r} took longer than its deadline")
+        piece = response.read(min(1 << 16, max_bytes - total))
+        if not piece:
+            break
+        parts.append(piece)
+        total += len(piece)
+    return b"".join(parts)
+
+
 def _fetch_http(url: str, limits: MediaLimits) -> bytes:
     check_http_url(url, limits)
     opener = urllib.request.build_opener(RedirectGuard(limits))
+    deadline = time.monotonic() + limits.fetch_timeout_s  # for the whole fetch, not per socket call
     try:
         with opener.open(url, timeout=limits.fetch_timeout_s) as response:
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit():
                 check_bytes(int(length), limits)
-            data = response.read(limits.max_bytes + 1)
+            data = _read_until(response, limits.max_bytes + 1, deadline, url)
     except urllib.error.HTTPError as exc:
         raise MediaError(f"fetching image {url!r} failed with HTTP status {exc.code}") from exc
     except (urllib.error.URLError, OSError) as exc:

@@ -180,9 +180,18 @@ class ModelRunner:
             return ModelRunnerOutput({rid: [] for rid in req_ids})
         logits = self.model.compute_logits(hidden[rows])  # [R, V]
         states = [self.requests[rid] for rid in sampling]
+        for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
+            if state.generator is not None:
+                state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states], self.generator)
         result: dict[str, list[int]] = {rid: [] for rid in req_ids}
         for rid, state, token in zip(sampling, states, tokens):
             state.token_ids.append(token)
             result[rid] = [token]
         return ModelRunnerOutput(result)
+
+
+def _step_seed(seed: int | None, position: int) -> int:
+    """The generator seed for a seeded request's token at `position`: a request resumed after
+    preemption (its runner state rebuilt) draws the same numbers it would have drawn."""
+    return ((seed or 0) ^ (position * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)

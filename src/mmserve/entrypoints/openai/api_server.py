@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
 from mmserve.entrypoints.openai.server_config import ServerConfig
@@ -42,11 +43,16 @@ GRACEFUL_SHUTDOWN_S = 5  # longest uvicorn waits for open connections when stopp
 HEALTH_POLL_S = 0.5
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`."""
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
+    """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
+    `max_body_bytes` (default: derived from the media limits) are refused with 413 unread."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
+    mm = engine.config.multimodal
+    app.add_middleware(BodyLimitMiddleware,  # type: ignore[arg-type]
+                       max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine.stats)
     install_error_handlers(app)
@@ -79,7 +85,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 def _api_key_check(api_key: str | None) -> Any:
     """A dependency refusing requests without `Authorization: Bearer <api_key>` (none when unset)."""
-    expected = None if api_key is None else api_key.encode()
+    expected = None if api_key is None else api_key.encode("utf-8")
 
     async def check(request: Request) -> None:
         if expected is None:
@@ -88,7 +94,9 @@ def _api_key_check(api_key: str | None) -> Any:
         if scheme.lower() != "bearer" or not given:
             raise OpenAIError(401, "missing API key: send it as 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
-        if not secrets.compare_digest(given.strip().encode(), expected):
+        # the server decoded the header's bytes as latin-1: encode back to compare raw bytes, so a
+        # non-ASCII key (sent as UTF-8) can match
+        if not secrets.compare_digest(given.strip().encode("latin-1", "replace"), expected):
             raise OpenAIError(401, "invalid API key", code="invalid_api_key")
 
     return check
@@ -125,7 +133,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
     engine = AsyncLLM(engine_config)
     try:
         model = engine_config.model.model
-        app = build_app(engine, server_config.served_model_names(model), server_config.api_key)
+        limit = server_config.max_request_body_mb
+        app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
+                        None if limit is None else int(limit * (1 << 20)))
         server = uvicorn.Server(uvicorn.Config(
             app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))

@@ -25,6 +25,9 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={
         "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
+    max_request_body_mb: float | None = field(default=None, metadata={
+        "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
+                "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -36,6 +39,8 @@ class ServerConfig:
             if not names or not all(isinstance(n, str) and n for n in names):
                 raise ValueError("served_model_name must be one or more non-empty names")
             object.__setattr__(self, "served_model_name", names)
+        if self.max_request_body_mb is not None and self.max_request_body_mb <= 0:
+            raise ValueError(f"max_request_body_mb must be positive; got {self.max_request_body_mb}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
@@ -55,6 +60,8 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         if f.name == "port":
             kw["type"] = int
+        if f.name == "max_request_body_mb":
+            kw["type"] = float
         for key in ("nargs", "choices"):
             if key in f.metadata:
                 kw[key] = f.metadata[key]
