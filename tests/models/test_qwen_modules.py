@@ -9,8 +9,8 @@ import torch
 
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.qwen_config import QWEN2_5_VL, QWEN3_VL, load_qwen_config
-from mmserve.models.qwen_lm import QwenTextModel
-from mmserve.models.qwen_rope import MRotaryEmbedding, mrope_positions
+from mmserve.models.qwen_text import QwenTextModel
+from mmserve.models.mrope import MRotaryEmbedding, mrope_positions
 from mmserve.models.qwen2_5_vit import Qwen2_5VisionTower
 from mmserve.models.qwen3_vit import Qwen3VisionTower
 

@@ -200,6 +200,8 @@ class EngineCoreProc:
             self.shm.release(request_id)
 
     def _send(self, step_outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+        if stats is not None and self.receiver.enabled:  # P1's half of the IPC cache, to compare with P0's
+            stats = msgspec.structs.replace(stats, caches={**stats.caches, "ipc_receiver": self.receiver.stats()})
         for out in step_outputs:
             if out.finish_reason is not None:
                 self._release(out.request_id)

@@ -120,14 +120,15 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
     heads = t.get("num_attention_heads", 32)
     hidden = t.get("hidden_size", 4096)
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-    section = tuple(rope.get("mrope_section") or ())
+    qwen3 = family == QWEN3_VL
+    section = tuple(rope.get("mrope_section") or ((24, 20, 20) if qwen3 else (16, 24, 24)))  # transformers' defaults
     if len(section) != 3:
         raise ValueError(f"a {family} checkpoint needs rope mrope_section of 3 ints; got {section!r}")
-    head_dim = t.get("head_dim") or hidden // heads
+    # Qwen2.5-VL's attention ignores a configured head_dim (transformers uses hidden / heads)
+    head_dim = (t.get("head_dim") or hidden // heads) if qwen3 else hidden // heads
     if 2 * sum(section) != head_dim:
         raise ValueError(f"mrope_section {section} must sum to head_dim / 2 ({head_dim // 2})")
     eos = t.get("eos_token_id", 151645)
-    qwen3 = family == QWEN3_VL
     return QwenTextConfig(
         vocab_size=t.get("vocab_size", 151936),
         hidden_size=hidden,
@@ -144,7 +145,7 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
         tie_word_embeddings=tie,
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         mrope_section=section,  # type: ignore[arg-type]
-        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        mrope_interleaved=qwen3,  # transformers' Qwen3-VL always interleaves, Qwen2.5-VL never does
         qk_norm=qwen3,
         qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),
     )

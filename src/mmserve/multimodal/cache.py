@@ -255,6 +255,10 @@ class IpcReceiverCache(_LruCache):
         super().__init__(LruBytes(capacity_bytes))
         self.epoch = 0
 
+    @property
+    def enabled(self) -> bool:
+        return self._lru.capacity > 0
+
     def update(self, items: list[MultiModalItem], epoch: int) -> list[str]:
         if epoch != self.epoch:
             self._lru.clear()

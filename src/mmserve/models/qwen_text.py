@@ -1,11 +1,16 @@
-"""The Qwen2 / Qwen3 decoder of Qwen2.5-VL and Qwen3-VL (`model.language_model`), with M-RoPE and
+"""The Qwen2 / Qwen3 decoder of Qwen2.5-VL and Qwen3-VL (`model.language_model`): M-RoPE over
 paged KV.
 
-Qwen2 (Qwen2.5-VL): Llama's layer with a bias on q, k and v. Qwen3 (Qwen3-VL): per-head RMSNorm
-on q and k before the rotary, biases as `attention_bias` says. Deepstack (Qwen3-VL): after decoder
-layer i < layers, the vision features of layer i are added to the hidden states (rows of text
-tokens are zero). Tokens of a step are flattened ([T, D]) and attend through the paged cache as in
-models/llama.py; tensor parallelism splits heads the same way.
+Qwen2 (Qwen2.5-VL): Llama's layer with a bias on q, k and v (none on o). Qwen3 (Qwen3-VL):
+per-head RMSNorm on q and k (over Dh, before the rotary), `qkv_bias` on q, k, v and
+`attention_bias` on o. Deepstack (Qwen3-VL): after decoder layer i < Ld the vision features of
+layer i are added to the hidden states; rows of non-vision tokens are zero, which equals
+transformers' masked add (`Qwen3VLTextModel._deepstack_process`, right after the layer, before
+the next one and before the final norm).
+
+Module and parameter names follow transformers' `model.language_model`, so checkpoints load by
+name. Tokens of a step are flattened ([T, D]) and attend through the paged cache as in
+models/llama.py; tensor parallelism splits heads the same way (q_norm / k_norm replicated).
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ from torch import nn
 
 from mmserve.models.layers import AttentionMetadata, RMSNorm, apply_rotary, default_scale, paged_attention
 from mmserve.models.llama import LlamaMLP
+from mmserve.models.mrope import MRotaryEmbedding
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard)
 from mmserve.models.qwen_config import QwenTextConfig
-from mmserve.models.qwen_rope import MRotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [N, S, Hkv, Dh]
 
 
 class QwenAttention(nn.Module):
@@ -29,27 +34,25 @@ class QwenAttention(nn.Module):
 
     def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        D, Dh = cfg.hidden_size, cfg.head_dim
+        D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.qkv_bias
         self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
         first_kv, self.num_kv_heads = kv_head_shard(cfg.num_key_value_heads, tp)
         self.head_dim = Dh
         kv_rows = (first_kv * Dh, self.num_kv_heads * Dh)
-        self.q_proj = ColumnParallelLinear(D, cfg.num_attention_heads * Dh, cfg.qkv_bias, tp)
-        self.k_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, cfg.qkv_bias, tp, rows=kv_rows)
-        self.v_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, cfg.qkv_bias, tp, rows=kv_rows)
+        self.q_proj = ColumnParallelLinear(D, cfg.num_attention_heads * Dh, bias, tp)
+        self.k_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, bias, tp, rows=kv_rows)
+        self.v_proj = ColumnParallelLinear(D, cfg.num_key_value_heads * Dh, bias, tp, rows=kv_rows)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * Dh, D, cfg.attention_bias, tp)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = default_scale(Dh)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
+        T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, Dh]
@@ -74,18 +77,26 @@ class QwenTextModel(nn.Module):
 
     def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.config, self.tp = cfg, tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(QwenDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them when not tensor-parallel)."""
+        return kv_head_shard(self.config.num_key_value_heads, self.tp)[1]
+
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, deepstack: torch.Tensor | None = None) -> torch.Tensor:
-        """inputs_embeds: [T, D]; positions: [3, T]; deepstack: [layers, T, D] or None -> [T, D]."""
+        """inputs_embeds: [T, D]; positions: [3, T] (or [T]); deepstack: [Ld, T, D] or None -> [T, D]."""
+        if deepstack is not None and deepstack.shape[0] > len(self.layers):
+            raise ValueError(f"{deepstack.shape[0]} deepstack layers for {len(self.layers)} decoder layers")
         x = inputs_embeds
         rope = self.rotary_emb(positions, x.dtype)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, rope, kv_cache, meta)
-            if deepstack is not None and index < deepstack.shape[0]:
-                x = x + deepstack[index]
+            if deepstack is not None and i < deepstack.shape[0]:
+                x = x + deepstack[i]  # zero on non-vision rows
         return self.norm(x)
