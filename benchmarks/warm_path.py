@@ -1,0 +1,115 @@
+"""The warm path through the server: what a repeated image costs against its first sight.
+
+Three figures, each against its baseline measured in the same run (issue: warm path):
+1. a repeated chat request (one photo-like PNG, max_tokens 1) at 672 px and 1344 px: TTFT of the
+   repeat / TTFT of the first sight (target <= 0.20);
+2. an agent loop re-sending every earlier 1024x768 screenshot each turn: TTFT of turn 6 (1 new + 5
+   re-sent) with every cache on / the same turn with every cache off (target <= 0.25);
+3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
+   engine's (target < 5 ms; `serving_overhead.py` has the breakdown).
+
+Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--model M]`.
+Timings on a shared 2-core machine swing: it prints min / median / max over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import statistics
+import sys
+import time
+
+import httpx
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+CACHES_OFF = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--no-enable-prefix-caching",
+              "--encoder-cache-tokens", "0")
+
+
+def photo(seed: int, width: int, height: int) -> str:
+    """A photo-like PNG data URL: smooth gradients with fine noise (compresses like a photo)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([128 + 100 * np.sin(x / (37 + 13 * c) + y / (53 + 7 * c) + seed) for c in range(3)], -1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What is in this image?") -> float:
+    """Seconds to the first streamed token of one chat request with `urls` as image parts."""
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "stream": True,
+            "temperature": 0.0}
+    start = time.perf_counter()
+    with client.stream("POST", base_url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError("no token came back")
+
+
+def server(model: str, *flags: str):
+    from server_process import ServerProcess
+
+    return ServerProcess(model, "--served-model-name", "m", "--max-model-len", "4096",
+                         "--max-media-bytes", str(64 << 20), *flags)
+
+
+def repeat_ratio(model: str, side: int, run: int) -> tuple[float, float]:
+    """(first sight, repeat) TTFT in seconds for a side x side photo, on a fresh server."""
+    s = server(model)
+    try:
+        with httpx.Client(timeout=300) as client:
+            ttft(client, s.base_url, [photo(10_000 + run, 64, 64)])  # warm-up: compile paths, not this image
+            url = photo(run, side, side)
+            return ttft(client, s.base_url, [url]), ttft(client, s.base_url, [url])
+    finally:
+        s.stop()
+
+
+def agent_turn6(model: str, run: int, caches_on: bool) -> float:
+    """TTFT of turn 6 of an agent loop that re-sends every screenshot so far (1024x768)."""
+    s = server(model, *(() if caches_on else CACHES_OFF))
+    try:
+        with httpx.Client(timeout=600) as client:
+            shots: list[str] = []
+            for turn in range(6):
+                shots.append(photo(100 * run + turn, 1024, 768))
+                took = ttft(client, s.base_url, shots, f"turn {turn}: what changed?")
+            return took
+    finally:
+        s.stop()
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="builtin:tiny-llava")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    for side in (672, 1344):
+        pairs = [repeat_ratio(args.model, side, run) for run in range(args.runs)]
+        ratios = [again / first for first, again in pairs]
+        print(f"repeat at {side} px: first {spread([p[0] * 1e3 for p in pairs])} ms, repeat "
+              f"{spread([p[1] * 1e3 for p in pairs])} ms; ratio min/median/max {spread(ratios)} (target <= 0.20)")
+    on = [agent_turn6(args.model, run, True) for run in range(args.runs)]
+    off = [agent_turn6(args.model, run, False) for run in range(args.runs)]
+    ratios = [a / b for a, b in zip(on, off)]
+    print(f"agent loop turn 6: caches on {spread([t * 1e3 for t in on])} ms, off {spread([t * 1e3 for t in off])} "
+          f"ms; ratio min/median/max {spread(ratios)} (target <= 0.25)")
+
+
+if __name__ == "__main__":
+    main()
