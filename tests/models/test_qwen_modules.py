@@ -11,8 +11,8 @@ from mmserve.models.layers import AttentionMetadata
 from mmserve.models.qwen_config import QWEN2_5_VL, QWEN3_VL, load_qwen_config
 from mmserve.models.qwen_text import QwenTextModel
 from mmserve.models.mrope import MRotaryEmbedding, mrope_positions
-from mmserve.models.qwen2_5_vit import Qwen2_5VisionTower
-from mmserve.models.qwen3_vit import Qwen3VisionTower
+from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
+from mmserve.models.qwen3_vision import Qwen3VisionTower
 
 GRIDS = [(1, 4, 6), (1, 8, 4), (1, 10, 14), (2, 4, 4)]  # one beyond a window, one with two frames
 VISION = {

@@ -51,7 +51,8 @@ _VISION = {
 }
 _TEXT: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, rms_norm_eps=1e-6)
-_ROPE = {"qwen3_vl": ([8, 4, 4], True), "qwen2_5_vl": ([4, 6, 6], False)}
+# mrope_section (t, h, w) at the default head_dim 32; other head dims keep the proportions
+_ROPE_SECTION = {"qwen3_vl": (8, 4, 4), "qwen2_5_vl": (4, 6, 6)}
 
 
 def build_qwen_tokenizer() -> Any:
@@ -67,15 +68,38 @@ def build_qwen_tokenizer() -> Any:
     )
 
 
+def mrope_section(family: str, head_dim: int) -> list[int]:
+    """The M-RoPE split of the rotary half-dimension (head_dim / 2) into temporal, height and
+    width frequencies, in the family's default proportions (h == w; sums to head_dim / 2)."""
+    weights = _ROPE_SECTION[family]
+    half = head_dim // 2
+    spatial = half * weights[1] // sum(weights)
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def _text_config(family: str, tokenizer: Any, text_config: dict | None, ids: dict[str, int]) -> dict[str, Any]:
+    """The text config's fields: defaults, overrides, the tokenizer's ids, a matching M-RoPE."""
+    text = {**_TEXT, "vocab_size": round_up(len(tokenizer), 64), **(text_config or {}),
+            "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
+    if text["vocab_size"] < len(tokenizer):
+        raise ValueError(f"text vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
+    if family == "qwen2_5_vl":
+        # Qwen2.5-VL's attention always uses hidden / heads, and its config has neither field
+        text.pop("head_dim", None)
+        head_dim = text["hidden_size"] // text["num_attention_heads"]
+        rope = {"mrope_section": mrope_section(family, head_dim)}
+    else:
+        rope = {"mrope_section": mrope_section(family, text["head_dim"]), "mrope_interleaved": True}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, **rope,
+                               **text.get("rope_parameters", {})}
+    return text
+
+
 def _config(family: str, tokenizer: Any, text_config: dict | None, vision_config: dict | None) -> Any:
     from transformers import AutoConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    section, interleaved = _ROPE[family]
-    text = {**_TEXT, "vocab_size": round_up(len(tokenizer), 64), **(text_config or {}),
-            "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
-                               "mrope_interleaved": interleaved, **text.get("rope_parameters", {})}
+    text = _text_config(family, tokenizer, text_config, ids)
     vision = {**_VISION[family], "out_hidden_size": text["hidden_size"], **(vision_config or {})}
     return AutoConfig.for_model(
         family, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],

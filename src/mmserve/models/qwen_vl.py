@@ -16,12 +16,12 @@ from torch import nn
 
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.parallel import SINGLE, TensorParallel, check_decoder_shardable
-from mmserve.models.qwen2_5_vit import Qwen2_5VisionTower
-from mmserve.models.qwen3_vit import Qwen3VisionTower
+from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
+from mmserve.models.qwen3_vision import Qwen3VisionTower
 from mmserve.models.qwen_config import QWEN3_VL, QwenVLModelConfig
 from mmserve.models.qwen_text import QwenTextModel
 from mmserve.models.mrope import mrope_positions
-from mmserve.models.qwen_vit import check_vision_shardable
+from mmserve.models.qwen_vision import check_vision_shardable
 from mmserve.models.vlm import VisionLanguageModel
 from mmserve.multimodal.inputs import MultiModalItem
 

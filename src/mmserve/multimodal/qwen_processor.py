@@ -57,9 +57,10 @@ class QwenVLProcessor(MultiModalProcessor):
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """One image -> `{"pixel_values": Tensor[P, C * Tp * p * p] float32, "image_grid_thw":
-        Tensor[3] int64}` (P = t * h * w patches in merge-block order)."""
+        Tensor[3] int64}` (P = t * h * w patches in merge-block order). `mm_kwargs`: the request's
+        pixel budget, checked as `check_mm_kwargs` does (ValueError)."""
         _check_image(image)
-        budget = {**self.default_pixels, **(mm_kwargs or {})}
+        budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
         size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
         out = self.image_processor(images=[to_rgb(image)], return_tensors="pt", size=size)
         return {"pixel_values": out["pixel_values"].to(torch.float32),

@@ -1,0 +1,127 @@
+"""Qwen3-VL's vision tower (`model.visual`), equal to transformers' `Qwen3VLVisionModel`.
+
+A learned square grid of position embeddings (`pos_embed`, side sqrt(num_position_embeddings))
+is resampled bilinearly, corners aligned, to each image's patch grid and added to the patch
+embeddings. Blocks (LayerNorm eps 1e-6, tanh-GELU MLP) attend within each frame. After each block
+in `deepstack_visual_indexes` a deepstack merger (its norm after the merge-block shuffle) maps the
+hidden states to decoder-sized features; the final merger gives the embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmserve.models.layers import activation
+from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from mmserve.models.qwen_config import QwenVisionConfig
+from mmserve.models.qwen_vision import (Grid, Segments, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
+                                        frame_boundaries, vision_positions)
+
+INTERMEDIATE = "the vision tower's intermediate_size"
+MERGER = "the vision merger's hidden size (hidden_size * spatial_merge_size²)"
+
+
+def _layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionMLP(nn.Module):
+    """linear_fc2(act(linear_fc1(x))) with bias; fc1 column-parallel, fc2 row-parallel."""
+
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, tp, what=INTERMEDIATE)
+        self.linear_fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, what=INTERMEDIATE)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [P, D] -> [P, D]
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm on each patch (the final merger) or on the concatenated merge block (deepstack
+    mergers, `postshuffle_norm`), then linear_fc1 (column-parallel), exact GELU, linear_fc2
+    (row-parallel) to out_hidden_size."""
+
+    def __init__(self, cfg: QwenVisionConfig, postshuffle_norm: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.hidden = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.hidden if postshuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = ColumnParallelLinear(self.hidden, self.hidden, True, tp, what=MERGER)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = RowParallelLinear(self.hidden, cfg.out_hidden_size, True, tp, what=MERGER)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [P, D] -> [P / merge_unit, out_hidden_size]
+        if self.postshuffle_norm:
+            x = self.norm(x.view(-1, self.hidden))
+        else:
+            x = self.norm(x).view(-1, self.hidden)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL's `model.visual`: parameter names and shapes as transformers' (at TP=1)."""
+
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        side = int(cfg.num_position_embeddings**0.5)  # transformers uses the first side² rows
+        if side < 1:
+            raise ValueError(f"Qwen3-VL's vision tower needs num_position_embeddings >= 1, "
+                             f"got {cfg.num_position_embeddings}")
+        self.cfg, self.side = cfg, side
+        self.patch_embed = VisionPatchEmbed(cfg, bias=True)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.rotary_pos_emb = VisionRotary(cfg.head_dim)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, tp, _layer_norm, VisionMLP(cfg, tp)) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, False, tp)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, True, tp) for _ in cfg.deepstack_visual_indexes)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
+        order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
+        out_hidden_size], one [P / merge_unit, out_hidden_size] feature tensor per deepstack
+        layer, in block order as transformers gives them, i.e. `deepstack_visual_indexes` order
+        when it is sorted, as in every published checkpoint)."""
+        cfg, device = self.cfg, pixel_values.device
+        check_grids(pixel_values, grid_thw, cfg)
+        rope = self.rotary_pos_emb(vision_positions(grid_thw, cfg.spatial_merge_size).to(device))
+        frames = Segments.from_cu(frame_boundaries(grid_thw), device)
+        x = self.patch_embed(pixel_values)  # [P, D]
+        x = x + self.position_embeddings(grid_thw).to(x.dtype)
+        deepstack = []
+        for index, block in enumerate(self.blocks):
+            x = block(x, rope, frames)
+            if index in cfg.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(x))
+        return self.merger(x), deepstack
+
+    def position_embeddings(self, grids: list[Grid]) -> torch.Tensor:
+        """The learned grid resampled to each image: [P, D] in merge-block order, each frame
+        alike; float32 when the table is in a lower precision (the tap weights are float32)."""
+        m, table, out = self.cfg.spatial_merge_size, self.pos_embed.weight, []
+        for t, h, w in grids:
+            row_taps, row_weights = bilinear_taps(h, self.side)  # [h, 2] each
+            col_taps, col_weights = bilinear_taps(w, self.side)  # [w, 2] each
+            index = row_taps[:, None, :, None] * self.side + col_taps[None, :, None, :]  # [h, w, 2, 2]
+            weight = row_weights[:, None, :, None] * col_weights[None, :, None, :]  # [h, w, 2, 2]
+            index, weight = index.reshape(h, w, 4).to(table.device), weight.reshape(h, w, 4, 1).to(table.device)
+            grid = (table[index] * weight).sum(2)  # [h, w, D]
+            blocks = grid.view(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
+            out.append(blocks.repeat(t, 1))
+        return torch.cat(out)
+
+
+def bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` points spread over a `side`-long axis, ends on ends (align_corners=True): each
+    point's two source indices [size, 2] int64 (clamped to the axis) and weights [size, 2] float32."""
+    src = torch.arange(size, dtype=torch.float32) * (side - 1) / max(size - 1, 1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights

@@ -1,0 +1,186 @@
+"""What the Qwen2.5-VL and Qwen3-VL vision towers share: the patch embedding, the axial 2-D rotary,
+attention that never leaves its segment (a frame of an image, or a window of one), the pre-norm
+block, and the tensor-parallel fused QKV.
+
+Shapes: P = patches of every image in one tower call (rows of `pixel_values`, images in order,
+each image's patches in the processor's merge-block order: the m x m patches of a merge block are
+consecutive, blocks row-major), D = the tower's hidden size, H = this rank's heads, Dh = head dim.
+Segments are given by cumulative boundaries `cu` in patches ([S + 1] ints, `cu[0] == 0`), like
+transformers' `cu_seqlens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.models.layers import apply_rotary
+from mmserve.models.parallel import SINGLE, RowParallelLinear, Shard, TensorParallel
+from mmserve.models.qwen_config import QwenVisionConfig
+
+Grid = tuple[int, int, int]  # (t, h, w) of one image in patches
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [P, 1, Dh] float32
+
+
+def check_vision_shardable(cfg: QwenVisionConfig, tp: TensorParallel) -> None:
+    """ValueError naming the vision size that does not split over tp.size."""
+    tp.split(cfg.num_heads, "the vision tower's num_heads")
+    tp.split(cfg.intermediate_size, "the vision tower's intermediate_size")
+    tp.split(cfg.hidden_size * cfg.merge_unit, "the vision merger's hidden size (hidden_size * spatial_merge_size²)")
+
+
+def check_grids(pixel_values: torch.Tensor, grids: list[Grid], cfg: QwenVisionConfig) -> None:
+    """ValueError unless `pixel_values` holds exactly the patches of `grids`, in whole merge blocks."""
+    m = cfg.spatial_merge_size
+    if any(t < 1 or h < 1 or w < 1 or h % m or w % m for t, h, w in grids):
+        raise ValueError(f"image grids {grids} must be positive, with h and w multiples of {m}")
+    patches = sum(t * h * w for t, h, w in grids)
+    if tuple(pixel_values.shape) != (patches, cfg.patch_dim):
+        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; grids {grids} "
+                         f"need ({patches}, {cfg.patch_dim})")
+
+
+def vision_positions(grids: list[Grid], merge: int) -> torch.Tensor:
+    """(row, column) of every patch in merge-block order, each frame alike: [P, 2] int64."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        blocks = (h // merge, merge, w // merge, merge)
+        rc = torch.stack([x.reshape(blocks).transpose(1, 2).flatten() for x in (rows, cols)], dim=-1)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out)
+
+
+def frame_boundaries(grids: list[Grid]) -> list[int]:
+    """`cu` with one segment per frame of every image: full attention never crosses a frame."""
+    cu = [0]
+    for t, h, w in grids:
+        cu += [cu[-1] + h * w * (i + 1) for i in range(t)]
+    return cu
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The attention segments of one tower call, grouped by length so that equal segments (the
+    full windows, the frames of one video) attend in one batched call.
+
+    `groups`: (length L, rows [n, L] int64 on the compute device: the patch indices of each of
+    the n segments of that length). Every patch is in exactly one segment; built once per call."""
+
+    groups: tuple[tuple[int, torch.Tensor], ...]
+
+    @classmethod
+    def from_cu(cls, cu: list[int], device: torch.device) -> Segments:
+        starts: dict[int, list[int]] = {}
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            if hi > lo:
+                starts.setdefault(hi - lo, []).append(lo)
+        groups = tuple((n, (torch.tensor(s)[:, None] + torch.arange(n)).to(device)) for n, s in starts.items())
+        return cls(groups)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                      scale: float) -> torch.Tensor:
+    """q, k, v: [P, H, Dh] -> [P, H, Dh]: full (non-causal) attention within each segment."""
+    out = torch.empty_like(q)
+    for _, rows in segments.groups:
+        qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))  # [n, H, L, Dh]
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [n, H, L, Dh]
+        out[rows] = o.transpose(1, 2)
+    return out
+
+
+class VisionPatchEmbed(nn.Module):
+    """One row per patch: a Conv3d whose kernel is its stride (temporal_patch_size x patch x patch),
+    kept as `proj` with the checkpoint's weight shape [D, C, Tp, p, p] and computed as the matmul it
+    is (the kernel covers the whole patch)."""
+
+    def __init__(self, cfg: QwenVisionConfig, bias: bool) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # pixel_values: [P, C * Tp * p * p] -> [P, D]
+        weight = self.proj.weight.flatten(1)  # [D, C * Tp * p * p], the same (c, t, y, x) order as a row
+        return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)
+
+
+class VisionRotary(nn.Module):
+    """Axial 2-D rotary: Dh / 4 frequencies (theta 10000) on the patch's row, the same on its
+    column, rotating the whole head (rotate-half over [row, column, row, column] angles)."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        half = head_dim // 2
+        # a plain float32 attribute, not a buffer: it stays float32 under --dtype and is real on meta
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """positions: [P, 2] (row, column) -> cos, sin: [P, 1, Dh] float32."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [P, 2, Dh/4]
+        rc = freqs.flatten(1)  # [P, Dh/2]: the row's angles, then the column's
+        emb = torch.cat((rc, rc), dim=-1)[:, None, :]  # [P, 1, Dh]
+        return emb.cos(), emb.sin()
+
+
+class QKVParallelLinear(nn.Module):
+    """The fused `qkv` Linear ([3 * D, D] in the checkpoint), split by heads: this rank holds its
+    heads' rows of q, then of k, then of v (three checkpoint row ranges, which the loader reads
+    and concatenates). With tp.size == 1 it is the plain [3 * D, D] Linear."""
+
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        D = cfg.hidden_size
+        per = tp.split(cfg.num_heads, "the vision tower's num_heads") * cfg.head_dim  # rows of q (or k, v)
+        self.weight = nn.Parameter(torch.empty(3 * per, D))
+        self.bias = nn.Parameter(torch.empty(3 * per))
+        ranges = [Shard(0, part * D + tp.rank * per, per) for part in range(3)]
+        self.tp_shards = {"weight": ranges, "bias": ranges}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [P, D] -> [P, 3 * H * Dh]
+        return F.linear(x, self.weight, self.bias)
+
+
+class VisionAttention(nn.Module):
+    """`qkv` (column-parallel by head), 2-D rotary in float32, attention within segments, `proj`
+    (row-parallel, all-reduced)."""
+
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.num_heads = tp.split(cfg.num_heads, "the vision tower's num_heads")
+        self.head_dim = cfg.head_dim
+        self.qkv = QKVParallelLinear(cfg, tp)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, True, tp, what="the vision tower's hidden_size")
+
+    def forward(self, x: torch.Tensor, rope: Rope, segments: Segments) -> torch.Tensor:
+        # x: [P, D] -> [P, D]
+        P = x.shape[0]
+        q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)  # each [P, H, Dh]
+        q, k = (apply_rotary(t.float(), *rope).to(t.dtype) for t in (q, k))
+        out = segment_attention(q, k, v, segments, self.head_dim**-0.5)  # [P, H, Dh]
+        return self.proj(out.reshape(P, -1))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm1(x)), then + mlp(norm2(x)); the norm and the MLP
+    are the family's (RMSNorm and gated SiLU for Qwen2.5-VL, LayerNorm and GELU for Qwen3-VL)."""
+
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel, norm: Callable[[int], nn.Module],
+                 mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = norm(cfg.hidden_size)
+        self.norm2 = norm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg, tp)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rope: Rope, segments: Segments) -> torch.Tensor:
+        # x: [P, D] -> [P, D]
+        x = x + self.attn(self.norm1(x), rope, segments)
+        return x + self.mlp(self.norm2(x))
