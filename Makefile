@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate test bench bench-serve clean
+.PHONY: setup run generate test bench bench-serve soak clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ bench: $(STAMP)
 # (cold, then warm), prints both runs side by side with each cache layer's hit rate, stops the server
 bench-serve: $(STAMP)
 	$(BIN)/mmserve bench serve --launch --repeat 2
+
+# the soak: a real server on loopback under mixed good, hostile, cancelled and uuid-only requests
+# with tiny caches, lru then shm, bounded in requests and seconds; fails if anything leaks or an
+# answer differs from a fresh server's (tests/soak.py; e.g. SOAK_ARGS="--requests 1000 --seconds 300")
+soak: $(STAMP)
+	$(BIN)/python tests/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -104,6 +104,9 @@ class MultiModalConfig:
     allowed_media_domains: list[str] = _opt(
         [], "Hosts http(s) images may be fetched from, comma-separated or repeated (default: none).",
         parse=lambda text: _comma_list(text), action="extend")
+    allow_private_media_addresses: bool = _opt(
+        False, "Let an allowed media host resolve to loopback, link-local or private addresses (default: such "
+        "a fetch is refused, so a request cannot reach this machine or its network through an image URL).")
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_media_domains, str):
@@ -126,7 +129,8 @@ class MultiModalConfig:
 
         return MediaLimits(max_bytes=self.max_media_bytes, max_pixels=self.max_media_pixels,
                            allowed_local_media_path=self.allowed_local_media_path,
-                           allowed_media_domains=tuple(self.allowed_media_domains))
+                           allowed_media_domains=tuple(self.allowed_media_domains),
+                           allow_private_addresses=self.allow_private_media_addresses)
 
     @property
     def max_images(self) -> int:

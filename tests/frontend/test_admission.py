@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from mm_prompts import PARAMS, generate, one
+from mm_prompts import generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
@@ -87,12 +87,21 @@ def test_a_uuid_only_item_evicted_before_its_send_is_a_clean_error(engine):
     uuid_only = {"prompt": one(4)["prompt"], "multi_modal_data": {"image": [None]},
                  "multi_modal_uuids": {"image": ["u4"]}}
     engine.input_processor.processor_cache._lru.clear()  # P0 holds it only as an IPC key now
-    request = engine.input_processor.process("late", uuid_only, PARAMS, commit=False)
-    assert request.mm_items[0].data is None
-    engine.ipc_sender.reset()  # a concurrent request evicted it between resolve and send
+    real = engine.input_processor.process
+
+    def resolve_then_lose_it(*args):
+        request = real(*args)
+        assert request.mm_items[0].data is None  # resolved from the IPC sender's keys
+        engine.ipc_sender.reset()  # a concurrent request evicted it between resolve and send
+        return request
+
     before = p0_state(engine)
-    del before["pending"]
-    with pytest.raises(ValueError, match="send the image again"):
-        engine._admit(request, None)
+    engine.input_processor.process = resolve_then_lose_it
+    try:
+        with pytest.raises(ValueError, match="send the image again"):
+            generate(engine, uuid_only, "late")
+    finally:
+        engine.input_processor.process = real
     after = p0_state(engine)
-    assert after.pop("pending") == {} and after == before
+    assert after.pop("ipc") == ([], before.pop("ipc")[1] + 1)  # the eviction stays, nothing else
+    assert after == before

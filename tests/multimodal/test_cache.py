@@ -151,44 +151,6 @@ def test_reset_clears_both_sides_together():
     assert link.receiver.epoch == link.sender.epoch == 1
 
 
-def test_threads_hammering_the_processor_and_sender_caches_keep_exact_accounting():
-    """Regression: P0's caches are used from worker threads and the event loop at once; without
-    a lock a threaded stress corrupted the byte accounting."""
-    import sys
-    import threading
-
-    import torch
-
-    from mmserve.multimodal.cache import IpcSenderCache, ProcessorCache
-    from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
-
-    processor, sender = ProcessorCache(40_000), IpcSenderCache(40_000)
-    items = [MultiModalItem("image", f"k{i}", {"pixel_values": torch.zeros(i % 7 + 1, 500)}, PlaceholderRange(0, 1))
-             for i in range(40)]
-
-    def work(seed: int) -> None:
-        for n in range(400):
-            item = items[(seed * 7 + n * 13) % len(items)]
-            processor.put(item.mm_hash, item.data)
-            processor.get(items[(n * 5 + seed) % len(items)].mm_hash)
-            sender.update([item, items[(n + seed) % len(items)]])
-            sender.num_tokens(item.mm_hash)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    processor.check_integrity()
-    sender.check_integrity()
-    assert processor.stats().queries == 6 * 400 and sender.stats().queries == 6 * 400 * 2
-
-
 def test_under_shm_neither_side_keeps_an_ipc_cache():
     """Both sides size the IPC cache from one derived property: 0 under --mm-cache-type shm, so P1
     keeps neither inline items nor views of released shared memory."""

@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmserve.multimodal.media import (
-    MediaError,
-    MediaLimits,
-    RedirectGuard,
-    check_http_url,
-    decode_image,
-    load_image,
-)
+from mmserve.multimodal.http_fetch import RedirectGuard, check_http_url
+from mmserve.multimodal.media import MediaError, MediaLimits, decode_image, load_image
 
 
 def encode(image: Image.Image, fmt: str, **kwargs: object) -> bytes:

@@ -85,7 +85,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     try:
-        receiver = IpcReceiverCache(config.multimodal.ipc_cache_bytes)
+        receiver = ipc_receiver(config)
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
         proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver, shm)
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))
@@ -102,6 +102,13 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
             shm.close()
 
 
+def ipc_receiver(config: EngineConfig) -> IpcReceiverCache | None:
+    """P1's half of the IPC cache, the capacity of P0's sender; None when no item crosses through
+    it (`--mm-cache-type shm`, or `--mm-ipc-cache-gb 0`), so P1 then keeps nothing between requests."""
+    capacity = config.multimodal.ipc_cache_bytes
+    return IpcReceiverCache(capacity) if capacity > 0 else None
+
+
 def _remove_socket_files(*addresses: str) -> None:
     """Best effort, for an orphaned P1 only: normally P0 owns and removes these files."""
     for address in addresses:
@@ -116,14 +123,17 @@ class EngineCoreProc:
     """The busy loop around one `EngineCore`; `run()` returns when asked to stop.
 
     `_last_stats` is the stats of the last `EngineCoreOutputs` sent (None before the first):
-    P0's view of P1's state equals it, so a send is due whenever the stats differ.
+    P0's view of P1's state equals it, so a send is due whenever the stats differ. With an IPC
+    receiver cache its stats ride along as layer "ipc_receiver" (P0 compares its key digest with
+    the sender's). Without one (`--mm-cache-type shm`, or a 0 GiB IPC cache) P1 keeps no item
+    between requests: neither one sent inline nor a view of shared memory it released.
     """
 
     def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
                  parent_pid: int, receiver: IpcReceiverCache | None = None,
                  shm: ShmItemReader | None = None) -> None:
         self.core = core
-        self.receiver = receiver or IpcReceiverCache(0)
+        self.receiver = receiver
         self.shm = shm
         self._resend: dict[str, list[str]] = {}  # requests to ask P0 for again, with missing hashes
         self.inputs = inputs
@@ -184,7 +194,8 @@ class EngineCoreProc:
         back in `resend`, a bad request comes back as an error output."""
         try:
             missing = self.shm.attach(request) if self.shm is not None else []
-            missing = missing or self.receiver.update(request.mm_items, request.ipc_epoch)
+            if not missing and self.receiver is not None:
+                missing = self.receiver.update(request.mm_items, request.ipc_epoch)
             if missing:
                 self._release(request.request_id)
                 self._resend[request.request_id] = missing
@@ -200,14 +211,14 @@ class EngineCoreProc:
             self.shm.release(request_id)
 
     def _send(self, step_outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
-        if stats is not None and self.receiver.enabled:  # P1's half of the IPC cache, to compare with P0's
-            stats = msgspec.structs.replace(stats, caches={**stats.caches, "ipc_receiver": self.receiver.stats()})
         for out in step_outputs:
             if out.finish_reason is not None:
                 self._release(out.request_id)
         if self._pending:
             step_outputs = self._pending + step_outputs
             self._pending = []
+        if stats is not None and self.receiver is not None:  # P1's half of the IPC cache, to compare with P0's
+            stats = msgspec.structs.replace(stats, caches={**stats.caches, "ipc_receiver": self.receiver.stats()})
         if not step_outputs and not self._resend and stats == self._last_stats:
             return
         self.outputs.send(EngineCoreOutputs(step_outputs, stats, self._resend))

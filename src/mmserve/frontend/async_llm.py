@@ -97,8 +97,7 @@ class AsyncLLM:
         self._ensure_output_task()
         if not self.is_healthy:
             raise EngineDeadError(self._dead_error or "the engine core process is not running")
-        request = await asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False)
-        queue = self._admit(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
+        queue = await self._admit(request_id, prompt, params)
         finished = False
         try:
             while not finished:
@@ -118,33 +117,46 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
-    def _admit(self, request: EngineCoreRequest, prompt_text: str | None) -> asyncio.Queue[RequestOutput | Exception]:
-        """Register a processed request and send it to P1: the one place that owns the undo.
+    async def _admit(self, request_id: str, prompt: str | dict[str, Any],
+                     params: SamplingParams) -> asyncio.Queue[RequestOutput | Exception]:
+        """Resolve the request (off the event loop), register it and send it to P1: the one place
+        that owns the undo.
 
         The rule: from the moment P0 starts resolving a request until its message is on the
-        wire to P1, every step that changes shared state registers how to take itself back —
-        processor-cache in-flight entries (`InputProcessor.reject`), the request's queue and
-        output state, IPC sender keys (a checkpoint) or shm pins, the resend record. Any
-        exception runs them all in reverse, so nothing of the request stays; a client fault is a
-        ValueError (a 4xx), anything else is ours (a 5xx). After the send nothing is undone here:
-        P1 owns the request, and an abort goes through P1."""
-        rid = request.request_id
+        wire to P1, every step that changes shared state registers how to take itself back in
+        one `UndoLog` — processor-cache in-flight entries (`InputProcessor.reject`), the request's
+        queue and output state, IPC sender keys (a checkpoint) or shm pins and fresh entries, the
+        resend record. Any exception runs them all in reverse, so nothing of the request stays; a
+        client fault is a ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while
+        the worker thread resolves (the client left) runs them once that thread has ended, since
+        it goes on regardless. After the send nothing is undone here: P1 owns the request, and
+        an abort goes through P1."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
         undo = UndoLog()
-        undo.push(self.input_processor.reject, rid)
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue  # reserves the id before anything else is done for it
+        undo.push(self._queues.pop, request_id, None)
+        undo.push(self.input_processor.reject, request_id)
+        resolving = asyncio.ensure_future(
+            asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
         try:
-            if rid in self._queues:
-                raise ValueError(f"request id {rid!r} is already in use")
-            queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-            self._queues[rid] = queue
-            undo.push(self._queues.pop, rid, None)
-            self.output_processor.add_request(request, prompt_text)
-            undo.push(self.output_processor.abort_requests, [rid])
-            self._send(request, undo)
+            request = await asyncio.shield(resolving)
+            self._register(request, prompt if isinstance(prompt, str) else prompt.get("prompt"), undo)
+        except asyncio.CancelledError:
+            resolving.add_done_callback(lambda done: _undo_after(done, undo))
+            raise
         except BaseException:
             undo.run()
             raise
-        self.input_processor.accept(rid)
+        self.input_processor.accept(request_id)
         return queue
+
+    def _register(self, request: EngineCoreRequest, prompt_text: str | None, undo: UndoLog) -> None:
+        """The request's output state, then the send; each step registered in `undo`."""
+        self.output_processor.add_request(request, prompt_text)
+        undo.push(self.output_processor.abort_requests, [request.request_id])
+        self._send(request, undo)
 
     def _send(self, request: EngineCoreRequest, undo: UndoLog, inline: bool = False) -> None:
         """Send the request, its items by shm handle (`--mm-cache-type shm`, unless `inline`) or
@@ -272,3 +284,11 @@ class AsyncLLM:
         self.client.shutdown()
         if self.shm is not None:
             self.shm.close()
+
+
+def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
+    """A cancelled request's resolution ended: take back what it did (its error, if any, is one
+    the client no longer waits for)."""
+    if not resolving.cancelled():
+        resolving.exception()  # retrieved, so asyncio does not log it
+    undo.run()

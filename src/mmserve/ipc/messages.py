@@ -88,6 +88,7 @@ class CacheStats(msgspec.Struct):
     entries: int = 0
     bytes_used: int = 0  # the encoder layer counts embedding tokens here (see EngineCore.stats)
     fallbacks: int = 0  # items the layer could not take and that went inline instead (shm)
+    keys_digest: int = 0  # XOR of the keys' 64-bit digests (ipc): equal on both sides when in step
 
 
 class SchedulerStats(msgspec.Struct):

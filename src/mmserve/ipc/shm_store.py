@@ -143,6 +143,10 @@ class ShmStore:
         for chunk in self._requests.pop(request_id, ()):
             chunk.pins -= 1
 
+    def pinned_requests(self) -> list[str]:
+        """The ids of the requests that pin entries now (none once every request finished)."""
+        return sorted(self._requests)
+
     def get(self, handle: ShmHandle) -> ShmLease | None:
         """Read through this process's own reader (tests, P0); see `ShmStoreReader.get`."""
         if self._reader is None:

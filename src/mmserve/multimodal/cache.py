@@ -15,6 +15,7 @@ frontend then resends the items and both sides start a new epoch from empty (see
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from typing import Any, Generic, Iterable, TypeVar
@@ -44,11 +45,15 @@ class LruBytes(Generic[V]):
 
     Invariant: `used == sum of sizes <= capacity`. `put` evicts from the LRU end, never a key in
     `protected`; it keeps nothing and returns False when the entry cannot fit that way.
+    `digest` is the XOR of `key_digest` over the keys held (O(1) per change): two caches hold the
+    same keys exactly when their digests agree (up to a 2**-64 chance), which is how P0's IPC
+    sender and P1's receiver are compared without shipping their keys.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.used = 0
+        self.digest = 0
         self._entries: OrderedDict[str, tuple[int, V | None]] = OrderedDict()
         self.stats = CacheStats()
 
@@ -92,14 +97,16 @@ class LruBytes(Generic[V]):
             return False
         for k in victims:
             self.used -= self._entries.pop(k)[0]
+            self.digest ^= key_digest(k)
         self.stats.evictions += len(victims)
         self._entries[key] = (size, value)
         self.used += size
+        self.digest ^= key_digest(key)
         return True
 
     def clear(self) -> None:
         self._entries.clear()
-        self.used = 0
+        self.used = self.digest = 0
 
     def save(self) -> tuple[list[tuple[str, tuple[int, V | None]]], int, CacheStats]:
         """Everything `restore` needs to undo later calls (O(entries): for rare undo paths)."""
@@ -108,14 +115,29 @@ class LruBytes(Generic[V]):
     def restore(self, state: tuple[list[tuple[str, tuple[int, V | None]]], int, CacheStats]) -> None:
         entries, self.used, self.stats = state
         self._entries = OrderedDict(entries)
+        self.digest = _digest_of(self._entries)
 
     def snapshot(self) -> CacheStats:
         s = self.stats
-        return CacheStats(s.queries, s.hits, s.evictions, s.bytes_saved, len(self._entries), self.used)
+        return CacheStats(s.queries, s.hits, s.evictions, s.bytes_saved, len(self._entries), self.used,
+                          keys_digest=self.digest)
 
     def check_integrity(self) -> None:
         assert self.used == sum(s for s, _ in self._entries.values()), "byte accounting drifted"
         assert self.used <= self.capacity, "over capacity"
+        assert self.digest == _digest_of(self._entries), "key digest drifted"
+
+
+def key_digest(key: str) -> int:
+    """A 64-bit digest of one key (blake2b), XOR-ed into `LruBytes.digest`."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def _digest_of(keys: Iterable[str]) -> int:
+    digest = 0
+    for key in keys:
+        digest ^= key_digest(key)
+    return digest
 
 
 class _LruCache:

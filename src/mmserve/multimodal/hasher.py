@@ -10,7 +10,8 @@ None, empty bytes and an empty list all differ by tag.
 What an item's hash covers (`ItemHasher`): the model id, the modality, the processor settings
 that change the processed output, the request's cache salt (if any), and the item itself — its
 original encoded bytes when it came as bytes (data URL, file), else a PIL image's mode, size,
-palette and raw pixels (no conversion first), or an array's / tensor's dtype, shape and bytes.
+palette, `HASHED_INFO_KEYS` and raw pixels (no conversion first), or an array's / tensor's dtype,
+shape and bytes.
 A client-given uuid replaces the item (scoped by model and salt the same way).
 """
 
@@ -24,6 +25,9 @@ import numpy as np
 from PIL import Image
 
 _LEN = struct.Struct("<BQ")  # tag, length
+# the `info` keys of a PIL image that processing reads (`media.to_rgb`); a test fails if it
+# starts reading another (tests/multimodal/test_hash_covers_processing.py)
+HASHED_INFO_KEYS = ("transparency",)
 
 
 class FramedHasher:
@@ -84,10 +88,9 @@ class FramedHasher:
         """Everything `media.to_rgb` and the processors read: mode, size, palette, the
         transparency key (a colour, or per-palette-entry alphas as bytes), pixels."""
         palette = image.getpalette() if image.mode in ("P", "PA") else None
-        transparency = image.info.get("transparency")
-        if isinstance(transparency, tuple):
-            transparency = list(transparency)
-        self._container(b"P", ["pil", image.mode, list(image.size), palette, transparency])
+        info = [image.info.get(key) for key in HASHED_INFO_KEYS]
+        info = [list(value) if isinstance(value, tuple) else value for value in info]
+        self._container(b"P", ["pil", image.mode, list(image.size), palette, *info])
         self._chunk(b"R", image.tobytes())
 
     def _array(self, tag: bytes, dtype: str, shape: tuple, data: Any) -> None:

@@ -238,8 +238,14 @@ async def cancel_on_disconnect(handler: Awaitable[Response], raw_request: Reques
     """Run `handler`; if the client disconnects first, cancel it (which aborts its engine request).
 
     The body is read first: after it, the only message `receive()` can bring is the disconnect.
+    A body that cannot be read (too large, the client gone) raises before `handler` starts.
     """
-    await raw_request.body()
+    try:
+        await raw_request.body()
+    except BaseException:
+        if asyncio.iscoroutine(handler):
+            handler.close()  # never started: close it, so no "never awaited" warning
+        raise
     task = asyncio.ensure_future(handler)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
     try:

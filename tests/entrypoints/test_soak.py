@@ -1,0 +1,28 @@
+"""A short soak (tests/soak.py; `make soak` runs the long one): mixed good, hostile, cancelled
+and uuid-only requests at concurrency against a real server with tiny caches, lru and shm; then
+no 5xx, an idle engine with every block free, P0 and P1 IPC keys equal, /dev/shm as before,
+and the answers of a fresh server with every cache off."""
+
+from __future__ import annotations
+
+import pytest
+
+from soak import run_soak
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("soak"))
+
+
+@pytest.mark.soak
+def test_short_soak(model_path):
+    reports = run_soak(model_path, ["lru", "shm"], requests=120, seconds=8.0, concurrency=12, seed=1)
+    for report in reports:
+        print(report.summary())
+    assert not [f for report in reports for f in report.failures], "\n".join(
+        f"{report.cache_type}: {f}" for report in reports for f in report.failures)
+    for report in reports:
+        assert report.requests >= 30 and report.answers
+        assert {"good", "hostile", "cancel", "uuid_only"} <= set(report.outcomes)

@@ -1,0 +1,64 @@
+"""A request cancelled while its images are being resolved (the client left mid-processing)
+leaves nothing in P0 once the worker thread ends (regression: the thread went on, parked the
+request's processed items as pending and nobody took them back — held in memory and in flight
+for good)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from mm_prompts import PARAMS, generate, one
+from mmserve.config import EngineConfig
+from mmserve.frontend.async_llm import AsyncLLM
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="module", params=["lru", "shm"])
+def engine(request, tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("admission_cancel"))
+    e = AsyncLLM(EngineConfig.from_kwargs(model=path, mm_cache_type=request.param, mm_shm_cache_gb=0.01))
+    yield e
+    e.shutdown()
+
+
+def p0_leftovers(engine: AsyncLLM) -> dict:
+    processor = engine.input_processor
+    return {"pending": dict(processor._pending), "inflight": dict(processor.items._inflight),
+            "queues": dict(engine._queues), "outputs": engine.output_processor.has_unfinished_requests()}
+
+
+def test_cancelled_while_resolving_leaves_nothing(engine):
+    real, entered, release = engine.input_processor.process, threading.Event(), threading.Event()
+
+    def slow_process(*args):
+        entered.set()
+        release.wait(10)  # the client leaves while this thread works
+        return real(*args)
+
+    async def run() -> None:
+        async def consume() -> None:
+            async for _ in engine.generate("left", one(7), PARAMS):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        for _ in range(200):  # the thread ends, then the undo runs on the loop
+            await asyncio.sleep(0.01)
+            if p0_leftovers(engine) == empty:
+                return
+
+    empty = {"pending": {}, "inflight": {}, "queues": {}, "outputs": False}
+    engine.input_processor.process = slow_process
+    try:
+        asyncio.run(run())
+    finally:
+        engine.input_processor.process = real
+    assert p0_leftovers(engine) == empty
+    assert generate(engine, one(7), "again")  # the image is processed afresh, not waited for
