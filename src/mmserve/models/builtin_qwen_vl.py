@@ -117,7 +117,8 @@ def _write_processor_files(path: Path, tokenizer: Any, vision: Any, min_pixels: 
     pre = json.loads((path / "preprocessor_config.json").read_text())
     pre["image_processor_type"] = "Qwen2VLImageProcessor"  # the published name (the Pil class reads it too)
     (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
-    video = {**pixels, "video_processor_type": "Qwen2VLVideoProcessor", "fps": 2.0, "min_frames": 4,
+    kind = "Qwen3VLVideoProcessor" if vision.model_type.startswith("qwen3") else "Qwen2VLVideoProcessor"
+    video = {**pixels, "video_processor_type": kind, "fps": 2.0, "min_frames": 4,
              "max_frames": 768, "do_sample_frames": True, "size": {"shortest_edge": min_pixels,
                                                                    "longest_edge": max_pixels}}
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
