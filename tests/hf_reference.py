@@ -30,8 +30,11 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[l
     The Qwen processor classes need torchvision, so the inputs are built the way they build
     them, from transformers' own pieces: `Qwen2VLImageProcessorPil` for pixels and grids, each
     `<|image_pad|>` repeated t*h*w/merge² times, the checkpoint's tokenizer, and
-    `mm_token_type_ids` (1 on image pads; without it generate silently drops M-RoPE).
-    A prompt's `mm_processor_kwargs` (min_pixels / max_pixels) go to the image processor.
+    `mm_token_type_ids` (1 on image pads, 2 on video pads; without it generate silently drops
+    M-RoPE). A prompt's `mm_processor_kwargs` (min_pixels / max_pixels) go to the image processor.
+    Videos (`multi_modal_data["video"]`: encoded bytes, decoded here by PyAV as the server does, or
+    `(frames, fps)`) go through transformers' video processor (`hf_video_processor`) and are
+    written into the prompt as `_video_text` says.
     """
     import json
     import os
@@ -45,9 +48,14 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[l
     assert type(model).__name__ == arch
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    family = "qwen3_vl" if arch.startswith("Qwen3") else "qwen2_5_vl"
+    video_processor = hf_video_processor(path, family)
     refs, lens = [], []
     for item in items:
         inputs = _qwen_inputs(item, tokenizer, image_processor, model.config.image_token_id)
+        text = inputs.pop("text")
+        if item.get("multi_modal_data", {}).get("video") is not None:
+            inputs = _with_videos(inputs, text, item, tokenizer, video_processor, family, model.config)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
@@ -73,8 +81,56 @@ def _qwen_inputs(item: dict, tokenizer, image_processor, image_token_id: int) ->
         inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
     ids = torch.tensor([tokenizer(text)["input_ids"]])
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=(ids == image_token_id).long())
+                  mm_token_type_ids=(ids == image_token_id).long(), text=text)
     return inputs
+
+
+def _with_videos(inputs: dict, text: str, item: dict, tokenizer, video_processor, family: str, config) -> dict:
+    """`inputs` (from `_qwen_inputs`) with the item's videos written into the prompt and added."""
+    videos = item["multi_modal_data"]["video"]
+    videos = videos if isinstance(videos, list) else [videos]
+    options = {k: v for k, v in (item.get("mm_processor_kwargs") or {}).items() if k in ("fps", "num_frames")}
+    if "num_frames" in options:
+        options["fps"] = None
+    outs = [hf_video_inputs(video_processor, *_frames_of(v), **options) for v in videos]
+    wrapped = "<|vision_start|><|video_pad|><|vision_end|>"
+    pieces = text.split(wrapped)
+    assert len(pieces) == len(outs) + 1, "each video needs its wrapped <|video_pad|>"
+    text = pieces[0] + "".join(_video_text(out, family, video_processor) + p for out, p in zip(outs, pieces[1:]))
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                  pixel_values_videos=torch.cat([o["pixel_values_videos"] for o in outs]),
+                  video_grid_thw=torch.cat([o["video_grid_thw"] for o in outs]))
+    if family == "qwen2_5_vl":  # Qwen2_5_VLProcessor._process_videos
+        fps = [o["video_metadata"][0].sampled_fps for o in outs]
+        inputs["second_per_grid_ts"] = torch.tensor([video_processor.temporal_patch_size / f for f in fps])
+    return inputs
+
+
+def _frames_of(video) -> tuple:
+    """(frames, fps) of a test video: given so, or PyAV's decoding of its bytes."""
+    if isinstance(video, tuple):
+        return video
+    from tiny_videos import decoded_frames
+
+    return decoded_frames(video)
+
+
+def _video_text(out: dict, family: str, video_processor) -> str:
+    """A video's prompt text as the families' processors write it: Qwen2.5-VL the wrapped pads;
+    Qwen3-VL per group `<t seconds>` + wrapped pads, timestamps by transformers'
+    `Qwen3VLProcessor._calculate_timestamps`, with no outer wrapper (transformers 4.57's form)."""
+    t, h, w = out["video_grid_thw"][0].tolist()
+    per_group = "<|video_pad|>" * (h * w // video_processor.merge_size**2)
+    if family == "qwen2_5_vl":
+        return "<|vision_start|>" + per_group * t + "<|vision_end|>"
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    meta = out["video_metadata"][0]
+    times = Qwen3VLProcessor._calculate_timestamps(None, meta.frames_indices, meta.fps,
+                                                   video_processor.temporal_patch_size)
+    return "".join(f"<{s:.1f} seconds><|vision_start|>{per_group}<|vision_end|>" for s in times)
 
 
 # ---- video: transformers' video processors, with torchvision's two kernels they call ------------

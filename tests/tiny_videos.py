@@ -54,3 +54,17 @@ def decoded_frames(data: bytes) -> tuple[np.ndarray, float]:
         stream = container.streams.video[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
         return np.stack(frames), float(stream.average_rate)
+
+
+def audio_only_file() -> bytes:
+    """A WAV file: a container with no video stream."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), dtype=np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    return buf.getvalue()

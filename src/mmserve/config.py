@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 
 if TYPE_CHECKING:
     from mmserve.multimodal.media import MediaLimits
+    from mmserve.multimodal.video import VideoLimits
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -90,7 +91,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class MultiModalConfig:
     limit_mm_per_prompt: dict[str, int] = _opt(
-        {"image": 4}, 'Most items per prompt by modality, as JSON: {"image": 4}.', parse=json.loads)
+        {"image": 4}, 'Most items per prompt by modality, as JSON: {"image": 4, "video": 1} (video defaults '
+        'to 1).', parse=json.loads)
     allowed_local_media_path: str | None = _opt(
         None, "Directory under which file:// images may be read (default: none may).")
     max_media_bytes: int = _opt(20 << 20, "Largest encoded image in bytes.")
@@ -107,17 +109,28 @@ class MultiModalConfig:
     allow_private_media_addresses: bool = _opt(
         False, "Let an allowed media host resolve to loopback, link-local or private addresses (default: such "
         "a fetch is refused, so a request cannot reach this machine or its network through an image URL).")
+    max_video_bytes: int = _opt(256 << 20, "Largest encoded video in bytes.")
+    max_video_frames: int = _opt(768, "Most frames a video may keep after sampling.")
+    max_video_duration_s: float = _opt(3600.0, "Longest video in seconds.")
+    media_io_kwargs: dict[str, Any] = _opt(
+        {}, 'Server-wide media loading options, as JSON: {"video": {"fps": 1, "num_frames": 16, "min_frames": 4, '
+        '"max_frames": 64, "min_pixels": 4096, "max_pixels": 65536}} (a request\'s media_io_kwargs and '
+        'mm_processor_kwargs override them).', parse=json.loads)
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_media_domains, str):
             object.__setattr__(self, "allowed_media_domains", _comma_list(self.allowed_media_domains))
         for modality, limit in self.limit_mm_per_prompt.items():
-            if modality != "image":
-                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (only 'image')")
+            if modality not in ("image", "video"):
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (image or video)")
             if not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
         if self.max_media_bytes < 1 or self.max_media_pixels < 1:
             raise ValueError("max_media_bytes and max_media_pixels must be positive")
+        if self.max_video_bytes < 1 or self.max_video_frames < 1 or self.max_video_duration_s <= 0:
+            raise ValueError("max_video_bytes, max_video_frames and max_video_duration_s must be positive")
+        if not isinstance(self.media_io_kwargs, dict) or set(self.media_io_kwargs) - {"video"}:
+            raise ValueError('media_io_kwargs takes only the key "video" (an object of video options)')
         for name in ("mm_processor_cache_gb", "mm_ipc_cache_gb", "mm_shm_cache_gb", "mm_shm_max_object_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
@@ -135,6 +148,16 @@ class MultiModalConfig:
     @property
     def max_images(self) -> int:
         return self.limit_mm_per_prompt.get("image", 4)
+
+    @property
+    def max_videos(self) -> int:
+        return self.limit_mm_per_prompt.get("video", 1)
+
+    def video_limits(self) -> VideoLimits:
+        from mmserve.multimodal.video import VideoLimits
+
+        return VideoLimits(max_frames=self.max_video_frames, max_duration_s=self.max_video_duration_s,
+                           max_pixels=self.max_media_pixels)
 
     # ---- the item transport, decided once: P0 and P1 both read these ----------------------------
 

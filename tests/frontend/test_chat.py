@@ -79,7 +79,7 @@ def test_multi_turn_images_across_messages() -> None:
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user", "content": ["hi"]}], "messages[0].content[0] must be an object"),
-    ([{"role": "user", "content": [{"type": "video_url", "video_url": "x"}]}], "'video_url'"),
+    ([{"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]}], "'audio_url'"),
     ([{"role": "user", "content": [{"text": "hi"}]}], "content[0].type"),
     ([{"role": "user", "content": [{"type": "text"}]}], "no 'text' field"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "text must be a string"),
@@ -114,3 +114,13 @@ def test_uuid_parts_may_leave_out_the_url() -> None:
     assert prompt["multi_modal_uuids"] == {"image": ["a", "b", "c", None]} and prompt["cache_salt"] == "tenant"
     with pytest.raises(ValueError, match="uuid"):
         parse_chat_messages([{"role": "user", "content": [{"type": "image_url", "uuid": ""}]}])
+
+
+def test_video_parts_become_video_sources():
+    inputs = parse_chat_messages([{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+        {"type": "video_url", "video_url": None, "uuid": "clip"}, {"type": "text", "text": "hi"}]}])
+    assert inputs.conversation[0]["content"][:2] == [{"type": "video"}, {"type": "video"}]
+    prompt = inputs.prompt("rendered")
+    assert prompt["multi_modal_data"]["video"] == ["data:video/mp4;base64,AAAA", None]
+    assert prompt["multi_modal_uuids"] == {"video": [None, "clip"]}

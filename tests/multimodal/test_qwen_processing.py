@@ -146,7 +146,7 @@ def test_a_request_pixel_budget_changes_the_grid_as_in_hf(family):
 
 BAD_KWARGS = {
     "unknown key": ({"max_pixel": 1024}, "unsupported"),
-    "a known and an unknown key": ({"max_pixels": 1024, "fps": 2}, "unsupported"),
+    "a known and an unknown key": ({"max_pixels": 1024, "resample": 2}, "unsupported"),  # fps is a video key
     "zero": ({"min_pixels": 0}, "integer"),
     "negative": ({"max_pixels": -5}, "integer"),
     "float": ({"max_pixels": 1024.0}, "integer"),

@@ -18,7 +18,7 @@ from mmserve.multimodal.video import VideoLimits, decode_video, probe_video
 from mmserve.multimodal.video_options import VideoOptions, resolve, sample_indices
 from mmserve.multimodal.video_processor import QwenVideoProcessor
 from tiny_models import make_qwen_checkpoint
-from tiny_videos import encode_video, make_frames
+from tiny_videos import audio_only_file, encode_video, make_frames
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 CASES = [  # (frames, fps, (width, height), request options)
@@ -99,7 +99,7 @@ def test_h264_metadata_as_transformers_reads_it():
 def test_broken_videos_are_media_errors(mutilate):
     data = encode_video(make_frames(7, 6), fps=3, codec="h264")
     data = {"garbage": b"\x00not a video" * 50, "truncated": data[: len(data) // 2], "empty": b"",
-            "audio_only": _audio_only()}[mutilate]
+            "audio_only": audio_only_file()}[mutilate]
     with pytest.raises(MediaError):
         decode_video(data, lambda m: np.arange(m.total_num_frames), VideoLimits())
 
@@ -124,19 +124,3 @@ def test_options_validate_and_override_in_order():
         with pytest.raises(ValueError):
             resolve(base, bad)
 
-
-def _audio_only() -> bytes:
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), dtype=np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        for packet in stream.encode(frame):
-            container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()

@@ -26,7 +26,6 @@ from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.ipc.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
-from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -173,8 +172,7 @@ class AsyncLLM:
         else:
             undo.push(self.ipc_sender.rollback, self.ipc_sender.checkpoint())
             cached = self.ipc_sender.update(request.mm_items)
-            items = [MultiModalItem(i.modality, i.mm_hash, None if hit else i.data, i.placeholder)
-                     for i, hit in zip(request.mm_items, cached)]
+            items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
             message = msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.ipc_sender.epoch)
             resend = any(cached)
         if resend:

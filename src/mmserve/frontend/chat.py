@@ -12,7 +12,7 @@ from typing import Any
 from PIL import Image
 
 ROLES = ("system", "user", "assistant")
-PART_TYPES = ("text", "image_url", "image_pil", "image")
+PART_TYPES = ("text", "image_url", "image_pil", "image", "video_url", "video")
 
 
 @dataclass
@@ -22,12 +22,18 @@ class ChatInputs:
     conversation: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)  # URL / path strings or PIL images; None: by uuid
     uuids: list[str | None] = field(default_factory=list)  # the client's id per image, if given
+    videos: list[Any] = field(default_factory=list)  # URL strings or (frames, fps); None: by uuid
+    video_uuids: list[str | None] = field(default_factory=list)
 
     def prompt(self, text: str, cache_salt: str | None = None) -> dict[str, Any]:
         """The prompt dict `LLM.generate` / `AsyncLLM.generate` take, for the rendered `text`."""
         prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": {"image": self.images}}
         if any(u is not None for u in self.uuids):
             prompt["multi_modal_uuids"] = {"image": self.uuids}
+        if self.videos:
+            prompt["multi_modal_data"]["video"] = self.videos
+            if any(u is not None for u in self.video_uuids):
+                prompt.setdefault("multi_modal_uuids", {})["video"] = self.video_uuids
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
         return prompt
@@ -40,8 +46,10 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
     string (kept as a string) or a list of parts: `{"type": "text", "text": str}`,
     `{"type": "image_url", "image_url": {"url": str}, "uuid"?: str}` (or `"image_url": str`; with a
     `uuid`, the url may be left out to reuse an image sent before), `{"type": "image_pil",
-    "image_pil": PIL.Image}` or `{"type": "image", "image": PIL.Image | str}`. In the conversation
-    every text part becomes `{"type": "text", "text": ...}` and every image part `{"type": "image"}`.
+    "image_pil": PIL.Image}` or `{"type": "image", "image": PIL.Image | str}`; videos alike:
+    `{"type": "video_url", "video_url": {"url": str}, "uuid"?: str}` or `{"type": "video", "video":
+    a URL string or (frames, fps)}`. In the conversation every text part becomes `{"type": "text",
+    "text": ...}`, every image part `{"type": "image"}` and every video part `{"type": "video"}`.
 
     Malformed messages raise `ValueError` naming the offending field.
     """
@@ -82,15 +90,19 @@ def _part(part: object, where: str, inputs: ChatInputs) -> dict[str, Any]:
     uid = part.get("uuid")
     if uid is not None and (not isinstance(uid, str) or not uid):
         raise ValueError(f"{where}.uuid must be a non-empty string")
-    if kind not in part and not (kind == "image_url" and uid is not None):
+    if kind not in part and not (kind in ("image_url", "video_url") and uid is not None):
         raise ValueError(f"{where} has type {kind!r} but no {kind!r} field")
     value = part.get(kind)
     if kind == "text":
         if not isinstance(value, str):
             raise ValueError(f"{where}.text must be a string; got {type(value).__name__}")
         return {"type": "text", "text": value}
+    if kind in ("video_url", "video"):
+        inputs.videos.append(_media_url(value, where, uid, kind) if kind == "video_url" else value)
+        inputs.video_uuids.append(uid)
+        return {"type": "video"}
     if kind == "image_url":
-        value = _image_url(value, where, uid)
+        value = _media_url(value, where, uid, kind)
     elif kind == "image_pil" and not isinstance(value, Image.Image):
         raise ValueError(f"{where}.image_pil must be a PIL image; got {type(value).__name__}")
     elif kind == "image" and not isinstance(value, (Image.Image, str)):
@@ -100,14 +112,14 @@ def _part(part: object, where: str, inputs: ChatInputs) -> dict[str, Any]:
     return {"type": "image"}
 
 
-def _image_url(value: object, where: str, uid: str | None) -> str | None:
+def _media_url(value: object, where: str, uid: str | None, kind: str) -> str | None:
     if uid is not None and (value is None or (isinstance(value, dict) and not value.get("url"))):
-        return None  # an image sent before, named by its uuid
+        return None  # an item sent before, named by its uuid
     if isinstance(value, dict):
         value = value.get("url")
-        where = f"{where}.image_url.url"
+        where = f"{where}.{kind}.url"
     else:
-        where = f"{where}.image_url"
+        where = f"{where}.{kind}"
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a non-empty URL string; got {value!r:.80}")
     return value

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from mmserve.config import EngineConfig
+from mmserve.frontend.video_input import VideoInputs, check_uuids
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
@@ -21,7 +22,8 @@ from mmserve.multimodal.items import ItemResolver, ResolvedItem
 from mmserve.multimodal.processing import create_processor
 from mmserve.sampling_params import SamplingParams
 
-_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs"}
+_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs",
+                "media_io_kwargs"}
 
 
 class InputProcessor:
@@ -37,6 +39,7 @@ class InputProcessor:
         self.processor_cache = ProcessorCache(gib_to_bytes(mm.mm_processor_cache_gb))
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
                                   config.needs_item_hash, known_tokens)
+        self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher)
         self.vocab_size = load_model_config(model_dir).text.vocab_size
         self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)
         self._pending_lock = threading.Lock()
@@ -61,20 +64,23 @@ class InputProcessor:
         self.processor.check_image_count(text, len(images))
         resolved = self.items.resolve(images, uuids, salt, mm_kwargs)
         try:
-            self._check_item_sizes(resolved)
-            token_ids, ranges = self.processor.expand(text, [r.num_tokens for r in resolved])
+            videos = self.videos.resolve(prompt, text, salt, mm_kwargs)  # [] without videos
+            self._check_item_sizes(resolved + videos)
+            token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
         except BaseException:
             self.items.release(resolved)
             raise
+        resolved += videos
         if commit:
             self.items.commit(resolved)
         else:
             with self._pending_lock:
                 self._pending[request_id] = resolved
         items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
+        items = sorted(items + groups, key=lambda item: item.placeholder.offset)  # prompt order
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt)
 
@@ -131,12 +137,7 @@ def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[st
         raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
     images = _image_list(prompt.get("multi_modal_data"), "multi_modal_data")
     uuids = _image_list(prompt.get("multi_modal_uuids"), "multi_modal_uuids") or [None] * len(images)
-    if len(uuids) != len(images):
-        raise ValueError(f"multi_modal_uuids has {len(uuids)} image uuid(s) for {len(images)} image(s)")
-    if not all(u is None or (isinstance(u, str) and u) for u in uuids):
-        raise ValueError("each image uuid must be a non-empty string (or None)")
-    if any(img is None and u is None for img, u in zip(images, uuids)):
-        raise ValueError("an image may be None only when its uuid is given")
+    check_uuids(images, uuids, "image")
     kwargs = prompt.get("mm_processor_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError("mm_processor_kwargs must be an object of processor settings")
@@ -149,7 +150,7 @@ def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[st
 def _image_list(mm: Any, name: str) -> list[Any]:
     if mm is None:
         return []
-    if not isinstance(mm, dict) or set(mm) - {"image"}:
-        raise ValueError(f"{name} takes only the key 'image' (one value or a list)")
+    if not isinstance(mm, dict) or set(mm) - {"image", "video"}:
+        raise ValueError(f"{name} takes only the keys 'image' and 'video' (one value or a list each)")
     value = mm.get("image", [])
     return list(value) if isinstance(value, (list, tuple)) else [value]

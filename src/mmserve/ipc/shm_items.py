@@ -43,7 +43,7 @@ class ShmItemWriter:
                     if handle is not None and written is not None:
                         written.append(item.mm_hash)
             items.append(item if handle is None else
-                         MultiModalItem(item.modality, item.mm_hash, None, item.placeholder, handle))
+                         msgspec.structs.replace(item, data=None, shm_handle=handle))
         return items
 
     def discard(self, keys: list[str]) -> None:

@@ -71,10 +71,29 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         return self.config.num_deepstack
 
     def mrope_positions(self, token_ids: list[int], items: list[MultiModalItem]) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions [3, len(token_ids)] of a prompt with its image items, and the delta
-        that continues them (token i >= len at position i + delta on every axis)."""
-        grids = [(item.placeholder.offset, *_grid(item)) for item in items]
-        return mrope_positions(token_ids, grids, self.config.vision.spatial_merge_size)
+        """M-RoPE positions [3, len(token_ids)] of a prompt with its items (in prompt order), and
+        the delta that continues them (token i >= len at position i + delta on every axis).
+
+        A video arrives as one t = 1 item per temporal group. Qwen3-VL places each group as an
+        image (timestamp text between groups carries time). Qwen2.5-VL places a video's
+        contiguous groups as one grid whose temporal index steps by `tokens_per_second *
+        second_per_grid_ts` per group (float32, as transformers multiplies them)."""
+        grids: list[list[int]] = []
+        steps: list[float] = []
+        for item in items:
+            t, h, w = _grid(item)
+            group = item.video_group if self.config.family != QWEN3_VL else None
+            if group is not None and group[0] > 0 and grids and _continues(grids[-1], item, h, w, self.merge_unit):
+                grids[-1][1] += t
+                continue
+            grids.append([item.placeholder.offset, t, h, w])
+            steps.append(1.0 if group is None else
+                         float(torch.tensor(group[1], dtype=torch.float32) * self.config.vision.tokens_per_second))
+        return mrope_positions(token_ids, [tuple(g) for g in grids], self.config.vision.spatial_merge_size, steps)
+
+    @property
+    def merge_unit(self) -> int:
+        return self.config.vision.merge_unit
 
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -98,6 +117,12 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
                 deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: [T, D], positions: [3, T], deepstack: [layers, T, D] or None -> [T, D]."""
         return self.model.language_model(inputs_embeds, positions, kv_caches, meta, deepstack)
+
+
+def _continues(grid: list[int], item: MultiModalItem, h: int, w: int, merge_unit: int) -> bool:
+    """True when `item` is the next temporal group right after the video grid `grid`."""
+    offset, t, gh, gw = grid
+    return (gh, gw) == (h, w) and item.placeholder.offset == offset + t * h * w // merge_unit
 
 
 def _grid_of(data: dict[str, torch.Tensor]) -> tuple[int, int, int]:

@@ -32,6 +32,11 @@ class MultiModalItem(msgspec.Struct):
     as its hash alone (the engine core's IPC cache restores it) or as `shm_handle`, its place in
     the shared-memory object store (readers map it in place). `mm_hash` identifies the item's
     content (with model, processor settings and salt) for every cache layer.
+
+    A video is one item per temporal group (modality "video", data shaped as an image's), so each
+    group is cached, moved and encoded by itself; `video_group` = (the group's index in its video,
+    seconds per group) places it in time. It is not part of `data`: a group shared by two videos
+    has one hash and one encoder output, wherever it sits.
     """
 
     modality: str
@@ -39,3 +44,4 @@ class MultiModalItem(msgspec.Struct):
     data: dict[str, Any] | None
     placeholder: PlaceholderRange
     shm_handle: ShmHandle | None = None
+    video_group: tuple[int, float] | None = None

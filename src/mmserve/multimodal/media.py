@@ -93,10 +93,11 @@ def load_image(source: object, limits: MediaLimits) -> Image.Image:
     return to_rgb(raw) if isinstance(raw, Image.Image) else decode_image(raw, limits)
 
 
-def read_media_bytes(url: str, limits: MediaLimits) -> bytes:
-    """Return the encoded bytes a data URL, file URL, local path or http(s) URL names."""
+def read_media_bytes(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """Return the encoded bytes a data URL, file URL, local path or http(s) URL names; a data
+    URL's media type must be `kind`/<type> ("image" or "video")."""
     if url[:5].lower() == "data:":  # schemes are case-insensitive (RFC 3986)
-        return _read_data_url(url, limits)
+        return _read_data_url(url, limits, kind)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "":
         return _read_local_file(url, limits)
@@ -158,14 +159,14 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _read_data_url(url: str, limits: MediaLimits) -> bytes:
-    """The bytes of `data:image/<type>;base64,<payload>`. On the warm path (a repeated image is
+def _read_data_url(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """The bytes of `data:<kind>/<type>;base64,<payload>`. On the warm path (a repeated image is
     hashed from these bytes and decoded no further), so no copy of the multi-MB URL is made but
     the payload's, and the payload is decoded with pybase64 (SIMD; ~40x stdlib)."""
     comma = url.find(",", 0, 256)  # the header is short; never scan the payload for it
     media_type, _, encoding = url[len("data:"):max(comma, 0)].partition(";")
-    if comma < 0 or not media_type.lower().startswith("image/") or encoding.lower() != "base64":
-        raise MediaError("a data URL must look like data:image/<type>;base64,<data>")
+    if comma < 0 or not media_type.lower().startswith(f"{kind}/") or encoding.lower() != "base64":
+        raise MediaError(f"a data URL must look like data:{kind}/<type>;base64,<data>")
     payload = url[comma + 1:]
     check_bytes(len(payload) * 3 // 4 - 2, limits)  # a lower bound, checked before decoding
     try:

@@ -6,6 +6,11 @@ each `<|image_pad|>` in the prompt is repeated t*h*w/merge² times before tokeni
 `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` do. A request may bring its own pixel budget
 (`mm_processor_kwargs`: `min_pixels`, `max_pixels`, vLLM's names); it changes the processed item,
 so it is part of the item's hash.
+
+Videos: `video` (multimodal/video_processor.py) makes the pixels; `expand_videos` writes each
+video's placeholders as the family's processor does (see there); the request's video keys of
+`mm_processor_kwargs` (`fps`, `num_frames`, `min_frames`, `max_frames`) are validated here and
+applied by multimodal/video_items.py.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 from PIL import Image
 
 from mmserve.multimodal.processing import MultiModalProcessor, _check_image, to_rgb
+from mmserve.multimodal.video_options import REQUEST_KEYS
+from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
 
 MM_KWARGS = ("min_pixels", "max_pixels")
 _MAX_PIXELS_LIMIT = 1 << 31  # beyond any image a server would accept
@@ -37,14 +44,22 @@ class QwenVLProcessor(MultiModalProcessor):
         self.merge_size: int = self.image_processor.merge_size
         size = self.image_processor.size
         self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
+        from mmserve.models.hf_config import load_model_config
+
+        self.family = load_model_config(model_path).family
+        self.video = QwenVideoProcessor(model_path, self.family)
+        self.video_token = "<|video_pad|>"
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        """The request's pixel budget, validated (a ValueError names the fault); only the keys given."""
+        """The request's image pixel budget, validated (a ValueError names the fault); only the
+        image keys given (video keys are allowed and checked where videos are sampled)."""
         mm_kwargs = dict(mm_kwargs or {})
-        unknown = sorted(set(mm_kwargs) - set(MM_KWARGS))
+        unknown = sorted(set(mm_kwargs) - set(MM_KWARGS) - set(REQUEST_KEYS))
         if unknown:
             raise ValueError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; this model takes "
-                             f"{' and '.join(MM_KWARGS)}")
+                             f"{', '.join(MM_KWARGS + REQUEST_KEYS)}")
+        mm_kwargs = {k: v for k, v in mm_kwargs.items() if k in MM_KWARGS}
         for key, value in mm_kwargs.items():
             if type(value) is not int or not 0 < value <= _MAX_PIXELS_LIMIT:
                 raise ValueError(f"mm_processor_kwargs.{key} must be an integer in [1, {_MAX_PIXELS_LIMIT}]; "
@@ -72,7 +87,36 @@ class QwenVLProcessor(MultiModalProcessor):
 
     def settings(self) -> dict[str, Any]:
         """The image processor's settings (what changes its output), for the item hash."""
-        return {"image_processor": self.image_processor.to_dict(), "merge_size": self.merge_size}
+        return {"image_processor": self.image_processor.to_dict(), "merge_size": self.merge_size,
+                "video_processor": self.video.settings()}
+
+    def check_video_count(self, prompt: str, num_videos: int) -> None:
+        """ValueError unless the prompt has exactly one `<|video_pad|>` per video."""
+        found = prompt.count(self.video_token)
+        if found != num_videos:
+            raise ValueError(f"the prompt has {found} {self.video_token} token(s) but {num_videos} video(s) were "
+                             f"given; each video needs exactly one {self.video_token} in the prompt")
+
+    def video_text(self, video: ProcessedVideo) -> str:
+        """What replaces a video's `<|vision_start|><|video_pad|><|vision_end|>` in the prompt.
+
+        Qwen2.5-VL (`Qwen2_5_VLProcessor`): the wrapper with t*h*w/merge² pads. Qwen3-VL, as its
+        processor in transformers 4.57 (the model's release) writes it: per temporal group
+        `<{t:.1f} seconds>` then `<|vision_start|>` + h*w/merge² pads + `<|vision_end|>`, with no
+        outer wrapper (transformers 5.x keeps one: 2 tokens more; vLLM follows 4.57, as we do)."""
+        groups, h, w = video.grid
+        per_group = self.video_token * (h * w // self.merge_size**2)
+        if self.family != "qwen3_vl":
+            return f"<|vision_start|>{per_group * groups}<|vision_end|>"
+        return "".join(f"<{t:.1f} seconds><|vision_start|>{per_group}<|vision_end|>" for t in video.timestamps)
+
+    def expand_videos(self, prompt: str, videos: list[ProcessedVideo]) -> str:
+        """The prompt with the i-th video's wrapped `<|video_pad|>` replaced by `video_text`."""
+        wrapped = f"<|vision_start|>{self.video_token}<|vision_end|>"
+        pieces = prompt.split(wrapped)
+        if len(pieces) - 1 != len(videos):
+            raise ValueError(f"each video needs its {wrapped} in the prompt (as the chat template writes it)")
+        return pieces[0] + "".join(self.video_text(v) + piece for v, piece in zip(videos, pieces[1:]))
 
     def apply_chat_template(self, conversation: list[dict]) -> str:
         """Renders a conversation with the checkpoint's chat template, ending with the reply prompt."""

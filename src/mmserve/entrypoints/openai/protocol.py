@@ -30,6 +30,7 @@ UNION_TAG = "#"
 
 
 TEXT, PARTS, IMAGE_URL = UNION_TAG + "text", UNION_TAG + "parts", UNION_TAG + "image_url"
+VIDEO_URL = UNION_TAG + "video_url"
 
 
 def _content_kind(value: Any) -> str | None:
@@ -42,7 +43,7 @@ def _content_kind(value: Any) -> str | None:
 
 def _part_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return UNION_TAG + kind if kind in ("text", "image_url") else None
+    return UNION_TAG + kind if kind in ("text", "image_url", "video_url") else None
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -76,10 +77,26 @@ class ImageURLPart(BaseModel):
         return self
 
 
+class VideoURLPart(BaseModel):
+    """A video by URL (data:, file:// or http(s)), as vLLM has it; `uuid` as for images."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["video_url"]
+    video_url: ImageURL | None = None
+    uuid: str | None = None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> VideoURLPart:
+        if (self.video_url is None or not self.video_url.url) and not self.uuid:
+            raise ValueError("a video_url part needs video_url.url (or a uuid naming a video sent before)")
+        return self
+
+
 ContentPart = Annotated[
-    Annotated[TextPart, Tag(TEXT)] | Annotated[ImageURLPart, Tag(IMAGE_URL)],
+    Annotated[TextPart, Tag(TEXT)] | Annotated[ImageURLPart, Tag(IMAGE_URL)]
+    | Annotated[VideoURLPart, Tag(VIDEO_URL)],
     Discriminator(_part_kind, custom_error_type="invalid_part",
-                  custom_error_message="a content part's type must be 'text' or 'image_url'"),
+                  custom_error_message="a content part's type must be 'text', 'image_url' or 'video_url'"),
 ]
 MessageContent = Annotated[
     Annotated[str, Tag(TEXT)] | Annotated[list[ContentPart], Tag(PARTS)],
@@ -118,6 +135,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     cache_salt: str | None = None  # isolates this tenant in every cache (vLLM's name)
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: this request's min_pixels / max_pixels
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM's: {"video": {"fps": ..., "num_frames": ...}}
     n: int | None = 1
     logprobs: bool | None = False
     top_logprobs: int | None = None

@@ -100,6 +100,8 @@ class OpenAIServingChat:
         prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt)
         if request.mm_processor_kwargs is not None:
             prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
+        if request.media_io_kwargs is not None:
+            prompt["media_io_kwargs"] = request.media_io_kwargs
         outputs = self.engine.generate(request_id, prompt, params)
         handed_over = False
         try:
