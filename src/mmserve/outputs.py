@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability, its rank among all tokens (1 = most likely), and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per output token: token id -> Logprob, holding the sampled token and the top K alternatives
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,6 +26,12 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""  # text new since the previous output of this request (for streaming)
+    logprobs: SampleLogprobs | None = None  # with SamplingParams.logprobs: one entry per token
+    num_cached_tokens: int | None = None  # this completion's prefix-cache hit (n > 1: siblings hit the prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -6,8 +6,12 @@ from typing import Any
 
 import msgspec
 
+from mmserve.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # every integer crosses to the engine process as msgpack int64
+MAX_LOGPROBS = 20  # the most alternatives per token `logprobs` may ask for (OpenAI's top_logprobs limit)
+MAX_N = 128  # the most completions one request may ask for
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -16,6 +20,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     `temperature` 0 is greedy. `top_k` None (or 0 / -1, normalised to None) means no top-k cut.
     `stop` strings end the output in the frontend (excluded from the text unless
     `include_stop_str_in_output`); `stop_token_ids` and EOS end it in the engine core.
+
+    `n` completions share the prompt (see engine/siblings.py); seeded, completion i uses `seed + i`.
+    `logprobs` K: each sampled token's log probability, its rank and the K most likely
+    alternatives, from the distribution it was sampled from: after the penalties, `logit_bias`,
+    `min_tokens` and a structured-output mask, divided by the temperature (1 when greedy), before
+    top-k / top-p (vLLM's "processed_logprobs"; its default is the raw logits). Penalties have vLLM's
+    meaning: `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
+    in the prompt or the output; `frequency_penalty` subtracts itself times the token's count in the
+    output, `presence_penalty` subtracts itself once per token present in the output. `min_tokens`
+    masks EOS and `stop_token_ids` (and holds back stop strings) until that many tokens are out.
+    `logit_bias` adds to a token id's logit. `structured_outputs` constrains the output to JSON.
     """
 
     max_tokens: int = 16
@@ -28,6 +43,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +70,40 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t < _INT64 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative 64-bit integers (token ids)")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}; got {self.n!r:.40}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"logprobs must be between 0 and {MAX_LOGPROBS}; got {self.logprobs!r:.40}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, f"{name} must be between -2 and 2; got {value}")
+        _check(0.0 < self.repetition_penalty <= 2.0**31,
+               f"repetition_penalty must be greater than 0; got {self.repetition_penalty}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be between 0 and max_tokens ({self.max_tokens}); got {self.min_tokens!r:.40}")
+        if self.logit_bias is not None:
+            _check(all(isinstance(t, int) and 0 <= t < _INT64 for t in self.logit_bias),
+                   "logit_bias keys must be token ids (non-negative integers)")
+            _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
+                   "logit_bias values must be between -100 and 100")
+            self.logit_bias = self.logit_bias or None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether any step of the logits processing applies (plain requests skip it all)."""
+        return (self.has_penalties or self.min_tokens > 0 or self.logit_bias is not None
+                or self.structured_outputs is not None)
+
+    def for_sibling(self, index: int) -> SamplingParams:
+        """Completion `index`'s own parameters when `n` > 1: one completion, seed + index."""
+        seed = None if self.seed is None else (self.seed + index) % _INT64
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 import mmserve
 import mmserve.ipc.messages as messages
-from mmserve.ipc.messages import (AbortRequests, CachedRequestData, CacheStats, EngineCoreEvent, EngineCoreFailed,
+from mmserve.ipc.messages import (AbortRequests, TokenLogprobs, CachedRequestData, CacheStats, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
@@ -22,6 +22,7 @@ from mmserve.ipc.messages import (AbortRequests, CachedRequestData, CacheStats, 
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
+from mmserve.structured_outputs import StructuredOutputsParams
 
 SRC = pathlib.Path(mmserve.__file__).parent
 
@@ -33,7 +34,8 @@ def item(mm_hash: str = "img0", **data: torch.Tensor) -> MultiModalItem:
 
 def samples() -> list[Any]:
     """One instance of every Struct in messages.py (nested ones inside their parent)."""
-    params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], stop_token_ids=[2], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], stop_token_ids=[2], seed=3, n=2, logprobs=3,
+                            logit_bias={5: -1.5}, structured_outputs=StructuredOutputsParams(json_object=True))
     stats = SchedulerStats(1, 2, 3, 4, 5, {"prefix": CacheStats(10, 4, 1, 0, 3, 0)})
     return [
         EngineCoreRequest("r0", [1, 2, 3], [item("a"), item("b", pixel_values=torch.rand(3, 42, 42))],
@@ -57,6 +59,7 @@ def samples() -> list[Any]:
         WorkerStepOutput(0, ModelRunnerOutput({"r0": [9]})),
         WorkerFailed(1, "boom"),
         ShmBroadcastInfo("mmserve_1_" + "0" * 32, 4, 1 << 22, 2, ["ipc:///tmp/x/broadcast-0.sock"]),
+        ModelRunnerOutput({"r0": [9]}, {"r0": [TokenLogprobs(9, -0.5, 1, [9, 4], [-0.5, -1.25])]}),
     ]
 
 

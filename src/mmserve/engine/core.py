@@ -59,7 +59,7 @@ class EngineCore:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
                              f"{self.max_model_len}, which must also leave room for at least one output token")
-        if request.request_id in self.scheduler.requests:
+        if self.scheduler.has_request(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 

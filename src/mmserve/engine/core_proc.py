@@ -212,7 +212,7 @@ class EngineCoreProc:
 
     def _send(self, step_outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
         for out in step_outputs:
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and not out.siblings_running:
                 self._release(out.request_id)
         if self._pending:
             step_outputs = self._pending + step_outputs

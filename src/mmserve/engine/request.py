@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from mmserve.engine.block_hash import BlockHash, BlockHasher
-from mmserve.ipc.messages import EngineCoreRequest, FinishReason
+from mmserve.ipc.messages import EngineCoreRequest, FinishReason, sibling_request_id
 from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 
@@ -44,6 +44,7 @@ class Request:
     `all_token_ids`; it grows as tokens become known (at creation, then in
     `append_output_token_ids`), so each block is hashed once. Without one it stays empty.
     `num_cached_tokens` is the prefix-cache hit of its first admission (None before it).
+    A completion of an n > 1 request (`sibling`) answers to its request's `client_id` as `index`.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
@@ -65,11 +66,25 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()
+        self.client_id = request_id
+        self.index = 0
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
                    cache_salt=r.cache_salt, block_hasher=block_hasher)
+
+    def sibling(self, index: int) -> Request:
+        """Completion `index` of this (n > 1) request, before it runs: the same prompt, items and
+        salt, its block hashes copied rather than recomputed, `SamplingParams.for_sibling`."""
+        n = self.sampling_params.n
+        sib = Request(sibling_request_id(self.client_id, index, n), self.prompt_token_ids, self.mm_items,
+                      self.sampling_params.for_sibling(index), self.eos_token_id, self.arrival_time,
+                      cache_salt=self.cache_salt)
+        sib.block_hashes = list(self.block_hashes)
+        sib._block_hasher = self._block_hasher
+        sib.client_id, sib.index = self.client_id, index
+        return sib
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,9 @@ placeholders references its output — resident already (shared across requests 
 encoded this step within the encoder compute budget. The request holds the reference until it
 has computed all the item's placeholders, or until it finishes or is preempted; unused outputs
 stay resident until the cache needs room, and each step's output names the hashes dropped.
+
+n > 1 (`siblings.py`): a request's later completions wait until its first has scheduled its whole
+prompt, then queue at the front, where its blocks and encoder outputs are hits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_bu
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput)
 from mmserve.multimodal.inputs import MultiModalItem
@@ -51,6 +55,7 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
         self.encoder_planner = EncoderPlanner(self.encoder_cache, compute_budget, not config.disable_chunked_mm_input)
         self.requests: dict[str, Request] = {}
+        self.groups = SiblingGroups()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
@@ -64,11 +69,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; a ValueError (and no change) when one of its items can never run."""
         self.encoder_planner.check_fits(request, self.config.max_num_batched_tokens)
+        if request.sampling_params.n > 1:
+            request = self.groups.split(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id names an unfinished request (or one of an n > 1 request's completions)."""
+        return request_id in self.requests or self.groups.contains(request_id)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        """End requests from outside the step (abort, stop string); unknown ids are ignored. A
+        request's id ends all its completions, a sibling's id (`sibling_request_id`) that one."""
+        request_ids, _ = self.groups.expand(request_ids)
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
@@ -169,12 +182,17 @@ class Scheduler:
         else:
             self._known_to_runner.add(rid)
             out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
-                                                   self.kv_cache.get_block_ids(rid).copy(), start))
+                                                   self.kv_cache.get_block_ids(rid).copy(), start,
+                                                   req.num_prompt_tokens, req.eos_token_id))
         self.encoder_planner.commit(req, plan)
         if plan.to_encode:
             out.scheduled_encoder_inputs[rid] = plan.to_encode
         out.num_scheduled_tokens[rid] = n
         req.num_computed_tokens += n
+        if self.groups.held:
+            for sibling in reversed(self.groups.release(req)):
+                self.requests[sibling.request_id] = sibling
+                self.waiting.appendleft(sibling)
 
     def _preempt_last(self) -> Request:
         victim = self.running.pop()
@@ -201,12 +219,15 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_output_token_ids(tokens)
             status = self._check_stop(req)
+            siblings_running = False
             if status is not None:
                 self.running.remove(req)
-                self._finish(req, status)
+                siblings_running = self._finish(req, status)
             first = req.num_output_tokens == len(tokens)
-            outputs.append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason,
-                                            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0))
+            outputs.append(EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
+                                            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
+                                            index=req.index, siblings_running=siblings_running,
+                                            new_logprobs=result.logprobs.get(rid)))
         return EngineCoreOutputs(outputs)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
@@ -221,10 +242,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> bool:
+        """End `req`; whether other completions of its request still run."""
         req.status = status
         self._release(req)
         del self.requests[req.request_id]
+        return self.groups.finish(req)
 
     def _release(self, req: Request) -> None:
         """Free the request's blocks and encoder references; the runner drops its state next step."""
@@ -239,6 +262,7 @@ class Scheduler:
         blocks or encoder outputs is running, and references only outputs it still needs."""
         self.kv_cache.check_integrity()
         self.encoder_cache.check_integrity()
+        self.groups.check_integrity()
         running = {r.request_id for r in self.running}
         assert set(self.kv_cache.req_to_blocks) <= running, "a non-running request owns blocks"
         assert not any(self.encoder_cache.held_items(r.request_id) for r in self.waiting), "a waiting request holds one"

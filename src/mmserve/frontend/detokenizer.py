@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = tuple(params.stop)
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens  # stop strings count only after this many tokens (vLLM)
         self.token_ids: list[int] = []
         self.output_text = ""
         self.stop_str: str | None = None  # the stop string that ended the output, if any
@@ -64,6 +65,8 @@ class IncrementalDetokenizer:
             return None
         start = len(self.output_text)
         self.output_text += new_text
+        if len(self.token_ids) <= self._min_tokens:
+            return None
         return self._check_stop(start)
 
     def take_delta(self, finished: bool = False) -> str:

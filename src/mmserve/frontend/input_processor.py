@@ -21,6 +21,7 @@ from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
 from mmserve.multimodal.processing import create_processor
 from mmserve.sampling_params import SamplingParams
+from mmserve.structured_outputs import check_schema
 
 _PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs",
                 "media_io_kwargs"}
@@ -98,7 +99,8 @@ class InputProcessor:
         self.items.release(resolved)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length."""
+        """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length;
+        a structured-output schema the grammar can be built from."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
@@ -106,6 +108,12 @@ class InputProcessor:
         if params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this model's context length "
                              f"(max_model_len {self.max_model_len})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
+                             f"{self.vocab_size})")
+        if params.structured_outputs is not None:
+            check_schema(params.structured_outputs)
 
     def _check_item_sizes(self, resolved: list[ResolvedItem]) -> None:
         """A ValueError for an item larger than the engine's encoder budget (it could never run)."""

@@ -1,7 +1,10 @@
 """P0's output processing: engine-core token outputs -> detokenized `RequestOutput`s.
 
-Stop strings are found here, while detokenizing; such requests are finished here and
-returned in `OutputBatch.to_abort` so the engine core frees them.
+Stop strings are found here, while detokenizing; such completions are finished here and
+returned in `OutputBatch.to_abort` so the engine core frees them (a completion of an n > 1
+request by its `sibling_request_id`, plus the request's own id once its last completion ends).
+A request with `n` completions has one state per completion; it is finished when all are, and
+each batch yields at most one `RequestOutput` per request, holding every completion.
 """
 
 from __future__ import annotations
@@ -9,24 +12,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmserve.frontend.detokenizer import IncrementalDetokenizer
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
+from mmserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+
+
+@dataclass
+class CompletionState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int | None = None
+
+    def to_output(self) -> CompletionOutput:
+        delta = self.detokenizer.take_delta(finished=self.finish_reason is not None)
+        return CompletionOutput(self.index, self.detokenizer.output_text, list(self.token_ids), self.finish_reason,
+                                self.stop_reason, delta, None if self.logprobs is None else list(self.logprobs),
+                                self.num_cached_tokens)
 
 
 @dataclass
 class RequestState:
     request: EngineCoreRequest
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    output_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int | None = None  # from the request's first engine-core output
+    completions: list[CompletionState]
+    num_cached_tokens: int | None = None  # from the first engine-core output of completion 0
 
-    def to_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
-        delta = self.detokenizer.take_delta(finished=finish_reason is not None)
-        completion = CompletionOutput(0, self.detokenizer.output_text, list(self.output_token_ids),
-                                      finish_reason, stop_reason, delta)
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def to_output(self) -> RequestOutput:
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
-                             [completion], finish_reason is not None, self.num_cached_tokens)
+                             [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens)
 
 
 @dataclass
@@ -41,8 +61,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, request.sampling_params)
-        self.states[request.request_id] = RequestState(request, prompt, detok)
+        params = request.sampling_params
+        completions = [CompletionState(i, IncrementalDetokenizer(self.tokenizer, params),
+                                       logprobs=None if params.logprobs is None else [])
+                       for i in range(params.n)]
+        self.states[request.request_id] = RequestState(request, prompt, completions)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -53,19 +76,45 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputBatch:
         batch = OutputBatch([], [])
+        touched: dict[str, RequestState] = {}
         for out in outputs:
             state = self.states.get(out.request_id)
-            if state is None:
+            if state is None or not 0 <= out.index < len(state.completions):
                 continue  # aborted here after the engine core produced it
-            if state.num_cached_tokens is None:
-                state.num_cached_tokens = out.num_cached_tokens
-            state.output_token_ids.extend(out.new_token_ids)
-            stop_string = state.detokenizer.update(out.new_token_ids, finished=out.finish_reason is not None)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if stop_string is not None and finish_reason is None:
-                finish_reason, stop_reason = FinishReason.STOP, stop_string
-                batch.to_abort.append(out.request_id)
-            batch.outputs.append(state.to_output(finish_reason, stop_reason))
-            if finish_reason is not None:
-                del self.states[out.request_id]
+            touched[out.request_id] = state
+            self._update(state, state.completions[out.index], out, batch)
+        for rid, state in touched.items():
+            batch.outputs.append(state.to_output())
+            if state.finished:
+                del self.states[rid]
+                if len(state.completions) > 1:  # a stop string may have ended its last completion here:
+                    batch.to_abort.append(rid)  # P1 then lets go of the request's items (else a no-op)
         return batch
+
+    def _update(self, state: RequestState, completion: CompletionState, out: EngineCoreOutput,
+                batch: OutputBatch) -> None:
+        if completion.num_cached_tokens is None:
+            completion.num_cached_tokens = out.num_cached_tokens
+            if out.index == 0:
+                state.num_cached_tokens = out.num_cached_tokens
+        if completion.finish_reason is not None:
+            return  # finished here by a stop string; the engine's last tokens are dropped
+        completion.token_ids.extend(out.new_token_ids)
+        if completion.logprobs is not None and out.new_logprobs:
+            completion.logprobs.extend(self._decode_logprobs(lp) for lp in out.new_logprobs)
+        stop_string = completion.detokenizer.update(out.new_token_ids, finished=out.finish_reason is not None)
+        completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+        if stop_string is not None and out.finish_reason is None:
+            completion.finish_reason, completion.stop_reason = FinishReason.STOP, stop_string
+            batch.to_abort.append(sibling_request_id(out.request_id, out.index, len(state.completions)))
+
+    def _decode_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """token id -> Logprob for the sampled token and its top alternatives."""
+        entry = {tid: Logprob(value, rank, self._token_text(tid))
+                 for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
+        if lp.token_id not in entry:
+            entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
+        return entry
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -40,12 +40,19 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
-    """Stop these requests and free what they hold; unknown ids are ignored."""
+    """Stop these requests and free what they hold; unknown ids are ignored. An id is a request's
+    (all its completions) or `sibling_request_id(id, index, n)` (one completion of an n > 1 request)."""
 
     request_ids: list[str]
 
 
 EngineCoreInput = EngineCoreRequest | AbortRequests  # everything P0 sends P1
+
+
+def sibling_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine core's id of completion `index` of a request with `n` completions (the request's
+    own id when n is 1)."""
+    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 # ---- P1 -> P0 ---------------------------------------------------------------------------
@@ -64,10 +71,24 @@ class EngineCoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-class EngineCoreOutput(msgspec.Struct):
-    """New tokens of one request this step; `finish_reason` set on its last output.
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One sampled token's log probability, its rank (1 = most likely) and the K most likely
+    tokens with theirs (K = `SamplingParams.logprobs`, most likely first)."""
 
-    `error` is set (with finish_reason "abort") when P1 refused or lost the request.
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """New tokens of one completion this step; `finish_reason` set on its last output.
+
+    `error` is set (with finish_reason "abort") when P1 refused or lost the request. `index` is
+    the completion's (0 ≤ index < n); `siblings_running` says, on a finished completion, that
+    others of its request still run (P1 keeps the request's items until the last one ends).
+    `new_logprobs` has one entry per new token when the request asked for log probabilities.
     """
 
     request_id: str
@@ -76,6 +97,9 @@ class EngineCoreOutput(msgspec.Struct):
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the first output)
+    index: int = 0
+    siblings_running: bool = False
+    new_logprobs: list[TokenLogprobs] | None = None
 
 
 class CacheStats(msgspec.Struct):
@@ -132,6 +156,8 @@ class NewRequestData(msgspec.Struct):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int | None = None  # None: all of token_ids is prompt
+    eos_token_id: int | None = None  # what `min_tokens` holds back, with the stop token ids
 
 
 class CachedRequestData(msgspec.Struct):
@@ -169,9 +195,11 @@ class SchedulerOutput(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct):
-    """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early."""
+    """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early.
+    `logprobs[id]` (requests that asked only) has one entry per sampled token."""
 
     sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 # ---- P1 executor <-> tensor-parallel workers ---------------------------------------------

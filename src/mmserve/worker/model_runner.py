@@ -14,8 +14,6 @@ resumes at exactly the positions of a whole-prompt forward. Encoder outputs of d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from mmserve.config import EngineConfig
@@ -23,32 +21,9 @@ from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOut
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
-from mmserve.multimodal.inputs import MultiModalItem
-from mmserve.sampling_params import SamplingParams
-from mmserve.worker.sampler import sample
-
-
-@dataclass
-class RunnerRequest:
-    """The runner's copy of one request: tokens so far (it appends what it samples)."""
-
-    token_ids: list[int]
-    mm_items: list[MultiModalItem]
-    params: SamplingParams
-    block_ids: list[int]
-    generator: torch.Generator | None
-    num_computed_tokens: int = 0
-    mrope: tuple[torch.Tensor, int] | None = None  # M-RoPE positions [3, L] of token_ids[:L], and the delta
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """Positions of tokens [start, end): [end - start], or [3, end - start] with M-RoPE."""
-        if self.mrope is None:
-            return torch.arange(start, end)
-        table, delta = self.mrope
-        known_end = table.shape[1]
-        known = table[:, start:min(end, known_end)]  # [3, n] from the table
-        rest = torch.arange(max(start, known_end), max(end, known_end)) + delta  # generated tokens
-        return torch.cat([known, rest.expand(3, -1)], dim=1)
+from mmserve.worker.grammar import GrammarCache
+from mmserve.worker.runner_state import RunnerRequest
+from mmserve.worker.sampler import sample_requests
 
 
 class ModelRunner:
@@ -64,6 +39,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
         self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
         self.generator = torch.Generator().manual_seed(config.model.seed)
+        self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -107,11 +83,17 @@ class ModelRunner:
         for new in so.new_requests:
             self.requests[new.request_id].num_computed_tokens = new.num_computed_tokens
 
-    @staticmethod
-    def _new_state(new: NewRequestData) -> RunnerRequest:
-        seed = new.sampling_params.seed
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        return RunnerRequest(list(new.token_ids), new.mm_items, new.sampling_params, list(new.block_ids), generator)
+    def _new_state(self, new: NewRequestData) -> RunnerRequest:
+        params = new.sampling_params
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+        state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
+                              num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id)
+        if params.structured_outputs is not None:
+            state.grammar = self.grammars.matcher(params.structured_outputs, new.eos_token_id)
+            for token in state.output_token_ids:  # resumed after preemption: replay its outputs
+                state.grammar.accept_token(token)
+        return state
 
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
         """Encode the scheduled items, once per `mm_hash`, into `encoder_outputs`."""
@@ -183,12 +165,12 @@ class ModelRunner:
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
                 state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
-        tokens = sample(logits, [s.params for s in states], [s.generator for s in states], self.generator)
+        tokens, logprobs = sample_requests(logits, states, self.generator, self.grammars.control_tokens)
         result: dict[str, list[int]] = {rid: [] for rid in req_ids}
         for rid, state, token in zip(sampling, states, tokens):
             state.token_ids.append(token)
             result[rid] = [token]
-        return ModelRunnerOutput(result)
+        return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(sampling, logprobs) if lp is not None})
 
 
 def _step_seed(seed: int | None, position: int) -> int:

@@ -1,0 +1,109 @@
+"""What a structured-output request asks for, checked and normalised in P0 (no heavy imports).
+
+`StructuredOutputsParams` crosses to the engine inside `SamplingParams`; its `key` (kind and the
+canonical schema text) names the compiled grammar the workers cache (worker/grammar.py). Nothing
+here reaches a cache key of the prompt: the prefix and encoder caches never see it.
+
+Outputs are compact JSON (no whitespace between tokens, separators "," and ":"), so a weak or
+random model cannot spend its budget on spaces; an `integer` or `number` without bounds gets
+JSON's safe range (±(2**53 - 1): at most 16 digits, and xgrammar then allows at most 6 decimals),
+so it cannot spend it on digits either. Schema keywords the
+grammar cannot enforce are refused by name (`unsupported_schema_keyword`) rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+MAX_SAFE_INTEGER = 2**53 - 1
+SEPARATORS = (",", ":")  # compact JSON, as clients parse best
+
+# JSON-schema keywords the grammar would silently ignore: a schema using one is refused
+_UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "propertyNames", "dependentRequired",
+                "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "contains",
+                "minContains", "maxContains", "uniqueItems", "$dynamicRef", "$recursiveRef")
+# keywords whose value is a schema, or a list / map of schemas, to walk into
+_SUBSCHEMA = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf", "properties",
+              "$defs", "definitions")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
+    """`json_object`: any JSON object. `json`: a JSON schema as canonical JSON text (use
+    `for_schema` to build one from a dict: it is checked and normalised there)."""
+
+    json: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("structured outputs take exactly one of a JSON schema or json_object")
+
+    @classmethod
+    def for_schema(cls, schema: Any) -> StructuredOutputsParams:
+        """A schema (dict, or JSON text) checked for what the grammar supports and normalised."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return cls(json=json.dumps(normalise_schema(schema), separators=SEPARATORS))  # property order kept
+
+    @property
+    def key(self) -> str:
+        """What the compiled grammar is cached under."""
+        return "json_object" if self.json_object else "schema:" + (self.json or "")
+
+
+def normalise_schema(schema: dict[str, Any], path: str = "$") -> dict[str, Any]:
+    """A copy of `schema` with bounded integers; a ValueError naming the first unsupported keyword."""
+    for key in _UNSUPPORTED:
+        if key in schema:
+            raise ValueError(f"unsupported_schema_keyword: {key!r} at {path} is not supported in "
+                             f"structured outputs (the grammar cannot enforce it)")
+    out = dict(schema)
+    if _types(schema) in ({"integer"}, {"number"}):
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -MAX_SAFE_INTEGER
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = MAX_SAFE_INTEGER
+    for key in _SUBSCHEMA:
+        value = schema.get(key)
+        if isinstance(value, dict) and key in ("properties", "$defs", "definitions"):
+            out[key] = {name: _walk(sub, f"{path}.{key}.{name}") for name, sub in value.items()}
+        elif isinstance(value, dict):
+            out[key] = _walk(value, f"{path}.{key}")
+        elif isinstance(value, list):
+            out[key] = [_walk(sub, f"{path}.{key}[{i}]") for i, sub in enumerate(value)]
+    return out
+
+
+def _walk(sub: Any, path: str) -> Any:
+    if isinstance(sub, bool):
+        return sub
+    if not isinstance(sub, dict):
+        raise ValueError(f"invalid JSON schema: {path} must be a schema (an object or a boolean)")
+    return normalise_schema(sub, path)
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    kind = schema.get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def check_schema(spec: StructuredOutputsParams) -> None:
+    """P0's check that xgrammar can build the grammar (no tokenizer needed): a ValueError naming
+    the problem for a malformed or unsupported schema."""
+    if spec.json is None:
+        return
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+    except Exception as e:  # xgrammar raises RuntimeError with the converter's message
+        message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"invalid or unsupported JSON schema: {message.split('] ')[-1]}") from None

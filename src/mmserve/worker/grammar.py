@@ -1,0 +1,108 @@
+"""Structured outputs in the runner: compiled grammars (cached) and per-request matchers (xgrammar).
+
+Why xgrammar: its JSON-schema converter and token-mask cache are made for serving (vLLM's and
+SGLang's default backend), a compiled grammar is a reusable object keyed by its schema, and the
+per-step mask costs microseconds per request on CPU; llguidance would do as well, but it has no
+compact-separator switch for JSON schemas and would add a Lark front end we do not need.
+
+`GrammarCache` compiles each distinct `StructuredOutputsParams.key` once (LRU of
+`max_entries` compiled grammars; the compiler is built on first use, so a runner whose
+requests never ask pays nothing). Each request gets its own `GrammarMatcher` over the shared
+compiled grammar: its state is the request's alone and dies with it. With tensor parallelism
+every rank compiles and advances the same matchers (every rank samples the same tokens).
+
+Tokens whose text holds a raw control character (U+0000..U+001F) are masked for every structured
+request: compact JSON never contains one, and xgrammar 0.2.8 lets them into strings that have a
+`maxLength` (JSON parsers then refuse the output).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from mmserve.structured_outputs import SEPARATORS, StructuredOutputsParams
+
+# `json_object`: any JSON object, compact and bounded so that it ends within an ordinary budget
+# whatever the weights: at most 16 members per object or array, keys of 1-32 characters, strings of
+# at most 128, integers of at most 16 digits with at most 6 decimals, nesting at most 3 deep
+JSON_OBJECT_EBNF = r'''
+root ::= "{" (member ("," member){0,15})? "}"
+member ::= key ":" value
+key ::= "\"" char{1,32} "\""
+char ::= [^"\\\x00-\x1f] | "\\" ["\\/bfnrt]
+string ::= "\"" char{0,128} "\""
+number ::= "-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,6})?
+scalar ::= string | number | "true" | "false" | "null"
+value ::= scalar | object2 | array2
+object2 ::= "{" (key ":" value2 ("," key ":" value2){0,15})? "}"
+array2 ::= "[" (value2 ("," value2){0,15})? "]"
+value2 ::= scalar | object3 | array3
+object3 ::= "{" (key ":" scalar ("," key ":" scalar){0,15})? "}"
+array3 ::= "[" (scalar ("," scalar){0,15})? "]"
+'''
+
+
+class GrammarCache:
+    """Compiled grammars by key, least recently used dropped past `max_entries`."""
+
+    def __init__(self, model_dir: str, vocab_size: int, max_entries: int = 256) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
+        self.max_entries = max_entries
+        self._compiler = None
+        self.control_tokens: torch.Tensor | None = None  # [C] int64, set with the compiler
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self.num_compiles = 0  # grammars compiled since start (tests)
+
+    def matcher(self, spec: StructuredOutputsParams, eos_token_id: int | None):
+        """A fresh matcher for one request (compiling its grammar on the first sight of its key);
+        the grammar ends on `eos_token_id` (the model's, the same for every request)."""
+        import xgrammar as xgr
+
+        compiled = self._compiled.get(spec.key)
+        if compiled is None:
+            compiled = self._compile(spec, eos_token_id)
+            self._compiled[spec.key] = compiled
+            if len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(spec.key)
+        return xgr.GrammarMatcher(compiled)
+
+    def _compile(self, spec: StructuredOutputsParams, eos_token_id: int | None):
+        compiler = self._get_compiler(eos_token_id)
+        self.num_compiles += 1
+        if spec.json_object:
+            return compiler.compile_grammar(JSON_OBJECT_EBNF)
+        return compiler.compile_json_schema(spec.json, any_whitespace=False, separators=SEPARATORS,
+                                            strict_mode=True)
+
+    def _get_compiler(self, eos_token_id: int | None):
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            stop = [eos_token_id] if eos_token_id is not None else None
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            control = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
+            self.control_tokens = torch.tensor(control, dtype=torch.int64)
+        return self._compiler
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, control_tokens: torch.Tensor) -> None:
+    """Mask, in place, the tokens each matcher forbids next and the `control_tokens`. logits:
+    [R, V] float32; `rows[i]` is the row of `matchers[i]`. Rows not named are untouched."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [G, ceil(V / 32)] int32
+    for i, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, i)
+    index = torch.tensor(rows, dtype=torch.int64)
+    sub = logits[index]  # [G, V]
+    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=logits.shape[-1])
+    sub[:, control_tokens] = float("-inf")
+    logits[index] = sub
+

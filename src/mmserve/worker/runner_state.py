@@ -1,0 +1,53 @@
+"""The runner's copy of one request (`RunnerRequest`): what it keeps between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    """Tokens so far (the runner appends what it samples) and the request's sampler state.
+
+    `token_ids[:num_prompt_tokens]` is the prompt; the rest are outputs (a request resumed after
+    preemption arrives with its outputs so far). `grammar` is its structured-output matcher, which
+    has accepted every output token; `prompt_mask` ([V] bool, tokens present in the prompt) is
+    built on the first step that needs it (repetition penalty) and kept.
+    """
+
+    token_ids: list[int]
+    mm_items: list[MultiModalItem]
+    params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None
+    num_computed_tokens: int = 0
+    mrope: tuple[torch.Tensor, int] | None = None  # M-RoPE positions [3, L] of token_ids[:L], and the delta
+    num_prompt_tokens: int = 0
+    eos_token_id: int | None = None
+    grammar: Any = None  # an xgrammar GrammarMatcher, or None
+    prompt_mask: torch.Tensor | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): [end - start], or [3, end - start] with M-RoPE."""
+        if self.mrope is None:
+            return torch.arange(start, end)
+        table, delta = self.mrope
+        known_end = table.shape[1]
+        known = table[:, start:min(end, known_end)]  # [3, n] from the table
+        rest = torch.arange(max(start, known_end), max(end, known_end)) + delta  # generated tokens
+        return torch.cat([known, rest.expand(3, -1)], dim=1)
+
+    def stop_token_ids(self) -> list[int]:
+        """The tokens `min_tokens` holds back: EOS (unless ignored) and the stop token ids."""
+        eos = [] if self.eos_token_id is None or self.params.ignore_eos else [self.eos_token_id]
+        return eos + list(self.params.stop_token_ids)
