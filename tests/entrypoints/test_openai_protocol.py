@@ -225,9 +225,13 @@ CLIENT_FAULTS = {
     "negative temperature": ({"messages": GOOD, "temperature": -1}, 400, "invalid_value", None),
     "zero max_tokens": ({"messages": GOOD, "max_tokens": 0}, 400, "invalid_value", None),
     "top_p zero": ({"messages": GOOD, "top_p": 0}, 400, "invalid_value", None),
-    "n=2": ({"messages": GOOD, "n": 2}, 400, "unsupported_parameter", "n"),
-    "logprobs": ({"messages": GOOD, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-    "top_logprobs": ({"messages": GOOD, "top_logprobs": 3}, 400, "unsupported_parameter", "top_logprobs"),
+    "n=0": ({"messages": GOOD, "n": 0}, 400, "invalid_value", None),
+    "top_logprobs 21": ({"messages": GOOD, "logprobs": True, "top_logprobs": 21}, 400, "invalid_value",
+                        "top_logprobs"),
+    "top_logprobs without logprobs": ({"messages": GOOD, "top_logprobs": 3}, 400, "invalid_value", "top_logprobs"),
+    "malformed schema": ({"messages": GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": 3}}}}}, 400, "invalid_value", "response_format"),
+    "bad logit_bias key": ({"messages": GOOD, "logit_bias": {"x": 1}}, 400, "invalid_value", "logit_bias"),
     "tools": ({"messages": GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
               "unsupported_parameter", "tools"),
     "stream_options without stream": ({"messages": GOOD, "stream_options": {"include_usage": True}}, 400,
@@ -307,7 +311,7 @@ def test_metrics_names_and_outcomes(client, engine):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert post(client, {"messages": GOOD}).status_code == 200
     assert post(client, {"messages": GOOD, "stream": True}).status_code == 200
-    assert post(client, {"messages": GOOD, "n": 3}).status_code == 400
+    assert post(client, {"messages": GOOD, "n": 0}).status_code == 400
     assert metric(client, 'mmserve_requests_total{outcome="success"}') == 2
     assert metric(client, 'mmserve_requests_total{outcome="error"}') == 1
     assert metric(client, 'mmserve_requests_total{outcome="abort"}') == 0

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (P0): the FastAPI app and `mmserve serve`'s main.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models` (both behind the API key when one is
-set), `GET /health` (200 while the engine core lives, else 503) and `GET /metrics`.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
+key when one is set), `GET /health` (200 while the engine core lives, else 503) and `GET /metrics`.
 
 Lifecycle: SIGTERM or Ctrl-C stops uvicorn gracefully, then the engine core is shut down and
 the process exits 0. If the engine core dies while serving, in-flight requests fail with 503
@@ -31,6 +31,7 @@ from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handler
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, cancel_on_disconnect
+from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 
 if TYPE_CHECKING:
@@ -57,11 +58,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.metrics = metrics = ServerMetrics(engine.stats)
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics)
+    text = OpenAIServingCompletion(engine, served_model_names, metrics)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     @v1.post("/chat/completions")
     async def chat_completions(raw_request: Request) -> Response:
         return await cancel_on_disconnect(chat.create_chat_completion(raw_request), raw_request)
+
+    @v1.post("/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
 
     @v1.get("/models")
     async def models() -> ModelList:

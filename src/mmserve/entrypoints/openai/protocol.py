@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests accept fields mmserve does not know (`extra="allow"`): they are ignored and named in one
-warning per request, as vLLM does. Parameters it knows but cannot honour (`n` > 1, log
-probabilities, tool calling) are refused with a 400 naming the parameter rather than ignored.
+warning per request, as vLLM does. Parameters it knows but cannot honour (tool calling) are
+refused with a 400 naming the parameter rather than ignored. Penalties, `min_tokens`, `logit_bias`
+and `response_format` come from `sampling_extras.SamplingExtras`, shared with completions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
 from mmserve.sampling_params import SamplingParams
 
 
@@ -117,7 +119,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingExtras):
     """`POST /v1/chat/completions` body: OpenAI's fields plus vLLM's sampling extras."""
 
     model_config = ConfigDict(extra="allow")
@@ -158,12 +160,9 @@ class ChatCompletionRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise `ParameterError` naming the first parameter mmserve cannot honour."""
-        if self.n not in (None, 1):
-            _unsupported("n", f"n={self.n} is not supported: mmserve returns exactly one choice (n=1)")
-        if self.logprobs:
-            _unsupported("logprobs", "logprobs is not supported by mmserve")
-        if self.top_logprobs:
-            _unsupported("top_logprobs", "top_logprobs is not supported by mmserve")
+        check_top_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParameterError("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.tools:
             _unsupported("tools", "tool calling (tools) is not supported by mmserve")
         if self.tool_choice not in (None, "none", "auto"):
@@ -184,7 +183,9 @@ class ChatCompletionRequest(BaseModel):
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "n": self.n,
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            **self.extra_sampling_values(),
         }
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
@@ -225,7 +226,7 @@ class AssistantMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} (choices.py: chat_logprobs)
     finish_reason: str | None
 
 
@@ -246,7 +247,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 

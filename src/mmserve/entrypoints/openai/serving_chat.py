@@ -14,12 +14,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mmserve.entrypoints.openai.errors import OpenAIError, to_openai_error
+from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
+from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -48,7 +49,7 @@ class RequestRecord:
 
     def observe(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
-        self.generation_tokens = len(out.outputs[0].token_ids)
+        self.generation_tokens = completion_tokens(out)
         self.cached_tokens = out.num_cached_tokens or 0
         if self.first_token_time is None and self.generation_tokens:
             self.first_token_time = time.perf_counter()
@@ -63,11 +64,6 @@ class RequestRecord:
                                          time.perf_counter() - self.arrival)
 
 
-def outcome_of(out: RequestOutput) -> str:
-    """`success` for a request finished by stop or length, else `abort`."""
-    return "success" if out.finished and out.outputs[0].finish_reason in ("stop", "length") else "abort"
-
-
 class OpenAIServingChat:
     """The chat completions handler over an `AsyncLLM`-like engine."""
 
@@ -77,10 +73,15 @@ class OpenAIServingChat:
         self.metrics = metrics
 
     async def create_chat_completion(self, raw_request: Request) -> Response:
-        """Answer one request; every exception is counted as an error (abort if cancelled) and re-raised."""
+        return await self.recorded(self._create, raw_request)
+
+    async def recorded(self, handler: Callable[[Request, RequestRecord], Awaitable[Response]],
+                       raw_request: Request) -> Response:
+        """Answer one request with `handler`; every exception is counted as an error (abort if
+        cancelled) and re-raised."""
         record = RequestRecord(self.metrics, time.perf_counter())
         try:
-            return await self._create(raw_request, record)
+            return await handler(raw_request, record)
         except asyncio.CancelledError:
             record.finish("abort")
             raise
@@ -109,10 +110,10 @@ class OpenAIServingChat:
             record.observe(first)
             if request.stream:
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
-                stream = ChatStream(request_id, model, outputs, first, record, include_usage)
+                stream = ChatStream(request_id, model, outputs, first, record, include_usage, request.top_logprobs or 0)
                 handed_over = True
                 return SSEResponse(stream)
-            return await _complete(request_id, model, outputs, first, record)
+            return await _complete(request_id, model, outputs, first, record, request.top_logprobs or 0)
         finally:
             if not handed_over:
                 await outputs.aclose()
@@ -135,75 +136,57 @@ async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise RuntimeError("the engine ended a request without any output") from None
 
 
-async def _complete(request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
-                    record: RequestRecord) -> JSONResponse:
-    """Wait for the last output and answer with the whole completion."""
+async def last_output(outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+                      record: RequestRecord) -> RequestOutput:
+    """Wait for the request's last output (observed in `record`, counted as its outcome)."""
     final = first
     async for out in outputs:
         record.observe(out)
         final = out
     record.finish(outcome_of(final))
-    completion = final.outputs[0]
+    return final
+
+
+async def _complete(request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+                    record: RequestRecord, top_logprobs: int) -> JSONResponse:
+    """Wait for the last output and answer with the whole completion (one choice per `n`)."""
+    final = await last_output(outputs, first, record)
     response = ChatCompletionResponse(
         id=request_id, model=model,
-        choices=[ChatCompletionChoice(message=AssistantMessage(content=completion.text),
-                                      finish_reason=completion.finish_reason)],
+        choices=[ChatCompletionChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                      finish_reason=c.finish_reason,
+                                      logprobs=None if c.logprobs is None else
+                                      chat_logprobs(c.token_ids, c.logprobs, top_logprobs))
+                 for c in final.outputs],
         usage=UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     return JSONResponse(response.model_dump())
 
 
-class ChatStream:
-    """The SSE events of one streamed completion, starting from its first engine output.
+class ChatStream(ChoiceStream):
+    """Chat chunks: the assistant role per choice first, then per choice and step its new text (and
+    the new tokens' log probabilities when asked for), and a chunk with its finish reason."""
 
-    Events: a chunk with the assistant role, one chunk per non-empty text delta, a chunk with the
-    finish reason, a usage chunk (no choices) when asked for, then `data: [DONE]`.
-    """
+    def _open(self) -> list[str]:
+        return [self._chunk(DeltaMessage(role="assistant", content=""), index=c.index) for c in self.first.outputs]
 
-    def __init__(self, request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
-                 record: RequestRecord, include_usage: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.outputs = outputs
-        self.first = first
-        self.record = record
-        self.include_usage = include_usage
-        self.created = int(time.time())
+    def _delta(self, d: ChoiceDelta) -> list[str]:
+        events = []
+        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
+        if d.text or logprobs:
+            events.append(self._chunk(DeltaMessage(content=d.text), index=d.index, logprobs=logprobs))
+        if d.finish_reason is not None:
+            events.append(self._chunk(DeltaMessage(), finish_reason=d.finish_reason, index=d.index))
+        return events
 
-    async def events(self) -> AsyncIterator[str]:
-        try:
-            yield self._chunk(DeltaMessage(role="assistant", content=""))
-            out = self.first
-            while True:
-                if out.outputs[0].delta_text:
-                    yield self._chunk(DeltaMessage(content=out.outputs[0].delta_text))
-                if out.finished:
-                    break
-                out = await anext(self.outputs)
-                self.record.observe(out)
-            yield self._chunk(DeltaMessage(), finish_reason=out.outputs[0].finish_reason)
-            if self.include_usage:
-                yield self._usage_chunk()
-            self.record.finish(outcome_of(out))
-        except Exception as exc:  # the status line is sent: report it in the stream
-            self.record.finish("error")
-            yield f"data: {to_openai_error(exc).body().model_dump_json()}\n\n"
-        finally:
-            await self.close()
-        yield "data: [DONE]\n\n"
-
-    async def close(self) -> None:
-        """End the request: closing its engine generator aborts it if it is still running."""
-        await self.outputs.aclose()
-        self.record.finish("abort")
-
-    def _chunk(self, delta: DeltaMessage, finish_reason: str | None = None) -> str:
+    def _chunk(self, delta: DeltaMessage, finish_reason: str | None = None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> str:
         chunk = ChatCompletionStreamResponse(
             id=self.request_id, created=self.created, model=self.model,
-            choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)])
+            choices=[ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                                logprobs=logprobs)])
         return self._encode(chunk, delta)
 
-    def _usage_chunk(self) -> str:
-        usage = UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens, self.record.cached_tokens)
+    def _usage(self, usage: UsageInfo) -> str:
         chunk = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                              choices=[], usage=usage)
         return f"data: {chunk.model_dump_json()}\n\n"
@@ -223,7 +206,7 @@ class SSEResponse(StreamingResponse):
     here makes sure the engine generator is closed (and the request aborted) in every case.
     """
 
-    def __init__(self, stream: ChatStream) -> None:
+    def __init__(self, stream: ChoiceStream) -> None:
         super().__init__(stream.events(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.stream = stream

@@ -1,0 +1,161 @@
+"""What the chat and completions handlers share about choices: the `n` completions of one
+`RequestOutput` as streamed deltas (`ChoiceStream`, the SSE loop both streams run), a request's
+outcome, and log probabilities in OpenAI's two shapes.
+
+Log probabilities come from the engine as one `{token id: Logprob}` per token (the sampled token
+and its top K, see `SamplingParams`); a masked alternative (-inf, e.g. a token a JSON schema forbids)
+is reported as -9999.0, as vLLM does, since JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from mmserve.entrypoints.openai.errors import to_openai_error
+from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.outputs import Logprob, RequestOutput
+
+if TYPE_CHECKING:
+    from mmserve.entrypoints.openai.serving_chat import RequestRecord
+
+FLOOR = -9999.0
+
+
+@dataclass
+class ChoiceDelta:
+    """What is new in completion `index` since the last delta: text, the log probabilities of its
+    new tokens (None when not asked for), and its finish reason once, when it ends."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceTracker:
+    """Turns a request's successive outputs into per-choice deltas (each token and each finish
+    reason given out exactly once)."""
+
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
+        result = []
+        for c in out.outputs:
+            if c.index in self.finished:
+                continue
+            start = self.sent_tokens.get(c.index, 0)
+            self.sent_tokens[c.index] = len(c.token_ids)
+            logprobs = None if c.logprobs is None else c.logprobs[start:]
+            delta = ChoiceDelta(c.index, c.delta_text, c.token_ids[start:], logprobs)
+            if c.finish_reason is not None:
+                self.finished.add(c.index)
+                delta.finish_reason = c.finish_reason
+            if delta.text or delta.token_ids or delta.finish_reason:
+                result.append(delta)
+        return result
+
+
+def outcome_of(out: RequestOutput) -> str:
+    """`success` for a request finished by stop or length (every choice), else `abort`."""
+    return "success" if out.finished and all(c.finish_reason in ("stop", "length") for c in out.outputs) else "abort"
+
+
+def completion_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
+
+
+def _value(lp: Logprob) -> float:
+    return FLOOR if math.isinf(lp.logprob) or math.isnan(lp.logprob) else max(lp.logprob, FLOOR)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> dict[str, Any]:
+    """OpenAI chat's `choice.logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    content = []
+    for token, entry in zip(token_ids, entries):
+        chosen = entry[token]
+        alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        content.append({"token": chosen.decoded_token, "logprob": _value(chosen), "bytes": _bytes(chosen.decoded_token),
+                        "top_logprobs": [{"token": lp.decoded_token, "logprob": _value(lp),
+                                          "bytes": _bytes(lp.decoded_token)} for lp in alternatives]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (token text ->
+    log probability, K entries) and `text_offset` (each token's start in the choice's text)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token, entry in zip(token_ids, entries):
+        chosen = entry[token]
+        tokens.append(chosen.decoded_token)
+        values.append(_value(chosen))
+        alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+        tops.append({lp.decoded_token: _value(lp) for lp in alternatives})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ChoiceStream:
+    """The SSE events of one streamed request, starting from its first engine output: `_open`'s
+    events, then per step each choice's new text as `_delta`'s events, a usage chunk (no choices)
+    when asked for, then `data: [DONE]`. Chat and completions differ only in their chunks."""
+
+    def __init__(self, request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+                 record: RequestRecord, include_usage: bool, top_logprobs: int = 0) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.outputs = outputs
+        self.first = first
+        self.record = record
+        self.include_usage = include_usage
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            for event in self._open():
+                yield event
+            out, tracker = self.first, ChoiceTracker()
+            while True:
+                for d in tracker.deltas(out):
+                    for event in self._delta(d):
+                        yield event
+                if out.finished:
+                    break
+                out = await anext(self.outputs)
+                self.record.observe(out)
+            if self.include_usage:
+                yield self._usage(UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens,
+                                               self.record.cached_tokens))
+            self.record.finish(outcome_of(out))
+        except Exception as exc:  # the status line is sent: report it in the stream
+            self.record.finish("error")
+            yield f"data: {to_openai_error(exc).body().model_dump_json()}\n\n"
+        finally:
+            await self.close()
+        yield "data: [DONE]\n\n"
+
+    async def close(self) -> None:
+        """End the request: closing its engine generator aborts it if it is still running."""
+        await self.outputs.aclose()
+        self.record.finish("abort")
+
+    def _open(self) -> list[str]:
+        return []
+
+    def _delta(self, d: ChoiceDelta) -> list[str]:
+        raise NotImplementedError
+
+    def _usage(self, usage: UsageInfo) -> str:
+        raise NotImplementedError

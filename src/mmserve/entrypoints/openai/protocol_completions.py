@@ -1,0 +1,94 @@
+"""Request and response bodies of `POST /v1/completions` (OpenAI's legacy text completions, with
+vLLM's sampling extras). One text prompt per request: a string, or a list holding one string."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mmserve.entrypoints.openai.protocol import ParameterError, StreamOptions, UsageInfo
+from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
+from mmserve.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class CompletionRequest(SamplingExtras):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[str]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    logprobs: int | None = None  # the legacy API's: K alternatives per token
+    echo: bool | None = False
+    suffix: str | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError("send one prompt per request (a string, or a list holding one string)")
+        return value
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def check_supported(self) -> None:
+        check_top_logprobs("logprobs", self.logprobs)
+        if self.echo:
+            raise ParameterError("echo", "echo is not supported by mmserve", code="unsupported_parameter")
+        if self.suffix:
+            raise ParameterError("suffix", "suffix is not supported by mmserve", code="unsupported_parameter")
+        if self.best_of not in (None, self.n or 1):
+            raise ParameterError("best_of", "best_of other than n is not supported by mmserve",
+                                 code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        values: dict[str, Any] = {
+            "max_tokens": max_model_len if self.max_tokens is None else self.max_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+            "n": self.n, "logprobs": self.logprobs, "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens, **self.extra_sampling_values(),
+        }
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict[str, Any] | None = None  # tokens, token_logprobs, top_logprobs, text_offset
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,149 @@
+"""Issue 17 through a real server with the official client: /v1/completions, logprobs, n, the
+penalties, min_tokens, logit_bias and response_format, whole and streamed, each equal to what the
+offline engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.structured_outputs import StructuredOutputsParams
+from server_process import ServerProcess, data_url, messages
+from tiny_models import make_checkpoint, make_image
+
+SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "count": {"type": "integer"},
+                                           "note": {"type": "string", "maxLength": 10}},
+          "required": ["label", "count", "note"]}
+PROMPT = "USER: write a short note ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("server_sampling"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = ServerProcess(model_path, "--max-model-len", "256", "--served-model-name", "m", "--block-size", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model=model_path, max_model_len=256, block_size=4)
+
+
+def chat_messages():
+    return messages(data_url(make_image(3)), "Describe it.")
+
+
+def test_completions_whole_and_streamed_equal_offline(client, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))[0]
+    whole = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    choice = whole.choices[0]
+    assert choice.text == ref.outputs[0].text and whole.object == "text_completion"
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.usage.completion_tokens == 8
+    expected = [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs) and len(choice.logprobs.tokens) == 8
+    assert "".join(choice.logprobs.tokens) == choice.text
+    chunks = list(client.completions.create(model="m", prompt=[PROMPT], max_tokens=8, temperature=0, logprobs=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+    assert chunks[-1].usage.completion_tokens == 8 and [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+def test_chat_logprobs_whole_and_streamed(client, offline):
+    ref = offline.chat(chat_messages(), SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))[0].outputs[0]
+    whole = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3).choices[0]
+    content = whole.logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)],
+                                                         abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob for c in content)
+    assert "".join(c.token for c in content) == whole.message.content == ref.text
+    assert bytes(content[0].bytes).decode() == content[0].token
+    stream = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c.logprob for chunk in stream for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+def test_n_choices_whole_and_streamed_share_the_prompt(client, offline, server):
+    kw = dict(model="m", messages=chat_messages(), max_tokens=6, temperature=1.0, seed=9, n=3)
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    ref = offline.chat(chat_messages(), SamplingParams(temperature=1.0, seed=9, max_tokens=6, n=3))[0]
+    assert [c.message.content for c in whole.choices] == [c.text for c in ref.outputs]
+    assert whole.usage.completion_tokens == sum(len(c.token_ids) for c in ref.outputs)
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == {c.index: c.message.content for c in whole.choices} and finished == {0, 1, 2}
+    text = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=1)
+    assert len(text.choices) == 2 and text.usage.completion_tokens == 8
+
+
+def test_penalties_min_tokens_and_logit_bias_equal_offline(client, offline):
+    extra = {"repetition_penalty": 1.4, "min_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=0.8, frequency_penalty=0.5,
+                            logit_bias={11: 5.0}, **extra)
+    ref = offline.generate(PROMPT, params)[0].outputs[0].text
+    got = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, presence_penalty=0.8,
+                                    frequency_penalty=0.5, logit_bias={"11": 5.0}, extra_body=extra)
+    plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert got.choices[0].text == ref != plain.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_and_json_object(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    for response_format, schema in ((fmt, SCHEMA), ({"type": "json_object"}, {"type": "object"})):
+        r = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=150, temperature=1.0,
+                                           seed=2, response_format=response_format, stream=stream)
+        text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"n": 0}, None),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}, None),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format"),
+    ("chat", {"presence_penalty": 3}, None),
+    ("text", {"logprobs": 21}, "logprobs"),
+    ("text", {"n": 0}, None),
+    ("text", {"echo": True}, "echo"),
+])
+def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        if kind == "chat":
+            client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2, extra_body=body)
+        else:
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=2, extra_body=body)
+    error = err.value.body
+    assert err.value.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param and error["code"] in ("invalid_value", "unsupported_parameter")
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=1).choices[0].text is not None
+
+
+def test_spec_matches_the_server_schema():
+    assert StructuredOutputsParams.for_schema(SCHEMA).json_object is False
