@@ -82,3 +82,39 @@ def test_n_zero_or_too_many_is_refused():
     for bad in (0, -1, 129):
         with pytest.raises(ValueError, match="n must be"):
             SamplingParams(n=bad)
+
+
+def test_only_the_last_copy_to_finish_says_no_sibling_runs(llm):
+    """P1 lets go of a request's items (shm leases) on the finished output with
+    `siblings_running` false: it must come once, after every other copy has finished."""
+    engine = llm.engine
+    engine.add_request("r", image_prompt(), SamplingParams(n=3, temperature=1.0, seed=2, min_tokens=1,
+                                                           max_tokens=3))
+    engine.add_request("s", image_prompt(), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5))
+    finished: dict[str, list[tuple[int, bool]]] = {"r": [], "s": []}
+    while engine.core.has_unfinished_requests():
+        for out in engine.core.step().outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id].append((out.index, out.siblings_running))
+    engine.output_processor.abort_requests(["r", "s"])
+    for rid, n in (("r", 3), ("s", 2)):
+        assert sorted(i for i, _ in finished[rid]) == list(range(n))
+        assert [running for _, running in finished[rid]] == [True] * (n - 1) + [False]
+    check_clean(llm)
+
+
+def test_aborting_the_request_ends_every_copy_held_or_running(path):
+    llm = LLM(model=path, block_size=BS, max_num_batched_tokens=7)  # the prompt takes several steps
+    engine = llm.engine
+    for rid in ("early", "late"):
+        engine.add_request(rid, image_prompt(), SamplingParams(n=3, temperature=1.0, max_tokens=20))
+    engine.step()  # "early" is mid-prompt: its copies are still held
+    assert engine.core.scheduler.groups.held
+    engine.abort_requests(["early"])
+    while not any(o.outputs[0].token_ids for o in engine.step() if o.request_id == "late"):
+        pass  # "late"'s copies now run
+    assert len([r for r in engine.core.scheduler.requests if r.startswith("late")]) == 3
+    engine.abort_requests(["late"])
+    engine.core.step()
+    assert not engine.has_unfinished_requests()
+    check_clean(llm)

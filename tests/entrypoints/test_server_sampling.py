@@ -65,6 +65,22 @@ def test_completions_whole_and_streamed_equal_offline(client, offline):
     assert chunks[-1].usage.completion_tokens == 8 and [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
 
+def test_completions_with_a_list_of_prompts(client, offline):
+    prompts = [PROMPT, "USER: count to three ASSISTANT:"]
+    refs = offline.generate(prompts, SamplingParams(temperature=1.0, seed=4, max_tokens=5, n=2))
+    whole = client.completions.create(model="m", prompt=prompts, max_tokens=5, temperature=1.0, seed=4, n=2)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [c.text for ref in refs for c in ref.outputs]
+    assert whole.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    assert whole.usage.completion_tokens == sum(len(c.token_ids) for r in refs for c in r.outputs)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model="m", prompt=prompts, max_tokens=5, temperature=1.0, seed=4, n=2,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+
+
 def test_chat_logprobs_whole_and_streamed(client, offline):
     ref = offline.chat(chat_messages(), SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))[0].outputs[0]
     whole = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=6, temperature=0,
@@ -132,13 +148,14 @@ def test_response_format_json_schema_and_json_object(client, stream):
     ("text", {"logprobs": 21}, "logprobs"),
     ("text", {"n": 0}, None),
     ("text", {"echo": True}, "echo"),
+    ("text", {"prompt": ["a"] * 65, "n": 2}, "n"),
 ])
 def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         if kind == "chat":
             client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2, extra_body=body)
         else:
-            client.completions.create(model="m", prompt=PROMPT, max_tokens=2, extra_body=body)
+            client.completions.create(model="m", prompt=body.pop("prompt", PROMPT), max_tokens=2, extra_body=body)
     error = err.value.body
     assert err.value.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param and error["code"] in ("invalid_value", "unsupported_parameter")

@@ -1,5 +1,6 @@
 """Request and response bodies of `POST /v1/completions` (OpenAI's legacy text completions, with
-vLLM's sampling extras). One text prompt per request: a string, or a list holding one string."""
+vLLM's sampling extras). Text prompts: a string, or a list of strings (each runs as its own engine
+request, `n` choices each; see `prompt_batch.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mmserve.entrypoints.openai.protocol import ParameterError, StreamOptions, UsageInfo
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import MAX_N, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -42,14 +43,14 @@ class CompletionRequest(SamplingExtras):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("send one prompt per request (a string, or a list holding one string)")
+    def _some_prompts(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= MAX_N:
+            raise ValueError(f"prompt must be a string or a list of 1 to {MAX_N} strings")
         return value
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
@@ -60,6 +61,8 @@ class CompletionRequest(SamplingExtras):
         if self.best_of not in (None, self.n or 1):
             raise ParameterError("best_of", "best_of other than n is not supported by mmserve",
                                  code="unsupported_parameter")
+        if len(self.prompts) * (self.n or 1) > MAX_N:
+            raise ParameterError("n", f"n times the number of prompts must be at most {MAX_N}")
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
 

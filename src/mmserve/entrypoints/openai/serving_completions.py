@@ -1,4 +1,4 @@
-"""`POST /v1/completions`: a text prompt as it is (no chat template), answered whole or streamed.
+"""`POST /v1/completions`: text prompts as they are (no chat template), answered whole or streamed.
 
 The request path is the chat handler's (`serving_chat.py`: model check, the engine generator closed
 however the request ends, errors before the first output as HTTP errors, after it as an SSE error
@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs
 from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
 from mmserve.entrypoints.openai.serving_chat import (OpenAIServingChat, RequestRecord, SSEResponse, _first_output,
                                                      last_output)
@@ -37,10 +38,13 @@ class OpenAIServingCompletion(OpenAIServingChat):
         if request.unknown_fields():
             logger.warning("request %s: ignoring unknown field(s): %s", request_id, ", ".join(request.unknown_fields()))
         params = request.to_sampling_params(self.engine.max_model_len)
-        prompt: str | dict = request.prompt_text
-        if request.cache_salt is not None:
-            prompt = {"prompt": request.prompt_text, "cache_salt": request.cache_salt}
-        outputs = self.engine.generate(request_id, prompt, params)
+        prompts: list[str | dict] = [text if request.cache_salt is None else
+                                     {"prompt": text, "cache_salt": request.cache_salt} for text in request.prompts]
+        if len(prompts) == 1:
+            outputs = self.engine.generate(request_id, prompts[0], params)
+        else:
+            outputs = merged_outputs(request_id, [self.engine.generate(f"{request_id}-{p}", prompt, params)
+                                                  for p, prompt in enumerate(prompts)], params.n)
         handed_over = False
         try:
             first = await _first_output(outputs)

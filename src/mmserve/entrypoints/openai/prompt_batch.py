@@ -1,0 +1,67 @@
+"""Several prompts in one `/v1/completions` request, answered as one request (OpenAI's batch form).
+
+Each prompt runs as its own engine request; `merged_outputs` turns their outputs into one stream of
+`RequestOutput`s as if one request had `len(prompts) * n` completions: prompt p's completion i is
+choice `p * n + i`, `prompt_token_ids` is every prompt's tokens (so usage counts them all) and
+`num_cached_tokens` their sum. Each merged output holds every choice known so far with only the
+prompt that just advanced carrying new `delta_text`, so a choice's text is given out once. Closing
+the merged generator (or an error in any prompt) closes every prompt's generator, which aborts
+those still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator
+
+from mmserve.outputs import RequestOutput
+
+
+async def merged_outputs(request_id: str, outputs: list[AsyncIterator[RequestOutput]],
+                         n: int) -> AsyncIterator[RequestOutput]:
+    latest: list[RequestOutput | None] = [None] * len(outputs)
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(p, gen, queue)) for p, gen in enumerate(outputs)]
+    try:
+        running = len(outputs)
+        while running:
+            p, item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            latest[p] = item
+            yield _merge(request_id, latest, p, n)
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for gen in outputs:
+            await gen.aclose()
+
+
+async def _pump(p: int, gen: AsyncIterator[RequestOutput],
+                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]) -> None:
+    try:
+        async for out in gen:
+            queue.put_nowait((p, out))
+        queue.put_nowait((p, None))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # the merged generator raises it
+        queue.put_nowait((p, e))
+
+
+def _merge(request_id: str, latest: list[RequestOutput | None], fresh: int, n: int) -> RequestOutput:
+    completions, prompt_ids, cached = [], [], 0
+    for p, out in enumerate(latest):
+        if out is None:
+            continue
+        prompt_ids += out.prompt_token_ids
+        cached += out.num_cached_tokens or 0
+        completions += [dataclasses.replace(c, index=p * n + c.index, delta_text=c.delta_text if p == fresh else "")
+                        for c in out.outputs]
+    finished = all(out is not None and out.finished for out in latest)
+    return RequestOutput(request_id, None, prompt_ids, completions, finished, cached)
