@@ -142,7 +142,10 @@ def hostile_bodies(pool: Pool) -> dict[str, dict[str, Any] | bytes]:
         "seed 2**64": chat(seed=2**64, max_tokens=2), "stop_token_ids 2**64": chat(stop_token_ids=[2**64]),
         "stop token past the vocabulary": chat(stop_token_ids=[10**7], max_tokens=2),
         "max_tokens past the model length": chat(max_tokens=pool.max_model_len + 1),
-        "negative seed": chat(seed=-1), "bad temperature": chat(temperature=-1), "n 2": chat(n=2),
+        "negative seed": chat(seed=-1), "bad temperature": chat(temperature=-1), "n 0": chat(n=0),
+        "top_logprobs 21": chat(logprobs=True, top_logprobs=21),
+        "unsupported schema": chat(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "patternProperties": {"^a": {}}}}}),
         "bad base64": _chat(pool, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}], "x"),
         "not an image": _chat(pool, [{"type": "image_url", "image_url": {
             "url": "data:image/png;base64," + base64.b64encode(b"hello").decode()}}], "x"),
