@@ -45,9 +45,10 @@ def photo(seed: int, width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What is in this image?") -> float:
-    """Seconds to the first streamed token of one chat request with `urls` as image parts."""
-    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What is in this image?",
+         part: str = "image_url") -> float:
+    """Seconds to the first streamed token of one chat request with `urls` as image (or `part`) parts."""
+    content = [{"type": part, part: {"url": u}} for u in urls] + [{"type": "text", "text": text}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "stream": True,
             "temperature": 0.0}
     content = json.dumps(body).encode()  # encoded before the clock starts: the client's cost, not the server's

@@ -1,0 +1,72 @@
+"""P0's video input without an engine: which options win, what a refusal leaves, what a repeat skips."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.input_processor import InputProcessor
+from mmserve.multimodal.media import MediaError
+from mmserve.sampling_params import SamplingParams
+from tiny_models import make_qwen_checkpoint
+from tiny_videos import encode_video, make_frames
+
+PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
+CLIP = encode_video(make_frames(50, 12, (64, 64)), fps=4)  # 12 frames, 3 s
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_qwen_checkpoint(tmp_path_factory.mktemp("video-input"), family="qwen3_vl")
+
+
+def processor(path: str, **engine_args) -> InputProcessor:
+    return InputProcessor(EngineConfig.from_kwargs(model=path, **engine_args), path, 2048, None)
+
+
+def groups(p: InputProcessor, **prompt) -> int:
+    request = p.process("r", {"prompt": PROMPT, "multi_modal_data": {"video": CLIP}, **prompt}, SamplingParams())
+    return sum(item.modality == "video" for item in request.mm_items)
+
+
+def test_options_override_in_order(path):
+    """checkpoint (fps 2: 6 frames) < --media-io-kwargs < request media_io_kwargs < mm_processor_kwargs."""
+    assert groups(processor(path)) == 3
+    server = processor(path, media_io_kwargs={"video": {"num_frames": 4}})
+    assert groups(server) == 2
+    assert groups(server, media_io_kwargs={"video": {"fps": 4}}) == 6
+    assert groups(server, media_io_kwargs={"video": {"fps": 4}}, mm_processor_kwargs={"num_frames": 8}) == 4
+
+
+def test_a_refused_video_leaves_nothing_and_a_repeat_is_not_decoded(path):
+    p = processor(path, max_video_frames=8)
+    with pytest.raises(MediaError, match="--max-video-frames"):
+        groups(p, media_io_kwargs={"video": {"fps": 4}})  # 12 frames > 8
+    assert len(p.processor_cache.keys()) == 0 and p.videos.resolver.num_decoded == 0
+    assert groups(p) == groups(p) == 3
+    assert len(p.processor_cache.keys()) == 1 and p.videos.resolver.num_decoded == 1
+
+
+def test_uuid_alone_needs_a_cached_video(path):
+    p = processor(path)
+    alone = {"prompt": PROMPT, "multi_modal_data": {"video": None}, "multi_modal_uuids": {"video": "v"}}
+    with pytest.raises(ValueError, match="not cached"):
+        p.process("a", alone, SamplingParams())
+    first = p.process("b", {**alone, "multi_modal_data": {"video": CLIP}}, SamplingParams())
+    again = p.process("c", alone, SamplingParams())
+    assert [i.mm_hash for i in again.mm_items] == [i.mm_hash for i in first.mm_items]
+    assert again.prompt_token_ids == first.prompt_token_ids
+
+
+def test_video_on_a_model_without_video_and_too_many_videos(path, tmp_path):
+    from tiny_models import make_checkpoint
+
+    llava = processor(make_checkpoint(tmp_path))
+    with pytest.raises(ValueError, match="no video"):
+        llava.process("l", {"prompt": "hi", "multi_modal_data": {"video": CLIP}}, SamplingParams())
+    two = {"prompt": PROMPT.replace("hi", "<|vision_start|><|video_pad|><|vision_end|>"),
+           "multi_modal_data": {"video": [CLIP, CLIP]}}
+    with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
+        processor(path).process("t", two, SamplingParams())
+    request = processor(path, limit_mm_per_prompt={"video": 2}).process("u", two, SamplingParams())
+    assert sum(item.modality == "video" for item in request.mm_items) == 6
