@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.sampling_params import MAX_N
 from mmserve.structured_outputs import MAX_SAFE_INTEGER, StructuredOutputsParams
 from tiny_models import make_image
 
@@ -106,4 +105,3 @@ def test_the_spec_takes_one_kind():
         StructuredOutputsParams()
     with pytest.raises(ValueError):
         StructuredOutputsParams(json="{}", json_object=True)
-    assert MAX_N >= 2

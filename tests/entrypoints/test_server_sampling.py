@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.structured_outputs import StructuredOutputsParams
 from server_process import ServerProcess, data_url, messages
 from tiny_models import make_checkpoint, make_image
 
@@ -160,7 +159,3 @@ def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):
     assert err.value.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param and error["code"] in ("invalid_value", "unsupported_parameter")
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=1).choices[0].text is not None
-
-
-def test_spec_matches_the_server_schema():
-    assert StructuredOutputsParams.for_schema(SCHEMA).json_object is False
