@@ -4,7 +4,8 @@ Both sides get the same decoded frames: a lossless PNG .mov (decodes bit-exact),
 (the reference is fed PyAV's decoding of the same bytes), raw frames with their fps beside an
 image, and a request with its own sampling fps. Each video is one item per temporal group here;
 the runs cover batching, prefill chunks smaller than one group, TP = 2, every cache hitting on a
-repeat, and a clip that shares its first frames with a later video reusing those groups.
+repeat, a clip that shares its first frames with a later video reusing those groups, and a video
+larger than the encoder cache.
 
 Qwen2.5-VL positions: text after a video resumes at max + 1 (the model's original rule), where
 transformers 5.x resumes at start + max(h, w) / merge; they agree when a video's scaled temporal
@@ -104,9 +105,16 @@ def test_tp2_equals_transformers(variant):
         llm.engine.core.shutdown()
 
 
-def test_outputs_depend_on_the_video(variant):
-    """Guards the tests above: with the video ignored, they could pass by accident."""
+def test_a_video_larger_than_the_encoder_cache_runs(variant):
+    """vLLM #36814: the encoder cache and budget need to hold one group at a time, not the video;
+    tokens equal a roomy engine's (whose outputs the tests above tie to transformers). Also guards
+    the tests above: the same question about another video gets another answer."""
     path, _, refs = variant
-    other = clip(8)
-    other["multi_modal_data"]["video"] = encode_video(make_frames(9, 8, (128, 112)), fps=4, codec="png")
-    assert generate(LLM(model=path), [other]) != refs[:1]
+    item = {"prompt": chat("what happens?"), "multi_modal_data": {"video": encode_video(
+        make_frames(5, 8, (320, 320)), fps=4)}, "media_io_kwargs": {"video": {"fps": 4, "max_pixels": 1 << 20}}}
+    small = LLM(model=path, encoder_cache_tokens=16, max_num_encoder_input_tokens=16, max_num_batched_tokens=32)
+    video_tokens = sum(i.placeholder.length for i in small.engine.input_processor.process(
+        "probe", item, SamplingParams()).mm_items)
+    assert video_tokens > small.engine.input_processor.max_encoder_tokens
+    roomy = generate(LLM(model=path), [item])
+    assert generate(small, [item]) == roomy and roomy != refs[:1]

@@ -70,3 +70,19 @@ def test_video_on_a_model_without_video_and_too_many_videos(path, tmp_path):
         processor(path).process("t", two, SamplingParams())
     request = processor(path, limit_mm_per_prompt={"video": 2}).process("u", two, SamplingParams())
     assert sum(item.modality == "video" for item in request.mm_items) == 6
+
+
+def test_a_group_over_the_encoder_budget_is_refused_not_the_whole_video(path):
+    """The budget is per temporal group: 40 frames of 128x128 (more tokens than the budget in all)
+    fit; 2 frames of 640x640 do not."""
+    p = processor(path, encoder_cache_tokens=16, max_num_encoder_input_tokens=16)  # raised to the largest image
+    long_clip = encode_video(make_frames(51, 40, (128, 128)), fps=4)
+    request = p.process("l", {"prompt": PROMPT, "multi_modal_data": {"video": long_clip},
+                              "media_io_kwargs": {"video": {"fps": 4, "max_pixels": 4 << 20}}}, SamplingParams())
+    tokens = sum(item.placeholder.length for item in request.mm_items)
+    assert tokens > p.max_encoder_tokens
+    big = encode_video(make_frames(52, 2, (640, 640)), fps=1)
+    with pytest.raises(ValueError, match="temporal group of video 0"):
+        p.process("b", {"prompt": PROMPT, "multi_modal_data": {"video": big},
+                        "media_io_kwargs": {"video": {"max_pixels": 4 << 20, "num_frames": 2}}}, SamplingParams())
+    assert len(p.processor_cache.keys()) == 1  # only the accepted clip

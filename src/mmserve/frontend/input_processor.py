@@ -66,7 +66,8 @@ class InputProcessor:
         resolved = self.items.resolve(images, uuids, salt, mm_kwargs)
         try:
             videos = self.videos.resolve(prompt, text, salt, mm_kwargs)  # [] without videos
-            self._check_item_sizes(resolved + videos)
+            self._check_item_sizes(resolved)
+            self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "

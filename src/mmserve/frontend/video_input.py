@@ -48,6 +48,15 @@ class VideoInputs:
         opts = self.resolver.options(mm_kwargs, media_io)
         return self.resolver.resolve(videos, uuids, salt, opts)
 
+    def check_sizes(self, videos: list[ResolvedItem], limit: int) -> None:
+        """ValueError when a video's temporal group has more embedding tokens than the encoder's
+        budget and cache hold (a whole video never has to fit: groups are encoded one by one)."""
+        for index, video in enumerate(videos):
+            if video.num_tokens > limit:
+                raise ValueError(f"a temporal group of video {index} needs {video.num_tokens} embedding tokens, more "
+                                 f"than the encoder cache and budget hold ({limit}); lower the video's max_pixels "
+                                 "(media_io_kwargs.video)")
+
     def expand(self, text: str, image_counts: list[int], videos: list[ResolvedItem]
                ) -> tuple[list[int], list[PlaceholderRange], list[MultiModalItem]]:
         """Token ids, each image's placeholder range, and the videos' group items."""
