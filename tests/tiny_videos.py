@@ -26,16 +26,21 @@ def make_frames(seed: int, count: int, size: tuple[int, int] = (64, 48)) -> np.n
     return np.stack(frames)
 
 
+_CONTAINERS = {"png": ("mov", "rgb24"), "h264": ("mp4", "yuv420p"), "ffv1": ("matroska", "bgr0"),
+               "libvpx-vp9": ("webm", "yuv420p")}
+
+
 def encode_video(frames: np.ndarray, fps: int = 4, codec: str = "png") -> bytes:
-    """The frames as a video file's bytes: "png" (lossless, .mov) or "h264" (.mp4, yuv420p)."""
+    """The frames as a video file's bytes: "png" (lossless, .mov), "h264" (.mp4), "ffv1" (lossless,
+    .mkv) or "libvpx-vp9" (.webm); the last two record no frame count in their headers."""
     import av
 
     buf = io.BytesIO()
-    fmt = "mov" if codec == "png" else "mp4"
+    fmt, pix_fmt = _CONTAINERS[codec]
     with av.open(buf, mode="w", format=fmt) as container:
         stream = container.add_stream(codec, rate=Fraction(fps))
         stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "rgb24" if codec == "png" else "yuv420p"
+        stream.pix_fmt = pix_fmt
         if codec == "h264":
             stream.options = {"preset": "ultrafast", "crf": "18"}
         for frame in frames:

@@ -95,6 +95,19 @@ def test_h264_metadata_as_transformers_reads_it():
     assert video.frames.shape == (10, 48, 64, 3)
 
 
+@pytest.mark.parametrize("codec", ["ffv1", "libvpx-vp9"])
+def test_containers_without_a_frame_count_are_counted(codec):
+    """MKV / WebM headers carry no frame count (transformers' reader would see 0): packets are counted."""
+    frames = make_frames(9, 7)
+    data = encode_video(frames, fps=5, codec=codec)
+    meta = probe_video(data)
+    assert (meta.total_num_frames, meta.fps) == (7, 5.0)
+    video = decode_video(data, lambda m: np.arange(m.total_num_frames), VideoLimits())
+    assert video.frames.shape == frames.shape
+    if codec == "ffv1":  # lossless
+        assert np.array_equal(video.frames, frames)
+
+
 @pytest.mark.parametrize("mutilate", ["garbage", "truncated", "empty", "audio_only"])
 def test_broken_videos_are_media_errors(mutilate):
     data = encode_video(make_frames(7, 6), fps=3, codec="h264")
