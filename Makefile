@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate test bench bench-serve soak clean
+.PHONY: setup run generate lint test bench bench-serve soak clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,12 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/mmserve generate --prompt "What is in this image?" --max-tokens 32
 
-test: $(STAMP)
+# ruff and mypy, configured in pyproject.toml; `make test` runs them first
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 # every component benchmark in benchmarks/ (one at a time: make bench ONLY=serving_overhead)

@@ -119,7 +119,8 @@ def pickle_seconds(item, runs: int) -> float:
     for _ in range(runs):
         start = time.perf_counter()
         payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        sender = threading.Thread(target=lambda: a.sendall(len(payload).to_bytes(8, "little") + payload))
+        framed = len(payload).to_bytes(8, "little") + payload
+        sender = threading.Thread(target=a.sendall, args=(framed,))
         sender.start()
         size = int.from_bytes(_recv_exact(b, 8), "little")
         got = pickle.loads(_recv_exact(b, size))

@@ -119,16 +119,16 @@ def _state(engine: AsyncLLM) -> dict[str, tuple[Any, Any]]:
         "P0 items pending commit": (sorted(processor._pending), []),
         "P0 items in flight": (sorted(processor.items._inflight), []),
         "processor cache intact": (_intact(processor.processor_cache), True),
-        "IPC sender intact": (_intact(engine.ipc_sender), True),
+        "IPC sender intact": (_intact(engine.transport.sender), True),
     }
-    if engine.ipc_sender.enabled:
+    if engine.transport.sender.enabled:
         sender, receiver = stats.caches["ipc"], stats.caches.get("ipc_receiver", CacheStats())
         state["IPC keys, P0 vs P1 (digest, entries, bytes)"] = (
             (sender.keys_digest, sender.entries, sender.bytes_used),
             (receiver.keys_digest, receiver.entries, receiver.bytes_used))
-    if engine.shm is not None:
-        state["shm pins"] = (engine.shm.store.pinned_requests(), [])
-        state["shm store intact"] = (_intact(engine.shm.store), True)
+    if engine.transport.shm is not None:
+        state["shm pins"] = (engine.transport.shm.store.pinned_requests(), [])
+        state["shm store intact"] = (_intact(engine.transport.shm.store), True)
     return state
 
 

@@ -183,8 +183,8 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1; got {self.tensor_parallel_size}")
 
 
-_LAYERS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "multimodal": MultiModalConfig,
-           "parallel": ParallelConfig}
+_LAYERS: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                           "multimodal": MultiModalConfig, "parallel": ParallelConfig}
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class EngineConfig:
 
 def _layer_of(key: str) -> str | None:
     for name, layer in _LAYERS.items():
-        if key in layer.__dataclass_fields__:
+        if key in {f.name for f in fields(layer)}:
             return name
     return None
 
@@ -232,7 +232,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
             kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
             if hints[f.name] is bool:
                 kw["action"] = argparse.BooleanOptionalAction

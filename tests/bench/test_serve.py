@@ -15,6 +15,8 @@ from mmserve.metrics import CACHE_LAYERS
 from server_process import ServerProcess, child_pids, pid_alive
 from tiny_models import make_checkpoint, make_image
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 OUTPUT_LEN = 4
 
 

@@ -21,6 +21,8 @@ from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tiny_models import make_checkpoint, make_image
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 ENGINE_ARGS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

@@ -17,6 +17,8 @@ from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
 from tiny_models import TINY_VISION_CONFIG, make_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 ITEM_BYTES = 3 * TINY_VISION_CONFIG["image_size"] ** 2 * 4 + ENTRY_OVERHEAD_BYTES
 
 

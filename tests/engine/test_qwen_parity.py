@@ -16,6 +16,8 @@ from mmserve import LLM, SamplingParams
 from hf_reference import hf_qwen_greedy
 from tiny_models import make_image, make_qwen_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 MAX_NEW = 8
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 48  # 4 to 48 tokens at patch 16 (merge 2)
 

@@ -19,7 +19,8 @@ def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_l
 
 
 def make_request(rid, n_prompt, max_tokens=4, items=(), eos=None, **params):
-    mm = [MultiModalItem("image", f"{rid}-{i}", {}, PlaceholderRange(off, length)) for i, (off, length) in enumerate(items)]
+    mm = [MultiModalItem("image", f"{rid}-{i}", {}, PlaceholderRange(off, length))
+          for i, (off, length) in enumerate(items)]
     return Request(rid, list(range(10, 10 + n_prompt)), mm, SamplingParams(max_tokens=max_tokens, **params), eos, 0.0)
 
 

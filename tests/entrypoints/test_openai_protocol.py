@@ -183,7 +183,8 @@ def test_stream_chunks_usage_and_done(client):
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
-        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": CACHED}}
+        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": CACHED}}
 
 
 def test_stream_without_usage_has_no_usage_field(client):

@@ -21,6 +21,8 @@ from mmserve import LLM, SamplingParams
 from server_process import ServerProcess, child_pids, data_url, labelled, messages, pid_alive
 from tiny_models import make_checkpoint, make_image
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 MAX_TOKENS = 8
 
 

@@ -12,6 +12,8 @@ from mmserve import LLM, SamplingParams
 from server_process import ServerProcess, data_url, labelled, messages
 from tiny_models import make_image, make_qwen_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 MAX_TOKENS = 6
 LAYERS = ("processor", "encoder", "prefix")
 
@@ -24,7 +26,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["lru", "shm"])
 def server(request, model_path):
-    s = ServerProcess(model_path, "--served-model-name", "m", "--max-model-len", "512", "--mm-cache-type", request.param,
+    s = ServerProcess(model_path, "--served-model-name", "m", "--max-model-len", "512",
+                      "--mm-cache-type", request.param,
                       "--mm-shm-cache-gb", "0.05", "--max-num-batched-tokens", "64")
     s.transport = "ipc" if request.param == "lru" else "shm"
     yield s

@@ -10,6 +10,8 @@ import pytest
 from soak import run_soak
 from tiny_models import make_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

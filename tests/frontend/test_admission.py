@@ -15,6 +15,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from tiny_models import make_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
@@ -30,9 +32,9 @@ def engine(request, path):
 
 def p0_state(engine: AsyncLLM) -> dict:
     """Everything of P0 a request could leave behind."""
-    store = engine.shm.store if engine.shm is not None else None
+    store = engine.transport.shm.store if engine.transport.shm is not None else None
     return {
-        "ipc": (engine.ipc_sender.keys(), engine.ipc_sender.epoch),
+        "ipc": (engine.transport.sender.keys(), engine.transport.sender.epoch),
         "processor": engine.input_processor.processor_cache.keys(),
         "inflight": dict(engine.input_processor.items._inflight),
         "pending": dict(engine.input_processor._pending),
@@ -58,7 +60,7 @@ def test_a_request_failing_at_its_send_leaves_nothing(engine):
         engine.client.add_request = real
     assert p0_state(engine) == before
     tokens = generate(engine, one(1), "after")  # the warm image still crosses by hash / handle
-    assert tokens and engine.ipc_sender.epoch == before["ipc"][1]
+    assert tokens and engine.transport.sender.epoch == before["ipc"][1]
     assert generate(engine, one(2), "retry")  # the same new image now goes through
 
 
@@ -81,7 +83,7 @@ def test_integers_past_64_bits_are_refused_before_anything_happens(engine):
 
 
 def test_a_uuid_only_item_evicted_before_its_send_is_a_clean_error(engine):
-    if engine.shm is not None:
+    if engine.transport.shm is not None:
         pytest.skip("uuid-only items resolve from the IPC sender's keys (lru)")
     assert generate(engine, one(4, multi_modal_uuids={"image": ["u4"]}), "named")
     uuid_only = {"prompt": one(4)["prompt"], "multi_modal_data": {"image": [None]},
@@ -92,7 +94,7 @@ def test_a_uuid_only_item_evicted_before_its_send_is_a_clean_error(engine):
     def resolve_then_lose_it(*args):
         request = real(*args)
         assert request.mm_items[0].data is None  # resolved from the IPC sender's keys
-        engine.ipc_sender.reset()  # a concurrent request evicted it between resolve and send
+        engine.transport.sender.reset()  # a concurrent request evicted it between resolve and send
         return request
 
     before = p0_state(engine)

@@ -15,6 +15,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from tiny_models import make_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 
 @pytest.fixture(scope="module", params=["lru", "shm"])
 def engine(request, tmp_path_factory):

@@ -13,6 +13,8 @@ from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
 from tiny_models import make_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("mmcache"))
@@ -58,18 +60,18 @@ def test_drift_from_a_lost_update_heals(engine, expected):
     fake = MultiModalItem("image", "", None, PlaceholderRange(0, 1))
     request = engine.input_processor.process("probe", one(2), PARAMS)
     fake.mm_hash, fake.data = request.mm_items[0].mm_hash, request.mm_items[0].data
-    engine.ipc_sender.update([fake])  # P0 now believes P1 holds image 2; P1 never got it
+    engine.transport.sender.update([fake])  # P0 now believes P1 holds image 2; P1 never got it
     assert generate(engine, one(2), "lost") == expected["b"]
-    assert engine.ipc_sender.keys() == [fake.mm_hash]  # a new epoch, with just the resent item
+    assert engine.transport.sender.keys() == [fake.mm_hash]  # a new epoch, with just the resent item
 
 
 def test_drift_from_a_cleared_engine_core_cache_heals(engine, expected):
     assert generate(engine, one(1), "warm") == expected["a"]
-    probe = EngineCoreRequest("clear-p1", [1, 2], [], PARAMS, None, 0.0, ipc_epoch=engine.ipc_sender.epoch + 5)
+    probe = EngineCoreRequest("clear-p1", [1, 2], [], PARAMS, None, 0.0, ipc_epoch=engine.transport.sender.epoch + 5)
     engine.client.add_request(probe)  # P1 empties its cache for an epoch P0 is not in
-    hits = engine.ipc_sender.stats().hits
+    hits = engine.transport.sender.stats().hits
     assert generate(engine, one(1), "after-clear") == expected["a"]
-    assert engine.ipc_sender.stats().hits == hits + 1  # sent by hash, missed in P1, resent in full
+    assert engine.transport.sender.stats().hits == hits + 1  # sent by hash, missed in P1, resent in full
 
 
 def test_uuid_replaces_hashing_and_alone_reuses_the_image(engine, expected):

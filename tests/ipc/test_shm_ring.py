@@ -24,6 +24,8 @@ from mmserve.ipc import shm_segment
 from mmserve.ipc.shm_ring import HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader
 from mmserve.ipc.shm_segment import ShmSpaceError, check_shm_space, remove_stale_segments
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 SRC = str(Path(mmserve.__file__).parents[1])
 ITEM = 1000  # payload bytes; a chunk of HEADER_BYTES + 1024 = 1088
 CHUNK = HEADER_BYTES + 1024

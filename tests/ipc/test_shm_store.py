@@ -16,6 +16,8 @@ import torch
 from mmserve.ipc.shm_ring import HEADER_BYTES
 from mmserve.ipc.shm_store import ShmHandle, ShmHandleError, ShmStore, ShmStoreInfo, ShmStoreReader
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 ITEM_BYTES = 3 * 32 * 32 * 4  # one `item(i)`: 12 KiB of float32 pixels
 CHUNK = HEADER_BYTES + 64 + ITEM_BYTES  # header, meta, pixels
 CAPACITY = 8 * CHUNK

@@ -24,7 +24,8 @@ SMALL = {
                                       num_key_value_heads=1),
                      vision_config=dict(depth=2, hidden_size=32, intermediate_size=64),
                      min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64),
-    "qwen2_5_vl": dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    "qwen2_5_vl": dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2,
                                         num_key_value_heads=1),
                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, fullatt_block_indexes=[1]),
                        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64),
@@ -80,14 +81,15 @@ def test_builtin_name_writes_the_qwen3_default(tmp_path, monkeypatch):
 def test_the_published_layout(family, tmp_path):
     path = Path(make_qwen_checkpoint(tmp_path, family=family, **SMALL[family]))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json"} <= set(read_files(path))
+            "chat_template.jinja", "preprocessor_config.json",
+            "video_preprocessor_config.json"} <= set(read_files(path))
     config = json.loads((path / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     assert config["architectures"] == [ARCHITECTURE[family]] and config["model_type"] == family
+    named = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
     assert (config["image_token_id"], config["video_token_id"], config["vision_start_token_id"],
-            config["vision_end_token_id"]) == tuple(ids[t] for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                                    "<|vision_end|>"))
+            config["vision_end_token_id"]) == tuple(ids[t] for t in named)
     text = config["text_config"]
     assert text["vocab_size"] % 64 == 0 and text["vocab_size"] >= len(tokenizer)
     assert (text["eos_token_id"], text["pad_token_id"]) == (ids["<|im_end|>"], ids["<|endoftext|>"])

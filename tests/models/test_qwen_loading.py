@@ -44,7 +44,8 @@ def _old_layout(src: str, dst: Path) -> None:
 def test_sharded_and_old_layouts_load_the_same_weights(tmp_path):
     base = make_qwen_checkpoint(tmp_path / "new", family="qwen2_5_vl")
     sharded = make_qwen_checkpoint(tmp_path / "sharded", family="qwen2_5_vl", max_shard_size="200KB")
-    assert len(list(Path(sharded).glob("*.safetensors"))) > 1 and (Path(sharded) / "model.safetensors.index.json").is_file()
+    assert len(list(Path(sharded).glob("*.safetensors"))) > 1
+    assert (Path(sharded) / "model.safetensors.index.json").is_file()
     _old_layout(base, tmp_path / "old")
     reference = dict(load_model(base).named_parameters())
     for path in (sharded, str(tmp_path / "old")):

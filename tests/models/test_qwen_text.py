@@ -22,6 +22,8 @@ from mmserve.models.mrope import mrope_positions
 from mmserve.models.qwen_config import QwenTextConfig
 from mmserve.models.qwen_text import QwenTextModel
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 IMAGE, START, END = 120, 121, 122
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6)

@@ -20,6 +20,8 @@ from mmserve.models.qwen3_vision import Qwen3VisionTower
 from mmserve.models.qwen_config import QwenVisionConfig
 from mmserve.models.qwen_vision import check_vision_shardable
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 # merged grids 2x3, 4x2, 5x7, 2x2 (twice): with 2x2-block windows, the first and third are cut short
 GRIDS = [(1, 4, 6), (1, 8, 4), (1, 10, 14), (2, 4, 4)]
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, spatial_merge_size=2,

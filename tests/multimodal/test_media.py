@@ -151,7 +151,8 @@ def test_decompression_bomb_from_header() -> None:
     bomb = png_claiming(100_000, 100_000)
     assert len(bomb) < 200
     refused(data_url(bomb), MediaLimits(), "--max-media-pixels")
-    refused(data_url(png_claiming(5000, 5000)), MediaLimits(max_pixels=1_000_000), "25000000 pixels", "--max-media-pixels")
+    refused(data_url(png_claiming(5000, 5000)), MediaLimits(max_pixels=1_000_000), "25000000 pixels",
+            "--max-media-pixels")
 
 
 def test_pil_image_over_pixel_limit() -> None:

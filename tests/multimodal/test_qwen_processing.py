@@ -129,7 +129,8 @@ def test_a_request_pixel_budget_changes_the_grid_as_in_hf(family):
     factor = ours.image_processor.patch_size * ours.merge_size
     image, prompt = IMAGES["above-max"], f"{VISION}describe"
     default = ours.process_image(image)["image_grid_thw"]
-    for mm_kwargs in ({"max_pixels": factor ** 2 * 8}, {"min_pixels": factor ** 2 * 100, "max_pixels": factor ** 2 * 200},
+    for mm_kwargs in ({"max_pixels": factor ** 2 * 8},
+                      {"min_pixels": factor ** 2 * 100, "max_pixels": factor ** 2 * 200},
                       {"min_pixels": ours.default_pixels["min_pixels"]}):
         got = ours.process_image(image, mm_kwargs)
         budget = {**ours.default_pixels, **mm_kwargs}
@@ -188,7 +189,8 @@ def test_chat_template_wraps_images_and_videos_in_vision_tokens(family):
     _, _, ours, _ = family
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
                     {"role": "assistant", "content": "A cat."},
-                    {"role": "user", "content": [{"type": "video"}, {"type": "image_url"}, {"type": "text", "text": "And?"}]}]
+                    {"role": "user", "content": [{"type": "video"}, {"type": "image_url"},
+                                                 {"type": "text", "text": "And?"}]}]
     assert ours.apply_chat_template(conversation) == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         f"<|im_start|>user\n{VISION}What is this?<|im_end|>\n"

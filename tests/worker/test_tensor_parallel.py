@@ -27,6 +27,8 @@ from hf_reference import hf_greedy
 from mm_prompts import PARAMS, generate, one
 from tiny_models import make_checkpoint, make_image
 
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
 MAX_NEW = 6
 SMALL = dict(num_kv_blocks=64)  # allocating the default 1 GiB of KV cache per rank would dominate
 VISION = dict(image_size=28, patch_size=14)  # 4 placeholder tokens per image

@@ -65,7 +65,8 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-path", default=None, help="The jsonl file or the image folder.")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="Requests per run (default: 64 for random-mm, the whole file or folder otherwise).")
-    g.add_argument("--image-size", default="336", help="random-mm: image size, N or WxH pixels; a comma list (224,640x480) mixes sizes, new images "
+    g.add_argument("--image-size", default="336",
+                   help="random-mm: image size, N or WxH pixels; a comma list (224,640x480) mixes sizes, new images "
                         "taking them in turn.")
     g.add_argument("--images-per-prompt", type=int, default=1, help="random-mm: images in each request.")
     g.add_argument("--input-len", type=int, default=32, help="random-mm: words of text per request "

@@ -42,7 +42,7 @@ def jsonl_requests(path: str | Path, num_prompts: int | None, output_len: int) -
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--dataset-path {str(path)!r} is not a file")
-    requests = []
+    requests: list[BenchRequest] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if num_prompts is not None and len(requests) >= num_prompts:
@@ -75,7 +75,7 @@ def _image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _inline_image(part: dict[str, Any], base_dir: Path, where: str) -> str:
     """Turn a path or file:// image URL into a data URL in place; return the image's key."""
-    image_url = part.get("image_url")
+    image_url: Any = part.get("image_url")
     if isinstance(image_url, str):  # accept the shorthand {"image_url": "..."}
         image_url = part["image_url"] = {"url": image_url}
     url = image_url.get("url") if isinstance(image_url, dict) else None

@@ -57,7 +57,7 @@ def synthetic_image(seed: int | Sequence[int], size: tuple[int, int]) -> Image.I
     rng = np.random.default_rng(seed)
     width, height = size
     blocks = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
-    base = np.asarray(blocks.resize((width, height), Image.NEAREST), dtype=np.int16)
+    base = np.asarray(blocks.resize((width, height), Image.Resampling.NEAREST), dtype=np.int16)
     noise = rng.integers(-16, 17, (height, width, 3), dtype=np.int16)
     return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
 

@@ -15,7 +15,7 @@ from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from mmserve.models.hf_config import LlavaModelConfig, load_model_config
+from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def resolve_max_model_len(config: EngineConfig, model: LlavaModelConfig, num_blocks: int) -> int:
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
     """The model's context length, or the user's (never longer than the model's or the KV cache's)."""
     model_max = model.text.max_position_embeddings
     capacity = num_blocks * config.cache.block_size

@@ -193,7 +193,7 @@ class EngineCoreProc:
         """Restore the request's items (shm handles, IPC cache) and admit it; items P1 lacks go
         back in `resend`, a bad request comes back as an error output."""
         try:
-            missing = self.shm.attach(request) if self.shm is not None else []
+            missing = self.shm.attach(request.request_id, request.mm_items) if self.shm is not None else []
             if not missing and self.receiver is not None:
                 missing = self.receiver.update(request.mm_items, request.ipc_epoch)
             if missing:
@@ -229,7 +229,7 @@ class EngineCoreProc:
         """SIGTERM / SIGINT set `_stop`; the wake-up fd interrupts an idle poll at once."""
         self._wakeup_w.setblocking(False)
         self._old_wakeup_fd = signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
-        old = {}
+        old: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             old[sig] = signal.signal(sig, self._on_signal)
         return old

@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 class EncoderRequest(Protocol):
     """What the manager reads of a request: its id and its items (hash, placeholder range)."""
 
-    request_id: str
-    mm_items: Sequence[MultiModalItem]
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def mm_items(self) -> Sequence[MultiModalItem]: ...
 
 
 class EncoderCacheManager:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.chat import parse_chat_messages
@@ -50,7 +50,8 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """OpenAI-style messages (or a list of conversations) through the model's chat template."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = cast(list[list[dict[str, Any]]],
+                             messages if messages and isinstance(messages[0], list) else [messages])
         prompts = []
         for conversation in conversations:
             inputs = parse_chat_messages(conversation)

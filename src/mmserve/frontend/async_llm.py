@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, AsyncGenerator
 
 import msgspec
-from typing import Any, AsyncIterator
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.chat import parse_chat_messages
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.input_processor import InputProcessor
+from mmserve.frontend.item_transport import ItemTransport
 from mmserve.frontend.llm_engine import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from mmserve.ipc.shm_items import ShmItemWriter
-from mmserve.multimodal.cache import IpcSenderCache
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -39,18 +38,15 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        mm = config.multimodal
-        self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
+        self.transport = ItemTransport(config.multimodal)
         try:
-            self.client = EngineCoreClient(config, self.model_dir, shm_info=self.shm.info if self.shm else None)
+            self.client = EngineCoreClient(config, self.model_dir, shm_info=self.transport.shm_info)
         except BaseException:
-            if self.shm is not None:
-                self.shm.close()
+            self.transport.close()
             raise
         self.max_model_len = self.client.max_model_len
-        self.ipc_sender = IpcSenderCache(mm.ipc_cache_bytes)
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
-                                              known_tokens=self.ipc_sender.num_tokens)
+                                              known_tokens=self.transport.known_tokens)
         self._unadmitted: dict[str, EngineCoreRequest] = {}  # full requests until P1's first output
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -71,14 +67,8 @@ class AsyncLLM:
         """P1's latest stats, with P0's cache layers (processor, ipc) merged in."""
         base = self._stats or SchedulerStats(0, 0, 0, 0, 0)
         caches = {**base.caches, "processor": self.input_processor.processor_cache.stats(),
-                  "ipc": self.ipc_sender.stats()}
-        if self.shm is not None:
-            caches["shm"] = self.shm.stats()
+                  **self.transport.stats()}
         return msgspec.structs.replace(base, caches=caches)
-
-    def reset_mm_cache(self) -> None:
-        """Empty the IPC cache on both sides (P1 empties on the next request's new epoch)."""
-        self.ipc_sender.reset()
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None) -> dict[str, Any]:
         """OpenAI messages -> a prompt dict naming its images (ValueError for bad input); the
@@ -87,7 +77,7 @@ class AsyncLLM:
         return inputs.prompt(self.input_processor.processor.apply_chat_template(inputs.conversation), cache_salt)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.
 
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
@@ -110,8 +100,7 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort_now([request_id])
-            if self.shm is not None:
-                self.shm.finish(request_id)
+            self.transport.finish(request_id)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
@@ -157,27 +146,13 @@ class AsyncLLM:
         undo.push(self.output_processor.abort_requests, [request.request_id])
         self._send(request, undo)
 
-    def _send(self, request: EngineCoreRequest, undo: UndoLog, inline: bool = False) -> None:
-        """Send the request, its items by shm handle (`--mm-cache-type shm`, unless `inline`) or
-        through the IPC sender cache: items P1 will hold cross as their hash alone. Each change
-        is registered in `undo` before the next step that can fail."""
-        rid = request.request_id
-        if self.shm is not None:
-            written: list[str] = []
-            undo.push(self.shm.finish, rid)
-            undo.push(self.shm.discard, written)
-            items = self.shm.to_wire(request, inline, written)
-            message = msgspec.structs.replace(request, mm_items=items)
-            resend = any(item.shm_handle is not None for item in items)
-        else:
-            undo.push(self.ipc_sender.rollback, self.ipc_sender.checkpoint())
-            cached = self.ipc_sender.update(request.mm_items)
-            items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
-            message = msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.ipc_sender.epoch)
-            resend = any(cached)
-        if resend:
-            self._unadmitted[rid] = request
-            undo.push(self._unadmitted.pop, rid, None)
+    def _send(self, request: EngineCoreRequest, undo: UndoLog, resend: bool = False) -> None:
+        """Send the request, its items through the transport (by hash or handle where P1 can
+        have them); each change is registered in `undo` before the next step that can fail."""
+        message, by_reference = self.transport.to_wire(request, undo, resend)
+        if by_reference:  # P1 may lack one: keep the whole request until P1 answers
+            self._unadmitted[request.request_id] = request
+            undo.push(self._unadmitted.pop, request.request_id, None)
         self.client.add_request(message)
 
     def _resend(self, request_id: str, missing: list[str]) -> None:
@@ -191,11 +166,9 @@ class AsyncLLM:
             self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
                                               "again together with its uuid"))
             return
-        if self.shm is None:
-            self.ipc_sender.reset()
         undo = UndoLog()
-        try:  # through shm: the store lost the entry, so no second try through it
-            self._send(request, undo, inline=self.shm is not None)
+        try:
+            self._send(request, undo, resend=True)
         except Exception as e:
             undo.run()
             self._fail(request_id, e)
@@ -256,10 +229,10 @@ class AsyncLLM:
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
             self.client.abort_requests(processed.to_abort)
-        for out in processed.outputs:
-            queue = self._queues.get(out.request_id)
+        for result in processed.outputs:
+            queue = self._queues.get(result.request_id)
             if queue is not None:
-                queue.put_nowait(out)
+                queue.put_nowait(result)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         self.output_processor.abort_requests([request_id])
@@ -280,8 +253,7 @@ class AsyncLLM:
             self._output_task.cancel()
             self._log_task.cancel()
         self.client.shutdown()
-        if self.shm is not None:
-            self.shm.close()
+        self.transport.close()
 
 
 def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:

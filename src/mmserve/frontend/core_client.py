@@ -16,7 +16,6 @@ import atexit
 import logging
 import multiprocessing
 import shutil
-import signal
 import time
 import weakref
 from collections.abc import Iterable
@@ -30,6 +29,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import run_engine_core
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
+from mmserve.ipc.lifecycle import describe_exit
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -76,12 +76,6 @@ def _stop_process(proc: BaseProcess) -> None:
         logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
         proc.kill()
     proc.join()
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
 
 
 class EngineCoreClient:
@@ -136,7 +130,7 @@ class EngineCoreClient:
                 event = self._outputs.recv(_LAST_WORDS_S)
                 if event is None:
                     raise RuntimeError(f"the engine core process exited while starting "
-                                       f"({_describe_exit(self.proc.exitcode)}); see its log above")
+                                       f"({describe_exit(self.proc.exitcode)}); see its log above")
             if isinstance(event, EngineCoreFailed):
                 raise RuntimeError(f"the engine core failed to start: {event.message}")
         raise RuntimeError(f"the engine core did not start within {timeout_s:g} s (startup_timeout_s)")
@@ -211,7 +205,7 @@ class EngineCoreClient:
         if not self._finalizer.alive:
             raise EngineDeadError("the engine core client is shut down")
         if self._dead_reason is None and not self.proc.is_alive():
-            self._dead_reason = f"the engine core process exited unexpectedly ({_describe_exit(self.proc.exitcode)})"
+            self._dead_reason = f"the engine core process exited unexpectedly ({describe_exit(self.proc.exitcode)})"
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 

@@ -186,10 +186,6 @@ class SchedulerOutput(msgspec.Struct):
     free_encoder_ids: list[str]
     finished_request_ids: list[str]
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
 
 # ---- workers -> P1 -----------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ class QueueReceiver(Generic[T]):
             frames = self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return self._decoder.decode(frames)
+        return self._decoder.decode(frames)  # type: ignore[arg-type]  # zmq.Frame is a buffer
 
     async def recv_async(self, timeout_s: float | None = None) -> T | None:
         """Like `recv`, awaiting without blocking the running event loop."""
@@ -142,7 +142,7 @@ class QueueReceiver(Generic[T]):
             if obj is not None:
                 return obj
             remaining_ms = _remaining_ms(deadline)
-            if remaining_ms == 0 or not await shadow.poll(remaining_ms, zmq.POLLIN):
+            if remaining_ms == 0 or not await shadow.poll(remaining_ms, zmq.POLLIN):  # type: ignore[call-arg]
                 return None
 
     def close(self) -> None:

@@ -57,7 +57,8 @@ class MsgpackEncoder:
 
     def encode(self, obj: Any) -> Frames:
         """Frame 0 is msgpack; frames 1.. view the bytes of the tensors too big to inline."""
-        self._frames = frames = [b""]
+        frames: Frames = [b""]
+        self._frames = frames
         try:
             frames[0] = self._encoder.encode(obj)
         finally:
@@ -109,14 +110,14 @@ class MsgpackDecoder:
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code != TENSOR_EXT:
             raise ValueError(f"unknown msgpack Ext type {code}")
-        name, shape, payload = self._header_decoder.decode(data)
+        name, shape, payload = self._header_decoder.decode(data)  # payload: inline bytes or a frame index
         dtype = _DTYPES.get(name)
         if dtype is None:
             raise ValueError(f"unknown tensor dtype {name!r}")
         if isinstance(payload, int):
             if not 1 <= payload < len(self._frames):
                 raise ValueError(f"tensor frame {payload} missing ({len(self._frames)} frames)")
-            payload = _writable(self._frames[payload])
+            return tensor_from_bytes(_writable(self._frames[payload]), dtype, shape)
         return tensor_from_bytes(payload, dtype, shape)
 
 

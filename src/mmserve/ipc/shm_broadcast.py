@@ -47,7 +47,7 @@ from mmserve.ipc.messages import ShmBroadcastInfo
 from mmserve.ipc.queues import ipc_address
 from mmserve.ipc.serial import Frames, MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_segment import (SHM_DIR, ShmSpaceError, create_segment, open_segment, remove_stale_segments,
-                                     unlink_segment)
+                                     unlink_segment, unmap_segment)
 
 T = TypeVar("T")
 
@@ -164,7 +164,7 @@ class ShmBroadcast(Generic[T]):
         for sock in self._sockets:
             sock.close(linger=0)
         unlink_segment(self.name)
-        _unmap(self._buf, self._map)
+        unmap_segment(self._buf, self._map)
         os.close(self._fd)
 
 
@@ -207,7 +207,7 @@ class ShmBroadcastReader(Generic[T]):
             return
         self.closed = True
         self._sock.close(linger=0)
-        _unmap(self._buf, self._map)
+        unmap_segment(self._buf, self._map)
         os.close(self._fd)
 
 
@@ -256,11 +256,4 @@ def _recv_frames(sock: zmq.Socket, timeout_s: float | None, on_wait: Callable[[]
         raise TimeoutError(f"an oversized broadcast message did not arrive within {timeout_s} s")
     return frames
 
-
-def _unmap(buf: memoryview, mapping: Any) -> None:
-    try:
-        buf.release()
-        mapping.close()
-    except BufferError:  # a view still uses it: unmapped with the last of them
-        pass
 

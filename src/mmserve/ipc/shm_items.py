@@ -10,6 +10,8 @@ then resends the request with the item inline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
@@ -64,16 +66,17 @@ class ShmItemWriter:
 
 
 class ShmItemReader:
-    """P1's side: restores items from handles, holding each request's leases until `release`."""
+    """A reader's side (P1, and each tensor-parallel rank): restores items from handles, holding
+    each request's leases until `release`."""
 
     def __init__(self, info: ShmStoreInfo) -> None:
         self.reader = ShmStoreReader(info)
         self._leases: dict[str, list[ShmLease]] = {}
 
-    def attach(self, request: EngineCoreRequest) -> list[str]:
+    def attach(self, request_id: str, items: Sequence[MultiModalItem]) -> list[str]:
         """Map the request's items in place; the hashes whose handles went stale (then nothing is held)."""
         leases, missing = [], []
-        for item in request.mm_items:
+        for item in items:
             if item.shm_handle is None:
                 continue
             lease = self.reader.get(item.shm_handle)
@@ -82,9 +85,9 @@ class ShmItemReader:
             else:
                 leases.append(lease)
                 item.data = lease.data
-        self._leases[request.request_id] = leases
+        self._leases[request_id] = leases
         if missing:
-            self.release(request.request_id)
+            self.release(request_id)
         return missing
 
     def release(self, request_id: str) -> None:

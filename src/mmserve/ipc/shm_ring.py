@@ -33,14 +33,13 @@ Not thread-safe: one thread per `ShmRing` / `ShmRingReader`. Linux only (OFD loc
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmserve.ipc.shm_segment import (create_segment, lock_held, open_segment, remove_stale_segments, try_lock,
-                                     unlink_segment)
+                                     unlink_segment, unmap_segment)
 
 ALIGN = 64  # bytes; chunk offsets and sizes are multiples of it
 HEADER = struct.Struct("<IIQQ16s")  # magic, state, chunk id, payload bytes, tag
@@ -158,7 +157,7 @@ class ShmRing:
             return
         self.closed = True
         unlink_segment(self.name)
-        _unmap(self._buf, self._map)
+        unmap_segment(self._buf, self._map)
         os.close(self._fd)
 
     def check_integrity(self) -> None:
@@ -167,6 +166,7 @@ class ShmRing:
             assert chunk.offset == end and chunk.size > 0 and chunk.size % ALIGN == 0, chunk
             end = chunk.end
             if chunk.live:
+                assert chunk.chunk_id is not None, chunk
                 assert chunk.chunk_id not in ids and chunk.chunk_id < self._next_id, chunk
                 ids.add(chunk.chunk_id)
                 assert HEADER_BYTES + chunk.nbytes <= chunk.size and 0 <= chunk.hits <= MAX_HITS
@@ -271,12 +271,5 @@ class ShmRingReader:
         self.closed = True
         os.close(self._fd)  # drops this reader's locks
         self._held.clear()
-        _unmap(self.buffer, self._map)
+        unmap_segment(self.buffer, self._map)
 
-
-def _unmap(buf: memoryview, mapping: mmap.mmap) -> None:
-    try:
-        buf.release()
-        mapping.close()
-    except BufferError:  # views (tensors) still use it: unmapped with the last of them
-        pass

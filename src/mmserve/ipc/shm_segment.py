@@ -199,3 +199,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     elif _prev_sigterm != signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def unmap_segment(buf: memoryview, mapping: Any) -> None:
+    """Release this process's view and mapping of a segment; while views made from `buf` (tensors)
+    still live, the mapping stays until the last of them is gone."""
+    try:
+        buf.release()
+        mapping.close()
+    except BufferError:
+        pass

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mmserve.models.builtin_corpus import CORPUS as _CORPUS
 
@@ -121,7 +121,7 @@ def _llava_config(
     text_config: dict | None,
     vision_config: dict | None,
     vision_feature_layer: int,
-    vision_feature_select_strategy: str,
+    vision_feature_select_strategy: Literal["default", "full"],
 ) -> Any:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -131,8 +131,9 @@ def _llava_config(
     if text["vocab_size"] < len(tokenizer):
         raise ValueError(f"text vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
     text.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
-    vision = CLIPVisionConfig(**{**_DEFAULT_VISION, **(vision_config or {})})
-    num_patches = (vision.image_size // vision.patch_size) ** 2
+    vision_args = {**_DEFAULT_VISION, **(vision_config or {})}
+    vision = CLIPVisionConfig(**vision_args)
+    num_patches = (vision_args["image_size"] // vision_args["patch_size"]) ** 2
     return LlavaConfig(
         vision_config=vision,
         text_config=LlamaConfig(**text),
@@ -140,7 +141,7 @@ def _llava_config(
         image_seq_length=num_patches + (1 if vision_feature_select_strategy == "full" else 0),
         vision_feature_layer=vision_feature_layer,
         vision_feature_select_strategy=vision_feature_select_strategy,
-        pad_token_id=ids["pad"],
+        pad_token_id=ids["pad"],  # type: ignore[call-arg]  # a PreTrainedConfig kwarg
         dtype="float32",
     )
 
@@ -186,7 +187,7 @@ def write_tiny_llava(
     text_config: dict | None = None,
     vision_config: dict | None = None,
     vision_feature_layer: int = -2,
-    vision_feature_select_strategy: str = "default",
+    vision_feature_select_strategy: Literal["default", "full"] = "default",
     init_std: float = DEFAULT_INIT_STD,
     seed: int = 0,
     max_shard_size: str | None = None,
@@ -215,7 +216,7 @@ def write_tiny_llava(
         eos_token_id=config.text_config.eos_token_id,
         pad_token_id=config.text_config.pad_token_id,
     )
-    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), **save_kwargs)
     _processor(tokenizer, config).save_pretrained(str(path))

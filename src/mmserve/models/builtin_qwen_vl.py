@@ -87,7 +87,7 @@ def _text_config(family: str, tokenizer: Any, text_config: dict | None, ids: dic
         # Qwen2.5-VL's attention always uses hidden / heads, and its config has neither field
         text.pop("head_dim", None)
         head_dim = text["hidden_size"] // text["num_attention_heads"]
-        rope = {"mrope_section": mrope_section(family, head_dim)}
+        rope: dict[str, Any] = {"mrope_section": mrope_section(family, head_dim)}
     else:
         rope = {"mrope_section": mrope_section(family, text["head_dim"]), "mrope_interleaved": True}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, **rope,

@@ -16,7 +16,8 @@ from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.hf_config import LlavaModelConfig
 from mmserve.models.layers import AttentionMetadata, activation
 from mmserve.models.llama import LlamaModel
-from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, check_decoder_shardable
+from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                     check_decoder_shardable)
 from mmserve.models.vlm import VisionLanguageModel
 
 

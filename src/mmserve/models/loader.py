@@ -22,12 +22,13 @@ from safetensors import safe_open
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import SINGLE, Shard, TensorParallel
 from mmserve.models.registry import model_class
+from mmserve.models.vlm import VisionLanguageModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 
-def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE) -> torch.nn.Module:
+def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE) -> VisionLanguageModel:
     """Build the model (this rank's shard of it) from `model_dir/config.json` and load its
     weights (eval mode, no grad)."""
     cfg = load_model_config(model_dir)

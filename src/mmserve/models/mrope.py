@@ -92,7 +92,8 @@ class MRotaryEmbedding(nn.Module):
         # plain float32 / int64 attributes made on the CPU, not buffers (see layers.RotaryEmbedding)
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta**exponents)  # [Dh/2]
-        self.axis = frequency_axes(tuple(mrope_section), interleaved)  # [Dh/2]: 0 t, 1 h, 2 w
+        t, h, w = mrope_section
+        self.axis = frequency_axes((t, h, w), interleaved)  # [Dh/2]: 0 t, 1 h, 2 w
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [3, T] or [T] int64 -> cos, sin: [T, 1, Dh] (broadcast over heads)."""

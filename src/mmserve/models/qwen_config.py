@@ -144,7 +144,7 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
         mlp_bias=False,
         tie_word_embeddings=tie,
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        mrope_section=section,  # type: ignore[arg-type]
+        mrope_section=section,
         mrope_interleaved=qwen3,  # transformers' Qwen3-VL always interleaves, Qwen2.5-VL never does
         qk_norm=qwen3,
         qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),

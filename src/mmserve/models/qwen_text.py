@@ -52,7 +52,7 @@ class QwenAttention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, Dh]

@@ -27,7 +27,7 @@ class VisionLanguageModel(nn.Module):
         text = self.config.text
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, self.tp)
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = embed_tokens.weight
+            self.lm_head.weight = embed_tokens.weight  # type: ignore[assignment]  # a Parameter
 
     @classmethod
     def canonical_name(cls, name: str) -> str:
@@ -45,6 +45,20 @@ class VisionLanguageModel(nn.Module):
     def num_kv_heads(self) -> int:
         """KV heads this rank caches (all of them when not tensor-parallel)."""
         return kv_head_shard(self.config.text.num_key_value_heads, self.tp)[1]
+
+    # ---- what the runner calls; each family implements these (models/registry.py) ----------
+
+    def mrope_positions(self, token_ids: list[int], items: list[Any]) -> tuple[torch.Tensor, int]:
+        """M-RoPE families: positions [3, len(token_ids)] and the decode delta."""
+        raise NotImplementedError(f"{type(self).__name__} does not use M-RoPE")
+
+    def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Processed items -> each one's encoder rows [F_i, D * (1 + num_deepstack)], in order."""
+        raise NotImplementedError
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, D]; the runner overwrites placeholders with encoder rows."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

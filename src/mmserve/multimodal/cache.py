@@ -243,6 +243,7 @@ class IpcSenderCache(_LruCache):
                 self._lru.stats.bytes_saved += self._lru.size_of(item.mm_hash) - ENTRY_OVERHEAD_BYTES
                 cached.append(True)
             else:
+                assert item.data is not None  # `lost` above: an item not held comes with its data
                 self._lru.put(item.mm_hash, item_size(item.data), item.placeholder.length, protected=keys)
                 cached.append(False)
         return cached
@@ -298,6 +299,7 @@ class IpcReceiverCache(_LruCache):
                 self._lru.stats.hits += 1
                 if item.data is None:
                     item.data = data
-            else:
+            else:  # not held: its data came (the sender sends an item's data before its hash alone)
+                assert item.data is not None
                 self._lru.put(item.mm_hash, item_size(item.data), item.data, protected=keys)
         return []

@@ -57,7 +57,7 @@ def checked_address(host: str, port: int, limits: MediaLimits) -> str:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise MediaError(f"could not resolve image host {host!r}: {exc}") from exc
-    addresses = [info[4][0] for info in infos]
+    addresses = [str(info[4][0]) for info in infos]
     if not limits.allow_private_addresses:
         for address in addresses:
             if not _is_public(ipaddress.ip_address(address.split("%")[0])):
@@ -140,13 +140,13 @@ class _PinnedHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
     def __init__(self, limits: MediaLimits, deadline: _Deadline) -> None:
         urllib.request.HTTPHandler.__init__(self)
         urllib.request.HTTPSHandler.__init__(self, context=ssl.create_default_context())
-        self.pinned = {"limits": limits, "deadline": deadline}
+        self.limits, self.deadline = limits, deadline
 
     def http_open(self, req: urllib.request.Request) -> Any:
-        return self.do_open(functools.partial(_PinnedHTTPConnection, **self.pinned), req)
+        return self.do_open(functools.partial(_PinnedHTTPConnection, limits=self.limits, deadline=self.deadline), req)
 
     def https_open(self, req: urllib.request.Request) -> Any:
-        return self.do_open(functools.partial(_PinnedHTTPSConnection, **self.pinned), req,
+        return self.do_open(functools.partial(_PinnedHTTPSConnection, limits=self.limits, deadline=self.deadline), req,
                             context=self._context)  # type: ignore[attr-defined]
 
 

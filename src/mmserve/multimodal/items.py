@@ -107,11 +107,11 @@ class ItemResolver:
         with self._lock:
             pending = self._inflight.get(mm_hash)
             if pending is None:
-                self._inflight[mm_hash] = future = Future()
+                self._inflight[mm_hash] = future = Future[dict[str, Any]]()
         if pending is not None:
             return pending.result()
         try:
-            image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(raw, self.limits)
+            image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(bytes(raw), self.limits)
             data = self.processor.process_image(image, mm_kwargs)
             self.num_processed += 1
             future.set_result(data)

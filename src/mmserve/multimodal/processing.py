@@ -128,7 +128,8 @@ class MultiModalProcessor:
                 f"expected {sum(counts)} {self.image_token} tokens after expansion, the tokenizer "
                 f"produced {len(positions)}"
             )
-        ranges, start = [], 0
+        ranges: list[PlaceholderRange] = []
+        start = 0
         for count in counts:
             run = positions[start:start + count]
             if count and run[-1] - run[0] + 1 != count:

@@ -9,6 +9,7 @@ def sample_image(size: int = 336, variant: int = 0) -> Image.Image:
     """A gradient with a few shapes; `variant` moves and recolours them."""
     img = Image.new("RGB", (size, size))
     px = img.load()
+    assert px is not None
     for y in range(size):
         for x in range(size):
             px[x, y] = ((x * 255) // size, (y * 255) // size, (variant * 53) % 256)

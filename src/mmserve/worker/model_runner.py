@@ -101,7 +101,7 @@ class ModelRunner:
                  for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
         if not keyed:
             return
-        features = self.model.encode_items([item.data for item in keyed.values()], self.dtype)  # each [F, D']
+        features = self.model.encode_items([_data(item) for item in keyed.values()], self.dtype)  # each [F, D']
         for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
@@ -177,3 +177,9 @@ def _step_seed(seed: int | None, position: int) -> int:
     """The generator seed for a seeded request's token at `position`: a request resumed after
     preemption (its runner state rebuilt) draws the same numbers it would have drawn."""
     return ((seed or 0) ^ (position * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
+
+
+def _data(item: MultiModalItem) -> dict[str, torch.Tensor]:
+    """An item's processed tensors: P1 holds every scheduled item's data (IPC cache or shm)."""
+    assert item.data is not None, f"item {item.mm_hash} reached the runner without its data"
+    return item.data

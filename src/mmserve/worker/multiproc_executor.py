@@ -23,7 +23,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import time
 import weakref
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.ipc.lifecycle import describe_exit
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, ModelRunnerOutput, SchedulerOutput, ShutdownWorker,
                                   WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.queues import QueueReceiver, ipc_address, make_ipc_dir
@@ -106,18 +106,12 @@ def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
-
-
 class MultiprocExecutor:
     """The model sharded over `config.parallel.tensor_parallel_size` worker processes.
 
     `shm_store`: the msgpack-encoded `ShmStoreInfo` of the multimodal object store. With it,
     items that have a `shm_handle` cross to the workers as the handle alone and each rank maps
-    them from the store (worker_proc.ItemResolver); without it they carry their tensors.
+    them from the store (worker_proc.RankItems); without it they carry their tensors.
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, shm_store: bytes | None = None) -> None:
@@ -209,7 +203,7 @@ class MultiprocExecutor:
             event = self._res.results.recv(_POLL_S)
             if isinstance(event, WorkerFailed):
                 self._fail(f"tensor-parallel rank {event.rank} failed: {event.message}")
-            elif isinstance(event, kind):
+            elif event is not None and isinstance(event, kind):
                 got[event.rank] = event
             elif event is None:
                 self.check_health()

@@ -36,9 +36,9 @@ from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutp
 from mmserve.ipc.queues import QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcastReader
-from mmserve.ipc.shm_handle import ShmHandle, ShmStoreInfo
+from mmserve.ipc.shm_handle import ShmStoreInfo
+from mmserve.ipc.shm_items import ShmItemReader
 from mmserve.ipc.shm_segment import unlink_segment
-from mmserve.ipc.shm_store import ShmLease, ShmStoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     runner = ModelRunner(args.config, args.model_dir, TensorParallel(args.rank, args.world_size))
     info = msgspec.msgpack.decode(args.broadcast, type=ShmBroadcastInfo)
     reader: ShmBroadcastReader[WorkerInput] = ShmBroadcastReader(info, args.rank, MsgpackDecoder(WorkerInput), ctx)
-    items = ItemResolver(args.shm_store)
+    items = RankItems(args.shm_store)
     try:
         results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block()))
         while True:
@@ -128,42 +128,31 @@ def _remove_orphaned(info: ShmBroadcastInfo, result_address: str) -> None:
     shutil.rmtree(os.path.dirname(ipc_path(result_address)), ignore_errors=True)
 
 
-class ItemResolver:
+class RankItems:
     """Gives the items of each `NewRequestData` their tensors on this rank.
 
     --mm-cache-type lru (and items the store did not take): items arrive with `data`, once per
-    request in its `NewRequestData`; nothing to do. Shared-memory store (the hook for
-    --mm-cache-type shm): when P1's executor strips `data` from items that have a `shm_handle`,
-    each rank maps them itself from the object store (a read-only, zero-copy view) and holds
-    the lease until the request is finished (`finished_request_ids`); P1 holds its own lease
-    for the request's whole life, so a handle it sends is live when a rank reads it.
+    request in its `NewRequestData`; nothing to do. --mm-cache-type shm: P1's executor strips
+    `data` from items that have a `shm_handle`, and each rank maps them itself from the object
+    store (`ShmItemReader`: read-only, zero-copy views), holding the leases until the request is
+    finished (`finished_request_ids`); P1 holds its own lease for the request's whole life, so a
+    handle it sends is live when a rank reads it.
     """
 
     def __init__(self, shm_store: bytes | None) -> None:
-        self._reader = None if shm_store is None else ShmStoreReader(msgspec.msgpack.decode(shm_store, type=ShmStoreInfo))
-        self._leases: dict[str, list[ShmLease]] = {}  # request id -> leases held for it
+        self._reader = (None if shm_store is None
+                        else ShmItemReader(msgspec.msgpack.decode(shm_store, type=ShmStoreInfo)))
 
     def resolve(self, so: SchedulerOutput) -> SchedulerOutput:
+        if self._reader is None:
+            return so
         for rid in so.finished_request_ids:
-            for lease in self._leases.pop(rid, ()):
-                lease.release()
+            self._reader.release(rid)
         for new in so.new_requests:
-            for item in new.mm_items:
-                if item.data is None and item.shm_handle is not None:
-                    item.data = self._attach(new.request_id, item.shm_handle)
+            if self._reader.attach(new.request_id, new.mm_items):
+                raise RuntimeError(f"request {new.request_id}: a multimodal item's shared-memory handle is not live")
         return so
 
-    def _attach(self, request_id: str, handle: ShmHandle) -> dict[str, torch.Tensor]:
-        lease = self._reader.get(handle) if self._reader is not None else None
-        if lease is None:
-            raise RuntimeError(f"request {request_id}: a multimodal item's shared-memory handle is not live")
-        self._leases.setdefault(request_id, []).append(lease)
-        return lease.data
-
     def close(self) -> None:
-        for leases in self._leases.values():
-            for lease in leases:
-                lease.release()
-        self._leases.clear()
         if self._reader is not None:
             self._reader.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,7 +54,7 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, RequestValidationError):
         return _validation_error(list(exc.errors()))
     if isinstance(exc, ValidationError):
-        return _validation_error(list(exc.errors()))
+        return _validation_error(exc.errors())
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, ParameterError):
@@ -68,7 +69,7 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, "internal server error (details are in the server log)", code="internal_error")
 
 
-def _validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
+def _validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     """One 400 for a body that is not JSON or does not fit the schema, naming the fields."""
     for err in errors:
         if err.get("type") == "json_invalid":
@@ -82,7 +83,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     return OpenAIError(400, f"invalid request: {problems}", code="invalid_value", param=params[0] or None)
 
 
-def _error_text(err: dict[str, Any]) -> str:
+def _error_text(err: Mapping[str, Any]) -> str:
     """Pydantic's message, without its "Value error, " prefix on our validators' messages."""
     if err.get("type") == "value_error" and "error" in (err.get("ctx") or {}):
         return str(err["ctx"]["error"])

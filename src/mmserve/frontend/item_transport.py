@@ -1,0 +1,74 @@
+"""How a request's processed items cross from P0 to P1, decided once from the multimodal config.
+
+- `--mm-cache-type lru` (the default): through the mirrored IPC cache. An item P1 already holds
+  crosses as its hash alone; P1 reports a hash it lacks (drift), and the resend starts a new
+  epoch (both sides empty) and sends every item whole. A 0 GiB IPC cache sends every item whole.
+- `--mm-cache-type shm`: through the shared-memory store. Each item is written once and crosses
+  as a handle that P1 (and every tensor-parallel rank) maps in place; an item the store cannot
+  take goes whole. A stale handle (evicted meanwhile) is reported missing, and the resend sends
+  every item whole. P1 keeps no IPC receiver then (`MultiModalConfig.ipc_cache_bytes` is 0).
+
+P1's half is `engine/core_proc.py` (`ipc_receiver`, `ShmItemReader`); both halves read the same
+derived config properties (`MultiModalConfig.uses_shm`, `.ipc_cache_bytes`), so they agree.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mmserve.config import MultiModalConfig
+from mmserve.frontend.undo import UndoLog
+from mmserve.ipc.messages import CacheStats, EngineCoreRequest
+from mmserve.ipc.shm_items import ShmItemWriter
+from mmserve.multimodal.cache import IpcSenderCache
+
+
+class ItemTransport:
+    """P0's side. `to_wire` registers in `undo` how to take back each change it makes (IPC
+    sender keys, shm entries and pins); `finish` ends a request's hold on the store."""
+
+    def __init__(self, mm: MultiModalConfig) -> None:
+        self.sender = IpcSenderCache(mm.ipc_cache_bytes)
+        self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
+
+    @property
+    def shm_info(self) -> bytes | None:
+        """What P1 attaches to the store with (holds the handle secret: never log it)."""
+        return self.shm.info if self.shm is not None else None
+
+    def known_tokens(self, mm_hash: str) -> int | None:
+        """The placeholder count of an item P1 holds through the IPC cache, else None."""
+        return self.sender.num_tokens(mm_hash)
+
+    def to_wire(self, request: EngineCoreRequest, undo: UndoLog,
+                resend: bool = False) -> tuple[EngineCoreRequest, bool]:
+        """(the message for P1, whether some item crosses by reference — a hash or a handle — so
+        P1 may report it missing). `resend`: P1 lacked an item of this request last time."""
+        if self.shm is not None:
+            written: list[str] = []
+            undo.push(self.shm.finish, request.request_id)
+            undo.push(self.shm.discard, written)
+            items = self.shm.to_wire(request, resend, written)  # a resend goes inline
+            return (msgspec.structs.replace(request, mm_items=items),
+                    any(item.shm_handle is not None for item in items))
+        if resend:
+            self.sender.reset()
+        undo.push(self.sender.rollback, self.sender.checkpoint())
+        cached = self.sender.update(request.mm_items)
+        items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
+        return msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.sender.epoch), any(cached)
+
+    def finish(self, request_id: str) -> None:
+        """The request ended (finished, aborted or failed): unpin its store entries."""
+        if self.shm is not None:
+            self.shm.finish(request_id)
+
+    def stats(self) -> dict[str, CacheStats]:
+        layers = {"ipc": self.sender.stats()}
+        if self.shm is not None:
+            layers["shm"] = self.shm.stats()
+        return layers
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
