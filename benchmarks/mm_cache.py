@@ -64,11 +64,11 @@ def hashing(runs: int) -> None:
 def p0_path(model: str, runs: int) -> None:
     from mmserve.config import EngineConfig
     from mmserve.frontend.input_processor import InputProcessor
-    from mmserve.frontend.llm_engine import eos_token_id
+    from mmserve.models.hf_config import eos_token_id
     from mmserve.ipc.serial import MsgpackEncoder
     from mmserve.models.builtin import resolve_model
     from mmserve.multimodal.cache import IpcSenderCache, gib_to_bytes
-    from mmserve.multimodal.inputs import MultiModalItem
+    from mmserve.ipc.items import MultiModalItem
     from mmserve.sampling_params import SamplingParams
 
     model_dir = resolve_model(model)
@@ -107,7 +107,7 @@ def p0_path(model: str, runs: int) -> None:
 
 def sender_memory(n: int = 10_000) -> None:
     from mmserve.multimodal.cache import IpcSenderCache
-    from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+    from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
     import torch
 

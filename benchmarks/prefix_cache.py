@@ -62,7 +62,7 @@ class Engine:
 def hash_us_per_block(algo: str, num_blocks: int, block_size: int = 16) -> float:
     """Hash a 4096-token prompt with 4 images of 576 placeholders (as llava-1.5), over and over."""
     from mmserve.engine.block_hash import BlockHasher
-    from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+    from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
     tokens = list(range(1000, 1000 + 4096))
     items = [MultiModalItem("image", f"{i:064x}", None, PlaceholderRange(100 + 1000 * i, 576)) for i in range(4)]

@@ -77,7 +77,7 @@ def server_ttft(model: str, urls: list[str]) -> list[float]:
 
 
 def processed_item():
-    from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+    from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
     return MultiModalItem("image", "x" * 32, {"pixel_values": torch.randn(3, 336, 336)}, PlaceholderRange(5, 144))
 
@@ -89,7 +89,7 @@ def channel_seconds(item, runs: int) -> float:
     import zmq
 
     from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-    from mmserve.multimodal.inputs import MultiModalItem
+    from mmserve.ipc.items import MultiModalItem
 
     ctx = zmq.Context()
     tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")

@@ -13,7 +13,7 @@ import pytest
 
 from mmserve.engine.block_hash import HASH_ALGOS, BlockHasher, block_extra_keys, get_hash_fn
 from mmserve.engine.request import Request
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 
 IMG = 32000  # every image's placeholder token: identical for all images
@@ -99,7 +99,7 @@ def test_the_first_block_seed_is_a_constant_of_the_algorithm():
 _CHILD = """
 import json
 from mmserve.engine.block_hash import HASH_ALGOS, BlockHasher
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 items = [MultiModalItem("image", "cat", None, PlaceholderRange(3, 6))]
 print(json.dumps({a: [h.hex() for h in BlockHasher(4, a).new_block_hashes(list(range(20)), items, "s", [])]
                   for a in HASH_ALGOS}))

@@ -9,7 +9,7 @@ import torch
 
 from mmserve import SamplingParams
 from hf_logits import hf_output_logits
-from mmserve.frontend.llm_engine import eos_token_id
+from mmserve.models.hf_config import eos_token_id
 
 
 PROMPT = {"prompt": "USER: the cat sat on the mat and the cat sat on the mat ASSISTANT:"}

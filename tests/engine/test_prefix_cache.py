@@ -14,7 +14,7 @@ from mmserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler, back_off_from_placeholders
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 from scheduler_sim import fake_step
 

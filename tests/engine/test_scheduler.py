@@ -6,7 +6,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 from scheduler_sim import fake_step
 

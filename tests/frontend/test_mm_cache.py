@@ -10,7 +10,7 @@ from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.messages import EngineCoreRequest
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -105,7 +105,7 @@ def test_a_burst_of_one_new_image_runs_the_processor_once(path):
     from concurrent.futures import ThreadPoolExecutor
 
     from mmserve.frontend.input_processor import InputProcessor
-    from mmserve.frontend.llm_engine import eos_token_id
+    from mmserve.models.hf_config import eos_token_id
 
     inputs = InputProcessor(EngineConfig.from_kwargs(model=path), path, 512, eos_token_id(path))
     with ThreadPoolExecutor(8) as pool:

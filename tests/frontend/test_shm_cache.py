@@ -8,7 +8,7 @@ import pytest
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from mmserve.ipc.shm_items import ShmItemReader, ShmItemWriter
+from mmserve.multimodal.shm_items import ShmItemReader, ShmItemWriter
 from mmserve.ipc.shm_store import ShmStore
 from mm_prompts import PARAMS, TWO, generate, one, url
 from tiny_models import make_checkpoint
@@ -84,7 +84,7 @@ def test_items_the_store_cannot_take_go_inline(path, lru_tokens):
 def test_a_stale_handle_is_reported_missing_not_misread(path):
     from mmserve.config import EngineConfig as Cfg
     from mmserve.frontend.input_processor import InputProcessor
-    from mmserve.frontend.llm_engine import eos_token_id
+    from mmserve.models.hf_config import eos_token_id
 
     inputs = InputProcessor(Cfg.from_kwargs(model=path), path, 512, eos_token_id(path))
     request = inputs.process("r", one(3), PARAMS)

@@ -13,7 +13,7 @@ import zmq
 from mmserve.ipc.messages import AbortRequests, EngineCoreInput, EngineCoreRequest
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, ipc_path, make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ from mmserve.ipc.messages import (AbortRequests, TokenLogprobs, CachedRequestDat
                                   NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
                                   WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
 

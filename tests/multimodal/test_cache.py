@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mmserve.multimodal.cache import (ENTRY_OVERHEAD_BYTES, IpcReceiverCache, IpcSenderCache, LruBytes,
                                       ProcessorCache, item_size)
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
 
 def data(n_floats: int, fill: float = 1.0) -> dict[str, torch.Tensor]:

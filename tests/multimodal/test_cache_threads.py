@@ -11,7 +11,7 @@ import threading
 import torch
 
 from mmserve.multimodal.cache import IpcSenderCache, ProcessorCache
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
 THREADS, ROUNDS, KEYS = 8, 3000, 64
 

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import msgspec
 
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 
 BlockHash = bytes  # a digest: 32 bytes (sha256, blake3) or 16 (xxh3_128)
 HashFn = Callable[[bytes], BlockHash]

@@ -38,8 +38,8 @@ from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInp
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
-from mmserve.ipc.shm_handle import ShmStoreInfo
-from mmserve.ipc.shm_items import ShmItemReader
+from mmserve.ipc.items import ShmStoreInfo
+from mmserve.multimodal.shm_items import ShmItemReader
 from mmserve.multimodal.cache import IpcReceiverCache
 
 if TYPE_CHECKING:

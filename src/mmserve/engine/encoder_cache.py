@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from mmserve.config import SchedulerConfig
-    from mmserve.multimodal.inputs import MultiModalItem
+    from mmserve.ipc.items import MultiModalItem
 
 
 class EncoderRequest(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 
 from mmserve.engine.block_hash import BlockHash, BlockHasher
+from mmserve.ipc.items import MultiModalItem
 from mmserve.ipc.messages import EngineCoreRequest, FinishReason, sibling_request_id
-from mmserve.multimodal.inputs import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 
 

@@ -39,7 +39,7 @@ from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput)
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 
 
 class Scheduler:

@@ -21,7 +21,7 @@ from mmserve.frontend.chat import parse_chat_messages
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.llm_engine import eos_token_id
+from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats

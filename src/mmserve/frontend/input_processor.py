@@ -17,7 +17,7 @@ from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.cache import ProcessorCache, gib_to_bytes
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
 from mmserve.multimodal.processing import create_processor
 from mmserve.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ import msgspec
 from mmserve.config import MultiModalConfig
 from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
-from mmserve.ipc.shm_items import ShmItemWriter
+from mmserve.multimodal.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 
 

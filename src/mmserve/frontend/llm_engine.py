@@ -6,8 +6,6 @@ The engine core runs in this process for now; it is reached only through `Engine
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from mmserve.config import EngineConfig
@@ -15,7 +13,7 @@ from mmserve.engine.core import EngineCore
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.models.builtin import resolve_model
-from mmserve.models.hf_config import load_model_config
+from mmserve.models.hf_config import eos_token_id
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -53,15 +51,3 @@ class LLMEngine:
         if batch.to_abort:
             self.core.abort_requests(batch.to_abort)
         return batch.outputs
-
-
-def eos_token_id(model_dir: str) -> int | None:
-    """The EOS id generation stops at: generation_config.json's, else the decoder config's."""
-    path = os.path.join(model_dir, "generation_config.json")
-    eos: Any = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        eos = load_model_config(model_dir).text.eos_token_id
-    return eos[0] if isinstance(eos, list) else eos

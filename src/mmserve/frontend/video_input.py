@@ -14,7 +14,7 @@ from typing import Any
 from mmserve.config import EngineConfig
 from mmserve.multimodal.cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.items import ResolvedItem
 from mmserve.multimodal.video_items import VideoResolver, group_items
 

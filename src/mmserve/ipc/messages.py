@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 
 

@@ -41,7 +41,7 @@ import msgspec
 import torch
 
 from mmserve.ipc.serial import tensor_bytes, tensor_from_bytes
-from mmserve.ipc.shm_handle import ShmHandle, ShmStoreInfo
+from mmserve.ipc.items import ShmHandle, ShmStoreInfo
 from mmserve.ipc.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader, align
 
 _SIGNED = struct.Struct("<QQQ")  # offset, chunk id, nbytes; the key's UTF-8 follows

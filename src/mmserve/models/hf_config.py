@@ -158,3 +158,15 @@ def _vision_config(v: dict[str, Any]) -> VisionConfig:
         layer_norm_eps=v.get("layer_norm_eps", 1e-5),
         hidden_act=v.get("hidden_act", "quick_gelu"),
     )
+
+
+def eos_token_id(model_dir: str) -> int | None:
+    """The EOS id generation stops at: generation_config.json's, else the decoder config's."""
+    path = os.path.join(model_dir, "generation_config.json")
+    eos: Any = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = load_model_config(model_dir).text.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos

@@ -23,7 +23,7 @@ from mmserve.models.qwen_text import QwenTextModel
 from mmserve.models.mrope import mrope_positions
 from mmserve.models.qwen_vision import check_vision_shardable
 from mmserve.models.vlm import VisionLanguageModel
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 
 
 class QwenVLInner(nn.Module):

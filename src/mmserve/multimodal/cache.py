@@ -23,7 +23,7 @@ from typing import Any, Generic, Iterable, TypeVar
 import msgspec
 
 from mmserve.ipc.messages import CacheStats
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 
 ENTRY_OVERHEAD_BYTES = 512  # per entry: key, bookkeeping, tensor headers
 _GIB = 1 << 30

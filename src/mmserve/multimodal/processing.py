@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.media import to_rgb
 
 

@@ -25,7 +25,7 @@ import torch
 
 from mmserve.multimodal.cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
-from mmserve.multimodal.inputs import MultiModalItem, PlaceholderRange
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.items import ResolvedItem
 from mmserve.multimodal.media import MediaError, MediaLimits, read_media_bytes
 from mmserve.multimodal.video import VideoLimits, VideoMetadata, check_sampled, check_video, decode_video

@@ -21,6 +21,7 @@ from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOut
 from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
+from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests

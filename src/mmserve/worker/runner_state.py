@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 
 

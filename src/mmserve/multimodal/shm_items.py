@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import msgspec
 
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
-from mmserve.ipc.shm_handle import ShmStoreInfo
+from mmserve.ipc.items import ShmStoreInfo
 from mmserve.ipc.shm_store import ShmLease, ShmStore, ShmStoreReader
-from mmserve.multimodal.inputs import MultiModalItem
+from mmserve.ipc.items import MultiModalItem
 
 
 class ShmItemWriter:

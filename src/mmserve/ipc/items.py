@@ -1,4 +1,7 @@
-"""The multimodal item: the unit that every cache layer keys, stores and moves."""
+"""The types every layer shares, torch-free and at the bottom of the import graph (ipc/ and
+multimodal/ import them; they import neither): the multimodal item — the unit every cache layer
+keys, stores and moves — and the small types of the shared-memory object store that travel in
+messages in its place."""
 
 from __future__ import annotations
 
@@ -6,7 +9,23 @@ from typing import Any
 
 import msgspec
 
-from mmserve.ipc.shm_handle import ShmHandle
+
+class ShmHandle(msgspec.Struct, frozen=True, array_like=True):
+    """Where one entry lies; travels in messages in place of the item (~100 bytes)."""
+
+    key: str
+    offset: int
+    chunk_id: int
+    nbytes: int  # payload bytes
+    tag: bytes
+
+
+class ShmStoreInfo(msgspec.Struct, frozen=True):
+    """What a reader needs to attach: the segment's name, its size and the handle secret."""
+
+    name: str
+    capacity: int
+    secret: bytes
 
 
 class PlaceholderRange(msgspec.Struct, frozen=True):
