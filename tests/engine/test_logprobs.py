@@ -16,7 +16,8 @@ K = 5
 
 def items() -> list[dict]:
     return [{"prompt": "USER: hello there, how are you today? ASSISTANT:"},
-            {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(0, (40, 40))}}]
+            {"prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+             "multi_modal_data": {"image": make_image(0, (40, 40))}}]
 
 
 def check_against(path: str, item: dict, completion, temperature: float = 1.0) -> None:

@@ -34,7 +34,8 @@ def builtin():
 
 def prompts() -> list:
     return ["USER: read the receipt ASSISTANT:",
-            {"prompt": "USER: <image>\nwhere to click? ASSISTANT:", "multi_modal_data": {"image": make_image(1, (30, 30))}},
+            {"prompt": "USER: <image>\nwhere to click? ASSISTANT:",
+             "multi_modal_data": {"image": make_image(1, (30, 30))}},
             "USER: hello ASSISTANT:"]
 
 
@@ -89,7 +90,8 @@ def test_preempted_structured_request_resumes_its_grammar(path):
 
 
 @pytest.mark.parametrize("schema, word", [({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties"),
-                                          ({"type": "object", "properties": {"a": {"not": {}}}}, "'not' at $.properties.a"),
+                                          ({"type": "object", "properties": {"a": {"not": {}}}},
+                                           "'not' at $.properties.a"),
                                           ({"type": "array", "uniqueItems": True}, "uniqueItems"),
                                           ({"type": "frob"}, "frob"), ({"$ref": "#/nowhere"}, "nowhere"),
                                           ({"properties": {"a": 3}}, "$.properties.a must be a schema")])

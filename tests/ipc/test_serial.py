@@ -14,11 +14,12 @@ import torch
 
 import mmserve
 import mmserve.ipc.messages as messages
-from mmserve.ipc.messages import (AbortRequests, TokenLogprobs, CachedRequestData, CacheStats, EngineCoreEvent, EngineCoreFailed,
+from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
-                                  WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
+                                  TokenLogprobs, WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady,
+                                  WorkerStepOutput)
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams

@@ -9,14 +9,17 @@ from mmserve import LLM, SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
 from tiny_models import make_checkpoint, make_image
 
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"]}
 
 
 def run(llm: LLM) -> list:
-    image = {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(0, (40, 40))}}
+    image = {"prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+             "multi_modal_data": {"image": make_image(0, (40, 40))}}
     params = [SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, frequency_penalty=1.0, repetition_penalty=1.3),
               SamplingParams(temperature=1.0, seed=3, max_tokens=5, n=2),
-              SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams.for_schema(SCHEMA))]
+              SamplingParams(temperature=0.0, max_tokens=60,
+                             structured_outputs=StructuredOutputsParams.for_schema(SCHEMA))]
     outs = llm.generate([image, image, "USER: json please ASSISTANT:"], params)
     return [[(c.token_ids, [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in c.logprobs or []])
              for c in out.outputs] for out in outs]

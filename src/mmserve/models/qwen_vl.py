@@ -89,7 +89,8 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
             grids.append([item.placeholder.offset, t, h, w])
             steps.append(1.0 if group is None else
                          float(torch.tensor(group[1], dtype=torch.float32) * self.config.vision.tokens_per_second))
-        return mrope_positions(token_ids, [tuple(g) for g in grids], self.config.vision.spatial_merge_size, steps)
+        four = [(offset, t, h, w) for offset, t, h, w in grids]
+        return mrope_positions(token_ids, four, self.config.vision.spatial_merge_size, steps)
 
     @property
     def merge_unit(self) -> int:

@@ -46,7 +46,12 @@ class QwenVLProcessor(MultiModalProcessor):
         self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
         from mmserve.models.hf_config import load_model_config
 
-        self.family = load_model_config(model_path).family
+        from mmserve.models.qwen_config import QwenVLModelConfig
+
+        config = load_model_config(model_path)
+        if not isinstance(config, QwenVLModelConfig):
+            raise ValueError(f"{model_path!r} is not a Qwen-VL checkpoint")
+        self.family = config.family
         self.video = QwenVideoProcessor(model_path, self.family)
         self.video_token = "<|video_pad|>"
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)

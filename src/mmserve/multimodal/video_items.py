@@ -78,11 +78,9 @@ class VideoResolver:
         if uid is None:
             key = raw if isinstance(raw, bytes) else [raw[0], raw[1]]
             mm_hash = self.hasher.hash_item("video", key, salt, settings) if self.hashing else uuid_lib.uuid4().hex
-        data = self.cache.get(mm_hash) if self.cache.enabled else None
-        fresh = data is None
-        if fresh:
-            data = self._process(raw, opts, salt)
-        return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=fresh)
+        cached = self.cache.get(mm_hash) if self.cache.enabled else None
+        data = cached if cached is not None else self._process(raw, opts, salt)
+        return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=cached is None)
 
     def _read(self, source: Any) -> bytes | tuple[np.ndarray, float | None]:
         """Encoded bytes (a URL, path or bytes) or (frames [T, H, W, 3] uint8, fps)."""
@@ -140,8 +138,9 @@ class VideoResolver:
                 "group_hashes": torch.tensor([list(bytes.fromhex(h)) for h in hashes], dtype=torch.uint8)}
 
 
-def as_processed(entry: dict[str, torch.Tensor]) -> ProcessedVideo:
-    """A processor-cache entry back as the processed video."""
+def as_processed(entry: dict[str, Any] | None) -> ProcessedVideo:
+    """A processor-cache entry back as the processed video (a resolved video always has one)."""
+    assert entry is not None, "a video item without its processed data"
     t, h, w = (int(v) for v in entry["video_grid_thw"].tolist())
     return ProcessedVideo(entry["pixel_values"], (t, h, w), entry["timestamps"].tolist(),
                           float(entry["second_per_grid_ts"][0]))
@@ -154,7 +153,7 @@ def group_items(processor: Any, token_ids: list[int], videos: list[ResolvedItem]
     taken = 0
     for video_index, resolved in enumerate(videos):
         video = as_processed(resolved.data)
-        hashes = [bytes(row.tolist()).hex() for row in resolved.data["group_hashes"]]
+        hashes = [bytes(row.tolist()).hex() for row in video_data(resolved)["group_hashes"]]
         per_group = video.grid[1] * video.grid[2] // processor.merge_size**2
         for g, mm_hash in enumerate(hashes):
             run = positions[taken:taken + per_group]
@@ -172,3 +171,8 @@ def _num_tokens(entry: dict[str, torch.Tensor], processor: Any) -> int:
     """Placeholder tokens of one temporal group (the unit budgets and caches count in)."""
     _, h, w = (int(v) for v in entry["video_grid_thw"].tolist())
     return h * w // processor.merge_size**2
+
+
+def video_data(resolved: ResolvedItem) -> dict[str, Any]:
+    assert resolved.data is not None, "a video item without its processed data"
+    return resolved.data

@@ -62,7 +62,7 @@ class VideoOptions:
     def from_config(cls, config: dict[str, Any]) -> VideoOptions:
         """The defaults of a `video_preprocessor_config.json` (as transformers reads it)."""
         size = config.get("size") or {}
-        fields = {"fps": config.get("fps"), "num_frames": config.get("num_frames"),
+        fields: dict[str, Any] = {"fps": config.get("fps"), "num_frames": config.get("num_frames"),
                   "min_frames": config.get("min_frames"), "max_frames": config.get("max_frames"),
                   "min_pixels": size.get("shortest_edge", config.get("min_pixels")),
                   "max_pixels": size.get("longest_edge", config.get("max_pixels")),

@@ -88,9 +88,9 @@ class QwenVideoProcessor:
         aspect ratio over 200)."""
         factor = self.patch_size * self.merge_size
         if self.family == "qwen3_vl":
-            from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+            from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_resize
 
-            return smart_resize(max(num_frames, self.temporal_patch_size), height, width, self.temporal_patch_size,
+            return video_resize(max(num_frames, self.temporal_patch_size), height, width, self.temporal_patch_size,
                                 factor, opts.min_pixels, opts.max_pixels)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -103,7 +103,7 @@ class QwenVideoProcessor:
             raise ValueError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
                              f"{tuple(frames.shape)}")
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W]
-        height, width = self.target_size(len(frames), *video.shape[-2:], opts)
+        height, width = self.target_size(len(frames), video.shape[-2], video.shape[-1], opts)
         video = resize_like_torchvision(video, height, width)
         pixels = self._normalize(video)
         patches, grid = self._patchify(pixels)

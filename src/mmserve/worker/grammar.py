@@ -18,6 +18,8 @@ request: compact JSON never contains one, and xgrammar 0.2.8 lets them into stri
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections import OrderedDict
 
 import torch
@@ -51,9 +53,9 @@ class GrammarCache:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self.max_entries = max_entries
-        self._compiler = None
+        self._compiler: Any = None
         self.control_tokens: torch.Tensor | None = None  # [C] int64, set with the compiler
-        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
         self.num_compiles = 0  # grammars compiled since start (tests)
 
     def matcher(self, spec: StructuredOutputsParams, eos_token_id: int | None):

@@ -40,6 +40,7 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
         apply_penalties(logits, penalized, [states[i] for i in penalized])
     structured = [i for i in rows if states[i].grammar is not None and not states[i].grammar.is_terminated()]
     if structured:
+        assert control_tokens is not None  # set once a grammar was compiled
         apply_grammar_masks(logits, structured, [states[i].grammar for i in structured], control_tokens)
 
 
