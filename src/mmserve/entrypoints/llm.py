@@ -6,7 +6,7 @@ import itertools
 from typing import Any, Sequence, cast
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.chat import parse_chat_messages
+from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.llm_engine import LLMEngine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -48,14 +48,18 @@ class LLM:
         return self._run(ids)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """OpenAI-style messages (or a list of conversations) through the model's chat template."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (or a list of conversations) through the model's chat template;
+        `tools` (OpenAI function tools) are rendered by the template as it defines."""
+        tools = check_tools(tools) if tools is not None else None
+        render = self.engine.input_processor.processor.apply_chat_template
         conversations = cast(list[list[dict[str, Any]]],
                              messages if messages and isinstance(messages[0], list) else [messages])
         prompts = []
         for conversation in conversations:
             inputs = parse_chat_messages(conversation)
-            prompts.append(inputs.prompt(self.engine.input_processor.processor.apply_chat_template(inputs.conversation)))
+            prompts.append(inputs.prompt(render(inputs.conversation, tools)))
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

@@ -17,7 +17,7 @@ from typing import Any, AsyncGenerator
 import msgspec
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.chat import parse_chat_messages
+from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
@@ -70,11 +70,15 @@ class AsyncLLM:
                   **self.transport.stats()}
         return msgspec.structs.replace(base, caches=caches)
 
-    async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None) -> dict[str, Any]:
-        """OpenAI messages -> a prompt dict naming its images (ValueError for bad input); the
-        images are read, hashed and processed by `generate`, off the event loop."""
+    async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
+                           tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
+        its images (ValueError for bad input); the images are read, hashed and processed by
+        `generate`, off the event loop."""
         inputs = parse_chat_messages(messages)
-        return inputs.prompt(self.input_processor.processor.apply_chat_template(inputs.conversation), cache_salt)
+        tools = check_tools(tools) if tools is not None else None
+        text = self.input_processor.processor.apply_chat_template(inputs.conversation, tools)
+        return inputs.prompt(text, cache_salt)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any],
                        params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:

@@ -6,12 +6,13 @@ processing, which hashes a source's bytes first and decodes only on a processor-
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "image_url", "image_pil", "image", "video_url", "video")
 
 
@@ -42,7 +43,9 @@ class ChatInputs:
 def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
     """Turn OpenAI-style chat messages into a template conversation and image sources.
 
-    A message is `{"role": "system" | "user" | "assistant", "content": ...}` where content is a
+    A message is `{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}`
+    ("developer" is rendered as "system"; an assistant turn may carry `tool_calls`, with content
+    None, and a "tool" turn names the call it answers in `tool_call_id`) where content is a
     string (kept as a string) or a list of parts: `{"type": "text", "text": str}`,
     `{"type": "image_url", "image_url": {"url": str}, "uuid"?: str}` (or `"image_url": str`; with a
     `uuid`, the url may be left out to reuse an image sent before), `{"type": "image_pil",
@@ -56,19 +59,71 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     inputs = ChatInputs([])
+    call_ids: set[str] = set()
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         role = _role(message, where)
         content = message.get("content")
+        turn: dict[str, Any] = {"role": "system" if role == "developer" else role}
         if isinstance(content, str):
-            inputs.conversation.append({"role": role, "content": content})
+            turn["content"] = content
         elif isinstance(content, list):
-            parts = [_part(part, f"{where}.content[{i}]", inputs) for i, part in enumerate(content)]
-            inputs.conversation.append({"role": role, "content": parts})
-        else:
+            turn["content"] = [_part(part, f"{where}.content[{i}]", inputs) for i, part in enumerate(content)]
+        elif not (content is None and role == "assistant" and message.get("tool_calls")):
             raise ValueError(f"{where}.content must be a string or a list of content parts; "
                              f"got {type(content).__name__}")
+        if role == "assistant" and message.get("tool_calls") is not None:
+            turn["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls", call_ids)
+        if role == "tool":
+            turn["tool_call_id"] = _tool_call_id(message.get("tool_call_id"), f"{where}.tool_call_id", call_ids)
+        inputs.conversation.append(turn)
     return inputs
+
+
+def check_tools(tools: object) -> list[dict[str, Any]]:
+    """OpenAI `tools` (function tools), as the chat template takes them; ValueError naming the
+    offending field otherwise."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if fn["name"] in names:
+            raise ValueError(f"tools[{i}].function.name {fn['name']!r} is given twice")
+        names.add(fn["name"])
+    return tools
+
+
+def _tool_calls(calls: object, where: str, call_ids: set[str]) -> list[dict[str, Any]]:
+    """An assistant turn's calls for the template: arguments as an object (templates render it
+    with `tojson`), the way transformers' templates expect them."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{i}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        arguments = fn.get("arguments", {})
+        try:
+            arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
+        except ValueError as exc:
+            raise ValueError(f"{where}[{i}].function.arguments is not valid JSON: {exc}") from exc
+        if isinstance(call.get("id"), str):
+            call_ids.add(call["id"])
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _tool_call_id(value: object, where: str, call_ids: set[str]) -> str:
+    if not isinstance(value, str) or value not in call_ids:
+        raise ValueError(f"{where} must name a tool call of an earlier assistant message; got {value!r:.60}")
+    return value
 
 
 def _role(message: object, where: str) -> str:

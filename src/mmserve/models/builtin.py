@@ -20,7 +20,7 @@ from mmserve.models.builtin_corpus import CORPUS as _CORPUS
 
 BUILTIN_PREFIX = "builtin:"
 # Bump when anything that changes the written files changes: the cache folder is named after it.
-BUILTIN_VERSION = "v2"
+BUILTIN_VERSION = "v3"  # v3: the Qwen template renders tools
 BUILTIN_MODELS = ("tiny-llava", "tiny-qwen3-vl")
 
 IMAGE_TOKEN = "<image>"

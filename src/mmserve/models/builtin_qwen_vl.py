@@ -20,19 +20,49 @@ from mmserve.models.builtin import fill_random, round_up, tokenizer_json
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen2-VL's template: a default system turn; image and video parts wrapped in vision tokens
-CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+# Qwen2-VL's template: a default system turn; image and video parts wrapped in vision tokens; with
+# `tools`, Qwen2.5 / Qwen3's tool turns (the tools listed in the system turn, calls as hermes
+# `<tool_call>` JSON, tool results as `<tool_response>` in a user turn). Without tools it renders
+# exactly as Qwen2-VL's.
+_TOOLS_SYSTEM = (
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+)
+_CONTENT = (
     "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- elif message['content'] is not none -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] in ('image', 'image_url') -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- elif part['type'] in ('video', 'video_url') -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{%- if tools -%}" + _TOOLS_SYSTEM +
+    "{%- elif messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' and message['content'] is string -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' }}" + _CONTENT + "{{ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}" + _CONTENT +
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{%- if message['content'] or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}{{ call['arguments'] | tojson }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

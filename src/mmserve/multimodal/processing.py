@@ -109,9 +109,9 @@ class MultiModalProcessor:
                 "strategy": self._hf.vision_feature_select_strategy,
                 "extra_tokens": self._hf.num_additional_image_tokens}
 
-    def apply_chat_template(self, conversation: list[dict]) -> str:
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
         """Renders a conversation with the model's chat template, ending with the reply prompt."""
-        return self._hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return self._hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):

@@ -123,6 +123,6 @@ class QwenVLProcessor(MultiModalProcessor):
             raise ValueError(f"each video needs its {wrapped} in the prompt (as the chat template writes it)")
         return pieces[0] + "".join(self.video_text(v) + piece for v, piece in zip(videos, pieces[1:]))
 
-    def apply_chat_template(self, conversation: list[dict]) -> str:
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
         """Renders a conversation with the checkpoint's chat template, ending with the reply prompt."""
-        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
