@@ -59,7 +59,8 @@ def test_completions_whole_and_streamed_equal_offline(client, offline):
     chunks = list(client.completions.create(model="m", prompt=[PROMPT], max_tokens=8, temperature=0, logprobs=2,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
     assert chunks[-1].usage.completion_tokens == 8 and [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
@@ -133,14 +134,16 @@ def test_response_format_json_schema_and_json_object(client, stream):
     for response_format, schema in ((fmt, SCHEMA), ({"type": "json_object"}, {"type": "object"})):
         r = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=150, temperature=1.0,
                                            seed=2, response_format=response_format, stream=stream)
-        text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+        text = ("".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream
+                else r.choices[0].message.content)
         jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"n": 0}, None),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}, None),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     None),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format"),
     ("chat", {"presence_penalty": 3}, None),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
 
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
@@ -111,7 +111,7 @@ class ChoiceStream:
     events, then per step each choice's new text as `_delta`'s events, a usage chunk (no choices)
     when asked for, then `data: [DONE]`. Chat and completions differ only in their chunks."""
 
-    def __init__(self, request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+    def __init__(self, request_id: str, model: str, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
                  record: RequestRecord, include_usage: bool, top_logprobs: int = 0) -> None:
         self.request_id = request_id
         self.model = model

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -129,14 +129,14 @@ class OpenAIServingChat:
         return name
 
 
-async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _first_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
     try:
         return await anext(outputs)
     except StopAsyncIteration:
         raise RuntimeError("the engine ended a request without any output") from None
 
 
-async def last_output(outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+async def last_output(outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
                       record: RequestRecord) -> RequestOutput:
     """Wait for the request's last output (observed in `record`, counted as its outcome)."""
     final = first
@@ -147,7 +147,7 @@ async def last_output(outputs: AsyncIterator[RequestOutput], first: RequestOutpu
     return final
 
 
-async def _complete(request_id: str, model: str, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+async def _complete(request_id: str, model: str, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
                     record: RequestRecord, top_logprobs: int) -> JSONResponse:
     """Wait for the last output and answer with the whole completion (one choice per `n`)."""
     final = await last_output(outputs, first, record)

@@ -92,4 +92,4 @@ class CompletionStream(ChoiceStream):
                                   usage=usage).model_dump()
         if not self.include_usage:
             del body["usage"]
-        return f"data: {JSONResponse(body).body.decode()}\n\n"
+        return f"data: {bytes(JSONResponse(body).body).decode()}\n\n"
