@@ -46,9 +46,10 @@ HEALTH_POLL_S = 0.5
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, auto_tool_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
-    `max_body_bytes` (default: derived from the media limits) are refused with 413 unread."""
+    `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
+    `auto_tool_parser` enables tool_choice "auto" with that parser."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -58,7 +59,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine.stats)
     install_error_handlers(app)
-    chat = OpenAIServingChat(engine, served_model_names, metrics)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
@@ -156,7 +157,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)))
+                        None if limit is None else int(limit * (1 << 20)), server_config.auto_tool_parser)
         server = uvicorn.Server(uvicorn.Config(
             app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))

@@ -110,9 +110,9 @@ MessageContent = Annotated[
 class ChatMessage(BaseModel):
     """One message; the role's allowed values are checked when the prompt is built."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name: checked in frontend/chat.py
     role: str
-    content: MessageContent
+    content: MessageContent | None = None  # None: an assistant turn that only calls tools
 
 
 class StreamOptions(BaseModel):
@@ -141,8 +141,9 @@ class ChatCompletionRequest(SamplingExtras):
     n: int | None = 1
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (entrypoints/openai/tool_calls.py)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -163,10 +164,6 @@ class ChatCompletionRequest(SamplingExtras):
         check_top_logprobs("top_logprobs", self.top_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs to be true")
-        if self.tools:
-            _unsupported("tools", "tool calling (tools) is not supported by mmserve")
-        if self.tool_choice not in (None, "none", "auto"):
-            _unsupported("tool_choice", "tool calling (tool_choice) is not supported by mmserve")
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
 
@@ -220,7 +217,8 @@ class UsageInfo(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # [{"id", "type": "function", "function": {"name", "arguments"}}]
 
 
 class ChatCompletionChoice(BaseModel):
@@ -242,6 +240,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{"index", "id"?, "type"?, "function": {...}}]
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -25,6 +25,12 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={
         "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": 'Let requests use tool_choice "auto" (the default when tools are given): the model answers '
+                "freely and --tool-call-parser extracts its calls.", "action": "store_true"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "How calls are read from free answers: hermes (<tool_call> JSON, what Qwen2.5-VL and "
+                "Qwen3-VL emit).", "choices": ("hermes",)})
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
@@ -41,12 +47,19 @@ class ServerConfig:
             object.__setattr__(self, "served_model_name", names)
         if self.max_request_body_mb is not None and self.max_request_body_mb <= 0:
             raise ValueError(f"max_request_body_mb must be positive; got {self.max_request_body_mb}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
     def served_model_names(self, model: str) -> list[str]:
         """The names the server answers to: the configured ones, else `model`."""
         return list(self.served_model_name) if self.served_model_name else [model]
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser for tool_choice "auto", or None where "auto" is not enabled."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerConfig:
@@ -62,6 +75,8 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
             kw["type"] = int
         if f.name == "max_request_body_mb":
             kw["type"] = float
+        if f.metadata.get("action"):
+            kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}
         for key in ("nargs", "choices"):
             if key in f.metadata:
                 kw[key] = f.metadata[key]

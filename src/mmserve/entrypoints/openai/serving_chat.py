@@ -16,14 +16,18 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
 from mmserve.entrypoints.openai.errors import OpenAIError
+from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, tool_mode
+from mmserve.entrypoints.openai.tool_parsers import ToolCall
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
-                                                 ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
+                                                 ChatCompletionStreamResponse, DeltaMessage, ParameterError,
+                                                 UsageInfo)
 from mmserve.metrics import ServerMetrics
 from mmserve.outputs import RequestOutput
 
@@ -67,10 +71,12 @@ class RequestRecord:
 class OpenAIServingChat:
     """The chat completions handler over an `AsyncLLM`-like engine."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
+                 auto_tool_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
+        self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
 
     async def create_chat_completion(self, raw_request: Request) -> Response:
         return await self.recorded(self._create, raw_request)
@@ -98,7 +104,12 @@ class OpenAIServingChat:
             logger.warning("request %s: ignoring unknown field(s): %s", request_id,
                            ", ".join(request.unknown_fields()))
         params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
-        prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt)
+        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
+        if tools is not None and tools.forced:
+            if params.structured_outputs is not None:
+                raise ParameterError("response_format", "response_format cannot be combined with a forced tool call")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured())
+        prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt, request.tools)
         if request.mm_processor_kwargs is not None:
             prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         if request.media_io_kwargs is not None:
@@ -110,10 +121,11 @@ class OpenAIServingChat:
             record.observe(first)
             if request.stream:
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
-                stream = ChatStream(request_id, model, outputs, first, record, include_usage, request.top_logprobs or 0)
+                stream = ChatStream(request_id, model, outputs, first, record, include_usage, request.top_logprobs or 0,
+                                    tools=tools)
                 handed_over = True
                 return SSEResponse(stream)
-            return await _complete(request_id, model, outputs, first, record, request.top_logprobs or 0)
+            return await _complete(request_id, model, outputs, first, record, request.top_logprobs or 0, tools)
         finally:
             if not handed_over:
                 await outputs.aclose()
@@ -148,34 +160,70 @@ async def last_output(outputs: AsyncGenerator[RequestOutput, None], first: Reque
 
 
 async def _complete(request_id: str, model: str, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
-                    record: RequestRecord, top_logprobs: int) -> JSONResponse:
+                    record: RequestRecord, top_logprobs: int, tools: ToolMode | None = None) -> JSONResponse:
     """Wait for the last output and answer with the whole completion (one choice per `n`)."""
     final = await last_output(outputs, first, record)
-    response = ChatCompletionResponse(
-        id=request_id, model=model,
-        choices=[ChatCompletionChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                      finish_reason=c.finish_reason,
-                                      logprobs=None if c.logprobs is None else
-                                      chat_logprobs(c.token_ids, c.logprobs, top_logprobs))
-                 for c in final.outputs],
-        usage=UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens))
+    choices = []
+    for c in final.outputs:
+        content, calls = tools.extract(c.text) if tools is not None else (c.text, [])
+        message = AssistantMessage(content=content, tool_calls=[_call_entry(call) for call in calls] or None)
+        choices.append(ChatCompletionChoice(
+            index=c.index, message=message, finish_reason=_finish_reason(c.finish_reason, bool(calls), tools),
+            logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
+    response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
+        record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     return JSONResponse(response.model_dump())
+
+
+def _call_entry(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(reason: str | None, called: bool, tools: ToolMode | None) -> str | None:
+    """"tool_calls" when the answer called tools and was not cut short (OpenAI's meaning)."""
+    return "tool_calls" if called and tools is not None and reason == "stop" else reason
 
 
 class ChatStream(ChoiceStream):
     """Chat chunks: the assistant role per choice first, then per choice and step its new text (and
     the new tokens' log probabilities when asked for), and a chunk with its finish reason."""
 
+    def __init__(self, *args: Any, tools: ToolMode | None = None) -> None:
+        super().__init__(*args)
+        self.tools = tools
+        self._tool_streams: dict[int, ChoiceTools] = {}  # choice index -> its tool-call parsing
+
     def _open(self) -> list[str]:
         return [self._chunk(DeltaMessage(role="assistant", content=""), index=c.index) for c in self.first.outputs]
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        if self.tools is not None:
+            return self._tool_delta(d)
         events = []
         logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
         if d.text or logprobs:
             events.append(self._chunk(DeltaMessage(content=d.text), index=d.index, logprobs=logprobs))
         if d.finish_reason is not None:
             events.append(self._chunk(DeltaMessage(), finish_reason=d.finish_reason, index=d.index))
+        return events
+
+    def _tool_delta(self, d: ChoiceDelta) -> list[str]:
+        """The choice's text through its tool-call parsing: content, then calls as they complete."""
+        assert self.tools is not None
+        parsing = self._tool_streams.setdefault(d.index, self.tools.stream())
+        step = parsing.feed(d.text)
+        if d.finish_reason is not None:
+            tail = parsing.finish()
+            step.content, step.calls = step.content + tail.content, step.calls + tail.calls
+        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
+        events = []
+        if step.content or logprobs:
+            events.append(self._chunk(DeltaMessage(content=step.content), index=d.index, logprobs=logprobs))
+        if step.calls:
+            events.append(self._chunk(DeltaMessage(tool_calls=step.calls), index=d.index))
+        if d.finish_reason is not None:
+            reason = _finish_reason(d.finish_reason, parsing.num_calls > 0, self.tools)
+            events.append(self._chunk(DeltaMessage(), finish_reason=reason, index=d.index))
         return events
 
     def _chunk(self, delta: DeltaMessage, finish_reason: str | None = None, index: int = 0,
