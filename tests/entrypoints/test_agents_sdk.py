@@ -18,7 +18,8 @@ def test_the_agents_sdk_runs_a_forced_tool_call_then_finishes(tmp_path_factory):
     from openai import AsyncOpenAI
 
     path = make_qwen_checkpoint(tmp_path_factory.mktemp("agents"))
-    server = ServerProcess(path, "--served-model-name", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    server = ServerProcess(path, "--served-model-name", "m", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "hermes")
     clicks: list[tuple[int, int]] = []
 
     @agents.function_tool

@@ -121,7 +121,8 @@ def test_a_tool_turn_without_its_call_and_choice_without_tools_are_400s(client):
 
 def test_auto_with_the_hermes_parser(tmp_path_factory):
     path = make_qwen_checkpoint(tmp_path_factory.mktemp("tools-auto"))
-    s = ServerProcess(path, "--served-model-name", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = ServerProcess(path, "--served-model-name", "m", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "hermes")
     try:
         with openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0) as client:
             r = client.chat.completions.create(model="m", messages=turn(), tools=TOOLS, max_tokens=8, temperature=0.0)
