@@ -45,12 +45,18 @@ def photo(seed: int, width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+# an agent's tools, rendered into every turn's prompt (tool_choice "none": the TTFT is the prefill's)
+AGENT_TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} on the screen", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}}
+    for name in ("click", "double_click", "move_to", "scroll")]
+
+
 def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What is in this image?",
-         part: str = "image_url") -> float:
+         part: str = "image_url", tools: bool = False) -> float:
     """Seconds to the first streamed token of one chat request with `urls` as image (or `part`) parts."""
     content = [{"type": part, part: {"url": u}} for u in urls] + [{"type": "text", "text": text}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "stream": True,
-            "temperature": 0.0}
+            "temperature": 0.0, **({"tools": AGENT_TOOLS, "tool_choice": "none"} if tools else {})}
     content = json.dumps(body).encode()  # encoded before the clock starts: the client's cost, not the server's
     start = time.perf_counter()
     with client.stream("POST", base_url + "/v1/chat/completions", content=content,
@@ -81,7 +87,7 @@ def repeat_ratio(model: str, side: int, run: int) -> tuple[float, float]:
         s.stop()
 
 
-def agent_turn6(model: str, run: int, caches_on: bool) -> float:
+def agent_turn6(model: str, run: int, caches_on: bool, tools: bool = False) -> float:
     """TTFT of turn 6 of an agent loop that re-sends every screenshot so far (1024x768)."""
     s = server(model, *(() if caches_on else CACHES_OFF))
     try:
@@ -89,7 +95,7 @@ def agent_turn6(model: str, run: int, caches_on: bool) -> float:
             shots: list[str] = []
             for turn in range(6):
                 shots.append(photo(100 * run + turn, 1024, 768))
-                took = ttft(client, s.base_url, shots, f"turn {turn}: what changed?")
+                took = ttft(client, s.base_url, shots, f"turn {turn}: what changed?", tools=tools)
             return took
     finally:
         s.stop()
@@ -103,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="builtin:tiny-llava")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tools-model", default="builtin:tiny-qwen3-vl",
+                        help="the agent loop with tools in every turn runs on this model (its template renders them)")
     args = parser.parse_args()
     for side in (672, 1344):
         pairs = [repeat_ratio(args.model, side, run) for run in range(args.runs)]
@@ -114,6 +122,11 @@ def main() -> None:
     ratios = [a / b for a, b in zip(on, off)]
     print(f"agent loop turn 6: caches on {spread([t * 1e3 for t in on])} ms, off {spread([t * 1e3 for t in off])} "
           f"ms; ratio min/median/max {spread(ratios)} (target <= 0.25)")
+    on = [agent_turn6(args.tools_model, run, True, tools=True) for run in range(args.runs)]
+    off = [agent_turn6(args.tools_model, run, False, tools=True) for run in range(args.runs)]
+    ratios = [a / b for a, b in zip(on, off)]
+    print(f"agent loop turn 6 with tools ({args.tools_model}): caches on {spread([t * 1e3 for t in on])} ms, off "
+          f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}")
     adds = [server_overhead(args.model, run) for run in range(args.runs)]
     print(f"server overhead (median TTFT of 10 one-image requests, server - offline LLM): "
           f"min/median/max {spread([a * 1e3 for a in adds])} ms (target < 5 ms)")
