@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from mmserve.outputs import RequestOutput
 
 
-async def merged_outputs(request_id: str, outputs: list[AsyncIterator[RequestOutput]],
-                         n: int) -> AsyncIterator[RequestOutput]:
+async def merged_outputs(request_id: str, outputs: list[AsyncGenerator[RequestOutput, None]],
+                         n: int) -> AsyncGenerator[RequestOutput, None]:
     latest: list[RequestOutput | None] = [None] * len(outputs)
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     pumps = [asyncio.ensure_future(_pump(p, gen, queue)) for p, gen in enumerate(outputs)]
@@ -42,7 +42,7 @@ async def merged_outputs(request_id: str, outputs: list[AsyncIterator[RequestOut
             await gen.aclose()
 
 
-async def _pump(p: int, gen: AsyncIterator[RequestOutput],
+async def _pump(p: int, gen: AsyncGenerator[RequestOutput, None],
                 queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]) -> None:
     try:
         async for out in gen:
