@@ -24,6 +24,8 @@ import sys
 import time
 
 import httpx
+
+import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, as the server's processes have it)
 import numpy as np
 from PIL import Image
 
