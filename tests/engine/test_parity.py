@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve import LLM, SamplingParams
+from mmserve import LLM
+from parity_runs import run_greedy
 from hf_reference import hf_greedy
 from tiny_models import make_checkpoint, make_image
 
@@ -58,11 +59,7 @@ def variant(request, tmp_path_factory):
 
 
 def run_mmserve(path: str, items: list[dict], **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model=path, **engine_args)
-    outs = llm.generate(items, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    llm.engine.core.check_integrity()
-    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.pool.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
+    return run_greedy(path, items, MAX_NEW, **engine_args)
 
 
 def test_batched_equals_transformers(variant):
