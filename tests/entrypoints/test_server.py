@@ -48,11 +48,6 @@ def server(model_path, media_dir):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline(model_path):
     return LLM(model=model_path, max_model_len=256)
 

@@ -34,12 +34,6 @@ def server(request, model_path):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def ask(client, url: str, **extra):
     return client.chat.completions.create(model="m", messages=messages(url), max_tokens=MAX_TOKENS,
                                           temperature=0.0, **extra)

@@ -33,11 +33,6 @@ def server(model_path):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline(model_path):
     return LLM(model=model_path, max_model_len=256, block_size=4)
 

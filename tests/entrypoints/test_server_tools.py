@@ -35,12 +35,6 @@ def server(tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def turn(text: str = "Click the OK button.") -> list[dict]:
     return [{"role": "developer", "content": "You operate a computer through tools."},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(make_image(5, (64, 48)))}},
