@@ -49,7 +49,8 @@ class FakeEngine:
     def stats(self) -> SchedulerStats | None:
         return self._stats
 
-    async def build_prompt(self, messages: list[dict], cache_salt: str | None = None) -> dict:
+    async def build_prompt(self, messages: list[dict], cache_salt: str | None = None,
+                           tools: list[dict] | None = None) -> dict:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"bad role {m['role']!r}")
@@ -233,8 +234,8 @@ CLIENT_FAULTS = {
     "malformed schema": ({"messages": GOOD, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": 3}}}}}, 400, "invalid_value", "response_format"),
     "bad logit_bias key": ({"messages": GOOD, "logit_bias": {"x": 1}}, 400, "invalid_value", "logit_bias"),
-    "tools": ({"messages": GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-              "unsupported_parameter", "tools"),
+    "tools, auto without a parser": ({"messages": GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                                     400, "invalid_value", "tool_choice"),
     "stream_options without stream": ({"messages": GOOD, "stream_options": {"include_usage": True}}, 400,
                                       "invalid_value", "stream_options"),
     "unknown model": ({"model": "nope", "messages": GOOD}, 404, "model_not_found", "model"),

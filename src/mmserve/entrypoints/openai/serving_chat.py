@@ -172,7 +172,11 @@ async def _complete(request_id: str, model: str, outputs: AsyncGenerator[Request
             logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
-    return JSONResponse(response.model_dump())
+    body = response.model_dump()
+    for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers
+        if choice["message"]["tool_calls"] is None:
+            del choice["message"]["tool_calls"]
+    return JSONResponse(body)
 
 
 def _call_entry(call: ToolCall) -> dict[str, Any]:

@@ -140,9 +140,9 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | 
         return ToolMode(choice, tools, parallel=parallel)
     if choice == "auto":
         if auto_parser is None:
-            raise ParameterError("tool_choice", '"auto" tool choice needs the server started with '
-                                 "--enable-auto-tool-choice and --tool-call-parser; or name a function, or "
-                                 'use "required" or "none"')
+            raise ParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs the server '
+                                 "started with --enable-auto-tool-choice and --tool-call-parser; or name a "
+                                 'function, or use "required" or "none"')
         return ToolMode("auto", tools, parser=tool_parser(auto_parser), parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
