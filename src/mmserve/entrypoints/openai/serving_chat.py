@@ -22,8 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
 from mmserve.entrypoints.openai.errors import OpenAIError
-from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, tool_mode
-from mmserve.entrypoints.openai.tool_parsers import ToolCall
+from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, call_entry, finish_reason, tool_mode
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, ParameterError,
@@ -166,9 +165,9 @@ async def _complete(request_id: str, model: str, outputs: AsyncGenerator[Request
     choices = []
     for c in final.outputs:
         content, calls = tools.extract(c.text) if tools is not None else (c.text, [])
-        message = AssistantMessage(content=content, tool_calls=[_call_entry(call) for call in calls] or None)
+        message = AssistantMessage(content=content, tool_calls=[call_entry(call) for call in calls] or None)
         choices.append(ChatCompletionChoice(
-            index=c.index, message=message, finish_reason=_finish_reason(c.finish_reason, bool(calls), tools),
+            index=c.index, message=message, finish_reason=finish_reason(c.finish_reason, bool(calls), tools),
             logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
@@ -178,14 +177,6 @@ async def _complete(request_id: str, model: str, outputs: AsyncGenerator[Request
             del choice["message"]["tool_calls"]
     return JSONResponse(body)
 
-
-def _call_entry(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _finish_reason(reason: str | None, called: bool, tools: ToolMode | None) -> str | None:
-    """"tool_calls" when the answer called tools and was not cut short (OpenAI's meaning)."""
-    return "tool_calls" if called and tools is not None and reason == "stop" else reason
 
 
 class ChatStream(ChoiceStream):
@@ -226,7 +217,7 @@ class ChatStream(ChoiceStream):
         if step.calls:
             events.append(self._chunk(DeltaMessage(tool_calls=step.calls), index=d.index))
         if d.finish_reason is not None:
-            reason = _finish_reason(d.finish_reason, parsing.num_calls > 0, self.tools)
+            reason = finish_reason(d.finish_reason, parsing.num_calls > 0, self.tools)
             events.append(self._chunk(DeltaMessage(), finish_reason=reason, index=d.index))
         return events
 

@@ -119,8 +119,7 @@ class ChoiceTools:
 
     def _entry(self, index: int, call: ToolCall) -> dict[str, Any]:
         self.num_calls = max(self.num_calls, index + 1)
-        return {"index": index, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
+        return {"index": index, **call_entry(call)}
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None,
@@ -151,6 +150,16 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | 
     if name not in {t["function"]["name"] for t in tools}:
         raise ParameterError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
     return ToolMode("named", tools, name=name, parallel=parallel)
+
+
+def call_entry(call: ToolCall) -> dict[str, Any]:
+    """A call as OpenAI's `tool_calls` entries carry it."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def finish_reason(reason: str | None, called: bool, tools: ToolMode | None) -> str | None:
+    """"tool_calls" when the answer called tools and was not cut short (OpenAI's meaning)."""
+    return "tool_calls" if called and tools is not None and reason == "stop" else reason
 
 
 def _compact(text: str) -> str:
