@@ -173,14 +173,51 @@ class MultiModalConfig:
         return 0 if self.mm_cache_type == "shm" else int(self.mm_ipc_cache_gb * (1 << 30))
 
 
+_DP_BACKENDS = ("mp", "ray")
+_DP_ROUTINGS = ("cache_aware", "load")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(
         1, "Worker processes the model is sharded over (Megatron-style); 1 runs it inside the engine core.")
+    data_parallel_size: int = _opt(
+        1, "Engine-core processes (ranks), each with its own scheduler, KV, prefix and encoder caches "
+        "and its own tensor-parallel workers; requests are routed between them.")
+    data_parallel_backend: str = _opt(
+        "mp", "How ranks are started: mp (local processes) or ray (actors in a placement group per rank; "
+        "pip install mmserve[ray]).", choices=_DP_BACKENDS)
+    ray_address: str | None = _opt(None, "Ray cluster to join with --data-parallel-backend ray "
+                                   "(default: RAY_ADDRESS, else a local cluster is started).")
+    dp_routing: str = _opt(
+        "cache_aware", "How a request picks its rank: cache_aware (where its prefix blocks and images are "
+        "cached, weighed against load) or load (least loaded).", choices=_DP_ROUTINGS)
+    dp_imbalance_slack: int = _opt(
+        4, "Routing guard: a rank chosen for its cache may carry at most this many in-flight requests "
+        "(plus half the least-loaded rank's) more than the least-loaded rank.")
+    engine_restart_limit: int = _opt(
+        3, "Restarts per rank after its engine core dies (requests that showed the client nothing "
+        "move to a live rank meanwhile); 0: a dead engine stops the server.")
+    data_parallel_rank: int = _opt(0, "This engine core's rank (set per process, not a flag).", cli=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1; got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1; got {self.data_parallel_size}")
+        if self.data_parallel_backend not in _DP_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be mp or ray; got {self.data_parallel_backend!r}")
+        if self.dp_routing not in _DP_ROUTINGS:
+            raise ValueError(f"dp_routing must be cache_aware or load; got {self.dp_routing!r}")
+        if self.dp_imbalance_slack < 0 or self.engine_restart_limit < 0:
+            raise ValueError("dp_imbalance_slack and engine_restart_limit must not be negative")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}); "
+                             f"got {self.data_parallel_rank}")
+
+    def for_rank(self, rank: int) -> ParallelConfig:
+        """This config as the engine core of `rank` gets it."""
+        return dataclasses.replace(self, data_parallel_rank=rank)
 
 
 _LAYERS: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
@@ -204,6 +241,10 @@ class EngineConfig:
         mm = self.multimodal
         return (mm.mm_processor_cache_gb > 0 or mm.ipc_cache_bytes > 0 or mm.uses_shm
                 or self.cache.enable_prefix_caching or self.scheduler.encoder_cache_tokens != 0)
+
+    def for_rank(self, rank: int) -> EngineConfig:
+        """The config the engine core of data-parallel `rank` (and its workers) runs with."""
+        return dataclasses.replace(self, parallel=self.parallel.for_rank(rank))
 
     @classmethod
     def from_kwargs(cls, **engine_args: Any) -> EngineConfig:
@@ -229,7 +270,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
     for layer in _LAYERS.values():
         hints = get_type_hints(layer)
         for f in fields(layer):
-            if f.name in skip:
+            if f.name in skip or not f.metadata.get("cli", True):
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
@@ -248,7 +289,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
 def engine_args_from_cli(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The engine arguments held by a parsed namespace."""
     return {f.name: getattr(ns, f.name) for layer in _LAYERS.values() for f in fields(layer)
-            if f.name not in skip and hasattr(ns, f.name)}
+            if f.name not in skip and f.metadata.get("cli", True) and hasattr(ns, f.name)}
 
 
 def _comma_list(text: str) -> list[str]:

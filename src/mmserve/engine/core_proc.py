@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason,
                                   SchedulerStats)
@@ -55,6 +56,12 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
                     shm_info: bytes | None = None) -> None:
     """P1's main: serve the engine core on `input_addr` (PULL) / `output_addr` (PUSH) until told
     to stop; exit code 0 after SIGTERM / SIGINT, 1 after a startup or fatal error."""
+    parallel = config.parallel
+    set_process_title(f"engine_dp{parallel.data_parallel_rank}")
+    if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size == 1:  # ranks share the cores
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.data_parallel_size))
     ctx = zmq.Context()
     inputs: QueueReceiver[EngineCoreInput] = QueueReceiver(
         ctx, input_addr, MsgpackDecoder(EngineCoreInput), bind=False)

@@ -111,9 +111,10 @@ class EngineCoreClient:
         input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
         res.inputs = QueueSender(res.ctx, input_addr, MsgpackEncoder(), bind=True)
         res.outputs = QueueReceiver(res.ctx, output_addr, MsgpackDecoder(EngineCoreEvent), bind=True)
+        rank = config.parallel.data_parallel_rank
         res.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
-            name="mmserve-engine-core", daemon=False)  # a daemon could not start tensor-parallel workers
+            name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
         res.proc.start()
         # multiprocessing's exit handler joins non-daemon children: stop P1 before it runs
         # (atexit runs the latest registration first)

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
                                   WorkerDone, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.queues import QueueSender, ipc_path
@@ -84,7 +85,9 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     from mmserve.models.parallel import TensorParallel
     from mmserve.worker.model_runner import ModelRunner
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dp = args.config.parallel
+    set_process_title(f"worker_dp{dp.data_parallel_rank}_tp{args.rank}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.world_size * dp.data_parallel_size)))
     _init_distributed(args)
     runner = ModelRunner(args.config, args.model_dir, TensorParallel(args.rank, args.world_size))
     info = msgspec.msgpack.decode(args.broadcast, type=ShmBroadcastInfo)

@@ -34,6 +34,7 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
+from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
@@ -126,6 +127,7 @@ def run_server(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_cli(args)
     engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
     _configure_logging(server_config.log_level)
+    set_process_title("api_server_0")
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
