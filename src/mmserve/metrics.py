@@ -8,6 +8,8 @@ P0's are merged in by the frontend, so no cache counts anything on the request p
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,9 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mmserve.ipc.messages import CacheStats, SchedulerStats
+from mmserve.rank_metrics import DataParallelFigures, RankCollector
 
 OUTCOMES = ("success", "error", "abort")  # success: finished by stop or length
 CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix")
+logger = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # seconds; from a few ms (a cached image, a short prompt) to minutes (a long generation)
@@ -84,7 +88,8 @@ def _gauge(name: str, documentation: str, value: int | None) -> GaugeMetricFamil
 class ServerMetrics:
     """The server's metrics; the HTTP layer calls `on_request_finished` once per request."""
 
-    def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None) -> None:
+    def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None,
+                 dp_figures_fn: Callable[[], DataParallelFigures] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmserve_requests", "Chat completion requests by outcome "
@@ -100,6 +105,8 @@ class ServerMetrics:
                              "requests finished by stop or length.", buckets=_E2E_BUCKETS, registry=r)
         if stats_fn is not None:
             r.register(EngineStatsCollector(stats_fn))
+        if dp_figures_fn is not None:
+            r.register(RankCollector(dp_figures_fn))
 
     def on_request_finished(self, outcome: str, prompt_tokens: int, generation_tokens: int,
                             ttft_s: float | None, e2e_s: float | None) -> None:
@@ -117,3 +124,18 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+async def log_stats_periodically(stats_fn: Callable[[], SchedulerStats | None], every_s: float = 10.0) -> None:
+    """One INFO line every `every_s` seconds while anything happened: load and hit rates."""
+    last = None
+    while True:
+        await asyncio.sleep(every_s)
+        stats = stats_fn()
+        if stats is None or stats == last:
+            continue
+        last = stats
+        rates = ", ".join(f"{layer} {c.hits / c.queries:.0%}" for layer, c in sorted(stats.caches.items())
+                          if c.queries)
+        logger.info("running %d, waiting %d, KV blocks free %d/%d; cache hit rates: %s", stats.num_running,
+                    stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks, rates or "no lookups")

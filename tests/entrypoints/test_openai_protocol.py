@@ -66,7 +66,8 @@ class FakeEngine:
         self.prompts.append({"messages": messages, **prompt})
         return prompt
 
-    async def generate(self, request_id: str, prompt: dict, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: dict, params: SamplingParams,
+                       **routing: object) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise EngineDeadError("engine core died")
         if "too long" in prompt["prompt"]:

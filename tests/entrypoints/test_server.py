@@ -180,7 +180,9 @@ def test_sigterm_leaves_no_process_and_no_socket(model_path):
 
 
 def test_killed_engine_core_fails_requests_and_exits_nonzero(model_path):
-    s = ServerProcess(model_path)
+    """Fail-stop, as asked for with --engine-restart-limit 0 (tests/entrypoints/test_server_dp.py
+    has the default: the engine core is restarted)."""
+    s = ServerProcess(model_path, "--engine-restart-limit", "0")
     p1 = engine_core_pid(s)
     os.kill(p1, signal.SIGKILL)
     code = s.proc.wait(timeout=20)

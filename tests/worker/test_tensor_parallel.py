@@ -143,7 +143,7 @@ def test_a_killed_rank_takes_the_engine_core_down_cleanly(tmp_path_factory):
     expected = LLM(model=path, **SMALL).generate(one(1), PARAMS)[0].outputs[0].token_ids
     before = shm_listing()
     engine = AsyncLLM(EngineConfig.from_kwargs(model=path, tensor_parallel_size=2, mm_cache_type="shm",
-                                               mm_shm_cache_gb=0.02, **SMALL))
+                                               mm_shm_cache_gb=0.02, engine_restart_limit=0, **SMALL))
     p1 = engine.client.proc
     try:
         assert generate(engine, one(1), "a") == expected  # items reach every rank by shm handle
@@ -172,7 +172,7 @@ async def kill_a_rank_mid_request(engine: AsyncLLM, pid: int) -> float:
 
 
 def worker_pids(parent: int) -> list[int]:
-    """`parent`'s children started by multiprocessing's spawn (not its resource tracker)."""
+    """`parent`'s tensor-parallel workers, by their process title (not its resource tracker)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -184,7 +184,7 @@ def worker_pids(parent: int) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if ppid == parent and b"spawn_main" in cmdline:
+        if ppid == parent and cmdline.startswith(b"mmserve::worker_dp"):
             found.append(int(entry))
     return sorted(found)
 

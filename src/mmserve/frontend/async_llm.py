@@ -6,6 +6,12 @@ so the event loop keeps serving while images are processed. The IPC sender cache
 the event loop, right before each send, so its updates happen in send order — the order P1
 applies them in. Until P1 produces a request's first output, P0 keeps the request's processed
 items: if P1 lacked an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
+
+With `--data-parallel-size N` there are N engine cores (`EngineRanks`); `DPRouter` picks each
+request's rank, and one output task per rank feeds the same queues. When a rank dies, requests
+that showed their caller nothing yet (a stream before its first output; a whole answer before
+its end) start again on a live rank, the others fail with `EngineDeadError`, and the rank is
+restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
 """
 
 from __future__ import annotations
@@ -19,56 +25,90 @@ import msgspec
 from mmserve.config import EngineConfig
 from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
+from mmserve.frontend.dp_router import DPRouter
+from mmserve.frontend.engine_ranks import EngineRanks
+from mmserve.frontend.failover import RankFailover
+from mmserve.frontend.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.frontend.undo import UndoLog
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.ipc.messages import CacheStats, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, sum_scheduler_stats
+from mmserve.metrics import log_stats_periodically
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
+from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM:
-    """Starts P1 on construction (blocking until it is ready; RuntimeError if it cannot start)."""
+class AsyncLLM(RankFailover):
+    """Starts the engine cores on construction (blocking until they are ready; RuntimeError if
+    one cannot start)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        self.transport = ItemTransport(config.multimodal)
+        self.transport = ItemTransport(config.multimodal, config.parallel.data_parallel_size)
         try:
-            self.client = EngineCoreClient(config, self.model_dir, shm_info=self.transport.shm_info)
+            self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info)
         except BaseException:
             self.transport.close()
             raise
-        self.max_model_len = self.client.max_model_len
+        first = self.ranks.client(0)
+        self.max_model_len = first.max_model_len
+        router = DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))]) \
+            if len(self.ranks) > 1 else None
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
                                               known_tokens=self.transport.known_tokens)
-        self._unadmitted: dict[str, EngineCoreRequest] = {}  # full requests until P1's first output
+        self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        self._output_task: asyncio.Task[None] | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
+        self._parked: list[str] = []  # requests to move, waiting for a rank to come back
         self._dead_error: str | None = None
-        self._stats: SchedulerStats | None = None
+        self._stats: dict[int, SchedulerStats] = {}
+
+    @property
+    def client(self) -> EngineCoreClient:
+        """Rank 0's engine core (the only one without data parallelism)."""
+        return self.ranks.client(0)
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead_error is None and self.client.is_alive()
+        """False once no rank serves and none can come back."""
+        return self._dead_error is None and (bool(self.ranks.live()) or any(
+            s == "restarting" for s in self.ranks.status))
 
     @property
     def dead_error(self) -> str | None:
         return self._dead_error
 
     def stats(self) -> SchedulerStats | None:
-        """P1's latest stats, with P0's cache layers (processor, ipc) merged in."""
-        base = self._stats or SchedulerStats(0, 0, 0, 0, 0)
-        caches = {**base.caches, "processor": self.input_processor.processor_cache.stats(),
-                  **self.transport.stats()}
-        return msgspec.structs.replace(base, caches=caches)
+        """The engine cores' latest stats summed over ranks, with P0's cache layers (processor,
+        ipc, shm) merged in."""
+        ranks = [self._rank_stats(r) for r in self._stats]
+        base = sum_scheduler_stats(ranks) if ranks else SchedulerStats(0, 0, 0, 0, 0)
+        return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats()})
+
+    def frontend_stats(self) -> dict[str, CacheStats]:
+        """The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed."""
+        return {"processor": self.input_processor.processor_cache.stats(), **self.transport.stats()}
+
+    def engine_stats(self) -> dict[int, SchedulerStats]:
+        """Each rank's latest stats, its IPC sender (P0's half) merged in."""
+        return {rank: self._rank_stats(rank) for rank in sorted(self._stats)}
+
+    def _rank_stats(self, rank: int) -> SchedulerStats:
+        base = self._stats[rank]
+        return msgspec.structs.replace(base, caches={**base.caches, **self.transport.stats(rank)})
+
+    def dp_figures(self) -> DataParallelFigures:
+        """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
+        return self.flights.figures(dict(self.engine_stats()))
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -80,17 +120,23 @@ class AsyncLLM:
         text = self.input_processor.processor.apply_chat_template(inputs.conversation, tools)
         return inputs.prompt(text, cache_salt)
 
-    async def generate(self, request_id: str, prompt: str | dict[str, Any],
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                       stream: bool = True, data_parallel_rank: int | None = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.
 
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
+        `stream=False` says the caller shows nothing before the last output, so the request may
+        start over on another rank until then; `data_parallel_rank` pins it to one rank.
         """
         self._ensure_output_task()
         if not self.is_healthy:
             raise EngineDeadError(self._dead_error or "the engine core process is not running")
-        queue = await self._admit(request_id, prompt, params)
+        if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
+            raise ValueError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
+                             f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
+        queue = await self._admit(request_id, prompt, params, stream, data_parallel_rank)
         finished = False
         try:
             while not finished:
@@ -104,13 +150,14 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort_now([request_id])
+            self.flights.land(request_id)
             self.transport.finish(request_id)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
-    async def _admit(self, request_id: str, prompt: str | dict[str, Any],
-                     params: SamplingParams) -> asyncio.Queue[RequestOutput | Exception]:
+    async def _admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                     stream: bool, pin: int | None) -> asyncio.Queue[RequestOutput | Exception]:
         """Resolve the request (off the event loop), register it and send it to P1: the one place
         that owns the undo.
 
@@ -134,7 +181,8 @@ class AsyncLLM:
             asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
         try:
             request = await asyncio.shield(resolving)
-            self._register(request, prompt if isinstance(prompt, str) else prompt.get("prompt"), undo)
+            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream)
+            self._register(flight, undo, pin)
         except asyncio.CancelledError:
             resolving.add_done_callback(lambda done: _undo_after(done, undo))
             raise
@@ -144,103 +192,87 @@ class AsyncLLM:
         self.input_processor.accept(request_id)
         return queue
 
-    def _register(self, request: EngineCoreRequest, prompt_text: str | None, undo: UndoLog) -> None:
-        """The request's output state, then the send; each step registered in `undo`."""
-        self.output_processor.add_request(request, prompt_text)
-        undo.push(self.output_processor.abort_requests, [request.request_id])
-        self._send(request, undo)
-
-    def _send(self, request: EngineCoreRequest, undo: UndoLog, resend: bool = False) -> None:
-        """Send the request, its items through the transport (by hash or handle where P1 can
-        have them); each change is registered in `undo` before the next step that can fail."""
-        message, by_reference = self.transport.to_wire(request, undo, resend)
-        if by_reference:  # P1 may lack one: keep the whole request until P1 answers
-            self._unadmitted[request.request_id] = request
-            undo.push(self._unadmitted.pop, request.request_id, None)
-        self.client.add_request(message)
+    def _register(self, flight: Flight, undo: UndoLog, pin: int | None) -> None:
+        """The request's output state, then its route and send; each step registered in `undo`."""
+        assert flight.request is not None
+        rid = flight.request.request_id
+        self.output_processor.add_request(flight.request, flight.prompt_text)
+        undo.push(self.output_processor.abort_requests, [rid])
+        self.flights.send(rid, flight, undo, pin)
 
     def _resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
-        request = self._unadmitted.get(request_id)
-        if request is None or request_id not in self._queues:
+        flight = self.flights.get(request_id)
+        if flight is None or flight.request is None or request_id not in self._queues:
             return  # aborted meanwhile
         logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
                        len(missing), request_id)
-        if any(item.data is None for item in request.mm_items):
+        if any(item.data is None for item in flight.request.mm_items):
             self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
                                               "again together with its uuid"))
             return
         undo = UndoLog()
         try:
-            self._send(request, undo, resend=True)
+            self.flights.resend(flight, undo)
         except Exception as e:
             undo.run()
             self._fail(request_id, e)
 
     def _abort_now(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._unadmitted.pop(rid, None)
         self.output_processor.abort_requests(request_ids)
-        if self.is_healthy:
-            self.client.abort_requests(request_ids)
+        self.flights.abort(request_ids)
 
-    # ---- the output loop --------------------------------------------------------------------
+    # ---- the output loops -------------------------------------------------------------------
 
     def _ensure_output_task(self) -> None:
-        if self._output_task is None or self._output_task.done():
-            loop = asyncio.get_running_loop()
-            self._output_task = loop.create_task(self._output_loop())
-            self._log_task = loop.create_task(self._log_stats_periodically())
+        for rank in self.ranks.live():
+            self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
+        self._ensure_task("log", lambda: log_stats_periodically(self.stats))
 
-    async def _log_stats_periodically(self, every_s: float = 10.0) -> None:
-        """One INFO line every `every_s` seconds while anything happened: load and hit rates."""
-        last = None
-        while True:
-            await asyncio.sleep(every_s)
-            stats = self.stats()
-            if stats is None or stats == last:
-                continue
-            last = stats
-            rates = ", ".join(f"{layer} {c.hits / c.queries:.0%}" for layer, c in sorted(stats.caches.items())
-                              if c.queries)
-            logger.info("running %d, waiting %d, KV blocks free %d/%d; cache hit rates: %s", stats.num_running,
-                        stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks, rates or "no lookups")
+    def _ensure_task(self, name: str, make: Any) -> None:
+        task = self._tasks.get(name)
+        if task is None or task.done():
+            self._tasks[name] = asyncio.get_running_loop().create_task(make())
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, rank: int) -> None:
+        client = self.ranks.client(rank)
         try:
             while True:
-                self._dispatch(await self.client.get_output_async())
+                self._dispatch(rank, await client.get_output_async())
         except EngineDeadError as e:
-            self._fail_all(str(e))
+            self._rank_died(rank, str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output loop failed")
             self._fail_all(f"the frontend's output loop failed: {e}")
 
-    def _dispatch(self, batch: EngineCoreOutputs) -> None:
+    def _dispatch(self, rank: int, batch: EngineCoreOutputs) -> None:
         if batch.stats is not None:
-            self._stats = batch.stats
+            self._stats[rank] = stats = batch.stats
+            if (router := self.flights.router) is not None:
+                used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+                router.set_load(rank, stats.num_running + stats.num_waiting, used)
         for request_id, missing in batch.resend.items():
             self._resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
-            self._unadmitted.pop(out.request_id, None)
             if out.error is None:
                 ok.append(out)
             else:
                 self._fail(out.request_id, ValueError(out.error))
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
-            self.client.abort_requests(processed.to_abort)
+            self._abort_now(processed.to_abort)
         for result in processed.outputs:
+            self.flights.shown(result)
             queue = self._queues.get(result.request_id)
             if queue is not None:
                 queue.put_nowait(result)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         self.output_processor.abort_requests([request_id])
-        self._unadmitted.pop(request_id, None)
+        self.flights.pin(request_id)
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(error)
@@ -253,10 +285,9 @@ class AsyncLLM:
         self.output_processor.abort_requests(list(self._queues))
 
     def shutdown(self) -> None:
-        if self._output_task is not None:
-            self._output_task.cancel()
-            self._log_task.cancel()
-        self.client.shutdown()
+        for task in self._tasks.values():
+            task.cancel()
+        self.ranks.shutdown()
         self.transport.close()
 
 

@@ -18,18 +18,27 @@ import msgspec
 
 from mmserve.config import MultiModalConfig
 from mmserve.frontend.undo import UndoLog
-from mmserve.ipc.messages import CacheStats, EngineCoreRequest
+from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.multimodal.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 
 
 class ItemTransport:
-    """P0's side. `to_wire` registers in `undo` how to take back each change it makes (IPC
-    sender keys, shm entries and pins); `finish` ends a request's hold on the store."""
+    """P0's side, for every data-parallel rank: one IPC sender per rank (each mirrors its own
+    rank's receiver), one store shared by all of them. `to_wire` registers in `undo` how to take
+    back each change it makes (IPC sender keys, shm entries and pins); `finish` ends a request's
+    hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
+    memory) gets every item inline."""
 
-    def __init__(self, mm: MultiModalConfig) -> None:
-        self.sender = IpcSenderCache(mm.ipc_cache_bytes)
+    def __init__(self, mm: MultiModalConfig, num_ranks: int = 1) -> None:
+        self.senders = [IpcSenderCache(mm.ipc_cache_bytes) for _ in range(num_ranks)]
         self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
+        self.remote: set[int] = set()
+
+    @property
+    def sender(self) -> IpcSenderCache:
+        """Rank 0's IPC sender (the only one without data parallelism)."""
+        return self.senders[0]
 
     @property
     def shm_info(self) -> bytes | None:
@@ -37,13 +46,18 @@ class ItemTransport:
         return self.shm.info if self.shm is not None else None
 
     def known_tokens(self, mm_hash: str) -> int | None:
-        """The placeholder count of an item P1 holds through the IPC cache, else None."""
-        return self.sender.num_tokens(mm_hash)
+        """The placeholder count of an item some rank holds through the IPC cache, else None."""
+        for sender in self.senders:
+            if (tokens := sender.num_tokens(mm_hash)) is not None:
+                return tokens
+        return None
 
-    def to_wire(self, request: EngineCoreRequest, undo: UndoLog,
-                resend: bool = False) -> tuple[EngineCoreRequest, bool]:
-        """(the message for P1, whether some item crosses by reference — a hash or a handle — so
-        P1 may report it missing). `resend`: P1 lacked an item of this request last time."""
+    def to_wire(self, request: EngineCoreRequest, undo: UndoLog, resend: bool = False,
+                rank: int = 0) -> tuple[EngineCoreRequest, bool]:
+        """(the message for `rank`'s P1, whether some item crosses by reference — a hash or a
+        handle — so P1 may report it missing). `resend`: P1 lacked an item of this request last time."""
+        if rank in self.remote:
+            return request, False
         if self.shm is not None:
             written: list[str] = []
             undo.push(self.shm.finish, request.request_id)
@@ -51,20 +65,33 @@ class ItemTransport:
             items = self.shm.to_wire(request, resend, written)  # a resend goes inline
             return (msgspec.structs.replace(request, mm_items=items),
                     any(item.shm_handle is not None for item in items))
+        sender = self.senders[rank]
         if resend:
-            self.sender.reset()
-        undo.push(self.sender.rollback, self.sender.checkpoint())
-        cached = self.sender.update(request.mm_items)
+            sender.reset()
+        undo.push(sender.rollback, sender.checkpoint())
+        cached = sender.update(request.mm_items)
         items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
-        return msgspec.structs.replace(request, mm_items=items, ipc_epoch=self.sender.epoch), any(cached)
+        return msgspec.structs.replace(request, mm_items=items, ipc_epoch=sender.epoch), any(cached)
+
+    def restarted(self, rank: int, remote: bool = False) -> None:
+        """`rank`'s engine core is new (empty caches), on this node or not: its IPC mirror starts
+        a new epoch from empty."""
+        self.senders[rank].reset()
+        self.remote.discard(rank)
+        if remote:
+            self.remote.add(rank)
 
     def finish(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed): unpin its store entries."""
         if self.shm is not None:
             self.shm.finish(request_id)
 
-    def stats(self) -> dict[str, CacheStats]:
-        layers = {"ipc": self.sender.stats()}
+    def stats(self, rank: int | None = None) -> dict[str, CacheStats]:
+        """The layers of `rank` (its IPC sender), or with None the node's: the store, and the IPC
+        senders summed over ranks."""
+        if rank is not None:
+            return {"ipc": self.senders[rank].stats()}
+        layers = {"ipc": sum_stats([sender.stats() for sender in self.senders])}
         if self.shm is not None:
             layers["shm"] = self.shm.stats()
         return layers

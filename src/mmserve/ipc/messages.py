@@ -115,6 +115,17 @@ class CacheStats(msgspec.Struct):
     keys_digest: int = 0  # XOR of the keys' 64-bit digests (ipc): equal on both sides when in step
 
 
+def sum_stats(layers: list[CacheStats]) -> CacheStats:
+    """One layer's stats over several caches (e.g. one per rank): counters and sizes added, key
+    digests XORed."""
+    names = CacheStats.__struct_fields__
+    total = {name: sum(getattr(c, name) for c in layers) for name in names if name != "keys_digest"}
+    digest = 0
+    for c in layers:
+        digest ^= c.keys_digest
+    return CacheStats(**total, keys_digest=digest)
+
+
 class SchedulerStats(msgspec.Struct):
     """P1's state after a step, for /metrics and tests. `caches` maps a cache layer
     ("processor", "ipc", "shm", "encoder", "prefix") to its stats."""
@@ -125,6 +136,15 @@ class SchedulerStats(msgspec.Struct):
     num_total_blocks: int
     num_preemptions: int  # since start
     caches: dict[str, CacheStats] = {}
+
+
+def sum_scheduler_stats(ranks: list[SchedulerStats]) -> SchedulerStats:
+    """Several engine cores' stats as one: counts added, each cache layer summed (`sum_stats`)."""
+    layers = sorted({layer for s in ranks for layer in s.caches})
+    counts = {name: sum(getattr(s, name) for s in ranks) for name in SchedulerStats.__struct_fields__
+              if name != "caches"}
+    return SchedulerStats(**counts, caches={layer: sum_stats([s.caches[layer] for s in ranks if layer in s.caches])
+                                            for layer in layers})
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

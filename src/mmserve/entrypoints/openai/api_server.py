@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
@@ -58,7 +59,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
     app.state.engine = engine
-    app.state.metrics = metrics = ServerMetrics(engine.stats)
+    app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None))
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
@@ -79,10 +80,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_healthy:
-            return Response(status_code=200)
-        reason = getattr(engine, "dead_error", None) or "the engine core process is not running"
-        return OpenAIError(503, f"unhealthy: {reason}", code="engine_dead").to_response()
+        """200 while some rank serves, with each rank's state as JSON when there are several."""
+        ranks = getattr(engine, "ranks", None)
+        serving = engine.is_healthy and (ranks is None or bool(ranks.live()))
+        if serving:
+            return Response(status_code=200) if ranks is None or len(ranks) == 1 else \
+                JSONResponse({"status": "ok", "ranks": ranks.health()})
+        reason = getattr(engine, "dead_error", None) or "no engine core is serving"
+        response = OpenAIError(503, f"unhealthy: {reason}", code="engine_dead").to_response()
+        if ranks is not None:
+            response = JSONResponse({**json.loads(bytes(response.body)), "ranks": ranks.health()}, status_code=503)
+        return response
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

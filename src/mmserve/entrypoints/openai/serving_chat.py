@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, call_entry, finish_reason, tool_mode
+from mmserve.entrypoints.openai.routing import routing
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, ParameterError,
@@ -113,7 +114,7 @@ class OpenAIServingChat:
             prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         if request.media_io_kwargs is not None:
             prompt["media_io_kwargs"] = request.media_io_kwargs
-        outputs = self.engine.generate(request_id, prompt, params)
+        outputs = self.engine.generate(request_id, prompt, params, **routing(raw_request, bool(request.stream)))
         handed_over = False
         try:
             first = await _first_output(outputs)

@@ -18,6 +18,7 @@ from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, comple
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
+from mmserve.entrypoints.openai.routing import routing
 from mmserve.entrypoints.openai.serving_chat import (OpenAIServingChat, RequestRecord, SSEResponse, _first_output,
                                                      last_output)
 
@@ -40,10 +41,11 @@ class OpenAIServingCompletion(OpenAIServingChat):
         params = request.to_sampling_params(self.engine.max_model_len)
         prompts: list[str | dict] = [text if request.cache_salt is None else
                                      {"prompt": text, "cache_salt": request.cache_salt} for text in request.prompts]
+        route = routing(raw_request, bool(request.stream))
         if len(prompts) == 1:
-            outputs = self.engine.generate(request_id, prompts[0], params)
+            outputs = self.engine.generate(request_id, prompts[0], params, **route)
         else:
-            outputs = merged_outputs(request_id, [self.engine.generate(f"{request_id}-{p}", prompt, params)
+            outputs = merged_outputs(request_id, [self.engine.generate(f"{request_id}-{p}", prompt, params, **route)
                                                   for p, prompt in enumerate(prompts)], params.n)
         handed_over = False
         try:

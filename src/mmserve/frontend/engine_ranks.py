@@ -1,0 +1,105 @@
+"""The data-parallel engine cores seen from P0: one `EngineCoreClient` per rank, started
+together, each restartable on its own.
+
+Contract.
+- Construction starts every rank at once (one thread each) and returns when all are ready; if
+  any cannot start, the others are shut down and the first error is raised.
+- A rank is "ready" (serving), "restarting" (its engine died; a new one is being started) or
+  "dead" (it died and its restarts, `--engine-restart-limit`, are used up). `mark_dead` retires a
+  rank's client (shut down: no process, socket or shm mapping of it is left); `restart` starts a
+  new one in a worker thread and counts the attempt.
+- `live()` lists the ready ranks whose process still runs, in rank order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.core_client import EngineCoreClient
+
+logger = logging.getLogger(__name__)
+
+_EXIT_GRACE_S = 5.0  # how long a dead rank's engine core may take to exit by itself before it is stopped
+
+
+def _retire(client: EngineCoreClient) -> None:
+    client.proc.join(_EXIT_GRACE_S)
+    client.shutdown()
+
+
+class EngineRanks:
+    def __init__(self, config: EngineConfig, model_dir: str, shm_info: bytes | None) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.shm_info = shm_info
+        n = config.parallel.data_parallel_size
+        self.clients: list[EngineCoreClient | None] = [None] * n
+        self.status = ["restarting"] * n
+        self.restarts = [0] * n
+        self.last_error: list[str | None] = [None] * n
+        self._retired: list[EngineCoreClient] = []
+        with ThreadPoolExecutor(n, thread_name_prefix="mmserve-start") as pool:
+            futures = [pool.submit(self._start, rank) for rank in range(n)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            self.shutdown()
+            raise errors[0]  # type: ignore[misc]
+
+    def _start(self, rank: int) -> EngineCoreClient:
+        client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, shm_info=self.shm_info)
+        self.clients[rank], self.status[rank] = client, "ready"
+        return client
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def client(self, rank: int) -> EngineCoreClient:
+        client = self.clients[rank]
+        if client is None:
+            raise RuntimeError(f"engine rank {rank} has no engine core now ({self.status[rank]})")
+        return client
+
+    def live(self) -> list[int]:
+        return [r for r, c in enumerate(self.clients) if self.status[r] == "ready" and c is not None and c.is_alive()]
+
+    def can_restart(self, rank: int) -> bool:
+        return self.restarts[rank] < self.config.parallel.engine_restart_limit
+
+    def mark_dead(self, rank: int, reason: str) -> None:
+        """Retire rank `rank`'s engine core (it died, or failed): "restarting" while restarts remain."""
+        self.last_error[rank] = reason
+        self.status[rank] = "restarting" if self.can_restart(rank) else "dead"
+        client, self.clients[rank] = self.clients[rank], None
+        if client is not None:  # off the event loop: a failed engine core exits by itself first
+            self._retired.append(client)
+            threading.Thread(target=_retire, args=(client,), name=f"mmserve-retire-dp{rank}", daemon=True).start()
+
+    async def restart(self, rank: int) -> EngineCoreClient:
+        """Start a new engine core for `rank` (counted); the exception if it cannot start."""
+        self.restarts[rank] += 1
+        logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank],
+                       self.config.parallel.engine_restart_limit)
+        try:
+            return await asyncio.to_thread(self._start, rank)
+        except BaseException as e:
+            self.last_error[rank] = f"restart failed: {e}"
+            self.status[rank] = "restarting" if self.can_restart(rank) else "dead"
+            raise
+
+    def health(self) -> list[dict[str, object]]:
+        """Per rank: its status, restarts so far, and why it last died (if it did)."""
+        live = self.live()
+        return [{"rank": r, "status": "ready" if r in live else "down" if self.status[r] == "ready" else self.status[r],
+                 "restarts": self.restarts[r], "last_error": self.last_error[r]} for r in range(len(self))]
+
+    def shutdown(self) -> None:
+        for retired in self._retired:
+            retired.shutdown()
+        for rank, client in enumerate(self.clients):
+            if client is not None:
+                client.shutdown()
+            self.clients[rank] = None

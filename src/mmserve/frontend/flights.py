@@ -1,0 +1,128 @@
+"""The requests P0 sent to engine cores and that have not ended: where each runs, and which may
+start over.
+
+Contract.
+- `send` routes a request (`DPRouter`, or rank 0 without data parallelism), puts it on the wire
+  through the item transport and counts it on its rank; each change before the send is
+  registered in the caller's `UndoLog`. `resend` sends it again, whole, to the same rank (P1
+  lacked an item it got by reference).
+- A flight keeps the whole request while it may still be sent again: until its first output
+  reaches a streaming caller, until its last output for a caller that shows only the end
+  (`shown`). Only such a flight can move when its rank dies (`orphans`).
+- `land` ends a flight (finished, failed or aborted) and frees its place on its rank; it also
+  counts what the rank served. `abort` tells each rank to stop its requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.frontend.dp_router import DPRouter
+from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_ranks import EngineRanks
+from mmserve.frontend.item_transport import ItemTransport
+from mmserve.frontend.undo import UndoLog
+from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.outputs import RequestOutput
+from mmserve.rank_metrics import DataParallelFigures, RankFigures
+
+
+@dataclass
+class Flight:
+    rank: int
+    request: EngineCoreRequest | None  # None once it can no longer be sent again
+    prompt_text: str | None
+    stream: bool
+
+
+class RequestFlights:
+    def __init__(self, ranks: EngineRanks, router: DPRouter | None, transport: ItemTransport) -> None:
+        self.ranks = ranks
+        self.router = router
+        self.transport = transport
+        self._flights: dict[str, Flight] = {}
+        self._served = [[0, 0, 0] for _ in range(len(ranks))]  # per rank: requests, prompt, generated tokens
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._flights
+
+    def get(self, request_id: str) -> Flight | None:
+        return self._flights.get(request_id)
+
+    def ids(self) -> list[str]:
+        return sorted(self._flights)
+
+    def send(self, request_id: str, flight: Flight, undo: UndoLog, pin: int | None = None) -> None:
+        """Route and send `flight.request`; registered at once (undone with `undo`)."""
+        request = flight.request
+        assert request is not None
+        self._flights[request_id] = flight
+        undo.push(self._flights.pop, request_id, None)
+        live = self.ranks.live()
+        if not live:
+            raise EngineDeadError("no engine rank is serving")
+        route = self.router.route(request, live, pin) if self.router is not None else None
+        flight.rank = route.rank if route is not None else 0
+        self._put(flight, request, undo, resend=False)
+        if route is not None and self.router is not None:
+            self.router.on_sent(route, request)
+
+    def resend(self, flight: Flight, undo: UndoLog) -> None:
+        assert flight.request is not None
+        self._put(flight, flight.request, undo, resend=True)
+
+    def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool) -> None:
+        message, _ = self.transport.to_wire(request, undo, resend, flight.rank)
+        self.ranks.client(flight.rank).add_request(message)
+
+    def shown(self, result: RequestOutput) -> None:
+        """An output is on its way to the caller: a streamed one (or the last) can no longer start over."""
+        flight = self._flights.get(result.request_id)
+        if flight is None:
+            return
+        if flight.stream or result.finished:
+            flight.request = None
+        if result.finished:
+            served = self._served[flight.rank]
+            served[0] += 1
+            served[1] += len(result.prompt_token_ids or [])
+            served[2] += sum(len(c.token_ids) for c in result.outputs)
+
+    def pin(self, request_id: str) -> None:
+        """The request can no longer start over (failed or aborted)."""
+        if (flight := self._flights.get(request_id)) is not None:
+            flight.request = None
+
+    def land(self, request_id: str) -> None:
+        flight = self._flights.pop(request_id, None)
+        if flight is not None and self.router is not None:
+            self.router.on_finished(flight.rank)
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if (flight := self._flights.get(rid)) is not None:
+                flight.request = None
+                by_rank.setdefault(flight.rank, []).append(rid)
+        live = self.ranks.live()
+        for rank, ids in by_rank.items():
+            if rank in live:
+                self.ranks.client(rank).abort_requests(ids)
+
+    def orphans(self, rank: int) -> tuple[list[str], list[str]]:
+        """Rank `rank` died: (requests that can start over elsewhere, requests that are lost).
+        Both leave the rank's load."""
+        movable: list[str] = []
+        lost: list[str] = []
+        for rid, flight in self._flights.items():
+            if flight.rank == rank:
+                (movable if flight.request is not None else lost).append(rid)
+        if self.router is not None:
+            self.router.forget(rank)
+        return movable, lost
+
+    def figures(self, stats: dict[int, object]) -> DataParallelFigures:
+        live = self.ranks.live()
+        ranks = [RankFigures(r, r in live, self.ranks.restarts[r], stats.get(r), *self._served[r])  # type: ignore[arg-type]
+                 for r in range(len(self.ranks))]
+        return DataParallelFigures(ranks, dict(self.router.decisions) if self.router is not None else {})
