@@ -7,6 +7,7 @@ from typing import Any, Sequence, cast
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.chat import check_tools, parse_chat_messages
+from mmserve.entrypoints.llm_dp import DataParallelRunner
 from mmserve.frontend.llm_engine import LLMEngine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -23,7 +24,9 @@ class LLM:
 
     def __init__(self, model: str = "builtin:tiny-llava", **engine_args: Any) -> None:
         engine_args.setdefault("allowed_local_media_path", "/")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self._dp = DataParallelRunner(config) if config.parallel.data_parallel_size > 1 else None
+        self.engine: Any = self._dp.engine if self._dp is not None else LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -39,6 +42,8 @@ class LLM:
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
+        if self._dp is not None:  # data parallel: the engine cores run in their own processes
+            return self._dp.generate(ids, prompts, params)
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(rid, prompt, p)
@@ -61,6 +66,13 @@ class LLM:
             inputs = parse_chat_messages(conversation)
             prompts.append(inputs.prompt(render(inputs.conversation, tools)))
         return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        """Stop the engine (its processes, with tensor or data parallelism); the LLM is unusable after."""
+        if self._dp is not None:
+            self._dp.shutdown()
+        else:
+            self.engine.core.shutdown()
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

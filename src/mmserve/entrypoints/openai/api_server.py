@@ -3,12 +3,12 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
 key when one is set), `GET /health` (200 while the engine core lives, else 503) and `GET /metrics`.
 
-Lifecycle: SIGTERM or Ctrl-C stops uvicorn gracefully, then the engine core is shut down and
-the process exits 0. If the engine core dies while serving, in-flight requests fail with 503
-(or an error event in a stream), /health turns 503 and the process exits with
-`ENGINE_DEAD_EXIT_CODE` within a few seconds. It does not restart the engine core: its
-requests, KV cache and caches are gone, and a supervisor (systemd, Kubernetes) restarting the
-whole server is simpler and more honest than a half-restarted one.
+Lifecycle: SIGTERM or Ctrl-C stops uvicorn gracefully, then the engine cores are shut down and
+the process exits 0. An engine core that dies is survived by the frontend (`AsyncLLM`: its
+requests that showed nothing move to a live rank, it is restarted up to
+`--engine-restart-limit` times); only when no rank serves and none can come back do in-flight
+requests fail with 503 (or an error event in a stream), /health turn 503 and the process exit
+with `ENGINE_DEAD_EXIT_CODE` within a few seconds, for a supervisor to restart the whole server.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENGINE_DEAD_EXIT_CODE = 3  # the engine core died while serving
+ENGINE_DEAD_EXIT_CODE = 3  # no engine core serves and none can come back
 GRACEFUL_SHUTDOWN_S = 5  # longest uvicorn waits for open connections when stopping
 HEALTH_POLL_S = 0.5
 

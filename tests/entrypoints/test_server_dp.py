@@ -1,0 +1,182 @@
+"""Data parallelism through the server: two engine cores behind one API server, image-aware
+routing, pins, per-rank metrics and health, and a killed engine core survived."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.bench.prometheus import MetricsSnapshot
+from server_process import ServerProcess, data_url, messages
+from tiny_models import make_checkpoint, make_image
+
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
+MAX_TOKENS = 8
+DP_ARGS = ("--data-parallel-size", "2", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("dp"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = ServerProcess(model_path, *DP_ARGS)
+    s.model = model_path
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model=model_path, max_model_len=256)
+
+
+def expected(offline, url: str, text: str = "What is this?", max_tokens: int = MAX_TOKENS) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return offline.chat(messages(url, text), params)[0].outputs[0].text
+
+
+def post(server, url: str, text: str = "What is this?", max_tokens: int = MAX_TOKENS, **headers: str) -> httpx.Response:
+    body = {"model": server.model, "messages": messages(url, text), "temperature": 0, "max_tokens": max_tokens}
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={k.replace("_", "-"): v for k, v in headers.items()})
+
+
+def scrape(server) -> MetricsSnapshot:
+    return MetricsSnapshot.parse(server.get("/metrics")[1])
+
+
+def children_titled(server, prefix: str) -> dict[str, int]:
+    """The server's descendants whose title starts with `mmserve::<prefix>`: title -> pid."""
+    found = {}
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            title = Path(cmdline).read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(cmdline.split("/")[2])
+        if title.startswith("mmserve::" + prefix) and _ancestor(pid, server.proc.pid):
+            found[title] = pid
+    return found
+
+
+def _ancestor(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def test_answers_equal_one_engine_and_processes_carry_titles(server, offline):
+    urls = [data_url(make_image(100 + i)) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda u: post(server, u), urls))
+    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [expected(offline, u) for u in urls]
+    assert set(children_titled(server, "engine_dp")) == {"mmserve::engine_dp0", "mmserve::engine_dp1"}
+    assert Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().startswith(b"mmserve::api_server_0")
+
+
+def test_repeats_go_where_their_image_is_cached(server):
+    before = scrape(server)
+    urls = [data_url(make_image(200 + i)) for i in range(6)]
+    first = [post(server, u) for u in urls]
+    mid = scrape(server)
+    repeats = [post(server, u, text="Describe it.") for u in urls]  # same image, other question
+    after = scrape(server)
+    served = [mid.value("mmserve_engine_requests_total", engine=str(r))
+              - before.value("mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)]
+    assert served == [3, 3]  # the first sights spread over both ranks
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in repeats]
+    assert all(c >= 16 for c in cached), cached  # each repeat found its image's blocks on its rank
+    assert all(r.status_code == 200 for r in first)
+    decisions = after.value("mmserve_dp_routing_decisions_total", reason="cache") \
+        - mid.value("mmserve_dp_routing_decisions_total", reason="cache")
+    assert decisions == 6
+    for rank in (0, 1):
+        hits = after.value("mmserve_engine_cache_hits_total", engine=str(rank), layer="prefix") \
+            - mid.value("mmserve_engine_cache_hits_total", engine=str(rank), layer="prefix")
+        assert hits > 0
+
+
+def test_a_pinned_request_runs_on_its_rank_and_bad_pins_are_400(server):
+    url = data_url(make_image(300))
+    for rank in (1, 0):
+        before = scrape(server).value("mmserve_engine_requests_total", engine=str(rank))
+        assert post(server, url, x_data_parallel_rank=str(rank)).status_code == 200
+        assert scrape(server).value("mmserve_engine_requests_total", engine=str(rank)) == before + 1
+    for bad in ("2", "one", "-1"):
+        r = post(server, url, x_data_parallel_rank=bad)
+        assert r.status_code == 400 and "rank" in r.json()["error"]["message"], r.text
+    health = json.loads(server.get("/health")[1])
+    assert [(r["rank"], r["status"]) for r in health["ranks"]] == [(0, "ready"), (1, "ready")]
+
+
+def shm_segments(pids: set[int]) -> set[str]:
+    """Shared-memory segments made by these processes (mmserve names them mmserve_<pid>_...)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mmserve_")
+            and name.split("_")[1].isdigit() and int(name.split("_")[1]) in pids}
+
+
+def test_a_killed_engine_core_is_survived(model_path, offline):
+    """kill -9 of one rank under concurrent whole-answer load: every request answers 200 with the
+    answer it would have had; the rank comes back and serves; nothing is left after shutdown."""
+    s = ServerProcess(model_path, *DP_ARGS, "--mm-cache-type", "shm", "--mm-shm-cache-gb", "0.05")
+    s.model = model_path
+    pids = {s.proc.pid}
+    try:
+        urls = [data_url(make_image(400 + i)) for i in range(8)]
+        want = [expected(offline, u, max_tokens=40) for u in urls]
+        victim = children_titled(s, "engine_dp0")["mmserve::engine_dp0"]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(post, s, u, "What is this?", 40) for u in urls]
+            time.sleep(1.0)
+            os.kill(victim, signal.SIGKILL)
+            answers = [f.result() for f in futures]
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
+        assert [r.json()["choices"][0]["message"]["content"] for r in answers] == want
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = json.loads(s.get("/health")[1]).get("ranks", [])
+            if [(r["status"], r["restarts"]) for r in ranks] == [("ready", 1), ("ready", 0)]:
+                break
+            time.sleep(0.5)
+        assert ranks[0]["restarts"] == 1 and ranks[0]["status"] == "ready", ranks
+        again = post(s, urls[0], "What is this?", 40, x_data_parallel_rank="0")
+        assert again.json()["choices"][0]["message"]["content"] == want[0]
+        assert scrape(s).value("mmserve_engine_restarts_total", engine="0") == 1
+        pids |= set(children_titled(s, "").values())
+        assert shm_segments(pids)  # the store, written by the API server
+    finally:
+        assert s.stop() == 0
+    assert shm_segments(pids) == set()
+
+
+def test_offline_data_parallel_equals_one_engine(model_path, offline):
+    prompts = [{"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(500 + i)}}
+               for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    dp = LLM(model=model_path, max_model_len=256, data_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in dp.generate(prompts, params)]
+        again = [o.outputs[0].token_ids for o in dp.generate(prompts, params)]
+        figures = dp.engine.dp_figures()
+    finally:
+        dp.shutdown()
+    assert got == again == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    assert [r.requests for r in figures.ranks] == [4, 4] and figures.decisions["cache"] == 4
