@@ -19,12 +19,10 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from core_client_runs import ENGINE_ARGS, PROMPT, collect, request
 from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
-
-ENGINE_ARGS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
-PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +48,6 @@ def our_ipc_dirs() -> set[str]:
 
 def socket_paths(client: EngineCoreClient) -> list[str]:
     return glob.glob(os.path.join(client._res.ipc_dir, "*.sock"))
-
-
-def request(llm: LLM, rid: str, seed: int, **params) -> EngineCoreRequest:
-    p = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **params})
-    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(seed)}}
-    return llm.engine.input_processor.process(rid, prompt, p)
-
-
-def collect(client: EngineCoreClient, ids: set[str], timeout_s: float = 30.0):
-    """Read outputs until every id finished: {id: (tokens, finish_reason, error)}, last stats."""
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    done: dict[str, tuple] = {}
-    stats = None
-    deadline = time.monotonic() + timeout_s
-    while len(done) < len(ids):
-        out = client.get_output(timeout_s=max(deadline - time.monotonic(), 0.0))
-        assert out is not None, f"timed out; finished so far: {sorted(done)}"
-        stats = out.stats or stats
-        for o in out.outputs:
-            tokens[o.request_id] += o.new_token_ids
-            if o.finish_reason is not None:
-                done[o.request_id] = (tokens[o.request_id], o.finish_reason, o.error)
-    return done, stats
 
 
 def wait_until_idle(client: EngineCoreClient, timeout_s: float = 10.0) -> SchedulerStats:

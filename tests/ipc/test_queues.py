@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from mmserve.ipc.messages import AbortRequests, EngineCoreInput, EngineCoreRequest
-from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, ipc_path, make_ipc_dir
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, ipc_path, make_ipc_dir, tcp_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
@@ -55,6 +55,20 @@ def test_messages_with_tensors_arrive_intact(pair):
     assert receiver.recv(timeout_s=5) == AbortRequests(["x"])
     assert receiver.recv(timeout_s=0.05) is None
     assert receiver.recv_nowait() is None
+
+
+def test_a_tcp_queue_binds_a_free_port_and_names_it():
+    ctx = zmq.Context()
+    try:
+        receivers = [QueueReceiver(ctx, tcp_address("127.0.0.1"), MsgpackDecoder(EngineCoreInput), bind=True)
+                     for _ in range(2)]
+        ports = {int(r.address.rsplit(":", 1)[1]) for r in receivers}
+        assert len(ports) == 2 and all(r.address.startswith("tcp://127.0.0.1:") for r in receivers)
+        sender = QueueSender(ctx, receivers[1].address, MsgpackEncoder(), bind=False)
+        sender.send(AbortRequests(["x"]))
+        assert receivers[1].recv(timeout_s=5) == AbortRequests(["x"])
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_send_without_a_peer_times_out():

@@ -3,7 +3,9 @@
 `QueueSender[T]` encodes with a `MsgpackEncoder` and sends multipart frames without copying
 big ones; `QueueReceiver[T]` receives without copying and decodes with a `MsgpackDecoder`.
 Addresses are `ipc://` paths inside a per-instance directory from `make_ipc_dir()`; the side
-that binds (P0) owns that directory and removes it.
+that binds (P0) owns that directory and removes it. An engine core on another machine (Ray) is
+reached over `tcp_address(host)` instead: the port is picked at bind time, and the queue's
+`address` is then the bound one, to give the peer.
 
 Invariants:
 - high-water marks are unlimited: a send never blocks while a peer is connected; it blocks
@@ -45,6 +47,11 @@ def ipc_address(ipc_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(ipc_dir, name)}.sock"
 
 
+def tcp_address(host: str) -> str:
+    """`tcp://<host>:*`: bound on a free port of `host` (an IPv4 address or a name)."""
+    return f"tcp://{host}:*"
+
+
 def ipc_path(address: str) -> str:
     """The socket file of an `ipc://` address."""
     return address.removeprefix("ipc://")
@@ -56,10 +63,15 @@ def _make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, linger_m
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, linger_ms)
     if bind:
-        sock.bind(address)
+        sock.bind(address)  # a `tcp://host:*` address gets a free port: see `_bound_address`
     else:
         sock.connect(address)
     return sock
+
+
+def _bound_address(sock: zmq.Socket, address: str) -> str:
+    """The address a peer connects to: `address` with the port a `tcp://host:*` bind picked."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.endswith(":*") else address
 
 
 def _remaining_ms(deadline: float | None) -> int | None:
@@ -74,9 +86,9 @@ class QueueSender(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, address: str, encoder: MsgpackEncoder, *, bind: bool,
                  linger_ms: int = 0) -> None:
-        self.address = address
         self._encoder = encoder
         self._socket = _make_socket(ctx, zmq.PUSH, address, bind, linger_ms)
+        self.address = _bound_address(self._socket, address)
 
     def send(self, obj: T, timeout_s: float | None = None) -> None:
         """Queue `obj`; TimeoutError if no peer takes it within `timeout_s` (None: wait forever)."""
@@ -102,9 +114,9 @@ class QueueReceiver(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, address: str, decoder: MsgpackDecoder, *, bind: bool,
                  linger_ms: int = 0) -> None:
-        self.address = address
         self._decoder = decoder
         self._socket = _make_socket(ctx, zmq.PULL, address, bind, linger_ms)
+        self.address = _bound_address(self._socket, address)
         self._async_socket: zmq.asyncio.Socket | None = None  # shares _socket; made on first use
 
     @property
