@@ -11,8 +11,9 @@
 - with work: `step()` once and send the `EngineCoreOutputs` if it holds outputs or the stats
   changed since the last send (error outputs ride along with the next send);
 - every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
-  orphaned P1 removes the socket files its dead parent left. Fail (below) if the model can no
-  longer run, e.g. a tensor-parallel worker died, even while idle.
+  orphaned P1 removes the socket files its dead parent left. Not under Ray: there P1 is an actor
+  whose parent is the raylet, and Ray kills it when its owner (P0) dies. Fail (below) if the
+  model can no longer run, e.g. a tensor-parallel worker died, even while idle.
 
 SIGTERM / SIGINT end the loop after the current step; the process closes its sockets and
 exits 0. Any other error in the loop is sent as `EngineCoreFailed` and the process exits 1.
@@ -82,8 +83,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
            outputs: QueueSender[Any], shm_info: bytes | None = None) -> int:
     from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
 
-    parent = multiprocessing.parent_process()
-    parent_pid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    parent_pid = _parent_pid(config)
     shm = None
     try:
         core = EngineCore(config, model_dir, shm_store=shm_info)
@@ -107,6 +107,15 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         core.shutdown()
         if shm is not None:
             shm.close()
+
+
+def _parent_pid(config: EngineConfig) -> int | None:
+    """P0's pid, whose death P1 watches for; None under Ray, where the actor's parent is the
+    raylet and Ray itself kills the actor with its owner (fate sharing)."""
+    if config.parallel.data_parallel_backend == "ray":
+        return None
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
 
 
 def ipc_receiver(config: EngineConfig) -> IpcReceiverCache | None:
@@ -137,7 +146,7 @@ class EngineCoreProc:
     """
 
     def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
-                 parent_pid: int, receiver: IpcReceiverCache | None = None,
+                 parent_pid: int | None, receiver: IpcReceiverCache | None = None,
                  shm: ShmItemReader | None = None) -> None:
         self.core = core
         self.receiver = receiver
@@ -173,7 +182,7 @@ class EngineCoreProc:
                     self._send(step_outputs.outputs, step_outputs.stats)
                 else:
                     self._send([], self.core.stats())
-                if os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("engine core's parent process died; exiting")
                     self._stop = self.orphaned = True
                 self.core.check_health()

@@ -1,20 +1,22 @@
 """P0's side of the engine channel: starts P1, sends it requests, receives its outputs.
 
-`EngineCoreClient` binds two ZMQ sockets in a private temp directory (P0 owns the socket
-files), spawns P1 (`run_engine_core`) and waits for `EngineCoreReady`. After that:
+`EngineCoreClient` places P1 (`frontend/engine_process.py`: a local process under mp, a Ray actor
+in its own placement group under ray), binds two ZMQ sockets — ipc:// in a private temp directory
+(P0 owns the socket files), or tcp:// on this node's IP under Ray, where P1 may run on another
+node — starts P1 (`run_engine_core`) and waits for `EngineCoreReady`. After that:
 `add_request` / `abort_requests` send without waiting for P1, `get_output` /
 `get_output_async` return P1's next `EngineCoreOutputs`, and raise `EngineDeadError` once P1
 has died or reported a fatal error (outputs it sent before dying are still returned first).
 
 Invariant: after `shutdown()` (idempotent; also run at interpreter exit and when the client is
-garbage collected) no P1 process, socket or socket file of this client is left.
+garbage collected) no P1 process, socket or socket file of this client is left (under Ray: no
+actor, no placement group).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
 import shutil
 import time
 import weakref
@@ -26,17 +28,15 @@ from typing import Any
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.engine.core_proc import run_engine_core
+from mmserve.frontend.engine_process import EngineProcess, LocalEngineProcess, place_engine
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
-from mmserve.ipc.lifecycle import describe_exit
-from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir, tcp_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
 _LIVENESS_POLL_S = 0.5  # longest wait between checks that P1 is alive
-_TERM_GRACE_S = 5.0  # how long P1 may take to finish its step after SIGTERM before SIGKILL
 _LAST_WORDS_S = 0.2  # after P1 died: how long to wait for its EngineCoreFailed, already sent
 
 
@@ -48,15 +48,15 @@ class EngineDeadError(RuntimeError):
 class _Resources:
     """What a client owns; `release()` frees all of it and may run more than once."""
 
-    ipc_dir: str
+    ipc_dir: str | None = None  # the ipc:// socket files' directory (P1 on this machine, mp)
     ctx: zmq.Context | None = None
     inputs: QueueSender[EngineCoreInput] | None = None
     outputs: QueueReceiver[EngineCoreEvent] | None = None
-    proc: BaseProcess | None = None
+    engine: EngineProcess | None = None
 
     def release(self) -> None:
-        if self.proc is not None and self.proc.pid is not None:
-            _stop_process(self.proc)
+        if self.engine is not None:
+            self.engine.stop()
         for queue in (self.inputs, self.outputs):
             if queue is not None:
                 queue.close()
@@ -64,31 +64,26 @@ class _Resources:
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
             self.ctx = None
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _stop_process(proc: BaseProcess) -> None:
-    """SIGTERM, then SIGKILL after `_TERM_GRACE_S`; returns once the process is reaped."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(_TERM_GRACE_S)
-    if proc.is_alive():
-        logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
-        proc.kill()
-    proc.join()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class EngineCoreClient:
     """The engine core running in its own process (P1), seen from P0.
 
-    Attributes: `max_model_len`, `num_kv_blocks` (from P1's ready message), `proc` (P1).
+    Attributes: `max_model_len`, `num_kv_blocks` (from P1's ready message); `engine`, where P1
+    runs (`proc`: its local process under mp); `is_local`: whether P1 runs on this machine's Ray
+    node (always under mp); `uses_shm`: whether P1 got `shm_info` — a rank on another node does
+    not (it cannot map this machine's /dev/shm), so its items must go in-band.
     One thread (or one event loop) at a time uses a client.
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0,
-                 shm_info: bytes | None = None) -> None:
-        """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm)."""
-        self._res = _Resources(make_ipc_dir())
+                 shm_info: bytes | None = None, engine: EngineProcess | None = None) -> None:
+        """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
+        dropped for a P1 on another node. `engine`: where to run P1, already placed (default:
+        `place_engine(config)` by `--data-parallel-backend`); the client owns it from here on."""
+        self._res = _Resources(engine=engine)
         self._finalizer = weakref.finalize(self, self._res.release)  # also runs at exit
         self._dead_reason: str | None = None
         try:
@@ -100,26 +95,47 @@ class EngineCoreClient:
         self.num_kv_blocks = ready.num_kv_blocks
 
     @property
+    def engine(self) -> EngineProcess:
+        assert self._res.engine is not None
+        return self._res.engine
+
+    @property
     def proc(self) -> BaseProcess:
-        assert self._res.proc is not None
-        return self._res.proc
+        """P1's local process (the mp backend only)."""
+        engine = self.engine
+        assert isinstance(engine, LocalEngineProcess) and engine.process is not None, "no local process"
+        return engine.process
+
+    @property
+    def is_local(self) -> bool:
+        return self.engine.is_local
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._uses_shm
 
     def _start(self, config: EngineConfig, model_dir: str, timeout_s: float,
                shm_info: bytes | None) -> EngineCoreReady:
         res = self._res
+        start = time.monotonic()
+        if res.engine is None:
+            res.engine = place_engine(config, timeout_s)
+        engine = res.engine
+        if engine.host is None:
+            res.ipc_dir = make_ipc_dir()
+            input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
+        else:
+            input_addr = output_addr = tcp_address(engine.host)
         res.ctx = zmq.Context()
-        input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
         res.inputs = QueueSender(res.ctx, input_addr, MsgpackEncoder(), bind=True)
         res.outputs = QueueReceiver(res.ctx, output_addr, MsgpackDecoder(EngineCoreEvent), bind=True)
-        rank = config.parallel.data_parallel_rank
-        res.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
-            name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
-        res.proc.start()
+        self._uses_shm = shm_info is not None and engine.is_local
+        engine.start(config, model_dir, res.inputs.address, res.outputs.address,
+                     shm_info if self._uses_shm else None)
         # multiprocessing's exit handler joins non-daemon children: stop P1 before it runs
         # (atexit runs the latest registration first)
         atexit.register(self._finalizer)
-        return self._wait_for_ready(timeout_s)
+        return self._wait_for_ready(timeout_s - (time.monotonic() - start))
 
     def _wait_for_ready(self, timeout_s: float) -> EngineCoreReady:
         deadline = time.monotonic() + timeout_s
@@ -127,11 +143,11 @@ class EngineCoreClient:
             event = self._outputs.recv(min(remaining, _LIVENESS_POLL_S))
             if isinstance(event, EngineCoreReady):
                 return event
-            if event is None and not self.proc.is_alive():
+            if event is None and not self.engine.is_alive():
                 event = self._outputs.recv(_LAST_WORDS_S)
                 if event is None:
                     raise RuntimeError(f"the engine core process exited while starting "
-                                       f"({describe_exit(self.proc.exitcode)}); see its log above")
+                                       f"({self.engine.describe_exit()}); see its log above")
             if isinstance(event, EngineCoreFailed):
                 raise RuntimeError(f"the engine core failed to start: {event.message}")
         raise RuntimeError(f"the engine core did not start within {timeout_s:g} s (startup_timeout_s)")
@@ -200,19 +216,20 @@ class EngineCoreClient:
     # ---- life cycle ------------------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return self._finalizer.alive and self._dead_reason is None and self.proc.is_alive()
+        return self._finalizer.alive and self._dead_reason is None and self.engine.is_alive()
 
     def _raise_if_dead(self) -> None:
         if not self._finalizer.alive:
             raise EngineDeadError("the engine core client is shut down")
-        if self._dead_reason is None and not self.proc.is_alive():
-            self._dead_reason = f"the engine core process exited unexpectedly ({describe_exit(self.proc.exitcode)})"
+        if self._dead_reason is None and not self.engine.is_alive():
+            self._dead_reason = f"the engine core process exited unexpectedly ({self.engine.describe_exit()})"
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 
     def shutdown(self) -> None:
-        """Stop P1 (SIGTERM, then SIGKILL after a grace period), close the sockets and remove
-        the socket files and their directory. Safe to call more than once."""
+        """Stop P1 (SIGTERM, then SIGKILL after a grace period; under Ray also its actor and
+        placement group), close the sockets and remove the socket files and their directory.
+        Safe to call more than once."""
         atexit.unregister(self._finalizer)
         self._finalizer()
 

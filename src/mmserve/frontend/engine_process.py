@@ -1,0 +1,107 @@
+"""Where an engine core (P1) runs, seen from P0: one small interface, one backend per
+`--data-parallel-backend`.
+
+`place_engine(config)` decides where P1 will run (for Ray: reserves its placement group), so P0
+knows `is_local` and the `host` to bind its sockets on before it starts P1 with `start`. From then
+on P0 asks `is_alive()` (cheap, every 0.5 s), `describe_exit()` once it died, and `stop()`s it.
+
+- mp (`LocalEngineProcess`): a spawned child process of P0; sockets are ipc:// files.
+- ray (`frontend/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
+  on another node; sockets are tcp:// on this node's IP. Ray is imported only then.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+from mmserve.config import EngineConfig
+from mmserve.engine.core_proc import run_engine_core
+from mmserve.ipc.lifecycle import describe_exit
+
+logger = logging.getLogger(__name__)
+
+TERM_GRACE_S = 5.0  # how long P1 may take to finish its step after SIGTERM before it is killed
+
+
+class EngineProcess(Protocol):
+    """One engine core started by P0. `start` is called at most once; `stop` any number of times
+    (also before `start`, or after P1 died) and releases everything the handle holds."""
+
+    @property
+    def is_local(self) -> bool:
+        """Whether P1 runs on this machine, so it can map this machine's /dev/shm."""
+        ...
+
+    @property
+    def host(self) -> str | None:
+        """The IP P0 binds its tcp:// sockets on for P1 to reach; None: ipc:// socket files."""
+        ...
+
+    def start(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
+              shm_info: bytes | None) -> None:
+        """Run `run_engine_core(config, model_dir, input_addr, output_addr, shm_info)`; returns at once."""
+        ...
+
+    def is_alive(self) -> bool:
+        """True from `start` until P1 ends; cheap enough to call every 0.5 s."""
+        ...
+
+    def describe_exit(self) -> str:
+        """How P1 ended: "exit code 1", "killed by SIGKILL", "its Ray actor died: ..."."""
+        ...
+
+    def stop(self) -> None:
+        """SIGTERM (P1 finishes its step and exits 0), force after `TERM_GRACE_S`; returns once P1
+        is gone. Idempotent."""
+        ...
+
+
+def place_engine(config: EngineConfig, timeout_s: float) -> EngineProcess:
+    """The handle for `config`'s rank under `config.parallel.data_parallel_backend`; with Ray its
+    placement group is reserved within `timeout_s` (RuntimeError if the cluster cannot fit it, an
+    ImportError naming `pip install mmserve[ray]` without Ray)."""
+    if config.parallel.data_parallel_backend == "ray":
+        from mmserve.frontend.ray_engine import RayEngineProcess
+
+        return RayEngineProcess(config, timeout_s)
+    return LocalEngineProcess()
+
+
+class LocalEngineProcess:
+    """P1 as a spawned child process of P0 (the mp backend); `process` once started."""
+
+    is_local = True
+    host = None
+
+    def __init__(self) -> None:
+        self.process: BaseProcess | None = None
+
+    def start(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
+              shm_info: bytes | None) -> None:
+        rank = config.parallel.data_parallel_rank
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
+            name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
+        self.process.start()
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def describe_exit(self) -> str:
+        return describe_exit(self.process.exitcode if self.process is not None else None)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after `TERM_GRACE_S`; returns once the process is reaped."""
+        proc = self.process
+        if proc is None or proc.pid is None:
+            return
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(TERM_GRACE_S)
+        if proc.is_alive():
+            logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
+            proc.kill()
+        proc.join()
