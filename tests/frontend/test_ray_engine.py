@@ -80,6 +80,8 @@ def test_a_ray_rank_serves_the_tokens_of_the_mp_backend(client, llm, path):
     finally:
         mp.shutdown()
     assert serve_two(client, llm) == expected
+    client.engine.join(0.1)  # a serving engine core does not end by itself
+    assert client.is_alive()
 
 
 def test_shutdown_stops_the_actor_and_removes_its_placement_group(client, llm):
@@ -109,6 +111,9 @@ def test_a_dead_actor_makes_the_client_raise_engine_dead(path, llm, how, cause):
             c.get_output()
     assert str(dead.value).endswith(f"exited unexpectedly (its Ray actor died: {cause})")
     assert time.monotonic() - start < 5 and not c.is_alive()
+    start = time.monotonic()
+    c.engine.join(5.0)
+    assert time.monotonic() - start < 1  # at once: the actor is gone
     c.shutdown()
     assert_nothing_left(c, pid)
 

@@ -49,6 +49,10 @@ class EngineProcess(Protocol):
         """True from `start` until P1 ends; cheap enough to call every 0.5 s."""
         ...
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for P1 to end by itself (e.g. after a fatal error)."""
+        ...
+
     def describe_exit(self) -> str:
         """How P1 ended: "exit code 1", "killed by SIGKILL", "its Ray actor died: ..."."""
         ...
@@ -89,6 +93,10 @@ class LocalEngineProcess:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        if self.process is not None and self.process.pid is not None:
+            self.process.join(timeout_s)
 
     def describe_exit(self) -> str:
         return describe_exit(self.process.exitcode if self.process is not None else None)

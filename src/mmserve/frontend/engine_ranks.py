@@ -27,7 +27,7 @@ _EXIT_GRACE_S = 5.0  # how long a dead rank's engine core may take to exit by it
 
 
 def _retire(client: EngineCoreClient) -> None:
-    client.proc.join(_EXIT_GRACE_S)
+    client.engine.join(_EXIT_GRACE_S)
     client.shutdown()
 
 

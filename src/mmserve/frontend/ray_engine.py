@@ -178,6 +178,10 @@ class RayEngineProcess:
         return (self._exit is None and self._serving is not None
                 and not ray.wait([self._serving], timeout=0, fetch_local=False)[0])
 
+    def join(self, timeout_s: float) -> None:
+        if self.is_alive():
+            ray.wait([self._serving], timeout=timeout_s, fetch_local=False)
+
     def describe_exit(self) -> str:
         if self._exit is not None:
             return self._exit
