@@ -12,7 +12,7 @@
   changed since the last send (error outputs ride along with the next send);
 - every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
   orphaned P1 removes the socket files its dead parent left. Not under Ray: there P1 is an actor
-  whose parent is the raylet, and Ray kills it when its owner (P0) dies. Fail (below) if the
+  whose parent is not P0, and Ray kills it when its owner (P0) dies. Fail (below) if the
   model can no longer run, e.g. a tensor-parallel worker died, even while idle.
 
 SIGTERM / SIGINT end the loop after the current step; the process closes its sockets and
@@ -110,8 +110,8 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
 
 
 def _parent_pid(config: EngineConfig) -> int | None:
-    """P0's pid, whose death P1 watches for; None under Ray, where the actor's parent is the
-    raylet and Ray itself kills the actor with its owner (fate sharing)."""
+    """P0's pid, whose death P1 watches for; None under Ray, where the actor's parent is not P0
+    and Ray itself kills the actor with its owner (fate sharing)."""
     if config.parallel.data_parallel_backend == "ray":
         return None
     parent = multiprocessing.parent_process()

@@ -6,16 +6,14 @@ The actor runs in bundle 0 and serves `run_engine_core` on its main thread until
 tensor-parallel workers stay local child processes of the actor, spawned by P1's multiprocess
 executor exactly as under mp: STRICT_PACK reserved their bundles on the actor's node.
 
-Ray itself: this process joins `--ray-address` (else RAY_ADDRESS) or, with neither, starts a small
-local cluster; a Ray already initialized here (a test's) is used as it is. Every node that runs
-a rank must have mmserve importable. A cluster this module started is shut down after its last
-rank's `stop()`; one it merely joined is left running (this process only disconnects).
+Ray itself is joined or started by `frontend/ray_session.py` (each handle is one user of it).
+Every node that runs a rank must have mmserve importable.
 
 Not yet: on CUDA with tensor_parallel_size > 1, handing the GPU ids of the rank's bundles to its
 workers (Ray sets CUDA_VISIBLE_DEVICES only for the actor's own GPUs; with tp == 1 it holds one).
 
 Liveness: a Ray actor is fate-shared with its owner, so P1 skips the parent-pid check under Ray
-(its parent is the raylet); the driver watches the actor's `serve` ObjectRef (a local
+(its parent is not P0); the driver watches the actor's `serve` ObjectRef (a local
 `ray.wait`, ~0.1 ms), which fails with `RayActorError` once the actor dies however it died.
 """
 
@@ -26,64 +24,27 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-try:
-    import ray
-    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as e:  # ray is an optional extra
-    raise ImportError("--data-parallel-backend ray needs Ray: pip install mmserve[ray]") from e
+from mmserve.frontend.ray_session import join_ray, leave_ray  # first: names the extra without Ray
 
-from mmserve.config import EngineConfig, ParallelConfig
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import run_engine_core
 from mmserve.frontend.engine_process import TERM_GRACE_S
-from mmserve.ipc.lifecycle import describe_exit
+from mmserve.ipc.lifecycle import describe_exit, is_running
 
 logger = logging.getLogger(__name__)
 
-_OBJECT_STORE_BYTES = 128 << 20  # a local cluster's object store: only small control values cross it
 _GONE_POLL_S = 0.05
-_GONE_WAIT_S = 10.0  # after ray.kill: how long to wait for a local actor's process to disappear
-
-_session_lock = threading.Lock()
-_session_users = 0  # live RayEngineProcess handles of this process
-_session_started = False  # this module called ray.init, so it calls ray.shutdown after its last user
-
-
-def join_ray(parallel: ParallelConfig) -> None:
-    """Make sure this process is connected to Ray (see the module docstring); one more user."""
-    global _session_users, _session_started
-    with _session_lock:
-        if not ray.is_initialized():
-            address = parallel.ray_address or os.environ.get("RAY_ADDRESS")
-            if address:
-                ray.init(address=address)
-            else:
-                ray.init(num_cpus=_local_cluster_cpus(parallel), include_dashboard=False,
-                         object_store_memory=_OBJECT_STORE_BYTES)
-            _session_started = True
-        _session_users += 1
-
-
-def leave_ray() -> None:
-    """One user fewer; the last one shuts down (or disconnects from) a Ray that `join_ray` started."""
-    global _session_users, _session_started
-    with _session_lock:
-        _session_users -= 1
-        if _session_users == 0 and _session_started:
-            _session_started = False
-            if ray.is_initialized():
-                ray.shutdown()
-
-
-def _local_cluster_cpus(parallel: ParallelConfig) -> int:
-    """Logical CPUs of a local cluster: this machine's cores, and at least every rank's CPU bundles."""
-    return max(os.cpu_count() or 1, parallel.data_parallel_size * (1 + parallel.tensor_parallel_size))
+_GONE_WAIT_S = 10.0  # after ray.kill: how long to wait for the actor (and a local one's process) to go
+_REMOTE_SIGNAL_S = 30.0  # a signal task on another node may first need a new worker process there
 
 
 def rank_bundles(config: EngineConfig, extra: Mapping[str, float] | None = None) -> list[dict[str, float]]:
@@ -220,9 +181,12 @@ class RayEngineProcess:
             ray.wait([self._serving], timeout=TERM_GRACE_S, fetch_local=False)
         if self.is_alive():
             logger.warning("engine core rank %d did not stop on SIGTERM; killing its Ray actor", self.rank)
-        ray.kill(self._actor, no_restart=True)
+        ray.kill(self._actor, no_restart=True)  # asynchronous: wait until Ray has it dead
+        deadline = time.monotonic() + _GONE_WAIT_S
+        while _named_actor_exists(self.name) and time.monotonic() < deadline:
+            time.sleep(_GONE_POLL_S)
         if self.is_local and pid is not None:
-            _wait_gone(pid, _GONE_WAIT_S)
+            _wait_gone(pid, max(deadline - time.monotonic(), 0.0))
 
     def _actor_pid(self) -> int | None:
         """The actor's pid; None if its process never came up (or is gone) within the grace period."""
@@ -238,7 +202,7 @@ class RayEngineProcess:
             return
         strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0)
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(_send_signal.options(scheduling_strategy=strategy).remote(pid, signum), timeout=TERM_GRACE_S)
+            ray.get(_send_signal.options(scheduling_strategy=strategy).remote(pid, signum), timeout=_REMOTE_SIGNAL_S)
 
 
 def _death_cause(error: Exception) -> str:
@@ -251,13 +215,19 @@ def _death_cause(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _named_actor_exists(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:  # no live actor of that name
+        return False
+    return True
+
+
 def _wait_gone(pid: int, timeout_s: float) -> None:
-    """Wait until no process `pid` exists on this machine (Ray's raylet reaps its workers)."""
+    """Wait until process `pid` of this machine has exited (a zombie not yet reaped counts as gone)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not is_running(pid):
             return
         time.sleep(_GONE_POLL_S)
-    logger.warning("the Ray actor process %d is still there %g s after ray.kill", pid, timeout_s)
+    logger.warning("the Ray actor process %d is still there after ray.kill", pid)
