@@ -5,6 +5,7 @@ client raise EngineDeadError; shutdown leaves no actor, placement group or proce
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -116,6 +117,17 @@ def test_a_dead_actor_makes_the_client_raise_engine_dead(path, llm, how, cause):
     assert time.monotonic() - start < 1  # at once: the actor is gone
     c.shutdown()
     assert_nothing_left(c, pid)
+
+
+def test_a_startup_failure_is_a_clear_error_and_leaves_nothing(path, tmp_path):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    before = ray.util.placement_group_table()
+    with pytest.raises(RuntimeError, match="engine core failed to start: .*safetensors"):
+        EngineCoreClient(EngineConfig.from_kwargs(model=str(no_weights), **RAY_ARGS), str(no_weights))
+    created = [v for k, v in ray.util.placement_group_table().items() if k not in before]
+    assert [v["state"] for v in created] == ["REMOVED"]
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("mmserve_engine_")]
 
 
 def test_an_unplaceable_rank_is_a_clear_error_and_leaves_no_placement_group(path):

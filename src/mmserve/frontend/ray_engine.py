@@ -49,8 +49,9 @@ _REMOTE_SIGNAL_S = 30.0  # a signal task on another node may first need a new wo
 
 def rank_bundles(config: EngineConfig, extra: Mapping[str, float] | None = None) -> list[dict[str, float]]:
     """The placement group of one rank: the engine core's bundle first (with `extra` resources,
-    e.g. a custom resource naming a node), then one per tensor-parallel worker. With one rank the
-    model runs inside the engine core, whose bundle then holds the GPU (on CUDA)."""
+    e.g. a custom resource naming a node), then one per tensor-parallel worker. With
+    tensor_parallel_size 1 the model runs inside the engine core, whose bundle then holds the GPU
+    (on CUDA)."""
     device = _bundle_device(config)
     tp = config.parallel.tensor_parallel_size
     engine: dict[str, float] = {"CPU": 1.0, **({"GPU": 1.0} if tp == 1 and device == "GPU" else {})}
@@ -152,7 +153,7 @@ class RayEngineProcess:
             code = ray.get(self._serving, timeout=0)
         except ray.exceptions.GetTimeoutError:
             return "still running"
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.RayError as e:  # RayActorError; RayTaskError if `serve` could not even run
             return f"its Ray actor died: {_death_cause(e)}"
         return describe_exit(code)
 
@@ -207,7 +208,7 @@ class RayEngineProcess:
 
 def _death_cause(error: Exception) -> str:
     """The one-line cause in a `RayActorError` ("its worker process has died", "it was killed by
-    `ray.kill`"), else its first line."""
+    `ray.kill`"), else the error's first line."""
     text = str(error)
     found = re.search(r"The actor is dead because (.+?)\.(?:\s|$)", text)
     if found:
