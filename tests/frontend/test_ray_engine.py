@@ -145,3 +145,21 @@ def test_without_ray_the_backend_names_the_extra(path, monkeypatch):
     monkeypatch.delitem(sys.modules, "mmserve.frontend.ray_session")
     with pytest.raises(ImportError, match=r"pip install mmserve\[ray\]"):
         place_engine(EngineConfig.from_kwargs(model=path, **RAY_ARGS), timeout_s=1.0)
+
+
+def test_data_parallel_on_ray_equals_one_engine(path, llm):
+    """DP=2 with every rank a Ray actor: the same greedy tokens as one local engine, both ranks used."""
+    from mmserve.sampling_params import SamplingParams
+    from tiny_models import make_image
+
+    prompts = [{"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(600 + i)}}
+               for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    dp = LLM(model=path, data_parallel_size=2, **RAY_ARGS)
+    try:
+        got = [o.outputs[0].token_ids for o in dp.generate(prompts, params)]
+        served = [r.requests for r in dp.engine.dp_figures().ranks]
+    finally:
+        dp.shutdown()
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert served == [2, 2]

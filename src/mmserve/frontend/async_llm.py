@@ -57,6 +57,8 @@ class AsyncLLM(RankFailover):
         except BaseException:
             self.transport.close()
             raise
+        for rank in range(len(self.ranks)):  # a rank on another node cannot map this node's store
+            self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         first = self.ranks.client(0)
         self.max_model_len = first.max_model_len
         router = DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))]) \

@@ -8,10 +8,12 @@ Contract.
   A rank that restarts is forgotten (`forget`): its caches start empty.
 - `route` scores each live rank: expected reuse = prompt tokens its prefix cache holds (the
   leading blocks found) + placeholder tokens of the items after that prefix whose encoder
-  outputs it holds. Load = max(requests P0 has in flight there, running + waiting in its last
-  stats) + a KV-pressure term. The imbalance guard: only ranks whose load is within
+  outputs it holds; the gain is that minus the least any live rank would reuse, and only a gain
+  of two blocks and a tenth of the prompt counts (a short header that every prompt shares does
+  not pull every request onto the first rank that saw it). Load = max(requests P0 has in
+  flight there, running + waiting in its last stats) + a KV-pressure term. The imbalance guard: only ranks whose load is within
   `slack + min_load // 2` of the least-loaded rank may win on reuse, so one hot image cannot
-  pile every request onto one rank. Among those the largest reuse wins; no reuse (or
+  pile every request onto one rank. Among those the largest gain wins; no gain (or
   `--dp-routing load`) picks the least loaded, then the one routed to least, then the lowest.
 - Decisions are counted by reason: "pinned" (`X-Data-Parallel-Rank`), "cache" (reuse decided),
   "load" (nothing cached anywhere allowed), "imbalance" (the best-cached rank was over the guard).
@@ -108,11 +110,13 @@ class DPRouter:
         quiet = min(allowed, key=lambda r: (views[r].load(), views[r].routed, r))
         if not hashes and not request.mm_items:
             return self._decide(quiet, "load", hashes)
-        reuse = {r: views[r].reuse(hashes, request, self.block_size) for r in live}
-        best = max(allowed, key=lambda r: (reuse[r], -views[r].load(), -views[r].routed, -r))
-        if reuse[best] > 0:
+        floor = min(views[r].reuse(hashes, request, self.block_size) for r in live)
+        gain = {r: views[r].reuse(hashes, request, self.block_size) - floor for r in live}
+        enough = max(2 * self.block_size, len(request.prompt_token_ids) // 10)  # a shared header is not
+        best = max(allowed, key=lambda r: (gain[r], -views[r].load(), -views[r].routed, -r))
+        if gain[best] >= enough:
             return self._decide(best, "cache", hashes)
-        return self._decide(quiet, "imbalance" if max(reuse.values()) > 0 else "load", hashes)
+        return self._decide(quiet, "imbalance" if max(gain.values()) >= enough else "load", hashes)
 
     def _decide(self, rank: int, reason: str, hashes: list[BlockHash]) -> Route:
         self.decisions[reason] += 1

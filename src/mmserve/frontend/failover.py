@@ -67,7 +67,7 @@ class RankFailover:
             except Exception as e:
                 logger.error("engine rank %d did not restart: %s", rank, e)
                 continue
-            self.transport.restarted(rank, remote=not getattr(client, "uses_shm", True))
+            self.transport.restarted(rank, remote=not client.is_local)
             self._ensure_output_task()
             logger.warning("engine rank %d is serving again", rank)
             self._move_parked()

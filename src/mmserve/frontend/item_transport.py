@@ -28,7 +28,7 @@ class ItemTransport:
     rank's receiver), one store shared by all of them. `to_wire` registers in `undo` how to take
     back each change it makes (IPC sender keys, shm entries and pins); `finish` ends a request's
     hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
-    memory) gets every item inline."""
+    memory) gets its items through its IPC sender instead (a 0 GiB one under shm: every item inline)."""
 
     def __init__(self, mm: MultiModalConfig, num_ranks: int = 1) -> None:
         self.senders = [IpcSenderCache(mm.ipc_cache_bytes) for _ in range(num_ranks)]
@@ -56,9 +56,7 @@ class ItemTransport:
                 rank: int = 0) -> tuple[EngineCoreRequest, bool]:
         """(the message for `rank`'s P1, whether some item crosses by reference — a hash or a
         handle — so P1 may report it missing). `resend`: P1 lacked an item of this request last time."""
-        if rank in self.remote:
-            return request, False
-        if self.shm is not None:
+        if self.shm is not None and rank not in self.remote:
             written: list[str] = []
             undo.push(self.shm.finish, request.request_id)
             undo.push(self.shm.discard, written)
