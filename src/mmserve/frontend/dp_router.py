@@ -12,8 +12,8 @@ Contract.
   of two blocks and a tenth of the prompt counts (a short header that every prompt shares does
   not pull every request onto the first rank that saw it). Load = max(requests P0 has in
   flight there, running + waiting in its last stats) + a KV-pressure term. The imbalance
-  guard: only ranks whose load is within `slack + min_load // 2` of the least-loaded rank may win on reuse, so one hot image cannot
-  pile every request onto one rank. Among those the largest gain wins; no gain (or
+  guard: only ranks whose load is within `slack + min_load // 2` of the least-loaded rank may
+  win on reuse, so one hot image cannot pile every request onto one rank. Among those the largest gain wins; no gain (or
   `--dp-routing load`) picks the least loaded, then the one routed to least, then the lowest.
 - Decisions are counted by reason: "pinned" (`X-Data-Parallel-Rank`), "cache" (reuse decided),
   "load" (nothing cached anywhere allowed), "imbalance" (the best-cached rank was over the guard).
