@@ -110,7 +110,7 @@ class AsyncLLM(RankFailover):
 
     def dp_figures(self) -> DataParallelFigures:
         """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
-        return self.flights.figures(dict(self.engine_stats()))
+        return self.flights.figures(self.engine_stats())
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:

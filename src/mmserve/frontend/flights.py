@@ -22,7 +22,7 @@ from mmserve.frontend.core_client import EngineDeadError
 from mmserve.frontend.engine_ranks import EngineRanks
 from mmserve.frontend.item_transport import ItemTransport
 from mmserve.frontend.undo import UndoLog
-from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures, RankFigures
 
@@ -121,8 +121,9 @@ class RequestFlights:
             self.router.forget(rank)
         return movable, lost
 
-    def figures(self, stats: dict[int, object]) -> DataParallelFigures:
+    def figures(self, stats: dict[int, SchedulerStats]) -> DataParallelFigures:
+        """Each rank's state and what it served, with its latest `stats` (absent while down)."""
         live = self.ranks.live()
-        ranks = [RankFigures(r, r in live, self.ranks.restarts[r], stats.get(r), *self._served[r])  # type: ignore[arg-type]
+        ranks = [RankFigures(r, r in live, self.ranks.restarts[r], stats.get(r), *self._served[r])
                  for r in range(len(self.ranks))]
         return DataParallelFigures(ranks, dict(self.router.decisions) if self.router is not None else {})
