@@ -13,13 +13,14 @@ from mmserve.sampling_params import SamplingParams
 BLOCK = 16
 
 
-def request(rid: str, images: list[str], text: int = 8, salt: str | None = None) -> EngineCoreRequest:
-    """A prompt of `text` tokens, then 40 placeholder tokens per image, then `text` tokens."""
+def request(rid: str, images: list[str], text: int = 8, salt: str | None = None, size: int = 40,
+            tail: int = 200) -> EngineCoreRequest:
+    """A prompt of `text` tokens, then `size` placeholder tokens per image, then `text` tokens from `tail`."""
     tokens, items = list(range(100, 100 + text)), []
     for h in images:
-        items.append(MultiModalItem("image", h, None, PlaceholderRange(len(tokens), 40)))
-        tokens += [7] * 40
-    tokens += list(range(200, 200 + text))
+        items.append(MultiModalItem("image", h, None, PlaceholderRange(len(tokens), size)))
+        tokens += [7] * size
+    tokens += list(range(tail, tail + text))
     return EngineCoreRequest(rid, tokens, items, SamplingParams(), None, 0.0, cache_salt=salt)
 
 
@@ -42,6 +43,18 @@ def test_first_sights_spread_and_repeats_follow_their_images():
     again = {h: send(r, request(f"b{h}", [h], text=3)) for h in "abcdef"}  # other text, same image
     assert again == first
     assert r.decisions["cache"] == 6 and r.decisions["load"] == 6
+
+
+def test_a_shared_header_does_not_pull_but_a_small_image_does():
+    r = router()
+    texts = [send(r, request(f"t{i}", [], text=24, tail=300 + 40 * i)) for i in range(4)]  # one shared block
+    for rank in texts:
+        r.on_finished(rank)
+    assert sorted(texts) == [0, 0, 1, 1] and r.decisions["cache"] == 0
+    first = send(r, request("a", ["tiny"], size=9))
+    r.on_finished(first)
+    again = [send(r, request(f"b{i}", ["tiny"], size=9, tail=500)) for i in range(2)]
+    assert again == [first, first] and r.decisions["cache"] == 2  # 9 image tokens, less than a block
 
 
 def test_the_prefix_counts_and_a_salt_is_another_prefix():

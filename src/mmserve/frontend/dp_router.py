@@ -8,9 +8,10 @@ Contract.
   A rank that restarts is forgotten (`forget`): its caches start empty.
 - `route` scores each live rank: expected reuse = prompt tokens its prefix cache holds (the
   leading blocks found) + placeholder tokens of the items after that prefix whose encoder
-  outputs it holds; the gain is that minus the least any live rank would reuse, and only a gain
-  of two blocks and a tenth of the prompt counts (a short header that every prompt shares does
-  not pull every request onto the first rank that saw it). Load = max(requests P0 has in
+  outputs it holds; the gain is that minus the least any live rank would reuse. A gain counts
+  when the rank holds more of the request's items than the least-holding rank (an image seen
+  there, however small), or when it is two blocks and a tenth of the prompt (a short header that
+  every prompt shares does not pull every request onto the first rank that saw it). Load = max(requests P0 has in
   flight there, running + waiting in its last stats) + a KV-pressure term. The imbalance
   guard: only ranks whose load is within `slack + min_load // 2` of the least-loaded rank may
   win on reuse, so one hot image cannot pile every request onto one rank. Among those the largest gain wins; no gain (or
@@ -62,6 +63,10 @@ class _RankView:
         return prefix + sum(item.placeholder.length for item in request.mm_items
                             if item.placeholder.end > prefix and item.mm_hash in self.items)
 
+    def held_items(self, request: EngineCoreRequest) -> int:
+        """How many of the request's items this rank holds (encoder output or blocks)."""
+        return sum(item.mm_hash in self.items for item in request.mm_items)
+
     def remember(self, hashes: Sequence[BlockHash], request: EngineCoreRequest) -> None:
         for h in hashes:
             self.blocks[h] = None
@@ -110,13 +115,15 @@ class DPRouter:
         quiet = min(allowed, key=lambda r: (views[r].load(), views[r].routed, r))
         if not hashes and not request.mm_items:
             return self._decide(quiet, "load", hashes)
-        floor = min(views[r].reuse(hashes, request, self.block_size) for r in live)
-        gain = {r: views[r].reuse(hashes, request, self.block_size) - floor for r in live}
+        reuse = {r: views[r].reuse(hashes, request, self.block_size) for r in live}
+        held = {r: views[r].held_items(request) for r in live}
+        floor, least_held = min(reuse.values()), min(held.values())
         enough = max(2 * self.block_size, len(request.prompt_token_ids) // 10)  # a shared header is not
+        gain = {r: reuse[r] - floor if reuse[r] - floor >= enough or held[r] > least_held else 0 for r in live}
         best = max(allowed, key=lambda r: (gain[r], -views[r].load(), -views[r].routed, -r))
-        if gain[best] >= enough:
+        if gain[best] > 0:
             return self._decide(best, "cache", hashes)
-        return self._decide(quiet, "imbalance" if max(gain.values()) >= enough else "load", hashes)
+        return self._decide(quiet, "imbalance" if max(gain.values()) > 0 else "load", hashes)
 
     def _decide(self, rank: int, reason: str, hashes: list[BlockHash]) -> Route:
         self.decisions[reason] += 1
