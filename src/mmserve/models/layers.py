@@ -82,6 +82,7 @@ class PrefillSpan:
     hi: int
     start: int
     block_table: torch.Tensor  # [num_blocks] int64
+    mask: torch.Tensor | None = None  # [n, ctx] causal from `start`; None when start == 0
 
 
 @dataclass
@@ -116,9 +117,16 @@ class AttentionMetadata:
         d_tables = rows[decode][:, : max((len(block_tables[b]) for b in decode), default=0)]
         d_lens = torch.tensor([seq_lens[b] for b in decode])
         d_mask = torch.arange(d_tables.shape[1] * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
-        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b])
+        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b], _causal_from(seq_lens[b] - q, q))
                     for b, q in enumerate(query_lens) if q > 1]
         return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills)
+
+
+def _causal_from(start: int, n: int) -> torch.Tensor | None:
+    """[n, start + n] bool: query i (at position start + i) sees keys 0 .. start + i."""
+    if start == 0:
+        return None
+    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -134,8 +142,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if meta.decode_index.numel():
         Bd = meta.decode_index.shape[0]
-        keys = k_cache[meta.decode_block_tables].view(Bd, -1, Hkv, Dh).transpose(1, 2)  # [Bd, Hkv, L, Dh]
-        values = v_cache[meta.decode_block_tables].view(Bd, -1, Hkv, Dh).transpose(1, 2)
+        rows = meta.decode_block_tables.reshape(-1)
+        keys = k_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2)  # [Bd, Hkv, L, Dh]
+        values = v_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2)
         queries = q[meta.decode_index][:, :, None]  # [Bd, H, 1, Dh]
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)  # [Bd, H, 1, Dh]
@@ -146,10 +155,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             keys, values, mask = k[p.lo:p.hi], v[p.lo:p.hi], None
         else:
             ctx = p.start + p.hi - p.lo
-            keys = k_cache[p.block_table].view(-1, Hkv, Dh)[:ctx]  # [ctx, Hkv, Dh]
-            values = v_cache[p.block_table].view(-1, Hkv, Dh)[:ctx]
-            q_pos = torch.arange(p.start, ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # [n, ctx]: causal, offset by start
+            keys = k_cache.index_select(0, p.block_table).view(-1, Hkv, Dh)[:ctx]  # [ctx, Hkv, Dh]
+            values = v_cache.index_select(0, p.block_table).view(-1, Hkv, Dh)[:ctx]
+            mask = p.mask
         o = F.scaled_dot_product_attention(queries, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                                            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         out[p.lo:p.hi] = o[0].transpose(0, 1)

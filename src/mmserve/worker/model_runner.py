@@ -27,6 +27,12 @@ from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
 
 
+# A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
+# second thread costs more than it saves on a small matmul (a repeated image's uncached tail, a
+# small decode batch), the more so while P0 holds the other core.
+SMALL_STEP_TOKENS = 32
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, tp: TensorParallel = SINGLE) -> None:
         """With `tp.size > 1` this is one rank's runner: every rank gets the same calls (the
@@ -35,6 +41,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(model_dir, config.model.dtype, tp)
         self.dtype = next(self.model.parameters()).dtype
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        self.threads = torch.get_num_threads()  # as P1 / the worker set it
+        self.small_step_threads = 1 if on_cpu else self.threads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RunnerRequest] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
@@ -61,6 +70,9 @@ class ModelRunner:
         self._update_states(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
+        small = sum(so.num_scheduled_tokens.values()) < SMALL_STEP_TOKENS and not so.scheduled_encoder_inputs
+        if (threads := self.small_step_threads if small else self.threads) != torch.get_num_threads():
+            torch.set_num_threads(threads)
         self._run_encoders(so.scheduled_encoder_inputs)
         req_ids = list(so.num_scheduled_tokens)
         input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
