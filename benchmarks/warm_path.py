@@ -8,7 +8,9 @@ Three figures, each against its baseline measured in the same run (issue: warm p
 3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
    engine's (target < 5 ms; `serving_overhead.py` has the breakdown).
 
-Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--model M]`.
+Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--parts repeat,agent,...]`.
+The repeat figure takes three distinct images per server, each first sight against the median of
+three repeats.
 Timings on a shared 2-core machine swing: it prints min / median / max over the runs.
 """
 
@@ -77,14 +79,19 @@ def server(model: str, *flags: str):
                          "--max-media-bytes", str(64 << 20), "--limit-mm-per-prompt", '{"image": 8}', *flags)
 
 
-def repeat_ratio(model: str, side: int, run: int) -> tuple[float, float]:
-    """(first sight, repeat) TTFT in seconds for a side x side photo, on a fresh server."""
+def repeat_ratios(model: str, side: int, run: int, images: int = 3, repeats: int = 3) -> list[tuple[float, float]]:
+    """(first sight, median of `repeats` repeats) TTFT in seconds for `images` distinct side x side
+    photos, one after another on a fresh server (each first sight a true miss)."""
     s = server(model)
     try:
         with httpx.Client(timeout=300) as client:
-            ttft(client, s.base_url, [photo(10_000 + run, 64, 64)])  # warm-up: compile paths, not this image
-            url = photo(run, side, side)
-            return ttft(client, s.base_url, [url]), ttft(client, s.base_url, [url])
+            ttft(client, s.base_url, [photo(10_000 + run, 64, 64)])  # warm-up: compile paths, not these images
+            pairs = []
+            for i in range(images):
+                url = photo(images * run + i, side, side)
+                first = ttft(client, s.base_url, [url])
+                pairs.append((first, statistics.median(ttft(client, s.base_url, [url]) for _ in range(repeats))))
+            return pairs
     finally:
         s.stop()
 
@@ -110,28 +117,36 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="builtin:tiny-llava")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="fresh servers per figure")
+    parser.add_argument("--parts", default="repeat,agent,tools,overhead",
+                        help="which figures to measure (comma-separated)")
     parser.add_argument("--tools-model", default="builtin:tiny-qwen3-vl",
                         help="the agent loop with tools in every turn runs on this model (its template renders them)")
     args = parser.parse_args()
-    for side in (672, 1344):
-        pairs = [repeat_ratio(args.model, side, run) for run in range(args.runs)]
+    parts = set(args.parts.split(","))
+    for side in (672, 1344) if "repeat" in parts else ():
+        pairs = [pair for run in range(args.runs) for pair in repeat_ratios(args.model, side, run)]
         ratios = [again / first for first, again in pairs]
         print(f"repeat at {side} px: first {spread([p[0] * 1e3 for p in pairs])} ms, repeat "
               f"{spread([p[1] * 1e3 for p in pairs])} ms; ratio min/median/max {spread(ratios)} (target <= 0.20)")
-    on = [agent_turn6(args.model, run, True) for run in range(args.runs)]
-    off = [agent_turn6(args.model, run, False) for run in range(args.runs)]
+    if "agent" in parts:
+        agent(args.model, args.runs)
+    if "tools" in parts:
+        agent(args.tools_model, args.runs, tools=True)
+    if "overhead" in parts:
+        adds = [server_overhead(args.model, run) for run in range(args.runs)]
+        print(f"server overhead (median TTFT of 10 one-image requests, server - offline LLM): "
+              f"min/median/max {spread([a * 1e3 for a in adds])} ms (target < 5 ms)")
+
+
+def agent(model: str, runs: int, tools: bool = False) -> None:
+    """Turn 6 of the agent loop, caches on / off, each on `runs` fresh servers."""
+    on = [agent_turn6(model, run, True, tools) for run in range(runs)]
+    off = [agent_turn6(model, run, False, tools) for run in range(runs)]
     ratios = [a / b for a, b in zip(on, off)]
-    print(f"agent loop turn 6: caches on {spread([t * 1e3 for t in on])} ms, off {spread([t * 1e3 for t in off])} "
-          f"ms; ratio min/median/max {spread(ratios)} (target <= 0.25)")
-    on = [agent_turn6(args.tools_model, run, True, tools=True) for run in range(args.runs)]
-    off = [agent_turn6(args.tools_model, run, False, tools=True) for run in range(args.runs)]
-    ratios = [a / b for a, b in zip(on, off)]
-    print(f"agent loop turn 6 with tools ({args.tools_model}): caches on {spread([t * 1e3 for t in on])} ms, off "
-          f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}")
-    adds = [server_overhead(args.model, run) for run in range(args.runs)]
-    print(f"server overhead (median TTFT of 10 one-image requests, server - offline LLM): "
-          f"min/median/max {spread([a * 1e3 for a in adds])} ms (target < 5 ms)")
+    label, target = (f" with tools ({model})", "") if tools else ("", " (target <= 0.25)")
+    print(f"agent loop turn 6{label}: caches on {spread([t * 1e3 for t in on])} ms, off "
+          f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
 
 
 def server_overhead(model: str, run: int, requests: int = 10) -> float:
