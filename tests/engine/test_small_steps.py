@@ -30,5 +30,6 @@ def test_small_steps_run_on_one_thread_and_big_ones_on_all(tmp_path):
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert seen[0][0] >= SMALL_STEP_TOKENS and seen[0][1] == 2  # the prefill, with the encoder
         assert seen[1:] and all(tokens == 1 and threads == 1 for tokens, threads in seen[1:])  # decode steps
+        assert torch.get_num_threads() == 2  # the caller's setting is back after the last step
     finally:
         torch.set_num_threads(before)

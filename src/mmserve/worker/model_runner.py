@@ -71,14 +71,16 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
         small = sum(so.num_scheduled_tokens.values()) < SMALL_STEP_TOKENS and not so.scheduled_encoder_inputs
-        if (threads := self.small_step_threads if small else self.threads) != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        self._run_encoders(so.scheduled_encoder_inputs)
-        req_ids = list(so.num_scheduled_tokens)
-        input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
-        embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
-        hidden = self.model(embeds, positions, self.kv_caches, meta, deepstack)  # [T, D]
-        return self._sample(req_ids, so.num_scheduled_tokens, hidden)
+        torch.set_num_threads(self.small_step_threads if small else self.threads)
+        try:
+            self._run_encoders(so.scheduled_encoder_inputs)
+            req_ids = list(so.num_scheduled_tokens)
+            input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
+            embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
+            hidden = self.model(embeds, positions, self.kv_caches, meta, deepstack)  # [T, D]
+            return self._sample(req_ids, so.num_scheduled_tokens, hidden)
+        finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
+            torch.set_num_threads(self.threads)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
