@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import glob
 import io
 import os
 import signal
@@ -11,7 +12,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+import httpx
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 
 def free_port() -> int:
@@ -110,3 +115,52 @@ def labelled(server: ServerProcess, name: str, layer: str) -> float:
         if line.startswith(f'{name}{{layer="{layer}"}} '):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def children_titled(server, prefix: str) -> dict[str, int]:
+    """The server's descendants whose title starts with `mmserve::<prefix>`: title -> pid."""
+    found = {}
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            title = Path(cmdline).read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(cmdline.split("/")[2])
+        if title.startswith("mmserve::" + prefix) and _ancestor(pid, server.proc.pid):
+            found[title] = pid
+    return found
+
+
+def _ancestor(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def kill_under_load(post: Callable[[str], Any], urls: list[str], victim: int, after_s: float = 1.0) -> list[Any]:
+    """`post(url)` for every url at once; `victim` is killed (SIGKILL) `after_s` into it; the responses."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        futures = [pool.submit(post, u) for u in urls]
+        time.sleep(after_s)
+        os.kill(victim, signal.SIGKILL)
+        return [f.result() for f in futures]
+
+
+def expected(offline: Any, url: str, text: str = "What is this?", max_tokens: int = 8) -> str:
+    """What the offline engine answers to that request."""
+    from mmserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return offline.chat(messages(url, text), params)[0].outputs[0].text
+
+
+def post(server: Any, url: str, text: str = "What is this?", max_tokens: int = 8, **headers: str) -> httpx.Response:
+    """A greedy chat request for `url` with `text`, on a connection of its own; `headers` with _ for -."""
+    body = {"model": server.model, "messages": messages(url, text), "temperature": 0, "max_tokens": max_tokens}
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={k.replace("_", "-"): v for k, v in headers.items()})

@@ -198,7 +198,11 @@ class ParallelConfig:
     engine_restart_limit: int = _opt(
         3, "Restarts per rank after its engine core dies (requests that showed the client nothing "
         "move to a live rank meanwhile); 0: a dead engine stops the server.")
+    api_server_count: int = _opt(
+        1, "API-server processes sharing the listening socket; every one reaches every engine core, and the "
+        "processor and IPC caches' budgets are split between them (one budget in all, not one each).")
     data_parallel_rank: int = _opt(0, "This engine core's rank (set per process, not a flag).", cli=False)
+    api_server_index: int = _opt(0, "This API server's index (set per process, not a flag).", cli=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -214,6 +218,12 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}); "
                              f"got {self.data_parallel_rank}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1; got {self.api_server_count}")
+        if not 0 <= self.api_server_index < self.api_server_count:
+            raise ValueError(f"api_server_index must be in [0, {self.api_server_count}); got {self.api_server_index}")
+        if self.api_server_count > 1 and self.data_parallel_backend == "ray":
+            raise ValueError("--api-server-count > 1 runs with --data-parallel-backend mp only, for now")
 
     def for_rank(self, rank: int) -> ParallelConfig:
         """This config as the engine core of `rank` gets it."""
@@ -242,9 +252,29 @@ class EngineConfig:
         return (mm.mm_processor_cache_gb > 0 or mm.ipc_cache_bytes > 0 or mm.uses_shm
                 or self.cache.enable_prefix_caching or self.scheduler.encoder_cache_tokens != 0)
 
+    def __post_init__(self) -> None:
+        if self.parallel.api_server_count > 1 and self.multimodal.uses_shm:
+            raise ValueError("--mm-cache-type shm takes one API server for now (its store has one writer); "
+                             "use --mm-cache-type lru with --api-server-count > 1")
+
     def for_rank(self, rank: int) -> EngineConfig:
         """The config the engine core of data-parallel `rank` (and its workers) runs with."""
         return dataclasses.replace(self, parallel=self.parallel.for_rank(rank))
+
+    def for_api_server(self, index: int) -> EngineConfig:
+        """The config API server `index` runs with."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, api_server_index=index))
+
+    @property
+    def ipc_cache_bytes_per_server(self) -> int:
+        """Each API server's share of the IPC cache: its sender's capacity and that of its receiver
+        in every engine core (`MultiModalConfig.ipc_cache_bytes` split evenly)."""
+        return self.multimodal.ipc_cache_bytes // self.parallel.api_server_count
+
+    @property
+    def processor_cache_bytes_per_server(self) -> int:
+        """Each API server's share of `--mm-processor-cache-gb`."""
+        return int(self.multimodal.mm_processor_cache_gb * (1 << 30)) // self.parallel.api_server_count
 
     @classmethod
     def from_kwargs(cls, **engine_args: Any) -> EngineConfig:

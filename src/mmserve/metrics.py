@@ -4,15 +4,21 @@ Request metrics are counted once per request when it ends, never per token. Engi
 (running and waiting requests, KV blocks, preemptions) and every cache layer's counters are read
 from `engine.stats()` when /metrics is scraped: P1's layers travel in `SchedulerStats.caches`,
 P0's are merged in by the frontend, so no cache counts anything on the request path twice.
+
+With several API servers the launcher sets PROMETHEUS_MULTIPROC_DIR: the request counters and
+histograms then live in prometheus-client's per-process files and every server's /metrics sums
+them all (its multiprocess mode); the engine figures are every server's alike, and P0's cache
+layers are summed by the frontend (`frontend/figures.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -89,7 +95,9 @@ class ServerMetrics:
     """The server's metrics; the HTTP layer calls `on_request_finished` once per request."""
 
     def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None,
-                 dp_figures_fn: Callable[[], DataParallelFigures] | None = None) -> None:
+                 dp_figures_fn: Callable[[], DataParallelFigures] | None = None, api_server: int | None = None) -> None:
+        """`api_server`: this server's index when it is one of several (its requests are also
+        counted under `api_server="<index>"`)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmserve_requests", "Chat completion requests by outcome "
@@ -103,10 +111,17 @@ class ServerMetrics:
                               "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "From arrival to the last token, for "
                              "requests finished by stop or length.", buckets=_E2E_BUCKETS, registry=r)
+        self.api_server = None if api_server is None else Counter(
+            "mmserve_api_server_requests", "Requests each API server answered (any outcome).", ["api_server"],
+            registry=r).labels(api_server=str(api_server))
+        self.render_registry = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several API servers: every process's counts
+            self.render_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.render_registry)
         if stats_fn is not None:
-            r.register(EngineStatsCollector(stats_fn))
+            self.render_registry.register(EngineStatsCollector(stats_fn))
         if dp_figures_fn is not None:
-            r.register(RankCollector(dp_figures_fn))
+            self.render_registry.register(RankCollector(dp_figures_fn))
 
     def on_request_finished(self, outcome: str, prompt_tokens: int, generation_tokens: int,
                             ttft_s: float | None, e2e_s: float | None) -> None:
@@ -114,6 +129,8 @@ class ServerMetrics:
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
         self.requests.labels(outcome=outcome).inc()
+        if self.api_server is not None:
+            self.api_server.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         if ttft_s is not None:
@@ -123,7 +140,7 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return generate_latest(self.render_registry)
 
 
 async def log_stats_periodically(stats_fn: Callable[[], SchedulerStats | None], every_s: float = 10.0) -> None:

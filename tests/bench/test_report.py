@@ -46,6 +46,19 @@ def test_hit_rates_are_deltas_over_the_run():
     assert all(d.hit_rate is None and d.queries is None for d in unreadable.values())
 
 
+def test_each_ranks_hit_rates_follow_with_data_parallelism():
+    def scrape(queries: int, encoder_hits: int, prefix_hits: int) -> MetricsSnapshot:
+        text = "".join(f'mmserve_engine_cache_{kind}_total{{engine="{r}",layer="{layer}"}} {value * (int(r) + 1)}\n'
+                       for r in ("0", "1") for layer, hits in (("encoder", encoder_hits), ("prefix", prefix_hits))
+                       for kind, value in (("queries", queries), ("hits", hits)))
+        return MetricsSnapshot.parse(text)
+
+    deltas = cache_deltas(scrape(10, 0, 5), scrape(20, 4, 5))
+    assert list(deltas)[len(CACHE_LAYERS):] == ["encoder dp0", "prefix dp0", "encoder dp1", "prefix dp1"]
+    assert (deltas["encoder dp0"].hits, deltas["encoder dp0"].queries) == (4, 10)
+    assert deltas["encoder dp1"].hit_rate == 8 / 20 and deltas["prefix dp1"].hit_rate == 0.0
+
+
 def outcome_of(results: list[RequestResult], duration_s: float = 2.0) -> RunOutcome:
     return RunOutcome(results, duration_s, MetricsSnapshot(), MetricsSnapshot())
 

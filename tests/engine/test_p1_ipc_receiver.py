@@ -12,7 +12,7 @@ import pytest
 from mm_prompts import generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
-from mmserve.engine.core_proc import ipc_receiver
+from mmserve.engine.clients import ApiServerChannels
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
 from tiny_models import TINY_VISION_CONFIG, make_checkpoint
@@ -27,11 +27,23 @@ def path(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("p1_ipc"))
 
 
+def receivers(servers: int, **engine_args):
+    config = EngineConfig.from_kwargs(api_server_count=servers, **engine_args)
+    return ApiServerChannels([object()] * servers, config.ipc_cache_bytes_per_server).receivers  # type: ignore[list-item]
+
+
 def test_p1_builds_an_ipc_receiver_only_when_items_cross_through_it():
-    assert ipc_receiver(EngineConfig.from_kwargs(mm_cache_type="shm", mm_ipc_cache_gb=4)) is None
-    assert ipc_receiver(EngineConfig.from_kwargs(mm_ipc_cache_gb=0)) is None
-    receiver = ipc_receiver(EngineConfig.from_kwargs(mm_ipc_cache_gb=1))
-    assert receiver is not None and receiver.enabled
+    assert receivers(1, mm_cache_type="shm", mm_ipc_cache_gb=4) is None
+    assert receivers(1, mm_ipc_cache_gb=0) is None
+    one_server = receivers(1, mm_ipc_cache_gb=1)
+    assert one_server is not None and len(one_server) == 1 and one_server[0].enabled
+    assert one_server[0]._lru.capacity == 1 << 30
+
+
+def test_each_api_server_gets_its_own_receiver_and_a_share_of_the_budget():
+    three = receivers(3, mm_ipc_cache_gb=3)
+    assert three is not None and len(three) == 3
+    assert len({id(r) for r in three}) == 3 and all(r._lru.capacity == 1 << 30 for r in three)
 
 
 async def settled(engine: AsyncLLM, want: bool, timeout_s: float = 10.0) -> dict:

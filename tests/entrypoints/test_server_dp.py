@@ -3,20 +3,17 @@ routing, pins, per-rank metrics and health, and a killed engine core survived.""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.bench.prometheus import MetricsSnapshot
-from server_process import ServerProcess, data_url, messages
+from server_process import ServerProcess, children_titled, data_url, expected, kill_under_load, post
 from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -43,44 +40,8 @@ def offline(model_path):
     return LLM(model=model_path, max_model_len=256)
 
 
-def expected(offline, url: str, text: str = "What is this?", max_tokens: int = MAX_TOKENS) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return offline.chat(messages(url, text), params)[0].outputs[0].text
-
-
-def post(server, url: str, text: str = "What is this?", max_tokens: int = MAX_TOKENS, **headers: str) -> httpx.Response:
-    body = {"model": server.model, "messages": messages(url, text), "temperature": 0, "max_tokens": max_tokens}
-    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120,
-                      headers={k.replace("_", "-"): v for k, v in headers.items()})
-
-
 def scrape(server) -> MetricsSnapshot:
     return MetricsSnapshot.parse(server.get("/metrics")[1])
-
-
-def children_titled(server, prefix: str) -> dict[str, int]:
-    """The server's descendants whose title starts with `mmserve::<prefix>`: title -> pid."""
-    found = {}
-    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            title = Path(cmdline).read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        pid = int(cmdline.split("/")[2])
-        if title.startswith("mmserve::" + prefix) and _ancestor(pid, server.proc.pid):
-            found[title] = pid
-    return found
-
-
-def _ancestor(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            return False
-    return False
 
 
 def test_answers_equal_one_engine_and_processes_carry_titles(server, offline):
@@ -143,11 +104,7 @@ def test_a_killed_engine_core_is_survived(model_path, offline):
         urls = [data_url(make_image(400 + i)) for i in range(8)]
         want = [expected(offline, u, max_tokens=40) for u in urls]
         victim = children_titled(s, "engine_dp0")["mmserve::engine_dp0"]
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(post, s, u, "What is this?", 40) for u in urls]
-            time.sleep(1.0)
-            os.kill(victim, signal.SIGKILL)
-            answers = [f.result() for f in futures]
+        answers = kill_under_load(lambda u: post(s, u, "What is this?", 40), urls, victim)
         assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
         assert [r.json()["choices"][0]["message"]["content"] for r in answers] == want
         deadline = time.monotonic() + 60

@@ -60,7 +60,7 @@ def test_a_rank_on_another_node_gets_no_shm_and_serves_items_in_band(path):
     config = EngineConfig.from_kwargs(model=path, data_parallel_size=2, data_parallel_backend="ray",
                                       mm_cache_type="shm", mm_shm_cache_gb=0.02, **ENGINE_ARGS)
     before = shm_listing()
-    transport = ItemTransport(config.multimodal)
+    transport = ItemTransport(config)
     clients: list[EngineCoreClient] = []
     try:
         start_ranks(config, path, transport.shm_info, clients)

@@ -14,7 +14,9 @@ import torch
 
 import mmserve
 import mmserve.ipc.messages as messages
-from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
+from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, CoordinatorInput, DecisionsAsk,
+                                  EngineCoreEvent, EngineCoreFailed, RankStats, RouteAnswer, RouteAsk, RouteLanded,
+                                  RouteSent,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
@@ -61,6 +63,13 @@ def samples() -> list[Any]:
         WorkerFailed(1, "boom"),
         ShmBroadcastInfo("mmserve_1_" + "0" * 32, 4, 1 << 22, 2, ["ipc:///tmp/x/broadcast-0.sock"]),
         ModelRunnerOutput({"r0": [9]}, {"r0": [TokenLogprobs(9, -0.5, 1, [9, 4], [-0.5, -1.25])]}),
+        # engine cores and API servers -> the data-parallel coordinator [18:23], and its answer
+        RankStats(1, stats),
+        RouteAsk(EngineCoreRequest("r2", [1], [], SamplingParams(), None, 0.0, client_index=1), [0, 1], 1),
+        RouteSent("r2"),
+        RouteLanded(0),
+        DecisionsAsk("d1"),
+        RouteAnswer("r2", 1, "pinned", {"pinned": 1}),
     ]
 
 
@@ -125,6 +134,8 @@ def test_tagged_unions_pick_the_right_type():
         assert_same(round_trip(obj, WorkerInput), obj)
     for obj in samples()[12:16]:
         assert_same(round_trip(obj, WorkerEvent), obj)
+    for obj in samples()[18:23]:
+        assert_same(round_trip(obj, CoordinatorInput), obj)
 
 
 TENSORS = {

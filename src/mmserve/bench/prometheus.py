@@ -3,7 +3,8 @@
 A layer's hit rate during a run is (hits after - hits before) / (queries after - queries before),
 from `mmserve_cache_hits_total{layer=...}` and `mmserve_cache_queries_total{layer=...}`; it is
 None when the layer answered no query during the run (turned off, not built yet, or unused by
-the workload) or when /metrics could not be read.
+the workload) or when /metrics could not be read. With data parallelism each rank's encoder and
+prefix layers follow as `<layer> dp<rank>` (from `mmserve_engine_cache_*_total{engine=...}`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 
 QUERIES = "mmserve_cache_queries_total"
 HITS = "mmserve_cache_hits_total"
+RANK_QUERIES = "mmserve_engine_cache_queries_total"
+RANK_HITS = "mmserve_engine_cache_hits_total"
+RANK_LAYERS = ("encoder", "prefix")
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -85,12 +89,19 @@ class CacheDelta:
 def cache_deltas(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, CacheDelta]:
     """Per layer (every known layer, then any other the server reports): the run's queries and hits."""
     layers = list(CACHE_LAYERS) + [layer for layer in after.layers() if layer not in CACHE_LAYERS]
-    return {layer: CacheDelta(_delta(before, after, QUERIES, layer), _delta(before, after, HITS, layer))
-            for layer in layers}
+    deltas = {layer: CacheDelta(_delta(before, after, QUERIES, layer=layer), _delta(before, after, HITS, layer=layer))
+              for layer in layers}
+    ranks = sorted({dict(labels)["engine"] for name, labels in after.samples
+                    if name == RANK_QUERIES and "engine" in dict(labels)}, key=int)
+    for rank in ranks if len(ranks) > 1 else ():  # one rank's figures are the totals
+        for layer in RANK_LAYERS:
+            deltas[f"{layer} dp{rank}"] = CacheDelta(_delta(before, after, RANK_QUERIES, engine=rank, layer=layer),
+                                                     _delta(before, after, RANK_HITS, engine=rank, layer=layer))
+    return deltas
 
 
-def _delta(before: MetricsSnapshot, after: MetricsSnapshot, name: str, layer: str) -> int | None:
-    start, end = before.value(name, layer=layer), after.value(name, layer=layer)
+def _delta(before: MetricsSnapshot, after: MetricsSnapshot, name: str, **labels: str) -> int | None:
+    start, end = before.value(name, **labels), after.value(name, **labels)
     if start is None or end is None:
         return None
     return round(end - start)

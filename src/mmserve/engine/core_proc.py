@@ -1,15 +1,17 @@
 """P1's entry point: the engine core in its own process, driven by messages from P0.
 
-`run_engine_core` connects to the two sockets P0 bound, builds the `EngineCore`, says
-`EngineCoreReady` (or `EngineCoreFailed` and exits 1), then runs the busy loop:
+`run_engine_core` connects to the sockets P0 bound (an input and an output per API server:
+`engine/clients.py`), builds the `EngineCore`, says `EngineCoreReady` to every API server (or
+`EngineCoreFailed` and exits 1), then runs the busy loop:
 
 - idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;
 - drain every pending input without blocking: a request's items sent by hash alone are restored
-  from the IPC receiver cache (hashes it lacks go back in `resend`, and the request waits for
-  P0 to send it again in full); requests are added (a ValueError comes back as an error output
+  from its API server's IPC receiver cache (hashes it lacks go back in `resend`, and the request
+  waits for that server to send it again in full); requests are added (a ValueError comes back as an error output
   with finish_reason "abort"); aborts free their requests at once;
-- with work: `step()` once and send the `EngineCoreOutputs` if it holds outputs or the stats
-  changed since the last send (error outputs ride along with the next send);
+- with work: `step()` once and send each API server the `EngineCoreOutputs` of its requests
+  if it has some or the stats changed since its last send (error outputs ride along with the
+  next send);
 - every turn: exit if the parent died (`os.getppid()` changed: we were re-parented); an
   orphaned P1 removes the socket files its dead parent left. Not under Ray: there P1 is an actor
   whose parent is not P0, and Ray kills it when its owner (P0) dies. Fail (below) if the
@@ -28,21 +30,22 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.engine.clients import ApiServerChannels
 from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
-                                  EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason,
+                                  EngineCoreReady, EngineCoreRequest, FinishReason,
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.multimodal.shm_items import ShmItemReader
-from mmserve.multimodal.cache import IpcReceiverCache
 
 if TYPE_CHECKING:
     from mmserve.engine.core import EngineCore
@@ -53,34 +56,44 @@ _IDLE_POLL_MS = 1000  # how long an idle P1 waits before checking that its paren
 _LINGER_MS = 2000  # how long exit waits for unsent messages (e.g. EngineCoreFailed) to leave
 
 
-def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-                    shm_info: bytes | None = None) -> None:
-    """P1's main: serve the engine core on `input_addr` (PULL) / `output_addr` (PUSH) until told
-    to stop; exit code 0 after SIGTERM / SIGINT, 1 after a startup or fatal error."""
+def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
+                    output_addr: str | Sequence[str], shm_info: bytes | None = None,
+                    stats_addr: str | None = None) -> None:
+    """P1's main: serve the engine core on `input_addr` (PULL) / `output_addr` (PUSH), one address
+    each or one per API server (in server index order), until told to stop; `stats_addr` also
+    gets the stats (the data-parallel coordinator). Exit code 0 after SIGTERM / SIGINT, 1 after a
+    startup or fatal error."""
     parallel = config.parallel
     set_process_title(f"engine_dp{parallel.data_parallel_rank}")
     if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size == 1:  # ranks share the cores
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.data_parallel_size))
+    input_addrs = [input_addr] if isinstance(input_addr, str) else list(input_addr)
+    output_addrs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
     ctx = zmq.Context()
     inputs: QueueReceiver[EngineCoreInput] = QueueReceiver(
-        ctx, input_addr, MsgpackDecoder(EngineCoreInput), bind=False)
-    outputs: QueueSender[Any] = QueueSender(ctx, output_addr, MsgpackEncoder(), bind=False,
-                                            linger_ms=_LINGER_MS)
+        ctx, input_addrs[0], MsgpackDecoder(EngineCoreInput), bind=False)
+    for address in input_addrs[1:]:
+        inputs.connect(address)
+    encoder = MsgpackEncoder()
+    channels = ApiServerChannels(
+        [QueueSender(ctx, a, encoder, bind=False, linger_ms=_LINGER_MS) for a in output_addrs],
+        config.ipc_cache_bytes_per_server, parallel.data_parallel_rank,
+        QueueSender(ctx, stats_addr, encoder, bind=False) if stats_addr is not None else None)
     exit_code = 0
     try:
-        exit_code = _serve(config, model_dir, inputs, outputs, shm_info)
+        exit_code = _serve(config, model_dir, inputs, channels, shm_info, input_addrs + output_addrs)
     finally:
         inputs.close()
-        outputs.close()
+        channels.close()
         ctx.term()
     if exit_code:
         sys.exit(exit_code)
 
 
 def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCoreInput],
-           outputs: QueueSender[Any], shm_info: bytes | None = None) -> int:
+           channels: ApiServerChannels, shm_info: bytes | None, addresses: list[str]) -> int:
     from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
 
     parent_pid = _parent_pid(config)
@@ -89,19 +102,18 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         core = EngineCore(config, model_dir, shm_store=shm_info)
     except Exception as e:
         logger.exception("engine core failed to start")
-        outputs.send(EngineCoreFailed(f"{type(e).__name__}: {e}"))
+        channels.broadcast(EngineCoreFailed(f"{type(e).__name__}: {e}"))
         return 1
     try:
-        receiver = ipc_receiver(config)
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
-        proc = EngineCoreProc(core, inputs, outputs, parent_pid, receiver, shm)
-        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks))
+        proc = EngineCoreProc(core, inputs, channels, parent_pid, shm)
+        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid()))
         if proc.orphaned:
-            _remove_socket_files(inputs.address, outputs.address)
+            _remove_socket_files(*addresses)
         return 0
     except Exception as e:
         logger.exception("engine core failed")
-        outputs.send(EngineCoreFailed(f"engine core failed: {type(e).__name__}: {e}"), timeout_s=1.0)
+        channels.broadcast(EngineCoreFailed(f"engine core failed: {type(e).__name__}: {e}"), timeout_s=1.0)
         return 1
     finally:
         core.shutdown()
@@ -118,13 +130,6 @@ def _parent_pid(config: EngineConfig) -> int | None:
     return parent.pid if parent is not None and parent.pid is not None else os.getppid()
 
 
-def ipc_receiver(config: EngineConfig) -> IpcReceiverCache | None:
-    """P1's half of the IPC cache, the capacity of P0's sender; None when no item crosses through
-    it (`--mm-cache-type shm`, or `--mm-ipc-cache-gb 0`), so P1 then keeps nothing between requests."""
-    capacity = config.multimodal.ipc_cache_bytes
-    return IpcReceiverCache(capacity) if capacity > 0 else None
-
-
 def _remove_socket_files(*addresses: str) -> None:
     """Best effort, for an orphaned P1 only: normally P0 owns and removes these files."""
     for address in addresses:
@@ -138,27 +143,24 @@ def _remove_socket_files(*addresses: str) -> None:
 class EngineCoreProc:
     """The busy loop around one `EngineCore`; `run()` returns when asked to stop.
 
-    `_last_stats` is the stats of the last `EngineCoreOutputs` sent (None before the first):
-    P0's view of P1's state equals it, so a send is due whenever the stats differ. With an IPC
-    receiver cache its stats ride along as layer "ipc_receiver" (P0 compares its key digest with
-    the sender's). Without one (`--mm-cache-type shm`, or a 0 GiB IPC cache) P1 keeps no item
+    Each API server's view of P1's state equals the stats of the last `EngineCoreOutputs` it got,
+    so a send is due whenever the stats differ (`ApiServerChannels`). With IPC receiver caches
+    each server's rides along as layer "ipc_receiver" (P0 compares its key digest with the
+    sender's). Without them (`--mm-cache-type shm`, or a 0 GiB IPC cache) P1 keeps no item
     between requests: neither one sent inline nor a view of shared memory it released.
     """
 
-    def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], outputs: QueueSender[Any],
-                 parent_pid: int | None, receiver: IpcReceiverCache | None = None,
-                 shm: ShmItemReader | None = None) -> None:
+    def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], channels: ApiServerChannels,
+                 parent_pid: int | None, shm: ShmItemReader | None = None) -> None:
         self.core = core
-        self.receiver = receiver
+        self.channels = channels
         self.shm = shm
         self._resend: dict[str, list[str]] = {}  # requests to ask P0 for again, with missing hashes
         self.inputs = inputs
-        self.outputs = outputs
         self.parent_pid = parent_pid
         self._stop = False
         self.orphaned = False  # the parent died: nobody else will remove the socket files
         self._pending: list[EngineCoreOutput] = []  # error outputs not sent yet
-        self._last_stats: SchedulerStats | None = None
         self._wakeup_r, self._wakeup_w = socket.socketpair()  # signal.set_wakeup_fd writes here
         self._old_wakeup_fd = -1
         self._poller = zmq.Poller()
@@ -170,7 +172,7 @@ class EngineCoreProc:
         old_handlers = self._install_signal_handlers()
         logger.info("engine core serving (pid %d)", os.getpid())
         try:
-            self.outputs.send(ready)
+            self.channels.broadcast(ready)
             while not self._stop:
                 if not self.core.has_unfinished_requests():
                     self._wait_for_input()
@@ -204,14 +206,16 @@ class EngineCoreProc:
                 self.core.abort_requests(msg.request_ids)
                 for request_id in msg.request_ids:
                     self._release(request_id)
+                    self.channels.forget(request_id)
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         """Restore the request's items (shm handles, IPC cache) and admit it; items P1 lacks go
         back in `resend`, a bad request comes back as an error output."""
         try:
+            self.channels.register(request)
             missing = self.shm.attach(request.request_id, request.mm_items) if self.shm is not None else []
-            if not missing and self.receiver is not None:
-                missing = self.receiver.update(request.mm_items, request.ipc_epoch)
+            if not missing:
+                missing = self.channels.restore(request)
             if missing:
                 self._release(request.request_id)
                 self._resend[request.request_id] = missing
@@ -233,13 +237,8 @@ class EngineCoreProc:
         if self._pending:
             step_outputs = self._pending + step_outputs
             self._pending = []
-        if stats is not None and self.receiver is not None:  # P1's half of the IPC cache, to compare with P0's
-            stats = msgspec.structs.replace(stats, caches={**stats.caches, "ipc_receiver": self.receiver.stats()})
-        if not step_outputs and not self._resend and stats == self._last_stats:
-            return
-        self.outputs.send(EngineCoreOutputs(step_outputs, stats, self._resend))
+        self.channels.send(step_outputs, stats, self._resend)
         self._resend = {}
-        self._last_stats = stats
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM / SIGINT set `_stop`; the wake-up fd interrupts an idle poll at once."""

@@ -25,6 +25,8 @@ class LLM:
     def __init__(self, model: str = "builtin:tiny-llava", **engine_args: Any) -> None:
         engine_args.setdefault("allowed_local_media_path", "/")
         config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.parallel.api_server_count != 1:
+            raise ValueError("api_server_count is a flag of mmserve serve; LLM has no API server")
         self._dp = DataParallelRunner(config) if config.parallel.data_parallel_size > 1 else None
         self.engine: Any = self._dp.engine if self._dp is not None else LLMEngine(config)
         self._ids = itertools.count()

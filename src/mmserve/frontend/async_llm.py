@@ -12,48 +12,52 @@ request's rank, and one output task per rank feeds the same queues. When a rank 
 that showed their caller nothing yet (a stream before its first output; a whole answer before
 its end) start again on a live rank, the others fail with `EngineDeadError`, and the rank is
 restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
+With `--api-server-count` > 1 this is one of several API servers (`attachment`): the launcher
+owns the engine cores and the coordinator routes for every server (`RemoteRouter`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, AsyncGenerator
 
-import msgspec
 
 from mmserve.config import EngineConfig
+from mmserve.frontend.attached_engine import Attachment
 from mmserve.frontend.chat import check_tools, parse_chat_messages
+from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.dp_router import DPRouter
 from mmserve.frontend.engine_ranks import EngineRanks
 from mmserve.frontend.failover import RankFailover
+from mmserve.frontend.figures import EngineFigures, SharedFigures
 from mmserve.frontend.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.frontend.undo import UndoLog
-from mmserve.ipc.messages import CacheStats, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, sum_scheduler_stats
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import log_stats_periodically
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
-from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM(RankFailover):
+class AsyncLLM(RankFailover, EngineFigures):
     """Starts the engine cores on construction (blocking until they are ready; RuntimeError if
     one cannot start)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        self.transport = ItemTransport(config.multimodal, config.parallel.data_parallel_size)
+        self.transport = ItemTransport(config)
         try:
-            self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info)
+            self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info, attachment)
         except BaseException:
             self.transport.close()
             raise
@@ -61,8 +65,10 @@ class AsyncLLM(RankFailover):
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         first = self.ranks.client(0)
         self.max_model_len = first.max_model_len
-        router = DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))]) \
-            if len(self.ranks) > 1 else None
+        router: DPRouter | RemoteRouter | None = None
+        if len(self.ranks) > 1:
+            router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
+                else DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))])
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
                                               known_tokens=self.transport.known_tokens)
         self.flights = RequestFlights(self.ranks, router, self.transport)
@@ -73,6 +79,9 @@ class AsyncLLM(RankFailover):
         self._parked: list[str] = []  # requests to move, waiting for a rank to come back
         self._dead_error: str | None = None
         self._stats: dict[int, SchedulerStats] = {}
+        metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # set by the launcher of several API servers
+        self.shared = SharedFigures(metrics_dir, config.parallel.api_server_index) \
+            if attachment is not None and metrics_dir else None
 
     @property
     def client(self) -> EngineCoreClient:
@@ -88,29 +97,6 @@ class AsyncLLM(RankFailover):
     @property
     def dead_error(self) -> str | None:
         return self._dead_error
-
-    def stats(self) -> SchedulerStats | None:
-        """The engine cores' latest stats summed over ranks, with P0's cache layers (processor,
-        ipc, shm) merged in."""
-        ranks = [self._rank_stats(r) for r in self._stats]
-        base = sum_scheduler_stats(ranks) if ranks else SchedulerStats(0, 0, 0, 0, 0)
-        return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats()})
-
-    def frontend_stats(self) -> dict[str, CacheStats]:
-        """The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed."""
-        return {"processor": self.input_processor.processor_cache.stats(), **self.transport.stats()}
-
-    def engine_stats(self) -> dict[int, SchedulerStats]:
-        """Each rank's latest stats, its IPC sender (P0's half) merged in."""
-        return {rank: self._rank_stats(rank) for rank in sorted(self._stats)}
-
-    def _rank_stats(self, rank: int) -> SchedulerStats:
-        base = self._stats[rank]
-        return msgspec.structs.replace(base, caches={**base.caches, **self.transport.stats(rank)})
-
-    def dp_figures(self) -> DataParallelFigures:
-        """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
-        return self.flights.figures(self.engine_stats())
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -230,6 +216,8 @@ class AsyncLLM(RankFailover):
         for rank in self.ranks.live():
             self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
         self._ensure_task("log", lambda: log_stats_periodically(self.stats))
+        if self.shared is not None:
+            self._ensure_task("share", self.share_figures_periodically)
 
     def _ensure_task(self, name: str, make: Any) -> None:
         task = self._tasks.get(name)
@@ -291,6 +279,8 @@ class AsyncLLM(RankFailover):
             task.cancel()
         self.ranks.shutdown()
         self.transport.close()
+        if isinstance(self.flights.router, RemoteRouter):
+            self.flights.router.close()
 
 
 def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:

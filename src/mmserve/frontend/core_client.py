@@ -79,15 +79,18 @@ class EngineCoreClient:
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0,
-                 shm_info: bytes | None = None, engine: EngineProcess | None = None) -> None:
+                 shm_info: bytes | None = None, engine: EngineProcess | None = None,
+                 addresses: tuple[str, str] | None = None) -> None:
         """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
         dropped for a P1 on another node. `engine`: where to run P1, already placed (default:
-        `place_engine(config)` by `--data-parallel-backend`); the client owns it from here on."""
+        `place_engine(config)` by `--data-parallel-backend`); the client owns it from here on.
+        `addresses`: the (input, output) ipc:// addresses to bind, in a directory someone else
+        owns (an API server attached to the launcher's engine cores); default: a fresh directory."""
         self._res = _Resources(engine=engine)
         self._finalizer = weakref.finalize(self, self._res.release)  # also runs at exit
         self._dead_reason: str | None = None
         try:
-            ready = self._start(config, model_dir, startup_timeout_s, shm_info)
+            ready = self._start(config, model_dir, startup_timeout_s, shm_info, addresses)
         except BaseException:
             self.shutdown()
             raise
@@ -115,13 +118,15 @@ class EngineCoreClient:
         return self._uses_shm
 
     def _start(self, config: EngineConfig, model_dir: str, timeout_s: float,
-               shm_info: bytes | None) -> EngineCoreReady:
+               shm_info: bytes | None, addresses: tuple[str, str] | None) -> EngineCoreReady:
         res = self._res
         start = time.monotonic()
         if res.engine is None:
             res.engine = place_engine(config, timeout_s)
         engine = res.engine
-        if engine.host is None:
+        if addresses is not None:
+            input_addr, output_addr = addresses
+        elif engine.host is None:
             res.ipc_dir = make_ipc_dir()
             input_addr, output_addr = ipc_address(res.ipc_dir, "input"), ipc_address(res.ipc_dir, "output")
         else:
@@ -135,7 +140,9 @@ class EngineCoreClient:
         # multiprocessing's exit handler joins non-daemon children: stop P1 before it runs
         # (atexit runs the latest registration first)
         atexit.register(self._finalizer)
-        return self._wait_for_ready(timeout_s - (time.monotonic() - start))
+        ready = self._wait_for_ready(timeout_s - (time.monotonic() - start))
+        engine.on_ready(ready.pid)
+        return ready
 
     def _wait_for_ready(self, timeout_s: float) -> EngineCoreReady:
         deadline = time.monotonic() + timeout_s

@@ -143,6 +143,10 @@ class DPRouter:
         self.ranks[rank].engine_load = running_and_waiting
         self.ranks[rank].kv_usage = kv_usage
 
+    def set_kv_blocks(self, rank: int, kv_blocks: int) -> None:
+        """Rank `rank`'s KV cache holds `kv_blocks` (known from its stats when not from its ready message)."""
+        self.ranks[rank].kv_blocks = kv_blocks
+
     def forget(self, rank: int) -> None:
         """Rank `rank` restarted: nothing cached, nothing in flight."""
         old = self.ranks[rank]

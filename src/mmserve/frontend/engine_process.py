@@ -3,17 +3,21 @@
 
 `place_engine(config)` decides where P1 will run (for Ray: reserves its placement group), so P0
 knows `is_local` and the `host` to bind its sockets on before it starts P1 with `start`. From then
-on P0 asks `is_alive()` (cheap, every 0.5 s), `describe_exit()` once it died, and `stop()`s it.
+on P0 tells it P1's pid once ready (`on_ready`), asks `is_alive()` (cheap, every 0.5 s),
+`describe_exit()` once it died, and `stop()`s it.
 
 - mp (`LocalEngineProcess`): a spawned child process of P0; sockets are ipc:// files.
 - ray (`frontend/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
   on another node; sockets are tcp:// on this node's IP. Ray is imported only then.
+- attached (`frontend/attached_engine.py`): with `--api-server-count` > 1 the launcher starts
+  the engine cores (as mp processes of its own) and each API server attaches to them.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
@@ -43,6 +47,10 @@ class EngineProcess(Protocol):
     def start(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
               shm_info: bytes | None) -> None:
         """Run `run_engine_core(config, model_dir, input_addr, output_addr, shm_info)`; returns at once."""
+        ...
+
+    def on_ready(self, pid: int) -> None:
+        """P1 said it is ready; `pid` is its process id on its own machine."""
         ...
 
     def is_alive(self) -> bool:
@@ -83,13 +91,18 @@ class LocalEngineProcess:
     def __init__(self) -> None:
         self.process: BaseProcess | None = None
 
-    def start(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-              shm_info: bytes | None) -> None:
+    def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
+              output_addr: str | Sequence[str], shm_info: bytes | None, stats_addr: str | None = None) -> None:
+        """Also (for the launcher of several API servers): an address per server, and the
+        coordinator's `stats_addr`."""
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info),
+            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),
             name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
         self.process.start()
+
+    def on_ready(self, pid: int) -> None:
+        pass
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()

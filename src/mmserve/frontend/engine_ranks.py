@@ -9,6 +9,9 @@ Contract.
   rank's client (shut down: no process, socket or shm mapping of it is left); `restart` starts a
   new one in a worker thread and counts the attempt.
 - `live()` lists the ready ranks whose process still runs, in rank order.
+- With an `Attachment` (`--api-server-count` > 1) the launcher starts and restarts the engine
+  cores: a rank's client then binds this API server's own sockets for it and waits for the
+  engine core's ready message, and `restart` waits for the launcher's new engine core.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from mmserve.config import EngineConfig
+from mmserve.frontend.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
 from mmserve.frontend.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
@@ -32,8 +36,10 @@ def _retire(client: EngineCoreClient) -> None:
 
 
 class EngineRanks:
-    def __init__(self, config: EngineConfig, model_dir: str, shm_info: bytes | None) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, shm_info: bytes | None,
+                 attachment: Attachment | None = None) -> None:
         self.config = config
+        self.attachment = attachment
         self.model_dir = model_dir
         self.shm_info = shm_info
         n = config.parallel.data_parallel_size
@@ -50,7 +56,13 @@ class EngineRanks:
             raise errors[0]  # type: ignore[misc]
 
     def _start(self, rank: int) -> EngineCoreClient:
-        client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, shm_info=self.shm_info)
+        att = self.attachment
+        if att is None:
+            client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, shm_info=self.shm_info)
+        else:
+            client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, engine=AttachedEngineProcess(),
+                                      addresses=engine_addresses(att.ipc_dir, self.config.parallel.api_server_index,
+                                                                 rank))
         self.clients[rank], self.status[rank] = client, "ready"
         return client
 
@@ -74,7 +86,9 @@ class EngineRanks:
         self.last_error[rank] = reason
         self.status[rank] = "restarting" if self.can_restart(rank) else "dead"
         client, self.clients[rank] = self.clients[rank], None
-        if client is not None:  # off the event loop: a failed engine core exits by itself first
+        if client is not None and self.attachment is not None:
+            client.shutdown()  # at once: its socket files must be gone before the next client binds them
+        elif client is not None:  # off the event loop: a failed engine core exits by itself first
             self._retired.append(client)
             threading.Thread(target=_retire, args=(client,), name=f"mmserve-retire-dp{rank}", daemon=True).start()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.dp_router import DPRouter
 from mmserve.frontend.core_client import EngineDeadError
 from mmserve.frontend.engine_ranks import EngineRanks
@@ -36,7 +37,7 @@ class Flight:
 
 
 class RequestFlights:
-    def __init__(self, ranks: EngineRanks, router: DPRouter | None, transport: ItemTransport) -> None:
+    def __init__(self, ranks: EngineRanks, router: DPRouter | RemoteRouter | None, transport: ItemTransport) -> None:
         self.ranks = ranks
         self.router = router
         self.transport = transport
@@ -120,6 +121,10 @@ class RequestFlights:
         if self.router is not None:
             self.router.forget(rank)
         return movable, lost
+
+    def served(self) -> list[list[int]]:
+        """Per rank: requests it finished, their prompt and generated tokens."""
+        return [list(counts) for counts in self._served]
 
     def figures(self, stats: dict[int, SchedulerStats]) -> DataParallelFigures:
         """Each rank's state and what it served, with its latest `stats` (absent while down)."""

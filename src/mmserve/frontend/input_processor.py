@@ -16,7 +16,7 @@ from mmserve.frontend.video_input import VideoInputs, check_uuids
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
-from mmserve.multimodal.cache import ProcessorCache, gib_to_bytes
+from mmserve.multimodal.cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
 from mmserve.multimodal.processing import create_processor
@@ -37,7 +37,7 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         mm = config.multimodal
         self.media_limits = mm.media_limits()
-        self.processor_cache = ProcessorCache(gib_to_bytes(mm.mm_processor_cache_gb))
+        self.processor_cache = ProcessorCache(config.processor_cache_bytes_per_server)
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
                                   config.needs_item_hash, known_tokens)
         self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher)

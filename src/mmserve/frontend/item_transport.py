@@ -8,15 +8,20 @@
   take goes whole. A stale handle (evicted meanwhile) is reported missing, and the resend sends
   every item whole. P1 keeps no IPC receiver then (`MultiModalConfig.ipc_cache_bytes` is 0).
 
-P1's half is `engine/core_proc.py` (`ipc_receiver`, `ShmItemReader`); both halves read the same
-derived config properties (`MultiModalConfig.uses_shm`, `.ipc_cache_bytes`), so they agree.
+With `--api-server-count M` each API server has its own senders, each mirroring its own
+receiver in each engine core, at `EngineConfig.ipc_cache_bytes_per_server` (a share of the
+budget); every request is stamped with the server's index so its outputs come back to it.
+
+P1's half is `engine/clients.py` (`ApiServerChannels`) and `ShmItemReader`; both halves read the
+same derived config properties (`MultiModalConfig.uses_shm`, `EngineConfig.ipc_cache_bytes_per_server`),
+so they agree.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from mmserve.config import MultiModalConfig
+from mmserve.config import EngineConfig
 from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.multimodal.shm_items import ShmItemWriter
@@ -30,8 +35,11 @@ class ItemTransport:
     hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
     memory) gets its items through its IPC sender instead (a 0 GiB one under shm: every item inline)."""
 
-    def __init__(self, mm: MultiModalConfig, num_ranks: int = 1) -> None:
-        self.senders = [IpcSenderCache(mm.ipc_cache_bytes) for _ in range(num_ranks)]
+    def __init__(self, config: EngineConfig) -> None:
+        mm = config.multimodal
+        self.client_index = config.parallel.api_server_index
+        self.senders = [IpcSenderCache(config.ipc_cache_bytes_per_server)
+                        for _ in range(config.parallel.data_parallel_size)]
         self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
         self.remote: set[int] = set()
 
@@ -61,7 +69,7 @@ class ItemTransport:
             undo.push(self.shm.finish, request.request_id)
             undo.push(self.shm.discard, written)
             items = self.shm.to_wire(request, resend, written)  # a resend goes inline
-            return (msgspec.structs.replace(request, mm_items=items),
+            return (msgspec.structs.replace(request, mm_items=items, client_index=self.client_index),
                     any(item.shm_handle is not None for item in items))
         sender = self.senders[rank]
         if resend:
@@ -69,7 +77,8 @@ class ItemTransport:
         undo.push(sender.rollback, sender.checkpoint())
         cached = sender.update(request.mm_items)
         items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
-        return msgspec.structs.replace(request, mm_items=items, ipc_epoch=sender.epoch), any(cached)
+        return (msgspec.structs.replace(request, mm_items=items, ipc_epoch=sender.epoch,
+                                        client_index=self.client_index), any(cached))
 
     def restarted(self, rank: int, remote: bool = False) -> None:
         """`rank`'s engine core is new (empty caches), on this node or not: its IPC mirror starts

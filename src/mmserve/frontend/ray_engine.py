@@ -136,6 +136,9 @@ class RayEngineProcess:
         self._pid = self._actor.pid.remote()  # runs before `serve`: actor calls run in order
         self._serving = self._actor.serve.remote(config, model_dir, input_addr, output_addr, shm_info)
 
+    def on_ready(self, pid: int) -> None:
+        pass  # the actor's own pid call answers where P1 runs
+
     def is_alive(self) -> bool:
         return (self._exit is None and self._serving is not None
                 and not ray.wait([self._serving], timeout=0, fetch_local=False)[0])

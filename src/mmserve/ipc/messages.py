@@ -37,6 +37,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     cache_salt: str | None = None  # isolates a tenant in every cache (prefix blocks included)
     ipc_epoch: int = 0  # the IPC cache epoch the sender was in; a newer one empties the receiver
+    client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go back there
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -63,6 +64,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
 
     max_model_len: int
     num_kv_blocks: int
+    pid: int = 0  # P1's process id (an API server that did not start P1 watches it by pid)
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed"):
@@ -157,6 +159,55 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
 
 
 EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0
+
+
+# ---- the data-parallel coordinator (--api-server-count > 1, frontend/coordinator.py) -----------
+
+
+class RankStats(msgspec.Struct, tag="rank_stats"):
+    """An engine core's stats, sent to the coordinator whenever they change."""
+
+    rank: int
+    stats: SchedulerStats
+
+
+class RouteAsk(msgspec.Struct, tag="route"):
+    """An API server asks which rank serves `request` (its items without data) among `live`."""
+
+    request: EngineCoreRequest
+    live: list[int]
+    pin: int | None = None
+
+
+class RouteSent(msgspec.Struct, tag="sent"):
+    """The request routed by the last `RouteAsk` of this id is on its rank's wire."""
+
+    request_id: str
+
+
+class RouteLanded(msgspec.Struct, tag="landed"):
+    """A request sent to `rank` ended."""
+
+    rank: int
+
+
+class DecisionsAsk(msgspec.Struct, tag="decisions"):
+    """An API server asks for the routing decisions so far (answered with a `RouteAnswer` of rank -1)."""
+
+    request_id: str
+
+
+class RouteAnswer(msgspec.Struct, tag="answer"):
+    """The rank and the reason for `request_id`; `decisions`: the coordinator's counts by reason
+    so far (for /metrics)."""
+
+    request_id: str
+    rank: int
+    reason: str
+    decisions: dict[str, int]
+
+
+CoordinatorInput = RankStats | RouteAsk | RouteSent | RouteLanded | DecisionsAsk
 
 
 # ---- P1 scheduler -> workers -------------------------------------------------------------

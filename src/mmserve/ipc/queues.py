@@ -119,6 +119,11 @@ class QueueReceiver(Generic[T]):
         self.address = _bound_address(self._socket, address)
         self._async_socket: zmq.asyncio.Socket | None = None  # shares _socket; made on first use
 
+    def connect(self, address: str) -> None:
+        """Also take messages from `address` (a connecting receiver fair-queues its peers; each
+        peer's messages keep their order)."""
+        self._socket.connect(address)
+
     @property
     def socket(self) -> zmq.Socket:
         """For registering with a `zmq.Poller`; receive through this object only."""

@@ -20,8 +20,9 @@ import logging
 import os
 import secrets
 import signal
+import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -39,6 +40,7 @@ from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
+    from mmserve.frontend.attached_engine import Attachment
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
     app.state.engine = engine
-    app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None))
+    parallel = engine.config.parallel
+    app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
+                                                parallel.api_server_index if parallel.api_server_count > 1 else None)
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
@@ -134,12 +138,24 @@ def run_server(args: argparse.Namespace) -> int:
     """
     server_config = ServerConfig.from_cli(args)
     engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
-    _configure_logging(server_config.log_level)
-    set_process_title("api_server_0")
+    if engine_config.parallel.api_server_count > 1:
+        from mmserve.entrypoints.openai.multi_server import run_launcher
+
+        return run_launcher(server_config, engine_config)
+    return serve_api_server(server_config, engine_config)
+
+
+def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None = None,
+                     sock: socket.socket | None = None, started: Callable[[], None] | None = None) -> int:
+    """One API server until SIGTERM / Ctrl-C (0) or its engine cores' death. With `attachment` it is
+    API server `engine_config.parallel.api_server_index` of a launcher's several: it serves on the
+    launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
+    configure_logging(server_config.log_level)
+    set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(_serve(server_config, engine_config))
+            return runner.run(_serve(server_config, engine_config, attachment, sock, started))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -159,10 +175,11 @@ def _loop_factory() -> Any:
     return None
 
 
-async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None,
+                 sock: socket.socket | None, started: Callable[[], None] | None) -> int:
     from mmserve.frontend.async_llm import AsyncLLM
 
-    engine = AsyncLLM(engine_config)
+    engine = AsyncLLM(engine_config, attachment)
     try:
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
@@ -172,9 +189,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
             app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         state = _RunState()
-        supervisor = asyncio.create_task(_supervise(server, engine, model, state))
+        supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
         try:
-            await server.serve()
+            await server.serve(sockets=None if sock is None else [sock])
         finally:
             supervisor.cancel()
         return state.exit_code
@@ -182,11 +199,15 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig) -> in
         engine.shutdown()
 
 
-async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState) -> None:
-    """Announce readiness, then stop the server (non-zero exit) if the engine core dies."""
+async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState,
+                     started: Callable[[], None] | None) -> None:
+    """Announce readiness (or call `started`), then stop the server (non-zero exit) if the engine core dies."""
     while not server.started:
         await asyncio.sleep(0.05)
-    print(f"mmserve: serving {model} on http://{server.config.host}:{_bound_port(server)}", flush=True)
+    if started is not None:
+        started()
+    else:
+        print(f"mmserve: serving {model} on http://{server.config.host}:{_bound_port(server)}", flush=True)
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
     logger.error("the engine core died (%s); stopping the server",
@@ -202,7 +223,7 @@ def _bound_port(server: uvicorn.Server) -> int:
     return server.config.port
 
 
-def _configure_logging(level: str) -> None:
+def configure_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")

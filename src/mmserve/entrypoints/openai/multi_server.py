@@ -1,0 +1,173 @@
+"""`mmserve serve --api-server-count M` (M > 1): the launcher process and the M API servers.
+
+The launcher (title `mmserve::launcher`):
+- resolves the model once (the built-in one is generated here, not M times);
+- binds the listening socket once (SO_REUSEADDR, SO_REUSEPORT) and hands it to M API-server
+  processes (`mmserve::api_server_<i>`): the kernel gives each connection to one of them;
+- makes one ipc directory for every socket between API servers and engine cores, and sets
+  PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
+- with data parallelism, runs the `Coordinator` (one routing picture for every API server);
+- starts the engine cores itself, each connected to every API server
+  (`frontend/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
+  by the coordinator and started again while `--engine-restart-limit` allows (each API server
+  moves its waiting requests meanwhile and re-admits the rank on its ready message);
+- prints `mmserve: serving ...` once every API server accepts connections.
+
+It exits 0 after SIGTERM / Ctrl-C (API servers first, then engine cores), `ENGINE_DEAD_EXIT_CODE`
+once no rank is left to serve, and 1 if an API server dies; either way every child is stopped
+and the ipc and metrics directories are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
+
+from mmserve.config import EngineConfig
+from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
+from mmserve.entrypoints.openai.server_config import ServerConfig
+from mmserve.frontend.attached_engine import Attachment, engine_addresses
+from mmserve.frontend.coordinator import Coordinator
+from mmserve.frontend.engine_process import LocalEngineProcess
+from mmserve.ipc.queues import make_ipc_dir
+from mmserve.models.builtin import resolve_model
+from mmserve.proc_title import set_process_title
+
+logger = logging.getLogger(__name__)
+
+SUPERVISE_POLL_S = 0.5
+SERVER_STOP_S = 10.0  # how long an API server may take to stop after SIGTERM before it is killed
+
+
+def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    configure_logging(server_config.log_level)
+    set_process_title("launcher")
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
+    launcher = Launcher(server_config, engine_config)
+    try:
+        return launcher.run()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        launcher.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Launcher:
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
+        self.server_config = server_config
+        self.config = engine_config
+        self.servers: list[BaseProcess] = []
+        self.engines: list[LocalEngineProcess] = []
+        self.restarts = [0] * engine_config.parallel.data_parallel_size
+        self.coordinator: Coordinator | None = None
+        self.ipc_dir = make_ipc_dir()
+        self.metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
+        self.sock: socket.socket | None = None
+
+    def run(self) -> int:
+        config, parallel = self.config, self.config.parallel
+        model_dir = resolve_model(config.model.model)
+        self.sock = listen_socket(self.server_config.host, self.server_config.port)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # the API servers inherit it
+        if parallel.data_parallel_size > 1:
+            self.coordinator = Coordinator(config, self.ipc_dir)
+            self.coordinator.start()
+        self.engines = [self._start_engine(rank, model_dir) for rank in range(parallel.data_parallel_size)]
+        attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None)
+        ctx = multiprocessing.get_context("spawn")
+        ready = [ctx.Event() for _ in range(parallel.api_server_count)]
+        for index, event in enumerate(ready):
+            proc = ctx.Process(target=_api_server_main, name=f"mmserve-api-server-{index}", daemon=False,
+                               args=(self.server_config, config.for_api_server(index), attachment, self.sock, event))
+            proc.start()
+            self.servers.append(proc)
+        while not all(event.is_set() for event in ready):
+            if (code := self._check(model_dir)) is not None:
+                return code
+            time.sleep(0.05)
+        host, port = self.sock.getsockname()[:2]
+        print(f"mmserve: serving {config.model.model} on http://{host}:{port} "
+              f"({parallel.api_server_count} API servers)", flush=True)
+        while (code := self._check(model_dir)) is None:
+            time.sleep(SUPERVISE_POLL_S)
+        return code
+
+    def _start_engine(self, rank: int, model_dir: str) -> LocalEngineProcess:
+        servers = range(self.config.parallel.api_server_count)
+        addresses = [engine_addresses(self.ipc_dir, server, rank) for server in servers]
+        engine = LocalEngineProcess()
+        engine.start(self.config.for_rank(rank), model_dir, [a[0] for a in addresses], [a[1] for a in addresses],
+                     None, self.coordinator.stats_address if self.coordinator else None)
+        return engine
+
+    def _check(self, model_dir: str) -> int | None:
+        """One supervision turn: the exit code when the launcher must stop, else None."""
+        for index, proc in enumerate(self.servers):
+            if not proc.is_alive():
+                logger.error("API server %d ended (%s); stopping", index, proc.exitcode)
+                return ENGINE_DEAD_EXIT_CODE if proc.exitcode == ENGINE_DEAD_EXIT_CODE else 1
+        limit = self.config.parallel.engine_restart_limit
+        for rank, engine in enumerate(self.engines):
+            if engine.is_alive() or engine.process is None:
+                continue
+            logger.error("engine rank %d ended (%s)", rank, engine.describe_exit())
+            engine.process = None
+            if self.coordinator is not None:
+                self.coordinator.forget(rank)
+            if self.restarts[rank] < limit:
+                self.restarts[rank] += 1
+                logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank], limit)
+                self.engines[rank] = self._start_engine(rank, model_dir)
+        if all(engine.process is None for engine in self.engines):
+            logger.error("no engine rank can serve; stopping")
+            return ENGINE_DEAD_EXIT_CODE
+        return None
+
+    def shutdown(self) -> None:
+        """API servers first (they finish their responses), then engine cores; then the directories."""
+        for proc in self.servers:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + SERVER_STOP_S
+        for proc in self.servers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for engine in self.engines:
+            engine.stop()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self.sock is not None:
+            self.sock.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def _api_server_main(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment,
+                     sock: socket.socket, ready: Event) -> None:
+    code = serve_api_server(server_config, engine_config, attachment, sock, ready.set)
+    if code:
+        raise SystemExit(code)

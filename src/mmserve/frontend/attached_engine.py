@@ -1,0 +1,79 @@
+"""Engine cores an API server did not start (`--api-server-count` > 1): the launcher starts and
+restarts them; each API server binds its own pair of sockets per rank, at addresses both sides
+derive from the launcher's ipc directory (`engine_addresses`), and attaches.
+
+`AttachedEngineProcess` is the `EngineProcess` for such a rank: `start` and `stop` do nothing
+(the launcher owns the process), and the API server watches the process by the pid its
+`EngineCoreReady` carries — gone, or a zombie the launcher has not reaped yet, is dead. Until
+that message the rank counts as alive: the client's startup timeout bounds the wait.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmserve.config import EngineConfig
+from mmserve.ipc.queues import ipc_address
+
+_JOIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What API server `config.parallel.api_server_index` needs to reach the launcher's engine
+    cores: the launcher's `ipc_dir`, and the coordinator's address (None without data parallelism)."""
+
+    ipc_dir: str
+    coordinator: str | None
+
+
+def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:
+    """(input, output) socket addresses between API server `server` and engine rank `rank`."""
+    return ipc_address(ipc_dir, f"in_s{server}_r{rank}"), ipc_address(ipc_dir, f"out_s{server}_r{rank}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 says whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class AttachedEngineProcess:
+    is_local = True
+    host = None
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+
+    def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
+              output_addr: str | Sequence[str], shm_info: bytes | None) -> None:
+        pass  # the launcher started it
+
+    def on_ready(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return self.pid is None or pid_alive(self.pid)
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(_JOIN_POLL_S)
+
+    def describe_exit(self) -> str:
+        return f"its process (pid {self.pid}) ended"
+
+    def stop(self) -> None:
+        pass  # the launcher stops it

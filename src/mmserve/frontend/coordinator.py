@@ -1,0 +1,173 @@
+"""The data-parallel coordinator: one routing picture for every API server (`--api-server-count`).
+
+With M > 1 API servers and N > 1 ranks, a request must go where its prefix blocks and images
+are cached whichever server took it, so the `DPRouter` lives once, in the launcher process
+(`entrypoints/openai/multi_server.py`), in a `Coordinator` thread:
+
+- every engine core sends it `RankStats` whenever its stats change (load, KV size);
+- an API server asks with `RouteAsk` (the request with its items' data dropped: hashes,
+  placeholders, tokens and salt are what routing reads) and waits for the `RouteAnswer` — one
+  ZMQ round trip over ipc:// on the request path; `RouteSent` then commits the route (the
+  blocks and items it leaves on that rank, its in-flight count) and `RouteLanded` ends it.
+  An API server uses it through `RemoteRouter`, which has `DPRouter`'s interface; its
+  `decisions` (for /metrics) are asked for at scrape time (`DecisionsAsk`), so every server
+  reports them all.
+- the launcher calls `forget(rank)` when it restarts a rank (its caches start empty).
+
+Routes asked for but never sent (the request failed before its send) are dropped oldest first
+beyond `_MAX_PENDING`. The router is used under one lock (the thread and `forget`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.dp_router import DPRouter, Route
+from mmserve.ipc.messages import (CoordinatorInput, DecisionsAsk, EngineCoreRequest, RankStats, RouteAnswer,
+                                  RouteAsk, RouteLanded, RouteSent)
+from mmserve.ipc.queues import ipc_address
+from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+_MAX_PENDING = 4096
+_POLL_MS = 200  # how often the thread checks that it should stop
+_ANSWER_TIMEOUT_S = 10.0  # an API server waits this long for a route before failing the request
+_UNKNOWN_KV_BLOCKS = 1 << 20  # a rank's KV size before its first stats
+
+
+class Coordinator:
+    """Binds `route_address` (ROUTER: API servers) and `stats_address` (PULL: engine cores) in
+    `ipc_dir`; `start()` runs the thread, `close()` stops it and closes the sockets."""
+
+    def __init__(self, config: EngineConfig, ipc_dir: str) -> None:
+        self.router = DPRouter(config, [_UNKNOWN_KV_BLOCKS] * config.parallel.data_parallel_size)
+        self.route_address = ipc_address(ipc_dir, "coordinator")
+        self.stats_address = ipc_address(ipc_dir, "rank_stats")
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[str, tuple[Route, EngineCoreRequest]] = OrderedDict()
+        self._ctx = zmq.Context()
+        self._routes = self._ctx.socket(zmq.ROUTER)
+        self._routes.setsockopt(zmq.LINGER, 0)
+        self._routes.bind(self.route_address)
+        self._stats = self._ctx.socket(zmq.PULL)
+        self._stats.setsockopt(zmq.LINGER, 0)
+        self._stats.bind(self.stats_address)
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(CoordinatorInput)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmserve-coordinator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def forget(self, rank: int) -> None:
+        with self._lock:
+            self.router.forget(rank)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._routes, zmq.POLLIN)
+        poller.register(self._stats, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(_POLL_MS):
+                try:
+                    self._serve_one(sock)
+                except Exception:  # one bad message must not stop routing for everyone
+                    logger.exception("the coordinator could not handle a message")
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        identity, frames = (frames[0], frames[1:]) if sock is self._routes else (None, frames)
+        msg = self._decoder.decode(frames)
+        with self._lock:
+            answer = self._handle(msg)
+        if answer is not None and identity is not None:
+            self._routes.send_multipart([identity, *self._encoder.encode(answer)], copy=False)
+
+    def _handle(self, msg: CoordinatorInput) -> RouteAnswer | None:
+        router = self.router
+        if isinstance(msg, RankStats):
+            stats = msg.stats
+            router.set_kv_blocks(msg.rank, stats.num_total_blocks)
+            used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+            router.set_load(msg.rank, stats.num_running + stats.num_waiting, used)
+        elif isinstance(msg, RouteAsk):
+            route = router.route(msg.request, msg.live, msg.pin)
+            self._pending[msg.request.request_id] = (route, msg.request)
+            while len(self._pending) > _MAX_PENDING:
+                self._pending.popitem(last=False)
+            return RouteAnswer(msg.request.request_id, route.rank, route.reason, dict(router.decisions))
+        elif isinstance(msg, RouteSent):
+            if (pending := self._pending.pop(msg.request_id, None)) is not None:
+                router.on_sent(*pending)
+        elif isinstance(msg, RouteLanded):
+            router.on_finished(msg.rank)
+        elif isinstance(msg, DecisionsAsk):
+            return RouteAnswer(msg.request_id, -1, "", dict(router.decisions))
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._ctx.destroy(linger=0)
+
+
+class RemoteRouter:
+    """`DPRouter`'s interface for an API server, answered by the coordinator at `address`.
+
+    Load and restarts reach the coordinator without the API servers (`set_load` and `forget`
+    do nothing here). Single-threaded (the API server's event loop)."""
+
+    def __init__(self, address: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(RouteAnswer)
+        self._asked = 0
+
+    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route:
+        """One round trip; RuntimeError if the coordinator does not answer within `_ANSWER_TIMEOUT_S`."""
+        bare = msgspec.structs.replace(request, mm_items=[msgspec.structs.replace(item, data=None, shm_handle=None)
+                                                          for item in request.mm_items])
+        answer = self._ask(RouteAsk(bare, list(live), pin), request.request_id)
+        return Route(answer.rank, answer.reason, [])
+
+    @property
+    def decisions(self) -> Counter[str]:
+        """Every API server's routing decisions so far, by reason (one round trip)."""
+        self._asked += 1
+        return Counter(self._ask(DecisionsAsk(f"decisions-{self._asked}"), f"decisions-{self._asked}").decisions)
+
+    def _ask(self, msg: RouteAsk | DecisionsAsk, request_id: str) -> RouteAnswer:
+        self._sock.send_multipart(self._encoder.encode(msg), copy=False)
+        while self._sock.poll(int(_ANSWER_TIMEOUT_S * 1000), zmq.POLLIN):
+            answer: RouteAnswer = self._decoder.decode(self._sock.recv_multipart())
+            if answer.request_id == request_id:  # an answer that came too late is dropped
+                return answer
+        raise RuntimeError(f"the data-parallel coordinator did not answer within {_ANSWER_TIMEOUT_S:g} s")
+
+    def on_sent(self, route: Route, request: EngineCoreRequest) -> None:
+        self._sock.send_multipart(self._encoder.encode(RouteSent(request.request_id)), copy=False)
+
+    def on_finished(self, rank: int) -> None:
+        self._sock.send_multipart(self._encoder.encode(RouteLanded(rank)), copy=False)
+
+    def set_load(self, rank: int, running_and_waiting: int, kv_usage: float) -> None:
+        pass
+
+    def forget(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)

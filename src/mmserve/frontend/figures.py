@@ -1,0 +1,119 @@
+"""What `AsyncLLM` reports (`/metrics`, the periodic log): the engine cores' latest stats with
+P0's own cache layers merged in, per rank and summed.
+
+With several API servers (`--api-server-count`) each keeps its own processor cache, IPC senders
+and counts of what each rank served for it; one /metrics must answer for all of them. So every
+server writes its own figures to a file in the launcher's metrics directory (`SharedFigures`:
+at most every `SHARE_EVERY_S`, and before it answers a scrape) and sums every other server's
+last file into its own. The engine cores' figures need no sharing: every rank sends its stats
+to every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import msgspec
+
+from mmserve.frontend.flights import RequestFlights
+from mmserve.frontend.input_processor import InputProcessor
+from mmserve.frontend.item_transport import ItemTransport
+from mmserve.ipc.messages import CacheStats, SchedulerStats, sum_scheduler_stats, sum_stats
+from mmserve.rank_metrics import DataParallelFigures
+
+SHARE_EVERY_S = 1.0
+
+
+class ServerShare(msgspec.Struct):
+    """One API server's own figures."""
+
+    processor: CacheStats
+    ipc: list[CacheStats]  # per rank: its IPC sender
+    served: list[list[int]]  # per rank: requests, prompt tokens, generated tokens
+
+
+class SharedFigures:
+    """Server `index`'s figures in `directory`, and the others' (a file each, replaced atomically)."""
+
+    def __init__(self, directory: str, index: int) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / f"api_server_{index}.figures"
+        self._decoder = msgspec.msgpack.Decoder(ServerShare)
+
+    def publish(self, share: ServerShare) -> None:
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(share))
+        os.replace(tmp, self.path)
+
+    def others(self) -> list[ServerShare]:
+        shares = []
+        for path in sorted(self.directory.glob("api_server_*.figures")):
+            if path != self.path:
+                try:
+                    shares.append(self._decoder.decode(path.read_bytes()))
+                except (OSError, msgspec.DecodeError):  # gone, or being replaced
+                    continue
+        return shares
+
+
+class EngineFigures:
+    """Mixed into `AsyncLLM`, whose state it uses (declared here)."""
+
+    input_processor: InputProcessor
+    transport: ItemTransport
+    flights: RequestFlights
+    shared: SharedFigures | None
+    _stats: dict[int, SchedulerStats]
+
+    def stats(self) -> SchedulerStats | None:
+        """The engine cores' latest stats summed over ranks, with P0's cache layers (processor,
+        ipc, shm) merged in."""
+        ranks = [self._rank_stats(r) for r in self._stats]
+        base = sum_scheduler_stats(ranks) if ranks else SchedulerStats(0, 0, 0, 0, 0)
+        return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats()})
+
+    def frontend_stats(self) -> dict[str, CacheStats]:
+        """The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed
+        (over every API server)."""
+        layers = {"processor": self.input_processor.processor_cache.stats(), **self.transport.stats()}
+        if self.shared is not None:
+            others = self.shared.others()
+            layers["processor"] = sum_stats([layers["processor"], *(o.processor for o in others)])
+            layers["ipc"] = sum_stats([layers["ipc"], *(sum_stats(o.ipc) for o in others)])
+        return layers
+
+    def engine_stats(self) -> dict[int, SchedulerStats]:
+        """Each rank's latest stats, its IPC senders (P0's half) merged in."""
+        return {rank: self._rank_stats(rank) for rank in sorted(self._stats)}
+
+    def _rank_stats(self, rank: int) -> SchedulerStats:
+        base = self._stats[rank]
+        layers = self.transport.stats(rank)
+        if self.shared is not None:
+            layers["ipc"] = sum_stats([layers["ipc"], *(o.ipc[rank] for o in self.shared.others())])
+        return msgspec.structs.replace(base, caches={**base.caches, **layers})
+
+    def dp_figures(self) -> DataParallelFigures:
+        """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
+        figures = self.flights.figures(self.engine_stats())
+        if self.shared is not None:
+            for other in self.shared.others():
+                for rank, (requests, prompt, generated) in zip(figures.ranks, other.served):
+                    rank.requests += requests
+                    rank.prompt_tokens += prompt
+                    rank.generation_tokens += generated
+        return figures
+
+    def publish_figures(self) -> None:
+        """Write this server's own figures for the others (several API servers only)."""
+        if self.shared is not None:
+            ranks = range(len(self.transport.senders))
+            self.shared.publish(ServerShare(self.input_processor.processor_cache.stats(),
+                                            [self.transport.stats(r)["ipc"] for r in ranks], self.flights.served()))
+
+    async def share_figures_periodically(self) -> None:
+        while True:
+            self.publish_figures()
+            await asyncio.sleep(SHARE_EVERY_S)

@@ -1,0 +1,107 @@
+"""Several API servers (`--api-server-count 2`) in front of two engine cores: one listening
+socket, answers equal to one engine's, routing alike on every server (through the coordinator),
+one /metrics for every process, and a killed engine core survived with nothing left behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mmserve import LLM
+from mmserve.bench.prometheus import MetricsSnapshot
+from server_process import ServerProcess, children_titled, data_url, expected, kill_under_load, post
+from tiny_models import make_checkpoint, make_image
+
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
+ARGS = ("--api-server-count", "2", "--data-parallel-size", "2", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("api_servers"))
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model=model_path, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    s = ServerProcess(model_path, *ARGS)
+    s.model = model_path
+    yield s
+    assert s.stop() == 0
+
+
+def scrape(server) -> MetricsSnapshot:
+    time.sleep(1.2)  # every API server shares its own cache figures at least once a second
+    return MetricsSnapshot.parse(server.get("/metrics")[1])
+
+
+def test_answers_equal_one_engine_and_every_process_is_there(server, offline):
+    urls = [data_url(make_image(100 + i)) for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda u: post(server, u), urls))
+    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [expected(offline, u) for u in urls]
+    titles = set(children_titled(server, ""))  # the launcher itself and its children
+    assert titles == {"mmserve::launcher", "mmserve::api_server_0", "mmserve::api_server_1",
+                      "mmserve::engine_dp0", "mmserve::engine_dp1"}
+
+
+def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
+    before = scrape(server)
+    urls = [data_url(make_image(200 + i)) for i in range(6)]
+    assert all(post(server, u).status_code == 200 for u in urls)
+    mid = scrape(server)
+    repeats = [post(server, u, text="Describe it.") for u in urls for _ in range(2)]
+    after = scrape(server)
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in repeats]
+    assert all(c >= 16 for c in cached), cached  # every repeat found its image's blocks on its rank
+
+    def delta(a, b, name, **labels):
+        return b.value(name, **labels) - a.value(name, **labels)
+
+    assert [delta(before, mid, "mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)] == [3, 3]
+    assert delta(mid, after, "mmserve_dp_routing_decisions_total", reason="cache") == 12
+    # one /metrics for every process: the request counts and P0's cache layers of both servers
+    assert delta(before, after, "mmserve_requests_total", outcome="success") == 18
+    assert delta(before, after, "mmserve_cache_queries_total", layer="processor") == 18
+    per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+    assert sum(per_server) == after.value("mmserve_requests_total", outcome="success")
+    assert min(per_server) > 0, per_server  # the kernel handed connections to both servers
+
+
+def test_a_killed_engine_core_is_survived_by_every_api_server(model_path, offline):
+    s = ServerProcess(model_path, *ARGS)
+    s.model = model_path
+    try:
+        urls = [data_url(make_image(400 + i)) for i in range(8)]
+        want = [expected(offline, u, max_tokens=40) for u in urls]
+        pattern = os.path.join(tempfile.gettempdir(), f"mmserve-{s.proc.pid}-*", "*")
+        ipc_dirs = {os.path.dirname(p) for p in glob.glob(pattern)}
+        assert len(ipc_dirs) == 1
+        victim = children_titled(s, "engine_dp0")["mmserve::engine_dp0"]
+        answers = kill_under_load(lambda u: post(s, u, "What is this?", 40), urls, victim)
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
+        assert [r.json()["choices"][0]["message"]["content"] for r in answers] == want
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            back = children_titled(s, "engine_dp0").get("mmserve::engine_dp0")
+            ranks = json.loads(s.get("/health")[1]).get("ranks", [])
+            if back not in (None, victim) and [r["status"] for r in ranks] == ["ready", "ready"]:
+                break
+            time.sleep(0.5)
+        assert back not in (None, victim) and [r["status"] for r in ranks] == ["ready", "ready"], ranks
+        for _ in range(4):  # whichever server answers, rank 0 serves again
+            assert post(s, urls[0], "What is this?", 40).json()["choices"][0]["message"]["content"] == want[0]
+    finally:
+        assert s.stop() == 0
+    assert not any(os.path.exists(d) for d in ipc_dirs)

@@ -1,0 +1,92 @@
+"""The data-parallel coordinator over real ZMQ sockets: every API server's `RemoteRouter` gets the
+same routing picture (a repeat routed by another server goes where the image went), load comes
+from the engine cores' `RankStats`, and a restarted rank is forgotten."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import zmq
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.coordinator import Coordinator, RemoteRouter
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
+from mmserve.ipc.messages import EngineCoreRequest, RankStats, SchedulerStats
+from mmserve.ipc.queues import QueueSender, make_ipc_dir
+from mmserve.ipc.serial import MsgpackEncoder
+from mmserve.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def coordinator():
+    ipc_dir = make_ipc_dir()
+    c = Coordinator(EngineConfig.from_kwargs(data_parallel_size=2, block_size=16), ipc_dir)
+    c.start()
+    yield c
+    c.close()
+    shutil.rmtree(ipc_dir)
+
+
+def request(rid: str, image: str) -> EngineCoreRequest:
+    item = MultiModalItem("image", image, {"pixel_values": [0.0]}, PlaceholderRange(1, 64))
+    return EngineCoreRequest(rid, [1] + [32000] * 64 + [5, 6, 7], [item], SamplingParams(max_tokens=1), None, 0.0)
+
+
+def test_a_repeat_routed_by_another_api_server_goes_where_its_image_is(coordinator):
+    a, b = RemoteRouter(coordinator.route_address), RemoteRouter(coordinator.route_address)
+    try:
+        ranks = []
+        for i, image in enumerate(["img-a", "img-b"]):
+            req = request(f"first-{i}", image)
+            route = a.route(req, [0, 1])
+            a.on_sent(route, req)
+            ranks.append(route.rank)
+        assert sorted(ranks) == [0, 1]  # the first sights spread
+        for i, image in enumerate(["img-a", "img-b"]):
+            req = request(f"repeat-{i}", image)
+            route = b.route(req, [0, 1])
+            assert (route.rank, route.reason) == (ranks[i], "cache")
+            b.on_sent(route, req)
+        assert b.decisions["cache"] == 2 and b.decisions["load"] == 2
+        coordinator.forget(ranks[0])  # the rank restarted: its caches are empty
+        assert b.route(request("after-restart", "img-a"), [0, 1]).reason == "load"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_load_comes_from_the_engine_cores_stats(coordinator):
+    ctx = zmq.Context()
+    stats_out = QueueSender(ctx, coordinator.stats_address, MsgpackEncoder(), bind=False)
+    router = RemoteRouter(coordinator.route_address)
+    try:
+        stats_out.send(RankStats(0, SchedulerStats(num_running=6, num_waiting=3, num_free_blocks=10,
+                                                   num_total_blocks=100, num_preemptions=0)))
+        time.sleep(0.3)  # the coordinator's thread takes it
+        routes = {router.route(request(f"r{i}", f"new-{i}"), [0, 1]).rank for i in range(3)}
+        assert routes == {1}  # rank 0 is busy: new images go to rank 1
+        assert router.route(request("pinned", "x"), [0, 1], pin=0).reason == "pinned"
+    finally:
+        router.close()
+        stats_out.close()
+        ctx.destroy(linger=0)
+
+
+def test_api_server_flags_are_checked_and_split_the_cache_budgets():
+    for bad in ({"api_server_count": 0}, {"api_server_count": 2, "data_parallel_backend": "ray"},
+                {"api_server_count": 2, "mm_cache_type": "shm"}, {"api_server_count": 2, "api_server_index": 2}):
+        with pytest.raises(ValueError):
+            EngineConfig.from_kwargs(**bad)
+    config = EngineConfig.from_kwargs(api_server_count=4, mm_ipc_cache_gb=2, mm_processor_cache_gb=1)
+    assert config.ipc_cache_bytes_per_server == (2 << 30) // 4
+    assert config.processor_cache_bytes_per_server == (1 << 30) // 4
+    assert config.for_api_server(3).parallel.api_server_index == 3
+
+
+def test_offline_llm_refuses_api_servers():
+    from mmserve import LLM
+
+    with pytest.raises(ValueError, match="api_server_count"):
+        LLM(model="builtin:tiny-llava", api_server_count=2)
