@@ -80,6 +80,7 @@ class AsyncLLM(RankFailover, EngineFigures):
         self._dead_error: str | None = None
         self._stats: dict[int, SchedulerStats] = {}
         metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # set by the launcher of several API servers
+        self.figures_changed = False
         self.shared = SharedFigures(metrics_dir, config.parallel.api_server_index) \
             if attachment is not None and metrics_dir else None
 
@@ -140,6 +141,7 @@ class AsyncLLM(RankFailover, EngineFigures):
                 self._abort_now([request_id])
             self.flights.land(request_id)
             self.transport.finish(request_id)
+            self.figures_changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])

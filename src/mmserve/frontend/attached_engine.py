@@ -5,7 +5,9 @@ derive from the launcher's ipc directory (`engine_addresses`), and attaches.
 `AttachedEngineProcess` is the `EngineProcess` for such a rank: `start` and `stop` do nothing
 (the launcher owns the process), and the API server watches the process by the pid its
 `EngineCoreReady` carries — gone, or a zombie the launcher has not reaped yet, is dead. Until
-that message the rank counts as alive: the client's startup timeout bounds the wait.
+that message the rank counts as alive while the launcher lives (an engine core outlives it by at
+most a second), so an API server still starting when its launcher dies does not wait out the
+startup timeout.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class AttachedEngineProcess:
 
     def __init__(self) -> None:
         self.pid: int | None = None
+        self.launcher = os.getppid()
 
     def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
               output_addr: str | Sequence[str], shm_info: bytes | None) -> None:
@@ -65,7 +68,9 @@ class AttachedEngineProcess:
         self.pid = pid
 
     def is_alive(self) -> bool:
-        return self.pid is None or pid_alive(self.pid)
+        if self.pid is None:
+            return os.getppid() == self.launcher
+        return pid_alive(self.pid)
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -73,7 +78,7 @@ class AttachedEngineProcess:
             time.sleep(_JOIN_POLL_S)
 
     def describe_exit(self) -> str:
-        return f"its process (pid {self.pid}) ended"
+        return "the launcher died" if self.pid is None else f"its process (pid {self.pid}) ended"
 
     def stop(self) -> None:
         pass  # the launcher stops it

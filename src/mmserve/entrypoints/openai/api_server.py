@@ -201,7 +201,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
 
 async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState,
                      started: Callable[[], None] | None) -> None:
-    """Announce readiness (or call `started`), then stop the server (non-zero exit) if the engine core dies."""
+    """Announce readiness (or call `started`), then stop the server (non-zero exit) if the engine core
+    dies — or, for one of a launcher's API servers, if the launcher does (its engine cores go with it)."""
+    launcher = os.getppid() if started is not None else None
     while not server.started:
         await asyncio.sleep(0.05)
     if started is not None:
@@ -210,6 +212,11 @@ async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state
         print(f"mmserve: serving {model} on http://{server.config.host}:{_bound_port(server)}", flush=True)
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
+        if launcher is not None and os.getppid() != launcher:
+            logger.error("the launcher died; stopping the server")
+            state.exit_code = 1
+            server.should_exit = True
+            return
     logger.error("the engine core died (%s); stopping the server",
                  getattr(engine, "dead_error", None) or "process not running")
     state.exit_code = ENGINE_DEAD_EXIT_CODE
