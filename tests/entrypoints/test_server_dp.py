@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,3 +138,23 @@ def test_offline_data_parallel_equals_one_engine(model_path, offline):
         dp.shutdown()
     assert got == again == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     assert [r.requests for r in figures.ranks] == [4, 4] and figures.decisions["cache"] == 4
+
+
+def test_a_request_during_a_single_engines_restart_waits_for_it(model_path, offline):
+    """One rank, killed three times (the default restart limit): each time the server lives on, and
+    a request sent at once (or soon after) waits for the restarted engine core instead of failing."""
+    s = ServerProcess(model_path, "--max-model-len", "256")
+    s.model = model_path
+    try:
+        url = data_url(make_image(600))
+        want = expected(offline, url)
+        for delay in (0.0, 0.1, 0.3):
+            victim = children_titled(s, "engine_dp0")["mmserve::engine_dp0"]
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(delay)
+            r = post(s, url)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            assert s.proc.poll() is None
+    finally:
+        assert s.stop() == 0

@@ -63,8 +63,7 @@ class AsyncLLM(RankFailover, EngineFigures):
             raise
         for rank in range(len(self.ranks)):  # a rank on another node cannot map this node's store
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
-        first = self.ranks.client(0)
-        self.max_model_len = first.max_model_len
+        self.max_model_len = self.ranks.client(0).max_model_len
         router: DPRouter | RemoteRouter | None = None
         if len(self.ranks) > 1:
             router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
@@ -91,9 +90,9 @@ class AsyncLLM(RankFailover, EngineFigures):
 
     @property
     def is_healthy(self) -> bool:
-        """False once no rank serves and none can come back."""
-        return self._dead_error is None and (bool(self.ranks.live()) or any(
-            s == "restarting" for s in self.ranks.status))
+        """False once no rank serves and none can come back (a rank whose process just ended and
+        that the output loop has not retired yet still counts: it restarts or is marked dead)."""
+        return self._dead_error is None and any(s != "dead" for s in self.ranks.status)
 
     @property
     def dead_error(self) -> str | None:
@@ -117,11 +116,14 @@ class AsyncLLM(RankFailover, EngineFigures):
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
-        start over on another rank until then; `data_parallel_rank` pins it to one rank.
+        start over on another rank until then; `data_parallel_rank` pins it to one rank. While no
+        rank serves and one restarts, the request waits for it (`wait_for_live_rank`).
         """
         self._ensure_output_task()
         if not self.is_healthy:
             raise EngineDeadError(self._dead_error or "the engine core process is not running")
+        if data_parallel_rank is None and not self.ranks.live():
+            await self.wait_for_live_rank()  # one is restarting
         if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
             raise ValueError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
                              f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
@@ -214,9 +216,14 @@ class AsyncLLM(RankFailover, EngineFigures):
 
     # ---- the output loops -------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the output loops now (else the first request does): a death before it is handled too."""
+        self._ensure_output_task()
+
     def _ensure_output_task(self) -> None:
-        for rank in self.ranks.live():
-            self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
+        for rank, client in enumerate(self.ranks.clients):
+            if client is not None:  # a dead one's loop retires it at once
+                self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
         self._ensure_task("log", lambda: log_stats_periodically(self.stats))
         if self.shared is not None:
             self._ensure_task("share", self.share_figures_periodically)

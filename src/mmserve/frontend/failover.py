@@ -4,7 +4,8 @@ The rank is retired (`EngineRanks.mark_dead`); requests that showed their caller
 are parked and sent again to a live rank (at once, or once the rank is back when none lives),
 the others fail with `EngineDeadError`; the rank is restarted in the background while
 `--engine-restart-limit` allows, its IPC mirror starting a new epoch. P0 is dead (`_fail_all`)
-only once no rank serves and none can come back.
+only once no rank serves and none can come back. A new request that finds no rank serving while
+one restarts waits for it (`wait_for_live_rank`, up to `RANK_WAIT_S`) instead of failing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from mmserve.ipc.messages import SchedulerStats
 from mmserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+RANK_WAIT_S = 120.0  # longest a new request waits for a restarting rank (a restart loads the model)
+_RANK_POLL_S = 0.05
 
 
 class RankFailover:
@@ -43,6 +47,16 @@ class RankFailover:
     @property
     def is_healthy(self) -> bool:
         raise NotImplementedError
+
+    async def wait_for_live_rank(self, timeout_s: float = RANK_WAIT_S) -> None:
+        """Return once some rank serves; EngineDeadError once none can come back or after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.ranks.live():
+            if not self.is_healthy or loop.time() >= deadline:
+                raise EngineDeadError("no engine rank is serving" + (
+                    "" if not self.is_healthy else f" (none came back within {timeout_s:g} s)"))
+            await asyncio.sleep(_RANK_POLL_S)
 
     def _rank_died(self, rank: int, message: str) -> None:
         """Retire the rank; move what it ran that can start over, fail the rest; restart it."""

@@ -181,6 +181,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
 
     engine = AsyncLLM(engine_config, attachment)
     try:
+        engine.start()
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
