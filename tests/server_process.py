@@ -164,3 +164,17 @@ def post(server: Any, url: str, text: str = "What is this?", max_tokens: int = 8
     body = {"model": server.model, "messages": messages(url, text), "temperature": 0, "max_tokens": max_tokens}
     return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120,
                       headers={k.replace("_", "-"): v for k, v in headers.items()})
+
+
+def concurrent_answers(server: Any, urls: list[str]) -> list[str]:
+    """`post(server, url)` for every url at once (a connection each); the answers' texts."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        responses = list(pool.map(lambda u: post(server, u), urls))
+    return [r.json()["choices"][0]["message"]["content"] for r in responses]
+
+
+def scrape(server: Any) -> Any:
+    """The server's /metrics, parsed."""
+    from mmserve.bench.prometheus import MetricsSnapshot
+
+    return MetricsSnapshot.parse(server.get("/metrics")[1])

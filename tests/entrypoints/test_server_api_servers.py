@@ -10,13 +10,12 @@ import os
 import signal
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from mmserve import LLM
-from mmserve.bench.prometheus import MetricsSnapshot
-from server_process import ServerProcess, children_titled, data_url, expected, kill_under_load, pid_alive, post
+from server_process import (ServerProcess, children_titled, concurrent_answers, data_url, expected, kill_under_load,
+                            pid_alive, post, scrape)
 from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -42,35 +41,36 @@ def server(model_path):
     assert s.stop() == 0
 
 
-def scrape(server) -> MetricsSnapshot:
-    time.sleep(0.2)  # every API server shares its own cache figures as each of its requests ends
-    return MetricsSnapshot.parse(server.get("/metrics")[1])
+def settled_scrape(server):
+    time.sleep(0.2)  # every API server shares its own cache figures within 0.1 s of a request's end
+    return scrape(server)
 
 
 def test_answers_equal_one_engine_and_every_process_is_there(server, offline):
     urls = [data_url(make_image(100 + i)) for i in range(6)]
-    with ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(lambda u: post(server, u), urls))
-    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [expected(offline, u) for u in urls]
+    assert concurrent_answers(server, urls) == [expected(offline, u) for u in urls]
     titles = set(children_titled(server, ""))  # the launcher itself and its children
     assert titles == {"mmserve::launcher", "mmserve::api_server_0", "mmserve::api_server_1",
                       "mmserve::engine_dp0", "mmserve::engine_dp1"}
 
 
 def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
-    before = scrape(server)
+    before = settled_scrape(server)
     urls = [data_url(make_image(200 + i)) for i in range(6)]
     assert all(post(server, u).status_code == 200 for u in urls)
-    mid = scrape(server)
+    mid = settled_scrape(server)
     repeats = [post(server, u, text="Describe it.") for u in urls for _ in range(2)]
-    after = scrape(server)
+    after = settled_scrape(server)
     cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in repeats]
     assert all(c >= 16 for c in cached), cached  # every repeat found its image's blocks on its rank
 
     def delta(a, b, name, **labels):
         return b.value(name, **labels) - a.value(name, **labels)
 
-    assert [delta(before, mid, "mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)] == [3, 3]
+    first = [delta(before, mid, "mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)]
+    # the first sights spread over both ranks (not always 3/3: a request that ended on one server
+    # may still count as in flight when the other server's next request is routed)
+    assert sum(first) == 6 and min(first) >= 2, first
     assert delta(mid, after, "mmserve_dp_routing_decisions_total", reason="cache") == 12
     # one /metrics for every process: the request counts and P0's cache layers of both servers
     assert delta(before, after, "mmserve_requests_total", outcome="success") == 18

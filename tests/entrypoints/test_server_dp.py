@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.bench.prometheus import MetricsSnapshot
-from server_process import ServerProcess, children_titled, data_url, expected, kill_under_load, post
+from server_process import (ServerProcess, children_titled, concurrent_answers, data_url, expected, kill_under_load,
+                            post, scrape)
 from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -41,15 +40,9 @@ def offline(model_path):
     return LLM(model=model_path, max_model_len=256)
 
 
-def scrape(server) -> MetricsSnapshot:
-    return MetricsSnapshot.parse(server.get("/metrics")[1])
-
-
 def test_answers_equal_one_engine_and_processes_carry_titles(server, offline):
     urls = [data_url(make_image(100 + i)) for i in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda u: post(server, u), urls))
-    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [expected(offline, u) for u in urls]
+    assert concurrent_answers(server, urls) == [expected(offline, u) for u in urls]
     assert set(children_titled(server, "engine_dp")) == {"mmserve::engine_dp0", "mmserve::engine_dp1"}
     assert Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().startswith(b"mmserve::api_server_0")
 

@@ -7,8 +7,8 @@
 - idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;
 - drain every pending input without blocking: a request's items sent by hash alone are restored
   from its API server's IPC receiver cache (hashes it lacks go back in `resend`, and the request
-  waits for that server to send it again in full); requests are added (a ValueError comes back as an error output
-  with finish_reason "abort"); aborts free their requests at once;
+  waits for that server to send it again in full); requests are added (a ValueError comes back
+  as an error output with finish_reason "abort"); aborts free their requests at once;
 - with work: `step()` once and send each API server the `EngineCoreOutputs` of its requests
   if it has some or the stats changed since its last send (error outputs ride along with the
   next send);

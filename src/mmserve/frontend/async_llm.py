@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any, AsyncGenerator
-
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.attached_engine import Attachment
@@ -78,10 +76,9 @@ class AsyncLLM(RankFailover, EngineFigures):
         self._parked: list[str] = []  # requests to move, waiting for a rank to come back
         self._dead_error: str | None = None
         self._stats: dict[int, SchedulerStats] = {}
-        metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # set by the launcher of several API servers
         self.figures_changed = False
-        self.shared = SharedFigures(metrics_dir, config.parallel.api_server_index) \
-            if attachment is not None and metrics_dir else None
+        self.shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
+            if attachment is not None else None
 
     @property
     def client(self) -> EngineCoreClient:

@@ -25,11 +25,13 @@ _JOIN_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Attachment:
-    """What API server `config.parallel.api_server_index` needs to reach the launcher's engine
-    cores: the launcher's `ipc_dir`, and the coordinator's address (None without data parallelism)."""
+    """What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
+    the engine cores' sockets, the coordinator's address (None without data parallelism), and the
+    `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR)."""
 
     ipc_dir: str
     coordinator: str | None
+    metrics_dir: str
 
 
 def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:

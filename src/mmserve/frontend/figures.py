@@ -72,40 +72,44 @@ class EngineFigures:
     def stats(self) -> SchedulerStats | None:
         """The engine cores' latest stats summed over ranks, with P0's cache layers (processor,
         ipc, shm) merged in."""
-        ranks = [self._rank_stats(r) for r in self._stats]
+        others = self._others()
+        ranks = [self._rank_stats(r, others) for r in self._stats]
         base = sum_scheduler_stats(ranks) if ranks else SchedulerStats(0, 0, 0, 0, 0)
-        return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats()})
+        return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats(others)})
 
-    def frontend_stats(self) -> dict[str, CacheStats]:
+    def frontend_stats(self, others: list[ServerShare] | None = None) -> dict[str, CacheStats]:
         """The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed
-        (over every API server)."""
+        (over every API server: `others` are the other servers' figures, read here when not given)."""
+        others = self._others() if others is None else others
         layers = {"processor": self.input_processor.processor_cache.stats(), **self.transport.stats()}
-        if self.shared is not None:
-            others = self.shared.others()
+        if others:
             layers["processor"] = sum_stats([layers["processor"], *(o.processor for o in others)])
             layers["ipc"] = sum_stats([layers["ipc"], *(sum_stats(o.ipc) for o in others)])
         return layers
 
-    def engine_stats(self) -> dict[int, SchedulerStats]:
-        """Each rank's latest stats, its IPC senders (P0's half) merged in."""
-        return {rank: self._rank_stats(rank) for rank in sorted(self._stats)}
+    def engine_stats(self, others: list[ServerShare] | None = None) -> dict[int, SchedulerStats]:
+        """Each rank's latest stats, its IPC senders (P0's half, every server's) merged in."""
+        others = self._others() if others is None else others
+        return {rank: self._rank_stats(rank, others) for rank in sorted(self._stats)}
 
-    def _rank_stats(self, rank: int) -> SchedulerStats:
-        base = self._stats[rank]
+    def _rank_stats(self, rank: int, others: list[ServerShare]) -> SchedulerStats:
         layers = self.transport.stats(rank)
-        if self.shared is not None:
-            layers["ipc"] = sum_stats([layers["ipc"], *(o.ipc[rank] for o in self.shared.others())])
-        return msgspec.structs.replace(base, caches={**base.caches, **layers})
+        if others:
+            layers["ipc"] = sum_stats([layers["ipc"], *(o.ipc[rank] for o in others)])
+        return msgspec.structs.replace(self._stats[rank], caches={**self._stats[rank].caches, **layers})
+
+    def _others(self) -> list[ServerShare]:
+        return self.shared.others() if self.shared is not None else []
 
     def dp_figures(self) -> DataParallelFigures:
         """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
-        figures = self.flights.figures(self.engine_stats())
-        if self.shared is not None:
-            for other in self.shared.others():
-                for rank, (requests, prompt, generated) in zip(figures.ranks, other.served):
-                    rank.requests += requests
-                    rank.prompt_tokens += prompt
-                    rank.generation_tokens += generated
+        others = self._others()
+        figures = self.flights.figures(self.engine_stats(others))
+        for other in others:
+            for rank, (requests, prompt, generated) in zip(figures.ranks, other.served):
+                rank.requests += requests
+                rank.prompt_tokens += prompt
+                rank.generation_tokens += generated
         return figures
 
     def publish_figures(self) -> None:

@@ -79,7 +79,7 @@ class Launcher:
         self.server_config = server_config
         self.config = engine_config
         self.servers: list[BaseProcess] = []
-        self.engines: list[LocalEngineProcess] = []
+        self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
         self.restarts = [0] * engine_config.parallel.data_parallel_size
         self.coordinator: Coordinator | None = None
         self.ipc_dir = make_ipc_dir()
@@ -95,7 +95,8 @@ class Launcher:
             self.coordinator = Coordinator(config, self.ipc_dir)
             self.coordinator.start()
         self.engines = [self._start_engine(rank, model_dir) for rank in range(parallel.data_parallel_size)]
-        attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None)
+        attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None,
+                                self.metrics_dir)
         ctx = multiprocessing.get_context("spawn")
         ready = [ctx.Event() for _ in range(parallel.api_server_count)]
         for index, event in enumerate(ready):
@@ -130,17 +131,17 @@ class Launcher:
                 return ENGINE_DEAD_EXIT_CODE if proc.exitcode == ENGINE_DEAD_EXIT_CODE else 1
         limit = self.config.parallel.engine_restart_limit
         for rank, engine in enumerate(self.engines):
-            if engine.is_alive() or engine.process is None:
+            if engine is None or engine.is_alive():
                 continue
             logger.error("engine rank %d ended (%s)", rank, engine.describe_exit())
-            engine.process = None
+            self.engines[rank] = None
             if self.coordinator is not None:
                 self.coordinator.forget(rank)
             if self.restarts[rank] < limit:
                 self.restarts[rank] += 1
                 logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank], limit)
                 self.engines[rank] = self._start_engine(rank, model_dir)
-        if all(engine.process is None for engine in self.engines):
+        if all(engine is None for engine in self.engines):
             logger.error("no engine rank can serve; stopping")
             return ENGINE_DEAD_EXIT_CODE
         return None
@@ -157,7 +158,8 @@ class Launcher:
                 proc.kill()
                 proc.join()
         for engine in self.engines:
-            engine.stop()
+            if engine is not None:
+                engine.stop()
         if self.coordinator is not None:
             self.coordinator.close()
         if self.sock is not None:
