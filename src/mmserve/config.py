@@ -252,11 +252,6 @@ class EngineConfig:
         return (mm.mm_processor_cache_gb > 0 or mm.ipc_cache_bytes > 0 or mm.uses_shm
                 or self.cache.enable_prefix_caching or self.scheduler.encoder_cache_tokens != 0)
 
-    def __post_init__(self) -> None:
-        if self.parallel.api_server_count > 1 and self.multimodal.uses_shm:
-            raise ValueError("--mm-cache-type shm takes one API server for now (its store has one writer); "
-                             "use --mm-cache-type lru with --api-server-count > 1")
-
     def for_rank(self, rank: int) -> EngineConfig:
         """The config the engine core of data-parallel `rank` (and its workers) runs with."""
         return dataclasses.replace(self, parallel=self.parallel.for_rank(rank))

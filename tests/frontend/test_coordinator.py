@@ -13,7 +13,8 @@ import zmq
 from mmserve.config import EngineConfig
 from mmserve.frontend.coordinator import Coordinator, RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.ipc.messages import EngineCoreRequest, RankStats, SchedulerStats
+from mmserve.ipc.launcher_messages import RankStats
+from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.ipc.queues import QueueSender, make_ipc_dir
 from mmserve.ipc.serial import MsgpackEncoder
 from mmserve.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ def test_load_comes_from_the_engine_cores_stats(coordinator):
 
 def test_api_server_flags_are_checked_and_split_the_cache_budgets():
     for bad in ({"api_server_count": 0}, {"api_server_count": 2, "data_parallel_backend": "ray"},
-                {"api_server_count": 2, "mm_cache_type": "shm"}, {"api_server_count": 2, "api_server_index": 2}):
+                {"api_server_count": 2, "api_server_index": 2}):
         with pytest.raises(ValueError):
             EngineConfig.from_kwargs(**bad)
     config = EngineConfig.from_kwargs(api_server_count=4, mm_ipc_cache_gb=2, mm_processor_cache_gb=1)

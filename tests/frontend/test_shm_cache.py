@@ -88,7 +88,7 @@ def test_a_stale_handle_is_reported_missing_not_misread(path):
 
     inputs = InputProcessor(Cfg.from_kwargs(model=path), path, 512, eos_token_id(path))
     request = inputs.process("r", one(3), PARAMS)
-    writer = ShmItemWriter(0.01, 16)
+    writer = ShmItemWriter(ShmStore.from_flags(0.01, 16))
     try:
         reader = ShmItemReader(writer.store.info)
         wire = request.__class__(**{f: getattr(request, f) for f in request.__struct_fields__})

@@ -13,10 +13,13 @@ import pytest
 import torch
 
 import mmserve
+import mmserve.ipc.launcher_messages as launcher_messages
 import mmserve.ipc.messages as messages
-from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, CoordinatorInput, DecisionsAsk,
-                                  EngineCoreEvent, EngineCoreFailed, RankStats, RouteAnswer, RouteAsk, RouteLanded,
-                                  RouteSent,
+from mmserve.ipc.items import ShmHandle
+from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, RouteAnswer, RouteAsk,
+                                           RouteLanded, RouteSent, StoreAnswer, StoreDiscard, StoreFinish,
+                                           StoreInput, StoreLookup, StoreReserve, StoreSeal, StoreStatsAsk)
+from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
@@ -36,7 +39,7 @@ def item(mm_hash: str = "img0", **data: torch.Tensor) -> MultiModalItem:
 
 
 def samples() -> list[Any]:
-    """One instance of every Struct in messages.py (nested ones inside their parent)."""
+    """One instance of every Struct in messages.py and launcher_messages.py (nested ones inside their parent)."""
     params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], stop_token_ids=[2], seed=3, n=2, logprobs=3,
                             logit_bias={5: -1.5}, structured_outputs=StructuredOutputsParams(json_object=True))
     stats = SchedulerStats(1, 2, 3, 4, 5, {"prefix": CacheStats(10, 4, 1, 0, 3, 0)})
@@ -70,6 +73,15 @@ def samples() -> list[Any]:
         RouteLanded(0),
         DecisionsAsk("d1"),
         RouteAnswer("r2", 1, "pinned", {"pinned": 1}),
+        # API servers -> the node's item store [24:30], and its answers
+        StoreLookup(1, "k", "r0", peek=True),
+        StoreReserve(2, "k", 4096, "r0"),
+        StoreSeal(4, "k", ok=False),
+        StoreDiscard(["k", "j"]),
+        StoreFinish("r0"),
+        StoreStatsAsk(3),
+        StoreAnswer(2, ShmHandle("k", 128, 7, 4096, bytes(16)), fresh=True),
+        StoreAnswer(3, stats=[1, 2, 3]),
     ]
 
 
@@ -114,8 +126,8 @@ def round_trip(obj: Any, type: Any = Any, readonly: bool = False) -> Any:
 
 
 def test_samples_cover_every_message_type():
-    defined = {v for v in vars(messages).values()
-               if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == messages.__name__}
+    defined = {v for module in (messages, launcher_messages) for v in vars(module).values()
+               if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == module.__name__}
     assert defined <= nested_types(samples()), "add a sample of the new message type above"
 
 
@@ -136,6 +148,8 @@ def test_tagged_unions_pick_the_right_type():
         assert_same(round_trip(obj, WorkerEvent), obj)
     for obj in samples()[18:23]:
         assert_same(round_trip(obj, CoordinatorInput), obj)
+    for obj in samples()[24:30]:
+        assert_same(round_trip(obj, StoreInput), obj)
 
 
 TENSORS = {

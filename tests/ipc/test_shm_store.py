@@ -13,23 +13,13 @@ import msgspec
 import pytest
 import torch
 
-from mmserve.ipc.shm_ring import HEADER_BYTES
-from mmserve.ipc.shm_store import ShmHandle, ShmHandleError, ShmStore, ShmStoreInfo, ShmStoreReader
+from mmserve.ipc.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader
+from mmserve.ipc.shm_store_reader import ShmHandleError
+from shm_items_for_tests import CHUNK, ITEM_BYTES, item, same
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
-ITEM_BYTES = 3 * 32 * 32 * 4  # one `item(i)`: 12 KiB of float32 pixels
-CHUNK = HEADER_BYTES + 64 + ITEM_BYTES  # header, meta, pixels
 CAPACITY = 8 * CHUNK
-
-
-def item(i: int, hw: int = 32) -> dict[str, torch.Tensor]:
-    """A pixel_values tensor whose every element depends on `i`: no two items share bytes."""
-    return {"pixel_values": torch.arange(3 * hw * hw, dtype=torch.float32).view(3, hw, hw) + i * 1e4}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from mmserve.ipc.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RankStats,
-                                  SchedulerStats)
+from mmserve.ipc.launcher_messages import RankStats
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.ipc.queues import QueueSender
 from mmserve.multimodal.cache import IpcReceiverCache
 

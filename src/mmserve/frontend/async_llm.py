@@ -53,7 +53,7 @@ class AsyncLLM(RankFailover, EngineFigures):
     def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        self.transport = ItemTransport(config)
+        self.transport = ItemTransport(config, attachment)
         try:
             self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info, attachment)
         except BaseException:
@@ -67,7 +67,7 @@ class AsyncLLM(RankFailover, EngineFigures):
             router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
                 else DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))])
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
-                                              known_tokens=self.transport.known_tokens)
+                                              known_tokens=self.transport.known_tokens, fetch=self.transport.fetch)
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)

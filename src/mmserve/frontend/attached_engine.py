@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
@@ -26,12 +27,15 @@ _JOIN_POLL_S = 0.05
 @dataclass(frozen=True)
 class Attachment:
     """What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
-    the engine cores' sockets, the coordinator's address (None without data parallelism), and the
-    `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR)."""
+    the engine cores' sockets, the coordinator's address (None without data parallelism), the
+    `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR), and with
+    `--mm-cache-type shm` the node store's address and `ShmStoreInfo` (msgpack; holds the secret)."""
 
     ipc_dir: str
     coordinator: str | None
     metrics_dir: str
+    store: str | None = None
+    store_info: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:

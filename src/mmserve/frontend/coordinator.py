@@ -30,8 +30,9 @@ import zmq
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.dp_router import DPRouter, Route
-from mmserve.ipc.messages import (CoordinatorInput, DecisionsAsk, EngineCoreRequest, RankStats, RouteAnswer,
-                                  RouteAsk, RouteLanded, RouteSent)
+from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, RouteAnswer, RouteAsk,
+                                           RouteLanded, RouteSent)
+from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.ipc.queues import ipc_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 

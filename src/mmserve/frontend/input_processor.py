@@ -29,7 +29,8 @@ _PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt",
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None,
-                 known_tokens: Callable[[str], int | None] = lambda h: None) -> None:
+                 known_tokens: Callable[[str], int | None] = lambda h: None,
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None) -> None:
         self.config = config
         self.processor = create_processor(model_dir)
         self.tokenizer = self.processor.tokenizer
@@ -39,7 +40,7 @@ class InputProcessor:
         self.media_limits = mm.media_limits()
         self.processor_cache = ProcessorCache(config.processor_cache_bytes_per_server)
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
-                                  config.needs_item_hash, known_tokens)
+                                  config.needs_item_hash, known_tokens, fetch)
         self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher)
         self.vocab_size = load_model_config(model_dir).text.vocab_size
         self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)

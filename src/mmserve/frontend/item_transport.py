@@ -7,6 +7,9 @@
   as a handle that P1 (and every tensor-parallel rank) maps in place; an item the store cannot
   take goes whole. A stale handle (evicted meanwhile) is reported missing, and the resend sends
   every item whole. P1 keeps no IPC receiver then (`MultiModalConfig.ipc_cache_bytes` is 0).
+  With several API servers there is one store per node, owned by the launcher and written by
+  every server (`ipc/node_store.py`); a server's processor cache also finds there the items the
+  other servers processed (`fetch`).
 
 With `--api-server-count M` each API server has its own senders, each mirroring its own
 receiver in each engine core, at `EngineConfig.ipc_cache_bytes_per_server` (a share of the
@@ -19,11 +22,17 @@ so they agree.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from mmserve.config import EngineConfig
+from mmserve.frontend.attached_engine import Attachment
 from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
+from mmserve.ipc.items import ShmStoreInfo
+from mmserve.ipc.node_store import NodeStoreClient
+from mmserve.ipc.shm_store import ShmStore
 from mmserve.multimodal.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 
@@ -35,12 +44,12 @@ class ItemTransport:
     hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
     memory) gets its items through its IPC sender instead (a 0 GiB one under shm: every item inline)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
         mm = config.multimodal
         self.client_index = config.parallel.api_server_index
         self.senders = [IpcSenderCache(config.ipc_cache_bytes_per_server)
                         for _ in range(config.parallel.data_parallel_size)]
-        self.shm = ShmItemWriter(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb) if mm.uses_shm else None
+        self.shm = ShmItemWriter(_item_store(config, attachment)) if mm.uses_shm else None
         self.remote: set[int] = set()
 
     @property
@@ -52,6 +61,12 @@ class ItemTransport:
     def shm_info(self) -> bytes | None:
         """What P1 attaches to the store with (holds the handle secret: never log it)."""
         return self.shm.info if self.shm is not None else None
+
+    def fetch(self, mm_hash: str) -> dict[str, Any] | None:
+        """The processed item another API server put in the node's store, copied out; else None
+        (always None without a node store)."""
+        store = self.shm.store if self.shm is not None else None
+        return store.fetch(mm_hash) if isinstance(store, NodeStoreClient) else None
 
     def known_tokens(self, mm_hash: str) -> int | None:
         """The placeholder count of an item some rank holds through the IPC cache, else None."""
@@ -106,3 +121,12 @@ class ItemTransport:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+
+
+def _item_store(config: EngineConfig, attachment: Attachment | None) -> ShmStore | NodeStoreClient:
+    """This server's own store, or the node's when its launcher runs one (several API servers)."""
+    if attachment is not None and attachment.store is not None and attachment.store_info is not None:
+        info = msgspec.msgpack.decode(attachment.store_info, type=ShmStoreInfo)
+        return NodeStoreClient(attachment.store, info, config.parallel.api_server_index)
+    mm = config.multimodal
+    return ShmStore.from_flags(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb)

@@ -3,6 +3,8 @@
 Directions: P0 frontend -> P1 engine core (`EngineCoreRequest`, aborts), P1 -> P0
 (`EngineCoreOutputs`), P1 scheduler -> workers (`SchedulerOutput`, wrapped in `ExecuteModel`
 when it crosses to tensor-parallel worker processes), workers -> P1 (`ModelRunnerOutput`).
+What crosses to and from the launcher's services (`--api-server-count` > 1) is in
+`ipc/launcher_messages.py`.
 A message carries only what the receiver lacks: a request already known to the workers ships
 its new block ids, not its history; its multimodal items travel once, in its `NewRequestData`.
 """
@@ -159,55 +161,6 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
 
 
 EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0
-
-
-# ---- the data-parallel coordinator (--api-server-count > 1, frontend/coordinator.py) -----------
-
-
-class RankStats(msgspec.Struct, tag="rank_stats"):
-    """An engine core's stats, sent to the coordinator whenever they change."""
-
-    rank: int
-    stats: SchedulerStats
-
-
-class RouteAsk(msgspec.Struct, tag="route"):
-    """An API server asks which rank serves `request` (its items without data) among `live`."""
-
-    request: EngineCoreRequest
-    live: list[int]
-    pin: int | None = None
-
-
-class RouteSent(msgspec.Struct, tag="sent"):
-    """The request routed by the last `RouteAsk` of this id is on its rank's wire."""
-
-    request_id: str
-
-
-class RouteLanded(msgspec.Struct, tag="landed"):
-    """A request sent to `rank` ended."""
-
-    rank: int
-
-
-class DecisionsAsk(msgspec.Struct, tag="decisions"):
-    """An API server asks for the routing decisions so far (answered with a `RouteAnswer` of rank -1)."""
-
-    request_id: str
-
-
-class RouteAnswer(msgspec.Struct, tag="answer"):
-    """The rank and the reason for `request_id`; `decisions`: the coordinator's counts by reason
-    so far (for /metrics)."""
-
-    request_id: str
-    rank: int
-    reason: str
-    decisions: dict[str, int]
-
-
-CoordinatorInput = RankStats | RouteAsk | RouteSent | RouteLanded | DecisionsAsk
 
 
 # ---- P1 scheduler -> workers -------------------------------------------------------------

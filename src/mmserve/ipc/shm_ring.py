@@ -141,8 +141,14 @@ class ShmRing:
             if chunk.live and self._kill(chunk):
                 self._chunks[chunk.offset] = Chunk(chunk.offset, chunk.size)
             elif chunk.live:  # a reader holds it: invalidate anyway, keep its bytes
-                self._buf[chunk.offset:chunk.offset + HEADER.size] = _DEAD_HEADER
-                chunk.key, chunk.hits, chunk.pins = None, 0, 0
+                self.orphan(chunk)
+                chunk.pins = 0
+
+    def orphan(self, chunk: Chunk) -> None:
+        """Invalidate a live chunk now: its header reads dead, so no handle resolves to it any more
+        (readers that hold it keep their views); the hand frees it once nobody pins or holds it."""
+        self._buf[chunk.offset:chunk.offset + HEADER.size] = _DEAD_HEADER
+        chunk.key, chunk.hits = None, 0
 
     def chunks(self) -> list[Chunk]:
         """The tiles in offset order."""

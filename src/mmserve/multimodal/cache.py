@@ -194,6 +194,12 @@ class ProcessorCache(_LruCache):
             with self._lock:
                 self._lru.put(mm_hash, item_size(data), data)
 
+    def count_shared_hit(self) -> None:
+        """The last `get` missed, but another API server's processor output answered it (the node's
+        store, several API servers): it counts as a hit of the processor cache."""
+        with self._lock:
+            self._lru.stats.hits += 1
+
 
 class IpcSenderCache(_LruCache):
     """P0's half of the IPC cache: keys and sizes only, mirroring the receiver (module docstring).

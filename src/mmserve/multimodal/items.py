@@ -2,7 +2,8 @@
 on processor-cache misses.
 
 Order per item: read the source's bytes (no decoding yet), hash them, look the hash up in the
-processor cache, and only on a miss decode and run the Hugging Face image processor. A client
+processor cache (with several API servers, then in the node's store: another server may have
+processed it), and only on a miss decode and run the Hugging Face image processor. A client
 uuid replaces the content hash; a uuid part with no image is served from what P0 still holds
 (the processor cache, else the IPC cache's record of what P1 holds).
 
@@ -41,15 +42,19 @@ class ItemResolver:
 
     `hashing` False (no cache layer needs the content hash) gives each item a random id instead.
     `known_tokens(mm_hash)` answers the placeholder count of an item P1 holds, else None.
+    `fetch(mm_hash)` answers an item another API server processed (the node's store), else None;
+    it is asked on a processor-cache miss, and a hit there counts as the processor cache's.
     """
 
     def __init__(self, model_id: str, processor: MultiModalProcessor, cache: ProcessorCache, limits: MediaLimits,
-                 hashing: bool, known_tokens: Callable[[str], int | None] = lambda h: None) -> None:
+                 hashing: bool, known_tokens: Callable[[str], int | None] = lambda h: None,
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None) -> None:
         self.processor = processor
         self.cache = cache
         self.limits = limits
         self.hashing = hashing
         self.known_tokens = known_tokens
+        self.fetch = fetch
         self.hasher = ItemHasher(model_id, processor.settings())
         self.num_processed = 0  # image processor runs since start
         self._inflight: dict[str, Future[dict[str, Any]]] = {}  # mm_hash -> the thread processing it
@@ -98,8 +103,18 @@ class ItemResolver:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
             return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
-        data = self._process_once(mm_hash, raw, mm_kwargs)
+        data = self._fetch(mm_hash)
+        if data is None:
+            data = self._process_once(mm_hash, raw, mm_kwargs)
         return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
+
+    def _fetch(self, mm_hash: str) -> dict[str, Any] | None:
+        """After a processor-cache miss: the item as another API server processed it (kept here on
+        commit, like a fresh one), counted as a hit; else None."""
+        data = self.fetch(mm_hash) if self.cache.enabled else None
+        if data is not None:
+            self.cache.count_shared_hit()
+        return data
 
     def _process_once(self, mm_hash: str, raw: Any, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
         """Decode and process `raw`, unless another request holds the same item in flight: then
@@ -126,6 +141,8 @@ class ItemResolver:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
             return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+        if (data := self._fetch(mm_hash)) is not None:
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
         num_tokens = self.known_tokens(mm_hash)
         if num_tokens is None:
             raise ValueError(f"the image with uuid {uid!r} is not cached (any more): send the image again "

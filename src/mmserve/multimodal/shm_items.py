@@ -1,7 +1,7 @@
 """The shared-memory object store as the multimodal cache (`--mm-cache-type shm`).
 
-P0 (`ShmItemWriter`) writes each processed item once and sends its handle in place of the
-tensors; an item too big for the store, or one that finds it full, goes inline. Entries are
+P0 (`ShmItemWriter`: each API server) writes each processed item once and sends its handle in
+place of the tensors; an item too big for the store, or one that finds it full, goes inline. Entries are
 pinned for the request that uses them until P0 calls `finish`. P1 (`ShmItemReader`) maps each
 handle's tensors in place (zero-copy, read-only views) and holds their leases until the request
 ends; a stale handle (the entry was evicted or the store cleared) is reported missing, and P0
@@ -16,15 +16,18 @@ import msgspec
 
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.shm_store import ShmLease, ShmStore, ShmStoreReader
+from mmserve.ipc.node_store import NodeStoreClient
+from mmserve.ipc.shm_store import ShmStore
+from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader
 from mmserve.ipc.items import MultiModalItem
 
 
 class ShmItemWriter:
-    """P0's side: owns the store (the single writer)."""
+    """P0's side: writes through `store`, its own (one API server: the single writer) or, with
+    several API servers, the node's (`NodeStoreClient`: the launcher owns it, every server writes)."""
 
-    def __init__(self, cache_gb: float, max_object_mb: float) -> None:
-        self.store = ShmStore.from_flags(cache_gb, max_object_mb)
+    def __init__(self, store: ShmStore | NodeStoreClient) -> None:
+        self.store = store
 
     @property
     def info(self) -> bytes:

@@ -7,6 +7,8 @@ The launcher (title `mmserve::launcher`):
 - makes one ipc directory for every socket between API servers and engine cores, and sets
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
 - with data parallelism, runs the `Coordinator` (one routing picture for every API server);
+- with `--mm-cache-type shm`, owns the node's item store (`ipc/node_store.py`): every API server
+  writes into it and finds there what the others processed; every engine core reads it;
 - starts the engine cores itself, each connected to every API server
   (`frontend/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
   by the coordinator and started again while `--engine-restart-limit` allows (each API server
@@ -37,7 +39,9 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.attached_engine import Attachment, engine_addresses
 from mmserve.frontend.coordinator import Coordinator
 from mmserve.frontend.engine_process import LocalEngineProcess
+from mmserve.ipc.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
+from mmserve.ipc.shm_store import ShmStore
 from mmserve.models.builtin import resolve_model
 from mmserve.proc_title import set_process_title
 
@@ -82,6 +86,7 @@ class Launcher:
         self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
         self.restarts = [0] * engine_config.parallel.data_parallel_size
         self.coordinator: Coordinator | None = None
+        self.store: NodeStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
         self.metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
         self.sock: socket.socket | None = None
@@ -94,9 +99,14 @@ class Launcher:
         if parallel.data_parallel_size > 1:
             self.coordinator = Coordinator(config, self.ipc_dir)
             self.coordinator.start()
+        if config.multimodal.uses_shm:
+            mm = config.multimodal
+            self.store = NodeStoreServer(ShmStore.from_flags(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb), self.ipc_dir)
+            self.store.start()
         self.engines = [self._start_engine(rank, model_dir) for rank in range(parallel.data_parallel_size)]
         attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None,
-                                self.metrics_dir)
+                                self.metrics_dir, self.store.address if self.store else None,
+                                self.store.info if self.store else None)
         ctx = multiprocessing.get_context("spawn")
         ready = [ctx.Event() for _ in range(parallel.api_server_count)]
         for index, event in enumerate(ready):
@@ -120,7 +130,8 @@ class Launcher:
         addresses = [engine_addresses(self.ipc_dir, server, rank) for server in servers]
         engine = LocalEngineProcess()
         engine.start(self.config.for_rank(rank), model_dir, [a[0] for a in addresses], [a[1] for a in addresses],
-                     None, self.coordinator.stats_address if self.coordinator else None)
+                     self.store.info if self.store else None,
+                     self.coordinator.stats_address if self.coordinator else None)
         return engine
 
     def _check(self, model_dir: str) -> int | None:
@@ -162,6 +173,8 @@ class Launcher:
                 engine.stop()
         if self.coordinator is not None:
             self.coordinator.close()
+        if self.store is not None:
+            self.store.close()
         if self.sock is not None:
             self.sock.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

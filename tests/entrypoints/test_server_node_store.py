@@ -1,0 +1,56 @@
+"""Two API servers with `--mm-cache-type shm`: one item store for the node, owned by the launcher
+and written by both servers. A repeat skips the image processor whichever server takes it (the
+other server processed it: its processor cache finds it in the store), answers equal one
+engine's, and the store's segment is gone after shutdown."""
+
+from __future__ import annotations
+
+import glob
+import time
+
+import pytest
+
+from mmserve import LLM
+from server_process import ServerProcess, data_url, expected, post, scrape
+from tiny_models import make_checkpoint, make_image
+
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
+
+def segments() -> set[str]:
+    return set(glob.glob("/dev/shm/mmserve_*"))
+
+
+def test_a_repeat_on_either_server_skips_the_processor(tmp_path):
+    model = make_checkpoint(tmp_path)
+    offline = LLM(model=model, max_model_len=256)
+    before = segments()
+    server = ServerProcess(model, "--api-server-count", "2", "--mm-cache-type", "shm", "--max-model-len", "256")
+    server.model = model
+    try:
+        assert len(segments() - before) == 1  # one store for the node, not one per API server
+        urls = [data_url(make_image(500 + i)) for i in range(8)]
+        want = [expected(offline, u) for u in urls]
+        first = [post(server, u) for u in urls]  # a connection each: the kernel picks the server
+        time.sleep(0.2)  # every API server shares its own cache figures within 0.1 s of a request's end
+        mid = scrape(server)
+        repeats = [post(server, u) for u in urls for _ in range(2)]
+        time.sleep(0.2)
+        after = scrape(server)
+        assert [r.json()["choices"][0]["message"]["content"] for r in first] == want
+        assert [r.json()["choices"][0]["message"]["content"] for r in repeats] == [w for w in want for _ in (0, 1)]
+
+        def delta(name: str, **labels: str) -> float:
+            return after.value(name, **labels) - mid.value(name, **labels)
+
+        assert mid.value("mmserve_cache_hits_total", layer="processor") == 0
+        # every repeat skipped the processor, also the ones that landed on the server that had not seen
+        # the image (about half of them: with per-server processor caches those would have missed)
+        assert delta("mmserve_cache_queries_total", layer="processor") == 16
+        assert delta("mmserve_cache_hits_total", layer="processor") == 16
+        assert delta("mmserve_cache_hits_total", layer="shm") == 16  # and crossed to the engine as a handle
+        per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+        assert min(per_server) > 0, per_server  # the kernel handed connections to both servers
+    finally:
+        assert server.stop() == 0
+    assert segments() == before
