@@ -79,8 +79,9 @@ def open_segment(name: str, writable: bool = False) -> tuple[int, mmap.mmap]:
         raise ValueError(f"not an mmserve shared-memory segment name: {name!r}")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)  # a writer: no page faults
     try:
-        return fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
+        return fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=flags, prot=prot)
     except BaseException:
         os.close(fd)
         raise
