@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -51,15 +52,23 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+        # the server's output goes to a file, not a pipe: nobody reads it while the tests run, and a
+        # full pipe (64 KiB) would block the server's next log line
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True)
         self._wait_healthy(timeout_s)
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        self.log.seek(0)
+        return self.log.read()
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:
