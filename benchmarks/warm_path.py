@@ -4,7 +4,9 @@ Three figures, each against its baseline measured in the same run (issue: warm p
 1. a repeated chat request (one photo-like PNG, max_tokens 1) at 672 px and 1344 px: TTFT of the
    repeat / TTFT of the first sight (target <= 0.20);
 2. an agent loop re-sending every earlier 1024x768 screenshot each turn: TTFT of turn 6 (1 new + 5
-   re-sent) with every cache on / the same turn with every cache off (target <= 0.25);
+   re-sent) with every cache on / the same turn with every cache off (target <= 0.25). The
+   screenshots are screenshot-like PNGs (panels, text, icons, one photo thumbnail: ~0.2 MB each);
+   the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too;
 3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
    engine's (target < 5 ms; `serving_overhead.py` has the breakdown).
 
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -44,6 +47,34 @@ def photo(seed: int, width: int, height: int) -> str:
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     base = np.stack([128 + 100 * np.sin(x / (37 + 13 * c) + y / (53 + 7 * c) + seed) for c in range(3)], -1)
     pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def screenshot(seed: int, width: int, height: int) -> str:
+    """A screenshot-like PNG data URL: flat panels with borders, rows of text-like glyph runs, a
+    toolbar of icons and one photo thumbnail (compresses like a desktop screenshot: ~0.1-0.3 MB
+    at 1024x768, where `photo` is ~2 MB)."""
+    rng = np.random.default_rng(seed)
+    pixels = np.full((height, width, 3), 236, np.uint8)
+    pixels[:28] = (52, 56, 64)  # title bar
+    for i in range(24):  # toolbar icons
+        pixels[6:22, 8 + 24 * i:24 + 24 * i] = rng.integers(40, 220, 3)
+    for _ in range(6):  # panels: a border and a flat fill
+        x0, y0 = rng.integers(0, width - 300), rng.integers(40, height - 200)
+        x1, y1 = x0 + rng.integers(150, 300), y0 + rng.integers(80, 200)
+        pixels[y0:y1, x0:x1] = (120, 124, 130)
+        pixels[y0 + 1:y1 - 1, x0 + 1:x1 - 1] = rng.integers(200, 256, 3)
+    for row in range(40, height - 16, 18):  # text: runs of glyph-like strokes
+        x = int(rng.integers(8, 60))
+        while x < width - 80 and rng.random() < 0.97:
+            word = int(rng.integers(12, 70))
+            glyphs = rng.random((10, word)) < 0.45
+            pixels[row:row + 10, x:x + word][glyphs] = (30, 30, 34)
+            x += word + 6
+    ty, tx = int(rng.integers(40, height - 160)), int(rng.integers(0, width - 220))
+    pixels[ty:ty + 150, tx:tx + 200] = np.clip(rng.normal(128, 40, (150, 200, 3)), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -96,14 +127,15 @@ def repeat_ratios(model: str, side: int, run: int, images: int = 3, repeats: int
         s.stop()
 
 
-def agent_turn6(model: str, run: int, caches_on: bool, tools: bool = False) -> float:
-    """TTFT of turn 6 of an agent loop that re-sends every screenshot so far (1024x768)."""
+def agent_turn6(model: str, run: int, caches_on: bool, tools: bool = False,
+                shot: Callable[[int, int, int], str] = screenshot) -> float:
+    """TTFT of turn 6 of an agent loop that re-sends every screenshot so far (1024x768, made by `shot`)."""
     s = server(model, *(() if caches_on else CACHES_OFF))
     try:
         with httpx.Client(timeout=600) as client:
             shots: list[str] = []
             for turn in range(6):
-                shots.append(photo(100 * run + turn, 1024, 768))
+                shots.append(shot(100 * run + turn, 1024, 768))
                 took = ttft(client, s.base_url, shots, f"turn {turn}: what changed?", tools=tools)
             return took
     finally:
@@ -140,13 +172,18 @@ def main() -> None:
 
 
 def agent(model: str, runs: int, tools: bool = False) -> None:
-    """Turn 6 of the agent loop, caches on / off, each on `runs` fresh servers."""
-    on = [agent_turn6(model, run, True, tools) for run in range(runs)]
-    off = [agent_turn6(model, run, False, tools) for run in range(runs)]
-    ratios = [a / b for a, b in zip(on, off)]
-    label, target = (f" with tools ({model})", "") if tools else ("", " (target <= 0.25)")
-    print(f"agent loop turn 6{label}: caches on {spread([t * 1e3 for t in on])} ms, off "
-          f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
+    """Turn 6 of the agent loop, caches on / off, each on `runs` fresh servers: with screenshot-like
+    images (the target), and without tools also with photo-like ones (~10x the bytes to receive,
+    parse and hash; for context)."""
+    kinds = [("screenshots", screenshot)] + ([] if tools else [("photo-like images", photo)])
+    for kind, shot in kinds:
+        on = [agent_turn6(model, run, True, tools, shot) for run in range(runs)]
+        off = [agent_turn6(model, run, False, tools, shot) for run in range(runs)]
+        ratios = [a / b for a, b in zip(on, off)]
+        label = f" with tools ({model})" if tools else ""
+        target = " (target <= 0.25)" if shot is screenshot and not tools else ""
+        print(f"agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
+              f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
 
 
 def server_overhead(model: str, run: int, requests: int = 10) -> float:
