@@ -160,6 +160,14 @@ def kill_under_load(post: Callable[[str], Any], urls: list[str], victim: int, af
         return [f.result() for f in futures]
 
 
+def answers_through_a_kill(server: Any, urls: list[str], want: list[str], victim: int) -> None:
+    """A greedy 40-token request per url, all at once, with `victim` killed (SIGKILL) under them:
+    every one answers 200 with the answer in `want`."""
+    answers = kill_under_load(lambda u: post(server, u, "What is this?", 40), urls, victim)
+    assert [r.status_code for r in answers] == [200] * len(urls), [r.text for r in answers if r.status_code != 200]
+    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == want
+
+
 def expected(offline: Any, url: str, text: str = "What is this?", max_tokens: int = 8) -> str:
     """What the offline engine answers to that request."""
     from mmserve import SamplingParams

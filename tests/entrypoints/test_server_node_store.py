@@ -1,7 +1,8 @@
 """Two API servers with `--mm-cache-type shm`: one item store for the node, owned by the launcher
 and written by both servers. A repeat skips the image processor whichever server takes it (the
 other server processed it: its processor cache finds it in the store), answers equal one
-engine's, and the store's segment is gone after shutdown."""
+engine's, a killed engine core is replaced on the same store, and the store's segment is gone
+after shutdown."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from mmserve import LLM
-from server_process import ServerProcess, data_url, expected, post, scrape
+from server_process import ServerProcess, answers_through_a_kill, children_titled, data_url, expected, post, scrape
 from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -51,6 +52,11 @@ def test_a_repeat_on_either_server_skips_the_processor(tmp_path):
         assert delta("mmserve_cache_hits_total", layer="shm") == 16  # and crossed to the engine as a handle
         per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
         assert min(per_server) > 0, per_server  # the kernel handed connections to both servers
+        # kill -9 of the engine core under load: the launcher starts a new one on the same store, every
+        # request answers (each waited for the new engine), and the store keeps serving by handle
+        victim = children_titled(server, "engine_dp0")["mmserve::engine_dp0"]
+        answers_through_a_kill(server, urls, [expected(offline, u, max_tokens=40) for u in urls], victim)
+        assert post(server, urls[5]).json()["choices"][0]["message"]["content"] == want[5]
     finally:
         assert server.stop() == 0
     assert segments() == before

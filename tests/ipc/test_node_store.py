@@ -78,6 +78,13 @@ def test_a_key_being_written_is_invisible_and_refused_to_a_second_writer():
         store.finish_request("s1:r")
         assert store.pinned_requests() == []
         store.check_integrity()
+        lost, _ = store.reserve("lost", CHUNK // 2, "s0:q")  # its writer never sealed (timed out, failed)
+        store.finish_request("s0:q")  # the request's end abandons the reservation: the key is free again
+        assert lost is not None and store.get(lost) is None
+        assert store.reserve("lost", CHUNK // 2, "s1:q")[1]
+        store.seal("lost")
+        store.finish_request("s1:q")
+        store.check_integrity()
 
 
 def test_pins_are_per_server_and_end_with_each_request(server):

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.multimodal.cache import (ENTRY_OVERHEAD_BYTES, IpcReceiverCache, IpcSenderCache, LruBytes,
-                                      ProcessorCache, item_size)
+from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES, IpcReceiverCache, IpcSenderCache, LruBytes, item_size
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
 

@@ -10,7 +10,8 @@ import threading
 
 import torch
 
-from mmserve.multimodal.cache import IpcSenderCache, ProcessorCache
+from mmserve.multimodal.cache import IpcSenderCache
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 
 THREADS, ROUNDS, KEYS = 8, 3000, 64

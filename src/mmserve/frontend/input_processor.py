@@ -16,7 +16,7 @@ from mmserve.frontend.video_input import VideoInputs, check_uuids
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
-from mmserve.multimodal.cache import ProcessorCache
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
 from mmserve.multimodal.processing import create_processor

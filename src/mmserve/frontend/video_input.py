@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmserve.config import EngineConfig
-from mmserve.multimodal.cache import ProcessorCache
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.items import ResolvedItem

@@ -153,9 +153,12 @@ class ShmStore:
             self._ring.orphan(chunk)
 
     def finish_request(self, request_id: str) -> None:
-        """Unpin what `request_id` pinned; an unknown id is ignored (finish and abort may both call)."""
+        """Unpin what `request_id` pinned, abandoning a chunk it reserved and never sealed (its
+        writer failed); an unknown id is ignored (finish and abort may both call)."""
         for chunk in self._requests.pop(request_id, ()):
             chunk.pins -= 1
+            if chunk.key is not None and self._sealing.get(chunk.key) is chunk:
+                self.seal(chunk.key, ok=False)
 
     def pinned_requests(self) -> list[str]:
         """The ids of the requests that pin entries now (none once every request finished)."""

@@ -1,4 +1,5 @@
-"""The multimodal input caches: P0's processor cache, and the IPC cache's two mirrored halves.
+"""The multimodal input caches: the IPC cache's two mirrored halves here, P0's processor cache in
+`processor_cache.py`, and what they share (`LruBytes`, `LruCache`, `item_size`).
 
 All three are LRU by bytes over `item_size` (tensor bytes plus a fixed per-entry overhead).
 
@@ -140,7 +141,7 @@ def _digest_of(keys: Iterable[str]) -> int:
     return digest
 
 
-class _LruCache:
+class LruCache:
     """What the three caches share: an `LruBytes` as `_lru`, its keys, stats and integrity.
 
     Thread safety: P0 resolves requests in worker threads while the event loop updates the IPC
@@ -167,41 +168,7 @@ class _LruCache:
             self._lru.check_integrity()
 
 
-class ProcessorCache(_LruCache):
-    """P0's processed items by mm_hash, so the HF image processor never runs twice on one item.
-
-    `get` counts a query (and a hit) and refreshes the entry; `put` stores an item unless it is
-    larger than the whole cache. Capacity 0 turns it off (every `get` misses, nothing is kept).
-    """
-
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(LruBytes(capacity_bytes))
-
-    @property
-    def enabled(self) -> bool:
-        return self._lru.capacity > 0
-
-    def get(self, mm_hash: str) -> dict[str, Any] | None:
-        with self._lock:
-            self._lru.stats.queries += 1
-            if mm_hash not in self._lru:
-                return None
-            self._lru.stats.hits += 1
-            return self._lru.touch(mm_hash)
-
-    def put(self, mm_hash: str, data: dict[str, Any]) -> None:
-        if self.enabled:
-            with self._lock:
-                self._lru.put(mm_hash, item_size(data), data)
-
-    def count_shared_hit(self) -> None:
-        """The last `get` missed, but another API server's processor output answered it (the node's
-        store, several API servers): it counts as a hit of the processor cache."""
-        with self._lock:
-            self._lru.stats.hits += 1
-
-
-class IpcSenderCache(_LruCache):
+class IpcSenderCache(LruCache):
     """P0's half of the IPC cache: keys and sizes only, mirroring the receiver (module docstring).
 
     `update(items)` applies one request: it returns, per item, whether the receiver will hold it
@@ -272,7 +239,7 @@ class IpcSenderCache(_LruCache):
             self._lru.restore(state)
 
 
-class IpcReceiverCache(_LruCache):
+class IpcReceiverCache(LruCache):
     """P1's half of the IPC cache: the items themselves, updated exactly as the sender is.
 
     `update(items, epoch)` applies one request: items sent by hash alone get their data back;

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mmserve.multimodal.cache import ProcessorCache
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.media import MediaLimits, decode_image, read_image_source
 from mmserve.multimodal.processing import MultiModalProcessor

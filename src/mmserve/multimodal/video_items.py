@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmserve.multimodal.cache import ProcessorCache
+from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.items import ResolvedItem
