@@ -47,6 +47,9 @@ class CacheConfig:
                                      "(ignored with --num-kv-blocks).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV cache blocks (overrides --kv-cache-memory-gb).")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV blocks of identical prompt prefixes (images included).")
+    enable_last_block_caching: bool = _opt(
+        True, "With prefix caching, also keep each prompt's last KV block (full or partial): an identical "
+        "prompt copies it and computes only its last token, instead of up to a block of tokens.")
     prefix_caching_hash_algo: str = _opt(
         "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
         choices=("sha256", "blake3", "xxh3_128"))

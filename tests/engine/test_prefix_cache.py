@@ -1,6 +1,7 @@
 """The prefix cache without a model: the block pool's LRU queue and hash map, and the scheduler's
 hits (whole blocks, never ending inside an image whose encoder output is not resident, at least one
-token left to compute)."""
+token left to compute). Last-block caching is off here unless a test says otherwise
+(`test_last_block_cache.py` tests it)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.config import SchedulerConfig
-from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from mmserve.engine.kv_cache import KVCacheManager
-from mmserve.engine.request import Request
-from mmserve.engine.scheduler import Scheduler, back_off_from_placeholders
+from mmserve.engine.prefix_hits import back_off_from_placeholders
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.sampling_params import SamplingParams
-from scheduler_sim import fake_step
+from scheduler_sim import BS, fake_step, make_request, make_scheduler, run
 
-BS = 4
-IMG = 32000
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:
@@ -127,30 +122,6 @@ def test_random_allocate_hit_cache_free_keeps_integrity(ops):
 
 
 # ---- the scheduler ----------------------------------------------------------------------------
-
-
-def make_scheduler(num_blocks=64, max_tokens=64, enable_caching=True, encoder_cache_tokens=None) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens,
-                                     encoder_cache_tokens=encoder_cache_tokens),
-                     KVCacheManager(num_blocks, BS, enable_caching), 256)
-
-
-def make_request(rid, tokens, images=(), salt=None, max_tokens=3) -> Request:
-    """`images`: (mm_hash, offset, length); their placeholder tokens are set to IMG."""
-    tokens = list(tokens)
-    items = []
-    for h, off, length in images:
-        tokens[off:off + length] = [IMG] * length
-        items.append(MultiModalItem("image", h, None, PlaceholderRange(off, length)))
-    return Request(rid, tokens, items, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, 0.0,
-                   cache_salt=salt, block_hasher=BlockHasher(BS))
-
-
-def run(s: Scheduler, *reqs: Request) -> None:
-    for r in reqs:
-        s.add_request(r)
-    while s.num_unfinished_requests:
-        fake_step(s)
 
 
 def hit_after_warmup(tokens, images=(), second=None, encoder_cache_tokens=0) -> int:

@@ -1,6 +1,7 @@
 """The prefix cache with a tiny model: repeated requests and second turns hit, and their greedy
-tokens equal both the run without prefix caching and transformers; a different image with the same
-text does not hit the image's blocks; preemption with the cache on stays exact.
+tokens equal both the run without prefix caching and transformers; a repeated prompt copies the
+first's last block (full or partial) and computes one token; a different image with the same text
+does not hit the image's blocks; preemption with the cache on stays exact.
 
 Items get explicit `mm_hash` values here, so the tests do not depend on how P0 hashes images.
 """
@@ -88,7 +89,7 @@ def test_a_repeated_request_hits_its_image_blocks_and_stays_exact(path, hf, llm_
     req = request(llm_off, "ref", 0, "img-0")
     n, image_end = len(req.prompt_token_ids), req.mm_items[0].placeholder.end
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == (n - 1) // BS * BS > image_end  # the image's blocks too
+    assert second.num_cached_tokens == n - 1 > image_end  # the image's blocks too; the last block copied
     assert tokens(first) == tokens(second) == tokens(run(llm_off, req)[0]) == hf_tokens(hf, req)
     prefix = llm.engine.core.stats().caches["prefix"]
     assert (prefix.queries, prefix.hits) == (2 * n, second.num_cached_tokens) and prefix.entries > 0
@@ -149,3 +150,22 @@ def test_the_offline_api_reports_cached_tokens_and_off_reports_none(path, llm_of
     assert [o.num_cached_tokens for o in again] == [0, 0] and tokens(again[1]) == tokens(first)
     prefix = llm_off.engine.core.stats().caches["prefix"]
     assert (prefix.hits, prefix.entries) == (0, 0)
+
+
+@pytest.mark.parametrize("suffix", ["", " Be brief.", " Be brief, please, now.", " Tell me."])  # 4, 3, 2, 1 in it
+def test_a_repeated_prompt_copies_the_last_block_and_computes_one_token(path, hf, llm_off, suffix):
+    """Prompts ending at several offsets in their last block (full or partial): the repeat copies
+    it, computes only the last token, and decodes exactly as the first (whose blocks it reads
+    while the first still runs, and after it ended); without last blocks it recomputes them."""
+    text = PROMPT.replace(" ASSISTANT:", suffix + " ASSISTANT:")
+    llm, whole = make_llm(path), make_llm(path, enable_last_block_caching=False)
+    req = request(llm_off, "ref", 7, "img-7", text)
+    n = len(req.prompt_token_ids)
+    expected = tokens(run(llm_off, req)[0])
+    assert expected == hf_tokens(hf, req)
+    first = run(llm, request(llm, "f", 7, "img-7", text))[0]
+    again = run(llm, request(llm, "g", 7, "img-7", text), request(llm, "h", 7, "img-7", text))
+    assert [o.num_cached_tokens for o in again] == [n - 1] * 2
+    assert tokens(first) == tokens(again[0]) == tokens(again[1]) == expected
+    outs = [run(whole, request(whole, rid, 7, "img-7", text))[0] for rid in ("w1", "w2")]
+    assert outs[1].num_cached_tokens == (n - 1) // BS * BS and [tokens(o) for o in outs] == [expected] * 2

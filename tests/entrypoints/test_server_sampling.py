@@ -56,7 +56,8 @@ def test_completions_whole_and_streamed_equal_offline(client, offline):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
                 for lp in c.choices[0].logprobs.token_logprobs]
-    assert streamed == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+    # the repeat computes only its last prompt token (a copied last block): float32 rounding differs
+    assert streamed == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
     assert chunks[-1].usage.completion_tokens == 8 and [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
 
@@ -90,7 +91,7 @@ def test_chat_logprobs_whole_and_streamed(client, offline):
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [c.logprob for chunk in stream for choice in chunk.choices if choice.logprobs
                 for c in choice.logprobs.content]
-    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)  # as above: a repeat
 
 
 def test_n_choices_whole_and_streamed_share_the_prompt(client, offline, server):

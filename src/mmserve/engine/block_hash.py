@@ -11,6 +11,11 @@
   Placeholder tokens are identical for every image, so without the item's hash two images would
   share blocks; with the offset, one image at two positions gives two keys.
 
+A prompt's *last block* (the one holding its last token, full or partial) has a key of the same
+form over the tokens it holds so far (`BlockHasher.last_block_hash`): a block of r < block_size
+tokens hashes those r tokens and the extra keys of the items overlapping them. For r = block_size
+it equals the full block's hash.
+
 `encode` is msgpack (msgspec): every value is type-tagged and length-prefixed, and the same
 values always give the same bytes — never Python's `hash()`, which is salted per process.
 `H` is chosen by `--prefix-caching-hash-algo`: sha256 (default) and blake3 are collision
@@ -117,3 +122,15 @@ class BlockHasher:
             parent = hash_block(self.hash_fn, parent, token_ids[start:start + bs], extra)
             new.append(parent)
         return new
+
+    def last_block_hash(self, token_ids: Sequence[int], num_tokens: int, mm_items: Sequence[MultiModalItem],
+                        cache_salt: str | None, known: Sequence[BlockHash]) -> BlockHash | None:
+        """The key of the block holding token `num_tokens - 1` of `token_ids`, over its tokens up
+        to that one; None when `known` lacks the hash of a full block before it (its parent)."""
+        start = (num_tokens - 1) // self.block_size * self.block_size
+        if num_tokens < 1 or len(known) < start // self.block_size:
+            return None
+        parent = known[start // self.block_size - 1] if start else self.seed
+        items = sorted(mm_items, key=lambda item: item.placeholder.offset)
+        extra = block_extra_keys(items, cache_salt, start, num_tokens)
+        return hash_block(self.hash_fn, parent, token_ids[start:num_tokens], extra)

@@ -4,6 +4,11 @@ A block is *owned* (ref count > 0: in some running request's block list) or *fre
 in the free queue). A free block may still be *cached*: it keeps its hash and its K/V until the
 pool hands it out again, so a later request with the same prefix can take it back from the
 middle of the free queue (a hit). Handing a cached block out again drops its hash (an eviction).
+
+A block may also be registered as a prompt's *last block* (`cache_last_block`): its first r
+slots hold the K/V of that prompt's last r tokens. A later request with the same prompt copies it
+rather than sharing it (it writes its own tokens after those r), so its K/V must already be
+computed when it is registered; the registration is dropped with the block's hash.
 """
 
 from __future__ import annotations
@@ -14,17 +19,19 @@ from mmserve.engine.block_hash import BlockHash
 
 
 class KVBlock:
-    """One block of the paged KV cache: its id, owners and (when full and cached) its hash.
+    """One block of the paged KV cache: its id, owners, (when full and cached) its hash and (when
+    it held a prompt's last tokens) its last-block key.
 
     `prev_free` / `next_free` link it into the free queue while its ref count is 0.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "last_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.last_hash: BlockHash | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -106,7 +113,9 @@ class BlockPool:
     - a block is in the free queue exactly when its ref count is 0;
     - a block has a hash exactly when it is in `cached[hash]`; an owned block keeps its hash
       (hashes are dropped only when a free block is handed out again);
-    - `cached` may map one hash to several blocks: two requests that compute the same block at
+    - a block has a last-block key exactly when it is in `last_blocks[key]`, and loses it with its
+      hash;
+    - `cached` (and `last_blocks`) may map one key to several blocks: two requests that compute the same block at
       the same time both register theirs, because a block in a running request's table is never
       swapped for another. A lookup takes any of them; each is evicted on its own.
     """
@@ -116,6 +125,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, dict[int, KVBlock]] = {}
+        self.last_blocks: dict[BlockHash, dict[int, KVBlock]] = {}  # last-block key -> blocks
         self.num_cached_blocks = 0  # blocks with a hash, owned or free
         self.num_evictions = 0  # cached blocks handed out again (their hash dropped), since start
 
@@ -127,6 +137,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         """A block holding `block_hash`'s K/V, or None. Changes nothing."""
         blocks = self.cached.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
+
+    def get_last_block(self, last_hash: BlockHash) -> KVBlock | None:
+        """A block registered as a prompt's last block under `last_hash`, or None. Changes nothing."""
+        blocks = self.last_blocks.get(last_hash)
         return next(iter(blocks.values())) if blocks else None
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -165,13 +180,22 @@ class BlockPool:
         self.cached.setdefault(block_hash, {})[block.block_id] = block
         self.num_cached_blocks += 1
 
+    def cache_last_block(self, block: KVBlock, last_hash: BlockHash) -> None:
+        """Register an owned block, whose first slots hold a prompt's last tokens (K/V computed),
+        under their last-block key; nothing when it already has it."""
+        if block.last_hash is not None:
+            assert block.last_hash == last_hash, f"{block} is a last block under another key"
+            return
+        block.last_hash = last_hash
+        self.last_blocks.setdefault(last_hash, {})[block.block_id] = block
+
     def _drop_hash(self, block: KVBlock) -> None:
+        if block.last_hash is not None:
+            _unmap(self.last_blocks, block.last_hash, block.block_id)
+            block.last_hash = None
         if block.block_hash is None:
             return
-        same = self.cached[block.block_hash]
-        del same[block.block_id]
-        if not same:
-            del self.cached[block.block_hash]
+        _unmap(self.cached, block.block_hash, block.block_id)
         block.block_hash = None
         self.num_cached_blocks -= 1
         self.num_evictions += 1
@@ -184,8 +208,21 @@ class BlockPool:
             assert (b.ref_cnt == 0) == (b.block_id in queued), f"{b}: free={b.block_id in queued}"
             if b.block_hash is not None:
                 assert self.cached.get(b.block_hash, {}).get(b.block_id) is b, f"{b} missing from the hash map"
+            if b.last_hash is not None:
+                assert self.last_blocks.get(b.last_hash, {}).get(b.block_id) is b, f"{b} missing from the last map"
         in_map = [(h, i, b) for h, same in self.cached.items() for i, b in same.items()]
         assert all(same for same in self.cached.values()), "an empty entry in the hash map"
         for h, i, b in in_map:
             assert b is self.blocks[i] and b.block_hash == h, f"hash map entry {i} disagrees with {b}"
         assert len(in_map) == self.num_cached_blocks, "num_cached_blocks is off"
+        for h, same in self.last_blocks.items():
+            assert same and all(b is self.blocks[i] and b.last_hash == h for i, b in same.items()), \
+                f"last-block map entry {h[:4].hex()} disagrees with its blocks"
+
+
+def _unmap(index: dict[BlockHash, dict[int, KVBlock]], key: BlockHash, block_id: int) -> None:
+    """Take block `block_id` out of `index[key]`, and the key out when no block is left."""
+    same = index[key]
+    del same[block_id]
+    if not same:
+        del index[key]

@@ -18,17 +18,22 @@ __all__ = ["BlockPool", "KVBlock", "KVCacheManager"]
 
 class KVCacheManager:
     """Owns each request's block list: `find_cached_prefix` looks up, `allocate_slots` grows,
-    `cache_full_blocks` registers computed blocks, `free` returns them.
+    `cache_full_blocks` registers computed blocks, `free` returns them. With `cache_last_blocks`,
+    `cache_last_block` also registers a prompt's computed last block and `find_last_block` finds
+    one to copy (the scheduler asks the runner for the copy).
 
     Invariants: a request's blocks are never shared for writing — a cache hit covers whole
-    blocks that the request only reads; its first `num_cached_blocks[id]` blocks are registered
-    in the pool under the request's block hashes. With `enable_caching` False nothing is looked
-    up or registered, and the pool is a plain LRU free list.
+    blocks that the request only reads, and a last-block hit is copied into a block of its own;
+    its first `num_cached_blocks[id]` blocks are registered in the pool under the request's block
+    hashes. With `enable_caching` False nothing is looked up or registered, and the pool is a
+    plain LRU free list.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 cache_last_blocks: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.cache_last_blocks = enable_caching and cache_last_blocks
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its blocks registered so far
@@ -93,6 +98,19 @@ class KVCacheManager:
         for i in range(done, full):
             self.pool.cache_block(blocks[i], block_hashes[i])
         self.num_cached_blocks[request_id] = max(done, full)
+
+    def find_last_block(self, last_hash: BlockHash | None) -> KVBlock | None:
+        """A block holding a prompt's last tokens under `last_hash` (see `BlockPool`), to copy;
+        None when there is none or last blocks are not cached. Changes nothing."""
+        if not self.cache_last_blocks or last_hash is None:
+            return None
+        return self.pool.get_last_block(last_hash)
+
+    def cache_last_block(self, request_id: str, num_tokens: int, last_hash: BlockHash | None) -> None:
+        """Register the request's block holding token `num_tokens - 1`, whose K/V up to that token
+        are computed, under `last_hash` (of those tokens)."""
+        if self.cache_last_blocks and last_hash is not None:
+            self.pool.cache_last_block(self.req_to_blocks[request_id][(num_tokens - 1) // self.block_size], last_hash)
 
     def free(self, request_id: str) -> None:
         """Release all the request's blocks, last block first: freed blocks keep their hashes, and

@@ -107,6 +107,14 @@ class Request:
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def last_block_hash(self, num_tokens: int) -> BlockHash | None:
+        """The prefix-cache key of the block holding token `num_tokens - 1`, over its tokens up to
+        that one (`BlockHasher.last_block_hash`); None without a block hasher."""
+        hasher = self._block_hasher
+        if hasher is None:
+            return None
+        return hasher.last_block_hash(self.all_token_ids, num_tokens, self.mm_items, self.cache_salt, self.block_hashes)
+
     def _update_block_hashes(self) -> None:
         hasher = self._block_hasher
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:

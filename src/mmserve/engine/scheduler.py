@@ -8,13 +8,12 @@ token 0 (its outputs so far become part of what is recomputed). Waiting requests
 afterwards, in order, while budget, `max_num_seqs` and free blocks allow — and not in a step
 that had to preempt.
 
-Prefix cache: a request being admitted first takes the longest run of cached full blocks that
-match its block hashes, and its prefill starts after them. At least one token is always computed
-(the hit is capped at `num_tokens - 1`, so a prompt that hits whole recomputes its last block),
-and a hit never ends strictly inside the placeholder range of an item whose encoder output is not
-resident (see `back_off_from_placeholders`). Blocks are registered in the cache as soon as the
-scheduled tokens fill them; finished, aborted and preempted requests free their blocks into the
-LRU queue with their hashes kept.
+Prefix cache (`prefix_hits.py`): a request being admitted first takes the longest run of cached
+full blocks that match its block hashes — and, when they reach its last block, an identical
+prompt's last block, which the runner copies into a block of the request's own before the step —
+and its prefill starts after them. Blocks are registered in the cache as soon as the scheduled
+tokens fill them, a prompt's last block once the step that computed it has run; finished,
+aborted and preempted requests free their blocks into the LRU queue with their hashes kept.
 
 Encoder work (`encoder_planner.py`, `encoder_cache.py`): a chunk that reaches an item's
 placeholders references its output — resident already (shared across requests by `mm_hash`), or
@@ -29,17 +28,17 @@ prompt, then queue at the front, where its blocks and encoder outputs are hits.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Sequence
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
+from mmserve.engine.prefix_hits import PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput)
-from mmserve.ipc.items import MultiModalItem
 
 
 class Scheduler:
@@ -54,6 +53,7 @@ class Scheduler:
         compute_budget, cache_size = compute_encoder_budget(config, max_item_tokens)
         self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
         self.encoder_planner = EncoderPlanner(self.encoder_cache, compute_budget, not config.disable_chunked_mm_input)
+        self.prefix = PrefixHits(kv_cache, self.encoder_cache.contains)
         self.requests: dict[str, Request] = {}
         self.groups = SiblingGroups()
         self.waiting: deque[Request] = deque()
@@ -134,8 +134,8 @@ class Scheduler:
         """Schedule the first waiting request within `budget` tokens, after its prefix-cache hit;
         False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
         req = self.waiting[0]
-        computed = self._cached_prefix(req)
-        num_hit = len(computed) * self.kv_cache.block_size
+        computed, last = self.prefix.hits(req)
+        num_hit = req.num_tokens - 1 if last is not None else len(computed) * self.kv_cache.block_size
         n = min(req.num_tokens - num_hit, budget)
         if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
             return False
@@ -147,16 +147,9 @@ class Scheduler:
         self.running.append(req)
         self._admit(req, num_hit)
         self._schedule(req, plan, out, computed)
+        if last is not None:  # before this step's forward writes to any block
+            out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(req.request_id)[len(computed)]))
         return True
-
-    def _cached_prefix(self, req: Request) -> list[KVBlock]:
-        """The cache hits a waiting request can use: whole blocks, at least one token left to
-        compute, not ending inside the placeholders of an item whose encoder output is not
-        resident. Changes nothing (the planner then references that output before anything
-        else can evict it)."""
-        bs = self.kv_cache.block_size
-        hits = self.kv_cache.find_cached_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
-        return hits[:back_off_from_placeholders(len(hits) * bs, req.mm_items, bs, self.encoder_cache.contains) // bs]
 
     def _admit(self, req: Request, num_hit: int) -> None:
         """Start `req` after its `num_hit` cached tokens; the first admission sets its
@@ -213,6 +206,7 @@ class Scheduler:
             req = self.requests[rid]
             if req.status is not RequestStatus.RUNNING:
                 continue
+            self.prefix.cache_prompt_last_block(req, sched.num_scheduled_tokens[rid])
             self.encoder_planner.release_consumed(req)
             tokens = result.sampled_token_ids.get(rid)
             if not tokens:
@@ -274,24 +268,3 @@ class Scheduler:
             for idx in self.encoder_cache.held_items(req.request_id):
                 assert req.mm_items[idx].placeholder.end > req.num_computed_tokens, f"{req} kept a consumed output"
 
-
-def back_off_from_placeholders(num_tokens: int, mm_items: Sequence[MultiModalItem], block_size: int,
-                               resident: Callable[[str], bool] | None = None) -> int:
-    """The longest block-aligned prefix of at most `num_tokens` (block-aligned) tokens that does
-    not end strictly inside the placeholder range of an item that is not `resident(mm_hash)`.
-
-    A cached prefix that ends inside an image leaves the rest of its placeholders to compute,
-    which needs the image's encoder output. When that output is resident the hit stands (the
-    request references the output before anything can evict it, and the runner scatters the
-    remaining rows of it); otherwise the hit backs off to the block holding the image's first
-    placeholder (and again, should that block boundary fall inside an earlier image).
-    """
-    changed = True
-    while changed:
-        changed = False
-        for item in mm_items:
-            ph = item.placeholder
-            if ph.offset < num_tokens < ph.end and not (resident is not None and resident(item.mm_hash)):
-                num_tokens = ph.offset // block_size * block_size
-                changed = True
-    return num_tokens

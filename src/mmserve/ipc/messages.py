@@ -201,6 +201,8 @@ class SchedulerOutput(msgspec.Struct):
     resident, or encoded this step for another request, reads the runner's output by hash).
     `free_encoder_ids` are the `mm_hash`es of encoder outputs the runner deletes before encoding.
     `finished_request_ids` (finished, aborted or preempted since the last step) drop their state.
+    `kv_copies` are (source, destination) KV block ids, copied in every layer before the step
+    writes any K/V (a prompt's cached last block, into the block of a request that repeats it).
     """
 
     new_requests: list[NewRequestData]
@@ -209,6 +211,7 @@ class SchedulerOutput(msgspec.Struct):
     scheduled_encoder_inputs: dict[str, list[int]]
     free_encoder_ids: list[str]
     finished_request_ids: list[str]
+    kv_copies: list[tuple[int, int]] = []
 
 
 # ---- workers -> P1 -----------------------------------------------------------------------

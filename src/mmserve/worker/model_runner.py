@@ -68,6 +68,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        self._copy_blocks(so.kv_copies)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
         small = sum(so.num_scheduled_tokens.values()) < SMALL_STEP_TOKENS and not so.scheduled_encoder_inputs
@@ -109,6 +110,17 @@ class ModelRunner:
             for token in state.output_token_ids:  # resumed after preemption: replay its outputs
                 state.grammar.accept_token(token)
         return state
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer, before the step writes any K/V."""
+        if not copies:
+            return
+        device = self.kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in copies], device=device)
+        dst = torch.tensor([d for _, d in copies], device=device)
+        for k, v in self.kv_caches:  # each [num_blocks, block_size, Hkv, Dh]
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
         """Encode the scheduled items, once per `mm_hash`, into `encoder_outputs`."""
