@@ -38,6 +38,7 @@ import zmq
 
 from mmserve.config import EngineConfig
 from mmserve.engine.clients import ApiServerChannels
+from mmserve.malloc_tuning import retain_freed_memory
 from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
                                   EngineCoreReady, EngineCoreRequest, FinishReason,
@@ -65,6 +66,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
     startup or fatal error."""
     parallel = config.parallel
     set_process_title(f"engine_dp{parallel.data_parallel_rank}")
+    retain_freed_memory()
     if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size == 1:  # ranks share the cores
         import torch
 

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.malloc_tuning import retain_freed_memory
 from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
                                   WorkerDone, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
@@ -87,6 +88,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
 
     dp = args.config.parallel
     set_process_title(f"worker_dp{dp.data_parallel_rank}_tp{args.rank}")
+    retain_freed_memory()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.world_size * dp.data_parallel_size)))
     _init_distributed(args)
     runner = ModelRunner(args.config, args.model_dir, TensorParallel(args.rank, args.world_size))

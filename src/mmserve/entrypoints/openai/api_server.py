@@ -36,6 +36,7 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
+from mmserve.malloc_tuning import retain_freed_memory
 from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
     configure_logging(server_config.log_level)
     set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
+    retain_freed_memory()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
