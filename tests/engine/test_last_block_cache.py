@@ -1,7 +1,8 @@
 """Last-block caching without a model: a prompt's last block (full or partial) is registered once
-the step that computed it has run; an identical prompt whose full-block hits reach it asks the
-runner to copy it and computes one token; the registration goes with the block's reuse, and a
-last token inside an image whose encoder output is gone is not skipped."""
+the step that computed it has run (the same-step case is in test_prefix_cache.py); an identical
+prompt whose full-block hits reach it asks the runner to copy it and computes one token; the
+registration goes with the block's reuse, and a last token inside an image whose encoder output is
+gone is not skipped."""
 
 from __future__ import annotations
 
@@ -58,15 +59,6 @@ def test_the_source_may_still_be_running_and_keeps_its_one_owner():
     src, dst = so.kv_copies[0]
     assert again.num_cached_tokens == 9 and src == s.kv_cache.get_block_ids("first")[2] != dst
     assert s.kv_cache.pool.blocks[src].ref_cnt == 1
-
-
-def test_identical_prompts_in_one_step_copy_nothing_not_yet_computed():
-    s = scheduler()
-    a, b = make_request("a", range(100, 119)), make_request("b", range(100, 119))
-    s.add_request(a)
-    s.add_request(b)
-    so, _ = fake_step(s)
-    assert b.num_cached_tokens == 16 and so.kv_copies == []
 
 
 def test_a_last_block_of_one_token_is_not_registered_and_a_different_last_token_misses():

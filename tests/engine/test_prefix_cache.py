@@ -176,14 +176,16 @@ def test_generated_tokens_are_cached_for_the_next_turn():
     assert turn2.num_cached_tokens == 16 > first.num_prompt_tokens
 
 
-def test_a_request_admitted_in_the_same_step_hits_blocks_scheduled_just_before_it():
-    s = make_scheduler()
-    a, b = make_request("a", range(100, 120)), make_request("b", range(100, 120))
+@pytest.mark.parametrize("last_blocks", [False, True])
+def test_a_request_admitted_in_the_same_step_hits_blocks_scheduled_just_before_it(last_blocks):
+    """...its full blocks, not the last one: that is registered only once its step has run."""
+    s = make_scheduler(last_blocks=last_blocks)
+    a, b = make_request("a", range(100, 119)), make_request("b", range(100, 119))
     s.add_request(a)
     s.add_request(b)
     so, _ = fake_step(s)
-    assert so.num_scheduled_tokens == {"a": 20, "b": 4} and b.num_cached_tokens == 16
-    assert so.new_requests[1].block_ids[:4] == so.new_requests[0].block_ids[:4]
+    assert so.num_scheduled_tokens == {"a": 19, "b": 3} and b.num_cached_tokens == 16
+    assert so.new_requests[1].block_ids[:4] == so.new_requests[0].block_ids[:4] and so.kv_copies == []
 
 
 def test_first_output_carries_num_cached_tokens_and_stats_count_it():
