@@ -144,7 +144,7 @@ def test_a_request_during_a_single_engines_restart_waits_for_it(model_path, offl
             os.kill(victim, signal.SIGKILL)
             time.sleep(delay)
             r = post(s, url)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200, r.text + "\n" + s.output()[-6000:]
             assert r.json()["choices"][0]["message"]["content"] == want
             assert s.proc.poll() is None
     finally:

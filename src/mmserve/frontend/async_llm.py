@@ -170,6 +170,8 @@ class AsyncLLM(RankFailover, EngineFigures):
             asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
         try:
             request = await asyncio.shield(resolving)
+            if pin is None and not self.ranks.live():
+                await self.wait_for_live_rank()  # the rank died while the request was resolved
             flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream)
             self._register(flight, undo, pin)
         except asyncio.CancelledError:

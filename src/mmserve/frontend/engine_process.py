@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
+import time
 from collections.abc import Sequence
+from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
@@ -105,24 +108,51 @@ class LocalEngineProcess:
         pass
 
     def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        """Read from the process's sentinel: reaps nothing, so any thread may ask."""
+        proc = self.process
+        return proc is not None and proc.pid is not None and not _ended(proc, 0.0)
 
     def join(self, timeout_s: float) -> None:
-        if self.process is not None and self.process.pid is not None:
-            self.process.join(timeout_s)
+        proc = self.process
+        if proc is not None and proc.pid is not None and _ended(proc, timeout_s):
+            _reap(proc)
 
     def describe_exit(self) -> str:
-        return describe_exit(self.process.exitcode if self.process is not None else None)
+        proc = self.process
+        ended = proc is not None and proc.pid is not None and _ended(proc, 0.0)
+        return describe_exit(_reap(proc) if ended and proc is not None else None)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `TERM_GRACE_S`; returns once the process is reaped."""
         proc = self.process
         if proc is None or proc.pid is None:
             return
-        if proc.is_alive():
+        if not _ended(proc, 0.0):
             proc.terminate()
-            proc.join(TERM_GRACE_S)
-        if proc.is_alive():
-            logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
-            proc.kill()
-        proc.join()
+            if not _ended(proc, TERM_GRACE_S):
+                logger.warning("engine core (pid %d) ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                _ended(proc, None)
+        _reap(proc)
+
+
+# One thread at a time reaps: of two threads in waitpid() on one child, the loser reads ECHILD,
+# which multiprocessing takes for "still running" (its join() then returns at once and its
+# is_alive() stays True for good). Liveness is read from the sentinel instead, which reaps nothing.
+_REAP_LOCK = threading.Lock()
+_REAP_WAIT_S = 2.0  # longest an ended process takes to be reapable, or recorded by a reaper outside the lock
+
+
+def _ended(proc: BaseProcess, timeout_s: float | None) -> bool:
+    """Whether `proc` has ended (waiting up to `timeout_s`; None: until it does)."""
+    return bool(mp_connection.wait([proc.sentinel], timeout_s))
+
+
+def _reap(proc: BaseProcess) -> int | None:
+    """The exit code of `proc`, which has ended; waits out a concurrent reaper (multiprocessing
+    itself polls every child whenever this process starts another) until it records the code."""
+    with _REAP_LOCK:
+        deadline = time.monotonic() + _REAP_WAIT_S
+        while (code := proc.exitcode) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return code
