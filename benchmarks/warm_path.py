@@ -8,7 +8,7 @@ Three figures, each against its baseline measured in the same run (issue: warm p
    screenshots are screenshot-like PNGs (panels, text, icons, one photo thumbnail: ~0.2 MB each);
    the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too;
 3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
-   engine's (target < 5 ms; `serving_overhead.py` has the breakdown).
+   engine's, the two alternating request by request (target < 5 ms; `serving_overhead.py`).
 
 Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--parts repeat,agent,...]`.
 The repeat figure takes three distinct images per server, each first sight against the median of
@@ -167,7 +167,7 @@ def main() -> None:
         agent(args.tools_model, args.runs, tools=True)
     if "overhead" in parts:
         adds = [server_overhead(args.model, run) for run in range(args.runs)]
-        print(f"server overhead (median TTFT of 10 one-image requests, server - offline LLM): "
+        print(f"server overhead (median TTFT of 20 one-image requests, server - offline LLM, alternating): "
               f"min/median/max {spread([a * 1e3 for a in adds])} ms (target < 5 ms)")
 
 
@@ -186,12 +186,15 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
               f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
 
 
-def server_overhead(model: str, run: int, requests: int = 10) -> float:
-    """Median TTFT through the server minus the offline engine's, for the same fresh 336 px images."""
-    from serving_overhead import image_url, offline_ttft, server_ttft
+def server_overhead(model: str, run: int, requests: int = 20) -> float:
+    """Median TTFT through the server minus the offline engine's, for fresh 336 px images, server
+    and offline requests alternating (one window, one drift for both; see `interleaved_ttfts`)."""
+    from serving_overhead import image_url, interleaved_ttfts
 
-    urls = [image_url(1000 * run + i) for i in range(requests)]
-    return statistics.median(server_ttft(model, urls)) - statistics.median(offline_ttft(model, urls))
+    base = 1000 * run
+    srv, off = interleaved_ttfts(model, [image_url(base + 2 * i) for i in range(requests + 1)],
+                                 [image_url(base + 2 * i + 1) for i in range(requests + 1)])
+    return statistics.median(srv) - statistics.median(off)
 
 
 if __name__ == "__main__":

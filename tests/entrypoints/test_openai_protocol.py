@@ -370,6 +370,25 @@ def test_client_disconnect_aborts_the_request(engine, stream):
         assert sent[0]["status"] == 200
 
 
+def test_a_stream_writes_each_step_once_and_the_first_before_anything_else(engine):
+    """The status line, then the first step's events (role chunk and first text) in one body
+    message; one message per later step; an answer finished in its first step is one message
+    ending in [DONE] (it was one write per event, the first after a task group had started)."""
+    app = build_app(engine, [MODEL])
+    for max_tokens, steps in ((1, 1), (3, 3)):
+        sent = asyncio.run(call_asgi(app, {"messages": GOOD, "stream": True, "max_tokens": max_tokens}, 5))
+        bodies = [m["body"].decode() for m in sent if m["type"] == "http.response.body" and m["body"]]
+        assert sent[0]["type"] == "http.response.start" and len(bodies) == steps
+        first = [json.loads(e[6:]) for e in bodies[0].split("\n\n") if e.startswith("data: {")]
+        assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert first[1]["choices"][0]["delta"]["content"] == PIECES[0]
+        assert bodies[-1].endswith("data: [DONE]\n\n") and bodies[0].count("[DONE]") == (steps == 1)
+        text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "") for b in bodies
+                       for e in b.split("\n\n") if e.startswith("data: {"))
+        assert text == "".join(PIECES[:max_tokens])
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 def test_a_non_ascii_api_key_can_match(engine):
     """Regression: the header arrives decoded as latin-1, so a UTF-8 key never matched."""
     client = TestClient(build_app(engine, [MODEL], api_key="clé-秘密"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator
 
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
@@ -109,7 +109,11 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 class ChoiceStream:
     """The SSE events of one streamed request, starting from its first engine output: `_open`'s
     events, then per step each choice's new text as `_delta`'s events, a usage chunk (no choices)
-    when asked for, then `data: [DONE]`. Chat and completions differ only in their chunks."""
+    when asked for, then `data: [DONE]`. Chat and completions differ only in their chunks.
+
+    `events()` yields one string per engine output, holding all of that step's events: the first
+    output's (the role chunks and the first text) leave in one write, and an answer finished in its
+    first step (`max_tokens` 1, a cached reply) is one string ending in `[DONE]`."""
 
     def __init__(self, request_id: str, model: str, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
                  record: RequestRecord, include_usage: bool, top_logprobs: int = 0) -> None:
@@ -122,29 +126,29 @@ class ChoiceStream:
         self.top_logprobs = top_logprobs
         self.created = int(time.time())
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncGenerator[str, None]:
+        step: list[str] = []  # this output's events, not yielded yet
         try:
-            for event in self._open():
-                yield event
-            out, tracker = self.first, ChoiceTracker()
+            step, out, tracker = self._open(), self.first, ChoiceTracker()
             while True:
-                for d in tracker.deltas(out):
-                    for event in self._delta(d):
-                        yield event
+                step += [event for d in tracker.deltas(out) for event in self._delta(d)]
                 if out.finished:
                     break
+                if step:
+                    yield "".join(step)
+                step = []
                 out = await anext(self.outputs)
                 self.record.observe(out)
             if self.include_usage:
-                yield self._usage(UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens,
-                                               self.record.cached_tokens))
+                step.append(self._usage(UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens,
+                                                     self.record.cached_tokens)))
             self.record.finish(outcome_of(out))
         except Exception as exc:  # the status line is sent: report it in the stream
             self.record.finish("error")
-            yield f"data: {to_openai_error(exc).body().model_dump_json()}\n\n"
+            step.append(f"data: {to_openai_error(exc).body().model_dump_json()}\n\n")
         finally:
             await self.close()
-        yield "data: [DONE]\n\n"
+        yield "".join(step) + "data: [DONE]\n\n"
 
     async def close(self) -> None:
         """End the request: closing its engine generator aborts it if it is still running."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
 from mmserve.entrypoints.openai.errors import OpenAIError
@@ -246,21 +247,47 @@ class ChatStream(ChoiceStream):
 class SSEResponse(StreamingResponse):
     """A `text/event-stream` response that ends its request however the stream stops.
 
-    Starlette cancels the stream when the client disconnects, possibly before it started: closing
-    here makes sure the engine generator is closed (and the request aborted) in every case.
+    The first step's events are written before anything else is set up: the status line, then the
+    first string of `ChoiceStream.events()`, with no task started on the way (Starlette's
+    `StreamingResponse` starts its sender in a task group first, a few event-loop turns later).
+    The rest streams in a task while this one waits for the client's disconnect, which cancels it.
+    Closing here makes sure the engine generator is closed (and the request aborted) in every case.
     """
 
     def __init__(self, stream: ChoiceStream) -> None:
-        super().__init__(stream.events(), media_type="text/event-stream",
+        self.events = stream.events()
+        super().__init__(self.events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        events = self.events
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            first = await anext(events, None)
+            if first is not None:
+                await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+            rest = asyncio.ensure_future(self._send_rest(events, send))
+            gone = asyncio.ensure_future(_wait_for_disconnect(receive))
+            try:
+                await asyncio.wait({rest, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                rest.cancel()
+                await asyncio.gather(rest, gone, return_exceptions=True)  # `events` is free again
+            if rest.done() and not rest.cancelled():
+                rest.result()  # its error, if any
+        except OSError:
+            raise ClientDisconnect() from None
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
             await self.stream.close()
+
+    @staticmethod
+    async def _send_rest(events: AsyncGenerator[str, None], send: Any) -> None:
+        async for chunk in events:
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def cancel_on_disconnect(handler: Awaitable[Response], raw_request: Request) -> Response:
@@ -276,7 +303,7 @@ async def cancel_on_disconnect(handler: Awaitable[Response], raw_request: Reques
             handler.close()  # never started: close it, so no "never awaited" warning
         raise
     task = asyncio.ensure_future(handler)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -291,6 +318,6 @@ async def cancel_on_disconnect(handler: Awaitable[Response], raw_request: Reques
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
+async def _wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
