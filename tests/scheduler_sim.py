@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_hash import BlockHasher
+from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
@@ -26,20 +27,21 @@ def fake_step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, EngineCore
 
 
 def make_scheduler(num_blocks=64, max_tokens=64, enable_caching=True, encoder_cache_tokens=None,
-                   last_blocks=False) -> Scheduler:
+                   last_blocks=False, first_tokens=False) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens,
                                      encoder_cache_tokens=encoder_cache_tokens),
-                     KVCacheManager(num_blocks, BS, enable_caching, last_blocks), 256)
+                     KVCacheManager(num_blocks, BS, enable_caching, last_blocks), 256,
+                     first_tokens=FirstTokenCache(num_blocks, enabled=first_tokens))
 
 
-def make_request(rid, tokens, images=(), salt=None, max_tokens=3) -> Request:
+def make_request(rid, tokens, images=(), salt=None, max_tokens=3, **params) -> Request:
     """`images`: (mm_hash, offset, length); their placeholder tokens are set to IMG."""
     tokens = list(tokens)
     items = []
     for h, off, length in images:
         tokens[off:off + length] = [IMG] * length
         items.append(MultiModalItem("image", h, None, PlaceholderRange(off, length)))
-    return Request(rid, tokens, items, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, 0.0,
+    return Request(rid, tokens, items, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), None, 0.0,
                    cache_salt=salt, block_hasher=BlockHasher(BS))
 
 

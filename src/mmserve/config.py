@@ -50,6 +50,10 @@ class CacheConfig:
     enable_last_block_caching: bool = _opt(
         True, "With prefix caching, also keep each prompt's last KV block (full or partial): an identical "
         "prompt copies it and computes only its last token, instead of up to a block of tokens.")
+    enable_first_token_caching: bool = _opt(
+        True, "With last-block caching, also keep the first token of each greedy prompt (no penalties, "
+        "logit_bias, min_tokens or grammar): an identical greedy prompt asking no logprobs takes it and runs no "
+        "forward for its first token.")
     prefix_caching_hash_algo: str = _opt(
         "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
         choices=("sha256", "blake3", "xxh3_128"))

@@ -1,6 +1,7 @@
 """The prefix cache with a tiny model: repeated requests and second turns hit, and their greedy
 tokens equal both the run without prefix caching and transformers; a repeated prompt copies the
-first's last block (full or partial) and computes one token; a different image with the same text
+first's last block (full or partial) and computes one token, or none when its first token is
+cached; a different image with the same text
 does not hit the image's blocks; preemption with the cache on stays exact.
 
 Items get explicit `mm_hash` values here, so the tests do not depend on how P0 hashes images.
@@ -89,7 +90,7 @@ def test_a_repeated_request_hits_its_image_blocks_and_stays_exact(path, hf, llm_
     req = request(llm_off, "ref", 0, "img-0")
     n, image_end = len(req.prompt_token_ids), req.mm_items[0].placeholder.end
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == n - 1 > image_end  # the image's blocks too; the last block copied
+    assert second.num_cached_tokens == n > image_end  # the image's blocks, the last block copied, the first token
     assert tokens(first) == tokens(second) == tokens(run(llm_off, req)[0]) == hf_tokens(hf, req)
     prefix = llm.engine.core.stats().caches["prefix"]
     assert (prefix.queries, prefix.hits) == (2 * n, second.num_cached_tokens) and prefix.entries > 0
@@ -158,7 +159,8 @@ def test_a_repeated_prompt_copies_the_last_block_and_computes_one_token(path, hf
     it, computes only the last token, and decodes exactly as the first (whose blocks it reads
     while the first still runs, and after it ended); without last blocks it recomputes them."""
     text = PROMPT.replace(" ASSISTANT:", suffix + " ASSISTANT:")
-    llm, whole = make_llm(path), make_llm(path, enable_last_block_caching=False)
+    llm = make_llm(path, enable_first_token_caching=False)
+    whole = make_llm(path, enable_last_block_caching=False)
     req = request(llm_off, "ref", 7, "img-7", text)
     n = len(req.prompt_token_ids)
     expected = tokens(run(llm_off, req)[0])
@@ -169,3 +171,34 @@ def test_a_repeated_prompt_copies_the_last_block_and_computes_one_token(path, hf
     assert tokens(first) == tokens(again[0]) == tokens(again[1]) == expected
     outs = [run(whole, request(whole, rid, 7, "img-7", text))[0] for rid in ("w1", "w2")]
     assert outs[1].num_cached_tokens == (n - 1) // BS * BS and [tokens(o) for o in outs] == [expected] * 2
+
+
+@pytest.mark.parametrize("suffix", ["", " Be brief, please, now."])  # 4 and 2 tokens in the last block
+def test_a_repeated_greedy_prompt_takes_its_first_token_and_computes_none(path, hf, llm_off, suffix):
+    """A repeat while the first still decodes and after it ended: every prompt token cached, the
+    first token taken, then decoding exactly as the first and transformers; a repeat asking for log
+    probabilities, or sampling, computes its last token."""
+    text = PROMPT.replace(" ASSISTANT:", suffix + " ASSISTANT:")
+    llm = make_llm(path)
+    ref = request(llm_off, "ref", 7, "img-7", text)
+    n, expected = len(ref.prompt_token_ids), hf_tokens(hf, ref)
+    engine = llm.engine
+    done: dict[str, RequestOutput] = {}
+    for rid in ("f", "g"):  # the first's prompt, then the repeat while the first decodes
+        req = request(llm, rid, 7, "img-7", text)
+        engine.core.add_request(req)
+        engine.output_processor.add_request(req, None)
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    while len(done) < 2:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    during, after = done["g"], run(llm, request(llm, "h", 7, "img-7", text))[0]
+    assert tokens(done["f"]) == expected
+    assert [during.num_cached_tokens, after.num_cached_tokens] == [n, n]
+    assert tokens(during) == tokens(after) == expected and engine.core.scheduler.first_tokens.num_hits == 2
+    asking = msgspec.structs.replace(request(llm, "l", 7, "img-7", text), sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1))
+    sampled = msgspec.structs.replace(request(llm, "s", 7, "img-7", text), sampling_params=SamplingParams(
+        temperature=0.8, seed=3, max_tokens=MAX_NEW, ignore_eos=True))
+    outs = run(llm, asking, sampled)
+    assert [o.num_cached_tokens for o in outs] == [n - 1] * 2 and tokens(outs[0]) == expected
+    assert engine.core.scheduler.first_tokens.num_hits == 2

@@ -11,6 +11,7 @@ import logging
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.encoder_cache import compute_encoder_budget
+from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
@@ -48,7 +49,8 @@ class EngineCore:
         self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
                              if cache.enable_prefix_caching else None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   self.model_config.max_item_tokens)
+                                   self.model_config.max_item_tokens,
+                                   FirstTokenCache(num_blocks, enabled=cache.enable_first_token_caching))
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
 

@@ -21,6 +21,10 @@ encoded this step within the encoder compute budget. The request holds the refer
 has computed all the item's placeholders, or until it finishes or is preempted; unused outputs
 stay resident until the cache needs room, and each step's output names the hashes dropped.
 
+First tokens (`first_tokens.py`): a plain greedy request whose hits reach an identical prompt's
+last block, and whose first token that prompt left, is admitted with its prompt computed and that
+token appended: the step copies its last block and computes nothing for it.
+
 n > 1 (`siblings.py`): a request's later completions wait until its first has scheduled its whole
 prompt, then queue at the front, where its blocks and encoder outputs are hits.
 """
@@ -33,12 +37,13 @@ from typing import Sequence
 from mmserve.config import SchedulerConfig
 from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
+from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.prefix_hits import PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
-                                  NewRequestData, SchedulerOutput)
+                                  NewRequestData, SchedulerOutput, TokenLogprobs)
 
 
 class Scheduler:
@@ -46,9 +51,13 @@ class Scheduler:
     budgets, see `compute_encoder_budget`; a ValueError when the config cannot run one)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_item_tokens: int = 0) -> None:
+                 max_item_tokens: int = 0, first_tokens: FirstTokenCache | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # a first token needs the prompt's last block: off with last-block caching
+        self.first_tokens = first_tokens if first_tokens is not None and kv_cache.cache_last_blocks \
+            else FirstTokenCache(1, enabled=False)
+        self._answered: list[Request] = []  # admitted this step with a cached first token
         self.max_model_len = max_model_len
         compute_budget, cache_size = compute_encoder_budget(config, max_item_tokens)
         self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
@@ -126,7 +135,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admit_next(budget, out):
                 break
-            budget -= out.num_scheduled_tokens[self.running[-1].request_id]
+            budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
         out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
         return out
 
@@ -135,6 +144,9 @@ class Scheduler:
         False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
         req = self.waiting[0]
         computed, last = self.prefix.hits(req)
+        token = self.first_tokens.get(req) if last is not None else None
+        if last is not None and token is not None:
+            return self._admit_answered(req, computed, last, token, out)
         num_hit = req.num_tokens - 1 if last is not None else len(computed) * self.kv_cache.block_size
         n = min(req.num_tokens - num_hit, budget)
         if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
@@ -149,6 +161,28 @@ class Scheduler:
         self._schedule(req, plan, out, computed)
         if last is not None:  # before this step's forward writes to any block
             out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(req.request_id)[len(computed)]))
+        return True
+
+    def _admit_answered(self, req: Request, computed: list[KVBlock], last: KVBlock, token: int,
+                        out: SchedulerOutput) -> bool:
+        """Admit `req` with its whole prompt cached (`computed`, then a copy of `last`) and `token`,
+        its prompt's cached first token, appended; nothing of it is computed this step. False (and
+        nothing done) when its blocks do not fit."""
+        rid, n = req.request_id, req.num_tokens
+        if not self.kv_cache.can_allocate(rid, n, computed):
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._admit(req, n)
+        self.kv_cache.allocate_slots(rid, n, computed)
+        req.append_output_token_ids([token])
+        self._known_to_runner.add(rid)
+        out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
+                                               self.kv_cache.get_block_ids(rid).copy(), n, req.num_prompt_tokens,
+                                               req.eos_token_id))
+        out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(rid)[len(computed)]))
+        self._answered.append(req)
         return True
 
     def _admit(self, req: Request, num_hit: int) -> None:
@@ -212,17 +246,25 @@ class Scheduler:
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_output_token_ids(tokens)
-            status = self._check_stop(req)
-            siblings_running = False
-            if status is not None:
-                self.running.remove(req)
-                siblings_running = self._finish(req, status)
-            first = req.num_output_tokens == len(tokens)
-            outputs.append(EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
-                                            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
-                                            index=req.index, siblings_running=siblings_running,
-                                            new_logprobs=result.logprobs.get(rid)))
+            if req.num_output_tokens == 1 and req.num_computed_tokens == req.num_prompt_tokens:
+                self.first_tokens.put(req, tokens[0])
+            outputs.append(self._output(req, tokens, result.logprobs.get(rid)))
+        answered, self._answered = self._answered, []
+        outputs += [self._output(req, req.output_token_ids[-1:]) for req in answered
+                    if req.status is RequestStatus.RUNNING]
         return EngineCoreOutputs(outputs)
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> EngineCoreOutput:
+        """What is new for `req`, its `tokens` appended already: finished if it stops."""
+        status = self._check_stop(req)
+        siblings_running = False
+        if status is not None:
+            self.running.remove(req)
+            siblings_running = self._finish(req, status)
+        first = req.num_output_tokens == len(tokens)
+        return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
+                                num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
+                                index=req.index, siblings_running=siblings_running, new_logprobs=logprobs)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         last = req.all_token_ids[-1]
@@ -257,6 +299,8 @@ class Scheduler:
         self.kv_cache.check_integrity()
         self.encoder_cache.check_integrity()
         self.groups.check_integrity()
+        self.first_tokens.check_integrity()
+        assert not self._answered, "an answered request's output was not sent"
         running = {r.request_id for r in self.running}
         assert set(self.kv_cache.req_to_blocks) <= running, "a non-running request owns blocks"
         assert not any(self.encoder_cache.held_items(r.request_id) for r in self.waiting), "a waiting request holds one"

@@ -1,0 +1,78 @@
+"""First tokens of greedy prompts (`--enable-first-token-caching`, over last-block caching).
+
+A greedy request with no logits processing (penalties, `logit_bias`, `min_tokens`, a grammar)
+samples the argmax of its last prompt position's logits: a function of the prompt alone. Once such
+a prompt has been computed, its first token is kept under the key of the prompt's last block,
+which chains every token, item hash and the salt of the prompt (`block_hash.py`).
+
+A later identical prompt whose prefix-cache hits reach that last block already has the KV of every
+prompt token (its full blocks, and the last block the runner copies), so with its first token
+kept too it needs no forward at all: the scheduler admits it with its whole prompt computed and
+that token appended (the runner learns both from its `NewRequestData`, as for a request resumed
+after preemption) and answers the token after the step. That request must be plain greedy too,
+ask for no log probabilities (they need the logits) and be a single completion (`n` = 1).
+
+The token is the one the first prompt's own forward sampled, so a hit answers exactly what that
+computation answered. Entries are kept LRU, at most `capacity` (a few bytes each); a stale one costs
+nothing, since a hit also needs the last block to be cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mmserve.engine.block_hash import BlockHash
+from mmserve.engine.request import Request
+from mmserve.sampling_params import SamplingParams
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's token is the argmax of its raw logits."""
+    return params.greedy and not params.needs_logits_processing
+
+
+class FirstTokenCache:
+    """Prompt last-block key -> the first token a plain greedy request sampled after it.
+
+    `put` adds or refreshes an entry (evicting the least recently used past `capacity`); `get`
+    answers a waiting request's cached first token, refreshing the entry and counting a hit."""
+
+    def __init__(self, capacity: int, enabled: bool = True) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1; got {capacity}")
+        self.capacity = capacity
+        self.enabled = enabled
+        self._tokens: OrderedDict[BlockHash, int] = OrderedDict()
+        self.num_hits = 0  # requests answered a first token without a forward, since start
+
+    def get(self, req: Request) -> int | None:
+        """`req`'s first token, if it can take one: it has no output yet, is plain greedy, asks
+        for no log probabilities, is one completion, and an identical prompt left its token."""
+        params = req.sampling_params
+        if not self.enabled or req.num_output_tokens or not plain_greedy(params) or params.logprobs is not None \
+                or params.n != 1:
+            return None
+        key = req.last_block_hash(req.num_prompt_tokens)
+        token = None if key is None else self._tokens.get(key)
+        if key is not None and token is not None:
+            self._tokens.move_to_end(key)
+            self.num_hits += 1
+        return token
+
+    def put(self, req: Request, token: int) -> None:
+        """Keep `token` as the first token of `req`'s prompt, if `req` sampled it plain greedy."""
+        if not self.enabled or not plain_greedy(req.sampling_params):
+            return
+        key = req.last_block_hash(req.num_prompt_tokens)
+        if key is None:
+            return
+        self._tokens[key] = token
+        self._tokens.move_to_end(key)
+        if len(self._tokens) > self.capacity:
+            self._tokens.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def check_integrity(self) -> None:
+        assert len(self._tokens) <= self.capacity
