@@ -177,9 +177,11 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
     parse and hash; for context)."""
     kinds = [("screenshots", screenshot)] + ([] if tools else [("photo-like images", photo)])
     for kind, shot in kinds:
-        on = [agent_turn6(model, run, True, tools, shot) for run in range(runs)]
-        off = [agent_turn6(model, run, False, tools, shot) for run in range(runs)]
-        ratios = [a / b for a, b in zip(on, off)]
+        # on and off alternate run by run: each ratio's two servers see the same drift of this VM
+        pairs = [(agent_turn6(model, run, True, tools, shot), agent_turn6(model, run, False, tools, shot))
+                 for run in range(runs)]
+        on, off = [p[0] for p in pairs], [p[1] for p in pairs]
+        ratios = [a / b for a, b in pairs]
         label = f" with tools ({model})" if tools else ""
         target = " (target <= 0.25)" if shot is screenshot and not tools else ""
         print(f"agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
