@@ -33,7 +33,8 @@ from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_b
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
 from mmserve.entrypoints.openai.server_config import ServerConfig
-from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, cancel_on_disconnect
+from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import retain_freed_memory

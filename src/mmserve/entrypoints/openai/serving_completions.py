@@ -19,8 +19,8 @@ from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
 from mmserve.entrypoints.openai.routing import routing
-from mmserve.entrypoints.openai.serving_chat import (OpenAIServingChat, RequestRecord, SSEResponse, _first_output,
-                                                     last_output)
+from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, RequestRecord, _first_output, last_output
+from mmserve.entrypoints.openai.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
 
