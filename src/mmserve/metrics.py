@@ -26,7 +26,7 @@ from mmserve.ipc.messages import CacheStats, SchedulerStats
 from mmserve.rank_metrics import DataParallelFigures, RankCollector
 
 OUTCOMES = ("success", "error", "abort")  # success: finished by stop or length
-CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix")
+CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix", "first_token")
 logger = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -113,7 +113,8 @@ def test_table_and_json_use_the_stable_names(tmp_path):
     assert body["schema_version"] == 1 and body["model"] == "m" and len(body["runs"]) == 2
     for run in body["runs"]:
         assert set(STABLE_NAMES) <= set(run)
-        assert run["cache_hit_rate"] == {"processor": 1.0, "ipc": None, "shm": None, "encoder": None, "prefix": None}
+        assert run["cache_hit_rate"] == {"processor": 1.0, "ipc": None, "shm": None, "encoder": None, "prefix": None,
+                                         "first_token": None}
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):

@@ -35,7 +35,7 @@ def test_a_repeat_takes_the_first_token_and_computes_nothing():
     assert so.num_scheduled_tokens == {} and so.kv_copies == [(last_block, new.block_ids[4])]
     assert new.token_ids == [*PROMPT, 42] and new.num_computed_tokens == 19 and new.num_prompt_tokens == 19
     assert [(o.request_id, o.new_token_ids, o.num_cached_tokens) for o in out.outputs] == [("again", [42], 19)]
-    assert again.num_cached_tokens == 19 and s.first_tokens.num_hits == 1
+    assert again.num_cached_tokens == 19 and s.first_tokens.stats().hits == 1 == s.first_tokens.stats().queries
     so, out = fake_step(s, token=7)  # decodes on: the appended token is the input at position 19
     assert so.num_scheduled_tokens == {"again": 1} and so.cached_requests[0].num_computed_tokens == 19
     assert out.outputs[0].new_token_ids == [7]
@@ -107,6 +107,8 @@ def test_the_cache_keeps_the_most_recently_used_entries():
     assert cache.get(greedy("again0", range(0, 7))) == 0  # refreshed: r1 is now the oldest
     cache.put(reqs[2], 2)
     assert cache.get(greedy("again1", range(10, 17))) is None and cache.get(greedy("x", range(20, 27))) == 2
+    stats = cache.stats()
+    assert (stats.queries, stats.hits, stats.evictions, stats.entries) == (3, 2, 1, 2)
     cache.check_integrity()
     with pytest.raises(ValueError):
         FirstTokenCache(0)

@@ -194,7 +194,9 @@ def test_a_repeated_greedy_prompt_takes_its_first_token_and_computes_none(path, 
     during, after = done["g"], run(llm, request(llm, "h", 7, "img-7", text))[0]
     assert tokens(done["f"]) == expected
     assert [during.num_cached_tokens, after.num_cached_tokens] == [n, n]
-    assert tokens(during) == tokens(after) == expected and engine.core.scheduler.first_tokens.num_hits == 2
+    assert tokens(during) == tokens(after) == expected
+    layer = engine.core.stats().caches["first_token"]
+    assert (layer.queries, layer.hits, layer.entries) == (2, 2, 1)
     asking = msgspec.structs.replace(request(llm, "l", 7, "img-7", text), sampling_params=SamplingParams(
         temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1))
     sampled = msgspec.structs.replace(request(llm, "s", 7, "img-7", text), sampling_params=SamplingParams(

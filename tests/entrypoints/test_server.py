@@ -222,6 +222,7 @@ def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, cl
             {"role": "user", "content": "How quick is the brown fox?"}]
     kw = dict(model=model_path, messages=msgs, temperature=0, max_tokens=MAX_TOKENS)
     hits_before = labelled(server, "mmserve_cache_hits_total", "prefix")
+    first_before = labelled(server, "mmserve_cache_hits_total", "first_token")
     first = client.chat.completions.create(**kw)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
@@ -231,3 +232,4 @@ def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, cl
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     assert whole.choices[0].message.content == first.choices[0].message.content
     assert labelled(server, "mmserve_cache_hits_total", "prefix") == hits_before + 2 * cached
+    assert labelled(server, "mmserve_cache_hits_total", "first_token") == first_before + 2  # no forward for either

@@ -83,7 +83,8 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         """P1's state. Prefix layer: queries and hits in prompt tokens, entries in cached blocks.
         Encoder layer: queries and hits in items, `entries` resident outputs, and `bytes_used`
-        their size in embedding tokens (not bytes: the runner's dtype and hidden size decide those)."""
+        their size in embedding tokens (not bytes: the runner's dtype and hidden size decide those).
+        First-token layer: lookups and hits in requests, entries in kept tokens (`first_tokens.py`)."""
         s = self.scheduler
         pool, enc = self.kv_cache.pool, s.encoder_cache
         prefix = CacheStats(queries=s.prefix_queries, hits=s.prefix_hits, evictions=pool.num_evictions,
@@ -92,7 +93,7 @@ class EngineCore:
                              entries=enc.num_resident_items, bytes_used=enc.num_resident_tokens)
         return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,
                               self.kv_cache.pool.num_blocks, s.num_preemptions,
-                              caches={"prefix": prefix, "encoder": encoder})
+                              caches={"prefix": prefix, "encoder": encoder, "first_token": s.first_tokens.stats()})
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

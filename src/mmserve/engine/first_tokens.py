@@ -14,7 +14,9 @@ ask for no log probabilities (they need the logits) and be a single completion (
 
 The token is the one the first prompt's own forward sampled, so a hit answers exactly what that
 computation answered. Entries are kept LRU, at most `capacity` (a few bytes each); a stale one costs
-nothing, since a hit also needs the last block to be cached.
+nothing, since a hit also needs the last block to be cached. `/metrics` reports the layer as
+`first_token`: lookups (a request that could take a token, and whose hits reached a cached last
+block), hits, evictions and entries.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections import OrderedDict
 
 from mmserve.engine.block_hash import BlockHash
 from mmserve.engine.request import Request
+from mmserve.ipc.messages import CacheStats
 from mmserve.sampling_params import SamplingParams
 
 
@@ -35,7 +38,7 @@ class FirstTokenCache:
     """Prompt last-block key -> the first token a plain greedy request sampled after it.
 
     `put` adds or refreshes an entry (evicting the least recently used past `capacity`); `get`
-    answers a waiting request's cached first token, refreshing the entry and counting a hit."""
+    answers a waiting request's cached first token, refreshing the entry; both count (`stats`)."""
 
     def __init__(self, capacity: int, enabled: bool = True) -> None:
         if capacity < 1:
@@ -43,7 +46,9 @@ class FirstTokenCache:
         self.capacity = capacity
         self.enabled = enabled
         self._tokens: OrderedDict[BlockHash, int] = OrderedDict()
-        self.num_hits = 0  # requests answered a first token without a forward, since start
+        self.num_queries = 0  # lookups, since start
+        self.num_hits = 0  # of which found a token
+        self.num_evictions = 0
 
     def get(self, req: Request) -> int | None:
         """`req`'s first token, if it can take one: it has no output yet, is plain greedy, asks
@@ -53,8 +58,11 @@ class FirstTokenCache:
                 or params.n != 1:
             return None
         key = req.last_block_hash(req.num_prompt_tokens)
-        token = None if key is None else self._tokens.get(key)
-        if key is not None and token is not None:
+        if key is None:
+            return None
+        self.num_queries += 1
+        token = self._tokens.get(key)
+        if token is not None:
             self._tokens.move_to_end(key)
             self.num_hits += 1
         return token
@@ -70,9 +78,14 @@ class FirstTokenCache:
         self._tokens.move_to_end(key)
         if len(self._tokens) > self.capacity:
             self._tokens.popitem(last=False)
+            self.num_evictions += 1
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(queries=self.num_queries, hits=self.num_hits, evictions=self.num_evictions,
+                          entries=len(self._tokens))
 
     def check_integrity(self) -> None:
         assert len(self._tokens) <= self.capacity

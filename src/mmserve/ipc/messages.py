@@ -132,7 +132,7 @@ def sum_stats(layers: list[CacheStats]) -> CacheStats:
 
 class SchedulerStats(msgspec.Struct):
     """P1's state after a step, for /metrics and tests. `caches` maps a cache layer
-    ("processor", "ipc", "shm", "encoder", "prefix") to its stats."""
+    ("processor", "ipc", "shm", "encoder", "prefix", "first_token") to its stats."""
 
     num_running: int
     num_waiting: int
