@@ -154,13 +154,10 @@ class Scheduler:
         plan = self.encoder_planner.plan(req, num_hit, n)  # may shorten the chunk: it still fits the blocks
         if plan.num_tokens == 0:
             return False  # took no reference: its first needed item was the one that cannot run
-        self.waiting.popleft()
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
         self._admit(req, num_hit)
         self._schedule(req, plan, out, computed)
-        if last is not None:  # before this step's forward writes to any block
-            out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(req.request_id)[len(computed)]))
+        if last is not None:
+            self._copy_last_block(req, len(computed), last, out)
         return True
 
     def _admit_answered(self, req: Request, computed: list[KVBlock], last: KVBlock, token: int,
@@ -171,23 +168,33 @@ class Scheduler:
         rid, n = req.request_id, req.num_tokens
         if not self.kv_cache.can_allocate(rid, n, computed):
             return False
-        self.waiting.popleft()
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
         self._admit(req, n)
         self.kv_cache.allocate_slots(rid, n, computed)
         req.append_output_token_ids([token])
-        self._known_to_runner.add(rid)
-        out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
-                                               self.kv_cache.get_block_ids(rid).copy(), n, req.num_prompt_tokens,
-                                               req.eos_token_id))
-        out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(rid)[len(computed)]))
+        out.new_requests.append(self._new_to_runner(req))
+        self._copy_last_block(req, len(computed), last, out)
         self._answered.append(req)
         return True
 
+    def _copy_last_block(self, req: Request, index: int, last: KVBlock, out: SchedulerOutput) -> None:
+        """Have the runner copy `last` into `req`'s block `index` before the step's forward writes
+        to any block."""
+        out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(req.request_id)[index]))
+
+    def _new_to_runner(self, req: Request) -> NewRequestData:
+        """All the runner keeps of `req`, sent once: its tokens so far, items, parameters, blocks."""
+        self._known_to_runner.add(req.request_id)
+        return NewRequestData(req.request_id, list(req.all_token_ids), req.mm_items, req.sampling_params,
+                              self.kv_cache.get_block_ids(req.request_id).copy(), req.num_computed_tokens,
+                              req.num_prompt_tokens, req.eos_token_id)
+
     def _admit(self, req: Request, num_hit: int) -> None:
-        """Start `req` after its `num_hit` cached tokens; the first admission sets its
-        `num_cached_tokens` and counts the lookup in `prefix_queries` / `prefix_hits`."""
+        """Move the first waiting request `req` to running after its `num_hit` cached tokens; the
+        first admission sets its `num_cached_tokens` and counts the lookup in `prefix_queries` /
+        `prefix_hits`."""
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_hit
@@ -207,10 +214,7 @@ class Scheduler:
         if rid in self._known_to_runner:
             out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
         else:
-            self._known_to_runner.add(rid)
-            out.new_requests.append(NewRequestData(rid, list(req.all_token_ids), req.mm_items, req.sampling_params,
-                                                   self.kv_cache.get_block_ids(rid).copy(), start,
-                                                   req.num_prompt_tokens, req.eos_token_id))
+            out.new_requests.append(self._new_to_runner(req))
         self.encoder_planner.commit(req, plan)
         if plan.to_encode:
             out.scheduled_encoder_inputs[rid] = plan.to_encode
