@@ -25,3 +25,35 @@ def test_the_serving_processes_apply_it():
     src = Path(__file__).resolve().parents[1] / "src" / "mmserve"
     for path in ("entrypoints/openai/api_server.py", "engine/core_proc.py", "worker/worker_proc.py"):
         assert "retain_freed_memory()" in (src / path).read_text(), path
+
+
+RESERVE_CODE = """
+import os
+from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
+retain_freed_memory()
+reserve = HeapReserve(8 << 20)
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+print(reserve.enabled, reserve.pending())
+kept = [bytes([i % 251]) * (1 << 20) for i in range(1)]  # grows the heap: its top pad is laid out
+pending, before = reserve.pending(), rss()
+while reserve.pending():
+    reserve.refill(1 << 20)
+print(pending, rss() - before >= (7 << 20), all(k == bytes([i % 251]) * (1 << 20) for i, k in enumerate(kept)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, Linux's madvise")
+def test_heap_reserve_populates_the_pad_above_the_heap_and_changes_no_memory():
+    """Nothing is pending until the heap grows past its end at setup; then the pad (8 MiB) is
+    populated chunk by chunk (resident memory grows by it) and what the heap held is unchanged."""
+    out = subprocess.run([sys.executable, "-c", RESERVE_CODE], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == ["True", "False", "True", "True", "True"]
+
+
+def test_heap_reserve_is_off_when_told():
+    code = "from mmserve.malloc_tuning import HeapReserve; r = HeapReserve(8 << 20); print(r.enabled, r.pending())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "MMSERVE_MALLOC": "default"}).stdout.split()
+    assert out == ["False", "False"]

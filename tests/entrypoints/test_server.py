@@ -233,3 +233,21 @@ def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, cl
     assert whole.choices[0].message.content == first.choices[0].message.content
     assert labelled(server, "mmserve_cache_hits_total", "prefix") == hits_before + 2 * cached
     assert labelled(server, "mmserve_cache_hits_total", "first_token") == first_before + 2  # no forward for either
+
+
+def test_each_request_gets_one_access_log_line(server, client, model_path):
+    """Written by AccessLogMiddleware after the first bytes (uvicorn's own line is off): one line
+    per request, with its method, path and status, streamed, refused or unknown alike."""
+    def count(line: str) -> int:
+        return server.output().count(line)
+
+    lines = ['"POST /v1/chat/completions HTTP/1.1" 200', '"POST /v1/chat/completions HTTP/1.1" 400',
+             '"GET /v1/nothing?x=1 HTTP/1.1" 404']
+    before = [count(line) for line in lines]
+    list(chat(client, model_path, data_url(make_image(3)), stream=True))
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": model_path}).status_code == 400
+    assert httpx.get(f"{server.base_url}/v1/nothing?x=1").status_code == 404
+    deadline = time.monotonic() + 5
+    while [count(line) for line in lines] != [b + 1 for b in before] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [count(line) for line in lines] == [b + 1 for b in before]

@@ -38,7 +38,7 @@ import zmq
 
 from mmserve.config import EngineConfig
 from mmserve.engine.clients import ApiServerChannels
-from mmserve.malloc_tuning import retain_freed_memory
+from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
                                   EngineCoreReady, EngineCoreRequest, FinishReason,
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how long an idle P1 waits before checking that its parent lives
+_HEAP_PAD_BYTES = 64 << 20  # the heap reserve kept populated for items the IPC receiver keeps
 _LINGER_MS = 2000  # how long exit waits for unsent messages (e.g. EngineCoreFailed) to leave
 
 
@@ -67,6 +68,8 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
     parallel = config.parallel
     set_process_title(f"engine_dp{parallel.data_parallel_rank}")
     retain_freed_memory()
+    # before any other thread starts: ZMQ's I/O thread must allocate in the reserve's heap
+    reserve = HeapReserve(min(_HEAP_PAD_BYTES, config.multimodal.ipc_cache_bytes))
     if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size == 1:  # ranks share the cores
         import torch
 
@@ -85,7 +88,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
         QueueSender(ctx, stats_addr, encoder, bind=False) if stats_addr is not None else None)
     exit_code = 0
     try:
-        exit_code = _serve(config, model_dir, inputs, channels, shm_info, input_addrs + output_addrs)
+        exit_code = _serve(config, model_dir, inputs, channels, shm_info, input_addrs + output_addrs, reserve)
     finally:
         inputs.close()
         channels.close()
@@ -95,7 +98,8 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
 
 
 def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCoreInput],
-           channels: ApiServerChannels, shm_info: bytes | None, addresses: list[str]) -> int:
+           channels: ApiServerChannels, shm_info: bytes | None, addresses: list[str],
+           reserve: HeapReserve | None = None) -> int:
     from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
 
     parent_pid = _parent_pid(config)
@@ -108,7 +112,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         return 1
     try:
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
-        proc = EngineCoreProc(core, inputs, channels, parent_pid, shm)
+        proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, reserve)
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid()))
         if proc.orphaned:
             _remove_socket_files(*addresses)
@@ -153,8 +157,10 @@ class EngineCoreProc:
     """
 
     def __init__(self, core: EngineCore, inputs: QueueReceiver[EngineCoreInput], channels: ApiServerChannels,
-                 parent_pid: int | None, shm: ShmItemReader | None = None) -> None:
+                 parent_pid: int | None, shm: ShmItemReader | None = None,
+                 reserve: HeapReserve | None = None) -> None:
         self.core = core
+        self.reserve = reserve if reserve is not None else HeapReserve(0)
         self.channels = channels
         self.shm = shm
         self._resend: dict[str, list[str]] = {}  # requests to ask P0 for again, with missing hashes
@@ -195,7 +201,10 @@ class EngineCoreProc:
         logger.info("engine core stopping")
 
     def _wait_for_input(self) -> None:
-        """Block until an input or a signal arrives, or `_IDLE_POLL_MS` passes."""
+        """Block until an input or a signal arrives, or `_IDLE_POLL_MS` passes; before that,
+        populate the heap reserve one chunk at a time while nothing has arrived."""
+        while self.reserve.pending() and not self._poller.poll(0):
+            self.reserve.refill()
         events = dict(self._poller.poll(_IDLE_POLL_MS))
         if self._wakeup_r.fileno() in events:
             self._wakeup_r.recv(4096)

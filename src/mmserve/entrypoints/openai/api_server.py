@@ -29,6 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
@@ -62,6 +63,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     mm = engine.config.multimodal
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
+    app.add_middleware(AccessLogMiddleware)  # outermost: it sees the 413s too
     app.state.engine = engine
     parallel = engine.config.parallel
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
@@ -189,9 +191,10 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
                         None if limit is None else int(limit * (1 << 20)), server_config.auto_tool_parser)
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
+        server = uvicorn.Server(config)
         state = _RunState()
         supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
         try:
