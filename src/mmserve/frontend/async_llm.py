@@ -237,6 +237,7 @@ class AsyncLLM(RankFailover, EngineFigures):
         try:
             while True:
                 self._dispatch(rank, await client.get_output_async())
+                await asyncio.sleep(0)  # the requests' generators run first, then the receive is re-armed
         except EngineDeadError as e:
             self._rank_died(rank, str(e))
         except asyncio.CancelledError:

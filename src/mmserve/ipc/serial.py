@@ -135,7 +135,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def tensor_from_bytes(data: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor viewing `data` (kept alive by the tensor); `data` must be writable."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = memoryview(data).nbytes
     if nbytes != math.prod(shape) * itemsize:
         raise ValueError(f"tensor of shape {list(shape)} and dtype {dtype} needs "

@@ -21,9 +21,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; 
 class SSEResponse(StreamingResponse):
     """A `text/event-stream` response that ends its request however the stream stops.
 
-    The first step's events are written before anything else is set up: the status line, then the
-    first string of `ChoiceStream.events()`, with no task started on the way (Starlette's
-    `StreamingResponse` starts its sender in a task group first, a few event-loop turns later).
+    The first step's events are written before anything else is set up: the first string of
+    `ChoiceStream.events()` is made first, then the status line and it leave back to back (the
+    client wakes once for both, not once for the headers and again for the first token), with no
+    task started on the way (Starlette's `StreamingResponse` starts its sender in a task group
+    first, a few event-loop turns later).
     The rest streams in a task while this one waits for the client's disconnect, which cancels it.
     Closing here makes sure the engine generator is closed (and the request aborted) in every case.
     """
@@ -37,8 +39,8 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         events = self.events
         try:
+            first = await anext(events, None)  # the first output is in hand: no engine wait here
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            first = await anext(events, None)
             if first is not None:
                 await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
             rest = asyncio.ensure_future(self._send_rest(events, send))
