@@ -6,7 +6,8 @@ Three figures, each against its baseline measured in the same run (issue: warm p
 2. an agent loop re-sending every earlier 1024x768 screenshot each turn: TTFT of turn 6 (1 new + 5
    re-sent) with every cache on / the same turn with every cache off (target <= 0.25). The
    screenshots are screenshot-like PNGs (panels, text, icons, one photo thumbnail: ~0.2 MB each);
-   the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too;
+   the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too, and
+   the screenshot loop through an offline `LLM` (the ratio of the model's work alone, no server);
 3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
    engine's, the two alternating request by request (target < 5 ms; `serving_overhead.py`).
 
@@ -86,11 +87,16 @@ AGENT_TOOLS = [{"type": "function", "function": {"name": name, "description": f"
     for name in ("click", "double_click", "move_to", "scroll")]
 
 
+def user_turn(urls: list[str], text: str, part: str = "image_url") -> dict:
+    """One user message: `urls` as `part` parts, then `text`."""
+    parts = [{"type": part, part: {"url": u}} for u in urls]
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
+
+
 def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What is in this image?",
          part: str = "image_url", tools: bool = False) -> float:
     """Seconds to the first streamed token of one chat request with `urls` as image (or `part`) parts."""
-    content = [{"type": part, part: {"url": u}} for u in urls] + [{"type": "text", "text": text}]
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "stream": True,
+    body = {"model": "m", "messages": [user_turn(urls, text, part)], "max_tokens": 1, "stream": True,
             "temperature": 0.0, **({"tools": AGENT_TOOLS, "tool_choice": "none"} if tools else {})}
     content = json.dumps(body).encode()  # encoded before the clock starts: the client's cost, not the server's
     start = time.perf_counter()
@@ -142,6 +148,27 @@ def agent_turn6(model: str, run: int, caches_on: bool, tools: bool = False,
         s.stop()
 
 
+def offline_turn6(model: str, run: int, caches_on: bool) -> float:
+    """`agent_turn6` through an offline `LLM` in this process (no HTTP, no P0/P1 hops): what the
+    ratio is for the model's work alone."""
+    from mmserve import LLM, SamplingParams
+
+    off = {} if caches_on else {"mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "enable_prefix_caching": False,
+                                "encoder_cache_tokens": 0}
+    llm = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8}, max_media_bytes=64 << 20, **off)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    try:
+        shots: list[str] = []
+        for turn in range(6):
+            shots.append(screenshot(100 * run + turn, 1024, 768))
+            start = time.perf_counter()
+            llm.chat([user_turn(shots, f"turn {turn}: what changed?")], params)
+            took = time.perf_counter() - start
+        return took
+    finally:
+        llm.shutdown()
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
 
@@ -186,6 +213,11 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
         target = " (target <= 0.25)" if shot is screenshot and not tools else ""
         print(f"agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
               f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
+    if not tools:  # the floor: the same loop's ratio with no server in the way
+        pairs = [(offline_turn6(model, run, True), offline_turn6(model, run, False)) for run in range(runs)]
+        print(f"agent loop turn 6, screenshots, offline LLM (no server: the model's work alone): caches on "
+              f"{spread([p[0] * 1e3 for p in pairs])} ms, off {spread([p[1] * 1e3 for p in pairs])} ms; "
+              f"ratio min/median/max {spread([a / b for a, b in pairs])}")
 
 
 def server_overhead(model: str, run: int, requests: int = 20) -> float:
