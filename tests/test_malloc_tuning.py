@@ -57,3 +57,38 @@ def test_heap_reserve_is_off_when_told():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "MMSERVE_MALLOC": "default"}).stdout.split()
     assert out == ["False", "False"]
+
+
+KEEPER_CODE = """
+import asyncio
+from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
+from mmserve.entrypoints.openai.api_server import _keep_heap_reserve
+retain_freed_memory()
+reserve = HeapReserve(8 << 20)
+kept = [bytes(1 << 20)]  # grows the heap: its pad is pending
+
+
+class Engine:
+    num_requests = 1
+
+
+async def main():
+    engine = Engine()
+    keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine))
+    await asyncio.sleep(0.3)
+    busy = reserve.pending()
+    engine.num_requests = 0
+    await asyncio.sleep(0.3)
+    keeper.cancel()
+    print(busy, reserve.pending())
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, Linux's madvise")
+def test_the_api_server_fills_its_heap_reserve_only_while_no_request_is_in_flight():
+    out = subprocess.run([sys.executable, "-c", KEEPER_CODE], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == ["True", "False"]

@@ -86,6 +86,11 @@ class AsyncLLM(RankFailover, EngineFigures):
         return self.ranks.client(0)
 
     @property
+    def num_requests(self) -> int:
+        """Requests in flight: admitted (being resolved) or running, not yet ended."""
+        return len(self._queues)
+
+    @property
     def is_healthy(self) -> bool:
         """False once no rank serves and none can come back (a rank whose process just ended and
         that the output loop has not retired yet still counts: it restarts or is marked dead)."""

@@ -38,7 +38,7 @@ from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
-from mmserve.malloc_tuning import retain_freed_memory
+from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_EXIT_CODE = 3  # no engine core serves and none can come back
 GRACEFUL_SHUTDOWN_S = 5  # longest uvicorn waits for open connections when stopping
+HEAP_PAD_BYTES = 64 << 20  # P0's heap reserve (malloc_tuning.HeapReserve), as P1's
+RESERVE_POLL_S = 0.05  # how often an idle P0 looks at its heap reserve
 HEALTH_POLL_S = 0.5
 
 
@@ -157,10 +159,12 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     configure_logging(server_config.log_level)
     set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
     retain_freed_memory()
+    # before any other thread starts; the processor cache keeps each new item's pixels
+    reserve = HeapReserve(min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(_serve(server_config, engine_config, attachment, sock, started))
+            return runner.run(_serve(server_config, engine_config, attachment, sock, started, reserve))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -181,10 +185,11 @@ def _loop_factory() -> Any:
 
 
 async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None,
-                 sock: socket.socket | None, started: Callable[[], None] | None) -> int:
+                 sock: socket.socket | None, started: Callable[[], None] | None, reserve: HeapReserve) -> int:
     from mmserve.frontend.async_llm import AsyncLLM
 
     engine = AsyncLLM(engine_config, attachment)
+    keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
     try:
         engine.start()
         model = engine_config.model.model
@@ -201,6 +206,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
             await server.serve(sockets=None if sock is None else [sock])
         finally:
             supervisor.cancel()
+            if keeper is not None:
+                keeper.cancel()
         return state.exit_code
     finally:
         engine.shutdown()
@@ -228,6 +235,16 @@ async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state
                  getattr(engine, "dead_error", None) or "process not running")
     state.exit_code = ENGINE_DEAD_EXIT_CODE
     server.should_exit = True
+
+
+async def _keep_heap_reserve(reserve: HeapReserve, engine: Any) -> None:
+    """Populate P0's heap reserve a chunk at a time while no request is in flight, so that the
+    pixels of the next new item (kept by the processor cache) land in pages already there."""
+    while True:
+        await asyncio.sleep(RESERVE_POLL_S)
+        while engine.num_requests == 0 and reserve.pending():
+            reserve.refill()
+            await asyncio.sleep(0)
 
 
 def _bound_port(server: uvicorn.Server) -> int:
