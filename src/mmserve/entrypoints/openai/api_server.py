@@ -237,7 +237,7 @@ async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state
     server.should_exit = True
 
 
-async def _keep_heap_reserve(reserve: HeapReserve, engine: Any) -> None:
+async def _keep_heap_reserve(reserve: HeapReserve, engine: AsyncLLM) -> None:
     """Populate P0's heap reserve a chunk at a time while no request is in flight, so that the
     pixels of the next new item (kept by the processor cache) land in pages already there."""
     while True:
