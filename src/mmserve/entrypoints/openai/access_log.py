@@ -13,8 +13,9 @@ logs a request only while its `uvicorn.access` logger has handlers, so its own l
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from typing import Any
+
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from mmserve.entrypoints.openai.body_limit import Message, Receive, Scope, Send
 
@@ -52,14 +53,9 @@ class AccessLogMiddleware:
                 _log(scope, status)
 
 
-def _log(scope: Scope, status: int | None) -> None:
-    client = scope.get("client")
-    path = urllib.parse.quote(scope["path"])
-    if scope.get("query_string"):
-        path = f"{path}?{scope['query_string'].decode('ascii')}"
-    logger.info('%s - "%s %s HTTP/%s" %d', "%s:%d" % tuple(client) if client else "", scope["method"], path,
+def _log(scope: Any, status: int | None) -> None:  # an HTTP scope, as uvicorn types it
+    logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], get_path_with_query_string(scope),
                 scope["http_version"], status)
-
 
 def take_over_uvicorn_access_log() -> None:
     """Give uvicorn's access-log handlers and level to `mmserve.access` (call after uvicorn's
