@@ -1,7 +1,10 @@
 """A request cancelled while its images are being resolved (the client left mid-processing)
 leaves nothing in P0 once the worker thread ends (regression: the thread went on, parked the
 request's processed items as pending and nobody took them back — held in memory and in flight
-for good)."""
+for good).
+
+A request resolves in a worker thread only while another is in flight (alone, it resolves on the
+event loop, where no cancellation can come in the middle): the test keeps one running."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import threading
 import pytest
 
 from mm_prompts import PARAMS, generate, one
+from mmserve import SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from tiny_models import make_checkpoint
@@ -34,22 +38,35 @@ def p0_leftovers(engine: AsyncLLM) -> dict:
 
 def test_cancelled_while_resolving_leaves_nothing(engine):
     real, entered, release = engine.input_processor.process, threading.Event(), threading.Event()
+    resolved_on: dict[str, threading.Thread] = {}
 
-    def slow_process(*args):
-        entered.set()
-        release.wait(10)  # the client leaves while this thread works
-        return real(*args)
+    def slow_process(request_id, *args):
+        resolved_on[request_id] = threading.current_thread()
+        if request_id == "left":
+            entered.set()
+            release.wait(10)  # the client leaves while this thread works
+        return real(request_id, *args)
 
     async def run() -> None:
+        running = asyncio.Event()
+
+        async def keep_busy() -> None:  # in flight all along: "left" is resolved in a worker thread
+            async for _ in engine.generate("busy", one(8), SamplingParams(max_tokens=2000, ignore_eos=True)):
+                running.set()
+
         async def consume() -> None:
             async for _ in engine.generate("left", one(7), PARAMS):
                 pass
 
+        busy = asyncio.ensure_future(keep_busy())
+        await running.wait()
         task = asyncio.ensure_future(consume())
         await asyncio.to_thread(entered.wait, 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert not busy.done()
+        busy.cancel()
         release.set()
         for _ in range(200):  # the thread ends, then the undo runs on the loop
             await asyncio.sleep(0.01)
@@ -62,5 +79,7 @@ def test_cancelled_while_resolving_leaves_nothing(engine):
         asyncio.run(run())
     finally:
         engine.input_processor.process = real
+    assert resolved_on["busy"] is threading.main_thread()  # alone: on the event loop
+    assert resolved_on["left"] is not threading.main_thread()
     assert p0_leftovers(engine) == empty
     assert generate(engine, one(7), "again")  # the image is processed afresh, not waited for

@@ -1,11 +1,12 @@
 """P0's asyncio engine for the server: requests go to the engine-core process (P1) over ZMQ,
 outputs come back on one background task and are routed to each request's queue.
 
-Input processing (media decoding, the HF image processor, tokenizing) runs in worker threads
-so the event loop keeps serving while images are processed. The IPC sender cache is updated on
-the event loop, right before each send, so its updates happen in send order — the order P1
-applies them in. Until P1 produces a request's first output, P0 keeps the request's processed
-items: if P1 lacked an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
+Input processing (media decoding, the HF image processor, tokenizing) runs in a worker thread
+while other requests are in flight, so the event loop keeps serving them (`admission.py`, which
+also owns the request path's undo rule). The IPC sender cache is updated on the event loop,
+right before each send, so its updates happen in send order — the order P1 applies them in.
+Until P1 produces a request's first output, P0 keeps the request's processed items: if P1 lacked
+an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
 
 With `--data-parallel-size N` there are N engine cores (`EngineRanks`); `DPRouter` picks each
 request's rank, and one output task per rank feeds the same queues. When a rank dies, requests
@@ -23,20 +24,19 @@ import logging
 from typing import Any, AsyncGenerator
 
 from mmserve.config import EngineConfig
+from mmserve.frontend.admission import Admission
 from mmserve.frontend.attached_engine import Attachment
 from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.dp_router import DPRouter
 from mmserve.frontend.engine_ranks import EngineRanks
-from mmserve.frontend.failover import RankFailover
 from mmserve.frontend.figures import EngineFigures, SharedFigures
-from mmserve.frontend.flights import Flight, RequestFlights
+from mmserve.frontend.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
-from mmserve.frontend.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import log_stats_periodically
 from mmserve.models.builtin import resolve_model
@@ -46,7 +46,7 @@ from mmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM(RankFailover, EngineFigures):
+class AsyncLLM(Admission, EngineFigures):
     """Starts the engine cores on construction (blocking until they are ready; RuntimeError if
     one cannot start)."""
 
@@ -150,70 +150,6 @@ class AsyncLLM(RankFailover, EngineFigures):
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
 
-    async def _admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                     stream: bool, pin: int | None) -> asyncio.Queue[RequestOutput | Exception]:
-        """Resolve the request (off the event loop), register it and send it to P1: the one place
-        that owns the undo.
-
-        The rule: from the moment P0 starts resolving a request until its message is on the
-        wire to P1, every step that changes shared state registers how to take itself back in
-        one `UndoLog` — processor-cache in-flight entries (`InputProcessor.reject`), the request's
-        queue and output state, IPC sender keys (a checkpoint) or shm pins and fresh entries, the
-        resend record. Any exception runs them all in reverse, so nothing of the request stays; a
-        client fault is a ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while
-        the worker thread resolves (the client left) runs them once that thread has ended, since
-        it goes on regardless. After the send nothing is undone here: P1 owns the request, and
-        an abort goes through P1."""
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        undo = UndoLog()
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue  # reserves the id before anything else is done for it
-        undo.push(self._queues.pop, request_id, None)
-        undo.push(self.input_processor.reject, request_id)
-        resolving = asyncio.ensure_future(
-            asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
-        try:
-            request = await asyncio.shield(resolving)
-            if pin is None and not self.ranks.live():
-                await self.wait_for_live_rank()  # the rank died while the request was resolved
-            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream)
-            self._register(flight, undo, pin)
-        except asyncio.CancelledError:
-            resolving.add_done_callback(lambda done: _undo_after(done, undo))
-            raise
-        except BaseException:
-            undo.run()
-            raise
-        self.input_processor.accept(request_id)
-        return queue
-
-    def _register(self, flight: Flight, undo: UndoLog, pin: int | None) -> None:
-        """The request's output state, then its route and send; each step registered in `undo`."""
-        assert flight.request is not None
-        rid = flight.request.request_id
-        self.output_processor.add_request(flight.request, flight.prompt_text)
-        undo.push(self.output_processor.abort_requests, [rid])
-        self.flights.send(rid, flight, undo, pin)
-
-    def _resend(self, request_id: str, missing: list[str]) -> None:
-        """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
-        flight = self.flights.get(request_id)
-        if flight is None or flight.request is None or request_id not in self._queues:
-            return  # aborted meanwhile
-        logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
-                       len(missing), request_id)
-        if any(item.data is None for item in flight.request.mm_items):
-            self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
-                                              "again together with its uuid"))
-            return
-        undo = UndoLog()
-        try:
-            self.flights.resend(flight, undo)
-        except Exception as e:
-            undo.run()
-            self._fail(request_id, e)
-
     def _abort_now(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)
         self.flights.abort(request_ids)
@@ -296,10 +232,3 @@ class AsyncLLM(RankFailover, EngineFigures):
         if isinstance(self.flights.router, RemoteRouter):
             self.flights.router.close()
 
-
-def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
-    """A cancelled request's resolution ended: take back what it did (its error, if any, is one
-    the client no longer waits for)."""
-    if not resolving.cancelled():
-        resolving.exception()  # retrieved, so asyncio does not log it
-    undo.run()

@@ -1,0 +1,114 @@
+"""P0's admission of a request (`AsyncLLM`'s part for it): resolve it, register its output state,
+send it to P1 — all or nothing.
+
+The rule: from the moment P0 starts resolving a request until its message is on the wire to P1,
+every step that changes shared state registers how to take itself back in one `UndoLog`. Any
+exception runs them all in reverse, so nothing of the request stays; after the send nothing is
+undone here: P1 owns the request, and an abort goes through P1. A request resolves in a worker
+thread while others are in flight (the event loop keeps serving them); alone, on the event loop
+(the two thread hand-offs would cost ~0.5 ms of its TTFT, and there is nothing to keep serving),
+unless it has a video (decoding one takes up to seconds: /health must still answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from mmserve.frontend.failover import RankFailover
+from mmserve.frontend.flights import Flight
+from mmserve.frontend.input_processor import InputProcessor
+from mmserve.frontend.undo import UndoLog
+from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Admission(RankFailover):
+    """Mixed into `AsyncLLM`, whose state it uses (declared here and by `RankFailover`, whose
+    `wait_for_live_rank` it needs)."""
+
+    input_processor: InputProcessor
+
+    async def _admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                     stream: bool, pin: int | None) -> asyncio.Queue[RequestOutput | Exception]:
+        """Resolve the request, register it and send it to P1: the one place that owns the undo.
+
+        What registers itself in the `UndoLog`: processor-cache in-flight entries
+        (`InputProcessor.reject`), the request's queue and output state, IPC sender keys (a
+        checkpoint) or shm pins and fresh entries, the resend record. A client fault is a
+        ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while a worker thread
+        resolves (the client left) runs the undo once that thread has ended, since it goes on
+        regardless."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        undo = UndoLog()
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue  # reserves the id before anything else is done for it
+        undo.push(self._queues.pop, request_id, None)
+        undo.push(self.input_processor.reject, request_id)
+        resolving: asyncio.Future[EngineCoreRequest] | None = None
+        try:
+            if len(self._queues) == 1 and not _has_video(prompt):  # alone: no stream to keep serving
+                request = self.input_processor.process(request_id, prompt, params, False)
+            else:
+                resolving = asyncio.ensure_future(
+                    asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
+                request = await asyncio.shield(resolving)
+            if pin is None and not self.ranks.live():
+                await self.wait_for_live_rank()  # the rank died while the request was resolved
+            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream)
+            self._register(flight, undo, pin)
+        except asyncio.CancelledError:
+            if resolving is None:
+                undo.run()
+            else:
+                resolving.add_done_callback(lambda done: _undo_after(done, undo))
+            raise
+        except BaseException:
+            undo.run()
+            raise
+        self.input_processor.accept(request_id)
+        return queue
+
+    def _register(self, flight: Flight, undo: UndoLog, pin: int | None) -> None:
+        """The request's output state, then its route and send; each step registered in `undo`."""
+        assert flight.request is not None
+        rid = flight.request.request_id
+        self.output_processor.add_request(flight.request, flight.prompt_text)
+        undo.push(self.output_processor.abort_requests, [rid])
+        self.flights.send(rid, flight, undo, pin)
+
+    def _resend(self, request_id: str, missing: list[str]) -> None:
+        """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.request is None or request_id not in self._queues:
+            return  # aborted meanwhile
+        logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
+                       len(missing), request_id)
+        if any(item.data is None for item in flight.request.mm_items):
+            self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
+                                              "again together with its uuid"))
+            return
+        undo = UndoLog()
+        try:
+            self.flights.resend(flight, undo)
+        except Exception as e:
+            undo.run()
+            self._fail(request_id, e)
+
+
+def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
+    """A cancelled request's resolution ended: take back what it did (its error, if any, is one
+    the client no longer waits for)."""
+    if not resolving.cancelled():
+        resolving.exception()  # retrieved, so asyncio does not log it
+    undo.run()
+
+
+def _has_video(prompt: str | dict[str, Any]) -> bool:
+    return isinstance(prompt, dict) and isinstance(prompt.get("multi_modal_data"), dict) \
+        and "video" in prompt["multi_modal_data"]
