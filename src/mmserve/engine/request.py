@@ -107,6 +107,21 @@ class Request:
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def stop_status(self, max_model_len: int) -> RequestStatus | None:
+        """How the request ends after its last token: FINISHED_STOPPED on EOS (unless ignored) or a
+        stop token id (then `stop_reason`), FINISHED_LENGTH at `max_tokens` or the model's length;
+        None while it goes on."""
+        last = self.all_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def last_block_hash(self, num_tokens: int) -> BlockHash | None:
         """The prefix-cache key of the block holding token `num_tokens - 1`, over its tokens up to
         that one (`BlockHasher.last_block_hash`); None without a block hasher."""

@@ -260,7 +260,7 @@ class Scheduler:
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> EngineCoreOutput:
         """What is new for `req`, its `tokens` appended already: finished if it stops."""
-        status = self._check_stop(req)
+        status = req.stop_status(self.max_model_len)
         siblings_running = False
         if status is not None:
             self.running.remove(req)
@@ -269,18 +269,6 @@ class Scheduler:
         return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
                                 num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
                                 index=req.index, siblings_running=siblings_running, new_logprobs=logprobs)
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        last = req.all_token_ids[-1]
-        params = req.sampling_params
-        if not params.ignore_eos and last == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            req.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> bool:
         """End `req`; whether other completions of its request still run."""
