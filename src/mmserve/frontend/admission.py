@@ -52,7 +52,7 @@ class Admission(RankFailover):
         undo.push(self.input_processor.reject, request_id)
         resolving: asyncio.Future[EngineCoreRequest] | None = None
         try:
-            if len(self._queues) == 1 and not _has_video(prompt):  # alone: no stream to keep serving
+            if resolves_on_loop(prompt, len(self._queues)):
                 request = self.input_processor.process(request_id, prompt, params, False)
             else:
                 resolving = asyncio.ensure_future(
@@ -109,6 +109,8 @@ def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
     undo.run()
 
 
-def _has_video(prompt: str | dict[str, Any]) -> bool:
-    return isinstance(prompt, dict) and isinstance(prompt.get("multi_modal_data"), dict) \
-        and "video" in prompt["multi_modal_data"]
+def resolves_on_loop(prompt: str | dict[str, Any], in_flight: int) -> bool:
+    """Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
+    keep serving) and without a video (decoding one takes up to seconds)."""
+    mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    return in_flight == 1 and not (isinstance(mm, dict) and "video" in mm)
