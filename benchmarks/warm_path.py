@@ -5,7 +5,7 @@ Three figures, each against its baseline measured in the same run (issue: warm p
    repeat / TTFT of the first sight (target <= 0.20);
 2. an agent loop re-sending every earlier 1024x768 screenshot each turn: TTFT of turn 6 (1 new + 5
    re-sent) with every cache on / the same turn with every cache off (target <= 0.25), each the
-   median of three loops on one server. The
+   median of three loops, the two servers side by side taking turns. The
    screenshots are screenshot-like PNGs (panels, text, icons, one photo thumbnail: ~0.2 MB each);
    the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too, and
    the screenshot loop through an offline `LLM` (the ratio of the model's work alone, no server);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import multiprocessing
@@ -138,47 +139,55 @@ def repeat_ratios(model: str, side: int, run: int, images: int = 3, repeats: int
         s.stop()
 
 
-def agent_turn6(model: str, run: int, caches_on: bool, tools: bool = False,
-                shot: Callable[[int, int, int], str] = screenshot, loops: int = 3) -> float:
-    """Median TTFT of turn 6 over `loops` agent loops on one server, each re-sending every
-    screenshot of its own so far (1024x768, made by `shot`; no loop shares an image)."""
-    s = server(model, *(() if caches_on else CACHES_OFF))
-    try:
-        with httpx.Client(timeout=600) as client:
-            took = []
-            for loop in range(loops):
-                shots: list[str] = []
-                for turn in range(6):
-                    shots.append(shot(100 * (loops * run + loop) + turn, 1024, 768))
-                    last = ttft(client, s.base_url, shots, f"turn {turn}: what changed?", tools=tools)
-                took.append(last)
-            return statistics.median(took)
-    finally:
-        s.stop()
+def agent_turn6(model: str, run: int, tools: bool = False, shot: Callable[[int, int, int], str] = screenshot,
+                loops: int = 3) -> tuple[float, float]:
+    """(caches on, caches off): the median TTFT of turn 6 over `loops` agent loops, on two servers
+    side by side taking turns request by request, the first of each turn alternating (this VM's
+    speed drifts by tens of percent within a minute: taking turns puts the same drift into both).
+    Each loop re-sends every screenshot of its own so far (1024x768, made by `shot`; no loop
+    shares an image)."""
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for on, flags in ((True, ()), (False, CACHES_OFF)):
+            servers[on] = server(model, *flags)
+            stack.callback(servers[on].stop)
+        client = stack.enter_context(httpx.Client(timeout=600))
+        took: dict[bool, list[float]] = {True: [], False: []}
+        for loop in range(loops):
+            shots: list[str] = []
+            for turn in range(6):
+                shots.append(shot(100 * (loops * run + loop) + turn, 1024, 768))
+                for on in (True, False) if turn % 2 == 0 else (False, True):
+                    last = ttft(client, servers[on].base_url, shots, f"turn {turn}: what changed?", tools=tools)
+                    if turn == 5:
+                        took[on].append(last)
+        return statistics.median(took[True]), statistics.median(took[False])
 
 
-def offline_turn6(model: str, run: int, caches_on: bool, loops: int = 3) -> float:
-    """`agent_turn6` through an offline `LLM` in this process (no HTTP, no P0/P1 hops): what the
+def offline_turn6(model: str, run: int, loops: int = 3) -> tuple[float, float]:
+    """`agent_turn6` through two offline `LLM`s in this process (no HTTP, no P0/P1 hops): what the
     ratio is for the model's work alone."""
     from mmserve import LLM, SamplingParams
 
-    off = {} if caches_on else {"mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "enable_prefix_caching": False,
-                                "encoder_cache_tokens": 0}
-    llm = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8}, max_media_bytes=64 << 20, **off)
+    off = {"mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "enable_prefix_caching": False, "encoder_cache_tokens": 0}
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    try:
-        took = []
+    with contextlib.ExitStack() as stack:
+        llms = {}
+        for on, kwargs in ((True, {}), (False, off)):
+            llms[on] = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8},
+                           max_media_bytes=64 << 20, **kwargs)
+            stack.callback(llms[on].shutdown)
+        took: dict[bool, list[float]] = {True: [], False: []}
         for loop in range(loops):
             shots: list[str] = []
             for turn in range(6):
                 shots.append(screenshot(100 * (loops * run + loop) + turn, 1024, 768))
-                start = time.perf_counter()
-                llm.chat([user_turn(shots, f"turn {turn}: what changed?")], params)
-                last = time.perf_counter() - start
-            took.append(last)
-        return statistics.median(took)
-    finally:
-        llm.shutdown()
+                for on in (True, False) if turn % 2 == 0 else (False, True):
+                    start = time.perf_counter()
+                    llms[on].chat([user_turn(shots, f"turn {turn}: what changed?")], params)
+                    if turn == 5:
+                        took[on].append(time.perf_counter() - start)
+        return statistics.median(took[True]), statistics.median(took[False])
 
 
 def spread(values: list[float]) -> str:
@@ -218,9 +227,7 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
     parse and hash; for context)."""
     kinds = [("screenshots", screenshot)] + ([] if tools else [("photo-like images", photo)])
     for kind, shot in kinds:
-        # on and off alternate run by run: each ratio's two servers see the same drift of this VM
-        pairs = [(agent_turn6(model, run, True, tools, shot), agent_turn6(model, run, False, tools, shot))
-                 for run in range(runs)]
+        pairs = [agent_turn6(model, run, tools, shot) for run in range(runs)]
         on, off = [p[0] for p in pairs], [p[1] for p in pairs]
         ratios = [a / b for a, b in pairs]
         label = f" with tools ({model})" if tools else ""
@@ -228,7 +235,7 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
         print(f"agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
               f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
     if not tools:  # the floor: the same loop's ratio with no server in the way
-        pairs = [(offline_turn6(model, run, True), offline_turn6(model, run, False)) for run in range(runs)]
+        pairs = [offline_turn6(model, run) for run in range(runs)]
         print(f"agent loop turn 6, screenshots, offline LLM (no server: the model's work alone): caches on "
               f"{spread([p[0] * 1e3 for p in pairs])} ms, off {spread([p[1] * 1e3 for p in pairs])} ms; "
               f"ratio min/median/max {spread([a / b for a, b in pairs])}")
