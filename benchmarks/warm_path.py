@@ -141,27 +141,15 @@ def repeat_ratios(model: str, side: int, run: int, images: int = 3, repeats: int
 
 def agent_turn6(model: str, run: int, tools: bool = False, shot: Callable[[int, int, int], str] = screenshot,
                 loops: int = 3) -> tuple[float, float]:
-    """(caches on, caches off): the median TTFT of turn 6 over `loops` agent loops, on two servers
-    side by side taking turns request by request, the first of each turn alternating (this VM's
-    speed drifts by tens of percent within a minute: taking turns puts the same drift into both).
-    Each loop re-sends every screenshot of its own so far (1024x768, made by `shot`; no loop
-    shares an image)."""
+    """(caches on, caches off): turn 6 of the agent loop (`side_by_side`) on two servers."""
     with contextlib.ExitStack() as stack:
         servers = {}
         for on, flags in ((True, ()), (False, CACHES_OFF)):
             servers[on] = server(model, *flags)
             stack.callback(servers[on].stop)
         client = stack.enter_context(httpx.Client(timeout=600))
-        took: dict[bool, list[float]] = {True: [], False: []}
-        for loop in range(loops):
-            shots: list[str] = []
-            for turn in range(6):
-                shots.append(shot(100 * (loops * run + loop) + turn, 1024, 768))
-                for on in (True, False) if turn % 2 == 0 else (False, True):
-                    last = ttft(client, servers[on].base_url, shots, f"turn {turn}: what changed?", tools=tools)
-                    if turn == 5:
-                        took[on].append(last)
-        return statistics.median(took[True]), statistics.median(took[False])
+        return side_by_side(lambda on, shots, text: ttft(client, servers[on].base_url, shots, text, tools=tools),
+                            run, shot, loops)
 
 
 def offline_turn6(model: str, run: int, loops: int = 3) -> tuple[float, float]:
@@ -177,17 +165,32 @@ def offline_turn6(model: str, run: int, loops: int = 3) -> tuple[float, float]:
             llms[on] = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8},
                            max_media_bytes=64 << 20, **kwargs)
             stack.callback(llms[on].shutdown)
-        took: dict[bool, list[float]] = {True: [], False: []}
-        for loop in range(loops):
-            shots: list[str] = []
-            for turn in range(6):
-                shots.append(screenshot(100 * (loops * run + loop) + turn, 1024, 768))
-                for on in (True, False) if turn % 2 == 0 else (False, True):
-                    start = time.perf_counter()
-                    llms[on].chat([user_turn(shots, f"turn {turn}: what changed?")], params)
-                    if turn == 5:
-                        took[on].append(time.perf_counter() - start)
-        return statistics.median(took[True]), statistics.median(took[False])
+
+        def ask(on: bool, shots: list[str], text: str) -> float:
+            start = time.perf_counter()
+            llms[on].chat([user_turn(shots, text)], params)
+            return time.perf_counter() - start
+
+        return side_by_side(ask, run, screenshot, loops)
+
+
+def side_by_side(ask: Callable[[bool, list[str], str], float], run: int, shot: Callable[[int, int, int], str],
+                 loops: int) -> tuple[float, float]:
+    """(caches on, caches off): the median seconds of turn 6 over `loops` agent loops, `ask(on,
+    screenshots, text)` timing one turn, the two sides taking turns request by request with the
+    first of each turn alternating (this VM's speed drifts by tens of percent within a minute:
+    taking turns puts the same drift into both). Each loop re-sends every screenshot of its own so
+    far (1024x768, made by `shot`; no loop shares an image)."""
+    took: dict[bool, list[float]] = {True: [], False: []}
+    for loop in range(loops):
+        shots: list[str] = []
+        for turn in range(6):
+            shots.append(shot(100 * (loops * run + loop) + turn, 1024, 768))
+            for on in (True, False) if turn % 2 == 0 else (False, True):
+                last = ask(on, shots, f"turn {turn}: what changed?")
+                if turn == 5:
+                    took[on].append(last)
+    return statistics.median(took[True]), statistics.median(took[False])
 
 
 def spread(values: list[float]) -> str:

@@ -57,6 +57,7 @@ def _log(scope: Any, status: int | None) -> None:  # an HTTP scope, as uvicorn t
     logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], get_path_with_query_string(scope),
                 scope["http_version"], status)
 
+
 def take_over_uvicorn_access_log() -> None:
     """Give uvicorn's access-log handlers and level to `mmserve.access` (call after uvicorn's
     `Config` has set up logging, before serving); uvicorn then writes no access line itself."""
