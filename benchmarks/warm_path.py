@@ -14,7 +14,11 @@ Three figures, each against its baseline measured in the same run (issue: warm p
    two clients: httpx (what an OpenAI SDK user sees, with the client's own ~1 ms) and a raw
    socket (the server alone).
 
-Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--parts repeat,agent,...]`.
+Each figure is measured on each of `--models`: by default both built-in families, LLaVA (every
+image 336 px, 144 tokens) and Qwen3-VL (dynamic resolution: a 1024x768 screenshot is 234 tokens
+and a 5.8 MB processed item); the agent loop with tools runs on Qwen3-VL, whose template renders them.
+
+Run: `PYTHONPATH=src:tests .venv/bin/python benchmarks/warm_path.py [--runs N] [--parts repeat,...] [--models M,...]`.
 The repeat figure takes three distinct images per server, each first sight against the median of
 three repeats.
 Timings on a shared 2-core machine swing: it prints min / median / max over the runs.
@@ -44,6 +48,7 @@ from PIL import Image
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
+BUILTINS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl")  # the two families: fixed-size and dynamic resolution
 CACHES_OFF = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--no-enable-prefix-caching",
               "--encoder-cache-tokens", "0")
 
@@ -199,7 +204,8 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="builtin:tiny-llava")
+    parser.add_argument("--models", default=",".join(BUILTINS),
+                        help="comma-separated; each figure is measured on each (default: both built-in families)")
     parser.add_argument("--runs", type=int, default=3, help="fresh servers per figure")
     parser.add_argument("--parts", default="repeat,agent,tools,overhead",
                         help="which figures to measure (comma-separated)")
@@ -207,21 +213,27 @@ def main() -> None:
                         help="the agent loop with tools in every turn runs on this model (its template renders them)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    for side in (672, 1344) if "repeat" in parts else ():
-        pairs = [pair for run in range(args.runs) for pair in repeat_ratios(args.model, side, run)]
-        ratios = [again / first for first, again in pairs]
-        print(f"repeat at {side} px: first {spread([p[0] * 1e3 for p in pairs])} ms, repeat "
-              f"{spread([p[1] * 1e3 for p in pairs])} ms; ratio min/median/max {spread(ratios)} (target <= 0.20)")
-    if "agent" in parts:
-        agent(args.model, args.runs)
+    for model in args.models.split(","):
+        measure(model, args.runs, parts)
     if "tools" in parts:
         agent(args.tools_model, args.runs, tools=True)
+
+
+def measure(model: str, runs: int, parts: set[str]) -> None:
+    """The repeat, agent and overhead figures on `model`, each line prefixed with its name."""
+    for side in (672, 1344) if "repeat" in parts else ():
+        pairs = [pair for run in range(runs) for pair in repeat_ratios(model, side, run)]
+        ratios = [again / first for first, again in pairs]
+        print(f"[{model}] repeat at {side} px: first {spread([p[0] * 1e3 for p in pairs])} ms, repeat "
+              f"{spread([p[1] * 1e3 for p in pairs])} ms; ratio min/median/max {spread(ratios)} (target <= 0.20)")
+    if "agent" in parts:
+        agent(model, runs)
     if "overhead" in parts:
-        adds = [overhead_in_fresh_process(args.model, run) for run in range(args.runs)]
+        adds = [overhead_in_fresh_process(model, run) for run in range(runs)]
         for client, what in (("httpx", "through httpx, the OpenAI SDK's client"),
                              ("raw", "through a raw socket: the server alone")):
-            print(f"server overhead {what} (median TTFT of 20 one-image requests, server - offline LLM, "
-                  f"taking turns): min/median/max {spread([a[client] * 1e3 for a in adds])} ms (target < 5 ms)")
+            print(f"[{model}] server overhead {what} (median TTFT of 20 one-image requests, server - offline "
+                  f"LLM, taking turns): min/median/max {spread([a[client] * 1e3 for a in adds])} ms (target < 5 ms)")
 
 
 def agent(model: str, runs: int, tools: bool = False) -> None:
@@ -233,13 +245,13 @@ def agent(model: str, runs: int, tools: bool = False) -> None:
         pairs = [agent_turn6(model, run, tools, shot) for run in range(runs)]
         on, off = [p[0] for p in pairs], [p[1] for p in pairs]
         ratios = [a / b for a, b in pairs]
-        label = f" with tools ({model})" if tools else ""
+        label = " with tools" if tools else ""
         target = " (target <= 0.25)" if shot is screenshot and not tools else ""
-        print(f"agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
+        print(f"[{model}] agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
               f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
     if not tools:  # the floor: the same loop's ratio with no server in the way
         pairs = [offline_turn6(model, run) for run in range(runs)]
-        print(f"agent loop turn 6, screenshots, offline LLM (no server: the model's work alone): caches on "
+        print(f"[{model}] agent loop turn 6, screenshots, offline LLM (no server: the model's work alone): caches on "
               f"{spread([p[0] * 1e3 for p in pairs])} ms, off {spread([p[1] * 1e3 for p in pairs])} ms; "
               f"ratio min/median/max {spread([a / b for a, b in pairs])}")
 
