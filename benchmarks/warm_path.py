@@ -8,7 +8,8 @@ Three figures, each against its baseline measured in the same run (issue: warm p
    median of three loops, the two servers side by side taking turns. The
    screenshots are screenshot-like PNGs (panels, text, icons, one photo thumbnail: ~0.2 MB each);
    the same loop with photo-like images (~1.8 MB each, a 17 MB body at turn 6) is printed too, and
-   the screenshot loop through an offline `LLM` (the ratio of the model's work alone, no server);
+   the screenshot loop through two offline `LLM`s taking turns with the two servers (the ratio of
+   the model's work alone, no server, in the same window);
 3. the server's overhead: median TTFT of a one-image request through HTTP minus the offline
    engine's, taking turns request by request (target < 5 ms; `serving_overhead.py`), printed for
    two clients: httpx (what an OpenAI SDK user sees, with the client's own ~1 ms) and a raw
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import functools
 import io
 import json
 import multiprocessing
@@ -37,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import ProcessPoolExecutor
 
 import httpx
@@ -49,6 +52,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 BUILTINS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl")  # the two families: fixed-size and dynamic resolution
+OFFLINE_CACHES_OFF = {"mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "enable_prefix_caching": False,
+                      "encoder_cache_tokens": 0}  # CACHES_OFF as `LLM` arguments
 CACHES_OFF = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--no-enable-prefix-caching",
               "--encoder-cache-tokens", "0")
 
@@ -144,58 +149,62 @@ def repeat_ratios(model: str, side: int, run: int, images: int = 3, repeats: int
         s.stop()
 
 
+Ask = Callable[[list[str], str], float]  # times one turn: (the screenshots so far, the text) -> seconds
+
+
 def agent_turn6(model: str, run: int, tools: bool = False, shot: Callable[[int, int, int], str] = screenshot,
-                loops: int = 3) -> tuple[float, float]:
-    """(caches on, caches off): turn 6 of the agent loop (`side_by_side`) on two servers."""
+                offline: bool = False, loops: int = 3) -> dict[str, float]:
+    """Turn 6 of the agent loop (`side_by_side`) on a caches-on and a caches-off server ("on",
+    "off"), with `offline` also on two offline `LLM`s in this process ("offline on", "offline
+    off": no HTTP, no P0/P1 hops, the ratio of the model's work alone) taking turns with them."""
     with contextlib.ExitStack() as stack:
-        servers = {}
-        for on, flags in ((True, ()), (False, CACHES_OFF)):
-            servers[on] = server(model, *flags)
-            stack.callback(servers[on].stop)
+        asks: dict[str, Ask] = {}
         client = stack.enter_context(httpx.Client(timeout=600))
-        return side_by_side(lambda on, shots, text: ttft(client, servers[on].base_url, shots, text, tools=tools),
-                            run, shot, loops)
+        for name, flags in (("on", ()), ("off", CACHES_OFF)):
+            s = server(model, *flags)
+            stack.callback(s.stop)
+            asks[name] = functools.partial(_ask_server, client, s.base_url, tools)
+        if offline:
+            from mmserve import LLM
+
+            for name, kwargs in (("offline on", {}), ("offline off", OFFLINE_CACHES_OFF)):
+                llm = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8},
+                          max_media_bytes=64 << 20, **kwargs)
+                stack.callback(llm.shutdown)
+                asks[name] = functools.partial(_ask_offline, llm)
+        return side_by_side(asks, run, shot, loops)
 
 
-def offline_turn6(model: str, run: int, loops: int = 3) -> tuple[float, float]:
-    """`agent_turn6` through two offline `LLM`s in this process (no HTTP, no P0/P1 hops): what the
-    ratio is for the model's work alone."""
-    from mmserve import LLM, SamplingParams
-
-    off = {"mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "enable_prefix_caching": False, "encoder_cache_tokens": 0}
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    with contextlib.ExitStack() as stack:
-        llms = {}
-        for on, kwargs in ((True, {}), (False, off)):
-            llms[on] = LLM(model=model, max_model_len=4096, limit_mm_per_prompt={"image": 8},
-                           max_media_bytes=64 << 20, **kwargs)
-            stack.callback(llms[on].shutdown)
-
-        def ask(on: bool, shots: list[str], text: str) -> float:
-            start = time.perf_counter()
-            llms[on].chat([user_turn(shots, text)], params)
-            return time.perf_counter() - start
-
-        return side_by_side(ask, run, screenshot, loops)
+def _ask_server(client: httpx.Client, base_url: str, tools: bool, shots: list[str], text: str) -> float:
+    return ttft(client, base_url, shots, text, tools=tools)
 
 
-def side_by_side(ask: Callable[[bool, list[str], str], float], run: int, shot: Callable[[int, int, int], str],
-                 loops: int) -> tuple[float, float]:
-    """(caches on, caches off): the median seconds of turn 6 over `loops` agent loops, `ask(on,
-    screenshots, text)` timing one turn, the two sides taking turns request by request with the
-    first of each turn alternating (this VM's speed drifts by tens of percent within a minute:
-    taking turns puts the same drift into both). Each loop re-sends every screenshot of its own so
-    far (1024x768, made by `shot`; no loop shares an image)."""
-    took: dict[bool, list[float]] = {True: [], False: []}
+def _ask_offline(llm: Any, shots: list[str], text: str) -> float:
+    from mmserve import SamplingParams
+
+    start = time.perf_counter()
+    llm.chat([user_turn(shots, text)], SamplingParams(temperature=0.0, max_tokens=1))
+    return time.perf_counter() - start
+
+
+def side_by_side(asks: dict[str, Ask], run: int, shot: Callable[[int, int, int], str],
+                 loops: int) -> dict[str, float]:
+    """The median seconds of turn 6 over `loops` agent loops, by side: the sides take turns
+    request by request, the first rotating turn by turn (this VM's speed drifts by tens of
+    percent within a minute: taking turns puts the same drift into every side). Each loop re-sends
+    every screenshot of its own so far (1024x768, made by `shot`; no loop shares an image)."""
+    names = list(asks)
+    took: dict[str, list[float]] = {name: [] for name in names}
     for loop in range(loops):
         shots: list[str] = []
         for turn in range(6):
             shots.append(shot(100 * (loops * run + loop) + turn, 1024, 768))
-            for on in (True, False) if turn % 2 == 0 else (False, True):
-                last = ask(on, shots, f"turn {turn}: what changed?")
+            first = (loop + turn) % len(names)
+            for name in names[first:] + names[:first]:
+                last = asks[name](shots, f"turn {turn}: what changed?")
                 if turn == 5:
-                    took[on].append(last)
-    return statistics.median(took[True]), statistics.median(took[False])
+                    took[name].append(last)
+    return {name: statistics.median(t) for name, t in took.items()}
 
 
 def spread(values: list[float]) -> str:
@@ -238,22 +247,22 @@ def measure(model: str, runs: int, parts: set[str]) -> None:
 
 def agent(model: str, runs: int, tools: bool = False) -> None:
     """Turn 6 of the agent loop, caches on / off, each on `runs` fresh servers: with screenshot-like
-    images (the target), and without tools also with photo-like ones (~10x the bytes to receive,
-    parse and hash; for context)."""
+    images (the target; without tools also through two offline `LLM`s taking turns with the
+    servers, the floor the model's own work sets), and without tools also with photo-like ones
+    (~10x the bytes to receive, parse and hash; for context)."""
     kinds = [("screenshots", screenshot)] + ([] if tools else [("photo-like images", photo)])
     for kind, shot in kinds:
-        pairs = [agent_turn6(model, run, tools, shot) for run in range(runs)]
-        on, off = [p[0] for p in pairs], [p[1] for p in pairs]
-        ratios = [a / b for a, b in pairs]
+        floor = shot is screenshot and not tools
+        runs_took = [agent_turn6(model, run, tools, shot, offline=floor) for run in range(runs)]
         label = " with tools" if tools else ""
-        target = " (target <= 0.25)" if shot is screenshot and not tools else ""
-        print(f"[{model}] agent loop turn 6{label}, {kind}: caches on {spread([t * 1e3 for t in on])} ms, off "
-              f"{spread([t * 1e3 for t in off])} ms; ratio min/median/max {spread(ratios)}{target}")
-    if not tools:  # the floor: the same loop's ratio with no server in the way
-        pairs = [offline_turn6(model, run) for run in range(runs)]
-        print(f"[{model}] agent loop turn 6, screenshots, offline LLM (no server: the model's work alone): caches on "
-              f"{spread([p[0] * 1e3 for p in pairs])} ms, off {spread([p[1] * 1e3 for p in pairs])} ms; "
-              f"ratio min/median/max {spread([a / b for a, b in pairs])}")
+        sides = [("", "", " (target <= 0.25)" if floor else "")]
+        if floor:
+            sides.append(("offline ", ", offline LLM (no server: the model's work alone)", ""))
+        for side, what, target in sides:
+            on, off = [t[side + "on"] for t in runs_took], [t[side + "off"] for t in runs_took]
+            print(f"[{model}] agent loop turn 6{label}, {kind}{what}: caches on {spread([t * 1e3 for t in on])} ms, "
+                  f"off {spread([t * 1e3 for t in off])} ms; ratio min/median/max "
+                  f"{spread([a / b for a, b in zip(on, off)])}{target}")
 
 
 def overhead_in_fresh_process(model: str, run: int) -> dict[str, float]:
