@@ -39,8 +39,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import httpx
 
