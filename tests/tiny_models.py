@@ -60,6 +60,26 @@ def make_qwen_checkpoint(tmp_dir: str | Path, family: str = "qwen3_vl", **kwargs
     return str(path)
 
 
+def make_tied_copy(src: str | Path, dst: Path, keep_head: bool = False) -> str:
+    """A copy of the one-file checkpoint `src` at `dst` with `tie_word_embeddings` set, as Qwen2.5-VL-3B
+    and Qwen3-VL-2B / 4B are published: without `lm_head.weight` (`keep_head`: with it, as some
+    are saved), the head being the embedding table."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for file in Path(src).iterdir():
+        if file.suffix != ".safetensors":
+            (dst / file.name).write_bytes(file.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    if not keep_head:
+        del tensors["lm_head.weight"]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
 def make_image(seed: int, size: tuple[int, int] = (48, 48), mode: str = "RGB") -> Image.Image:
     """A deterministic image of `size` (width, height): random colour blocks plus noise.
 

@@ -15,7 +15,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from parity_runs import run_greedy
 from hf_reference import hf_qwen_greedy
-from tiny_models import make_image, make_qwen_checkpoint
+from tiny_models import make_image, make_qwen_checkpoint, make_tied_copy
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
@@ -119,3 +119,13 @@ def test_tp2_equals_transformers(variant):
         assert [o.outputs[0].token_ids for o in outs] == refs
     finally:
         llm.engine.core.shutdown()
+
+
+def test_a_tied_checkpoint_equals_transformers(tmp_path):
+    """Tied embeddings, published without `lm_head.weight`: the head is the embedding table (it
+    once came apart from the table while loading and computed logits from uninitialised memory)."""
+    path = make_tied_copy(make_qwen_checkpoint(tmp_path, **VARIANTS["qwen3-vl"]), tmp_path / "tied")
+    items = prompts()[:3]
+    refs, _ = hf_qwen_greedy(path, items, MAX_NEW)
+    got, _ = run_mmserve(path, items)
+    assert got == refs

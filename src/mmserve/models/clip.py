@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.hf_config import VisionConfig
-from mmserve.models.layers import activation
+from mmserve.models.layers import EmbeddingTable, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
@@ -23,7 +23,7 @@ class CLIPVisionEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size,
                                          stride=cfg.patch_size, bias=False)
-        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.hidden_size)
+        self.position_embedding = EmbeddingTable(cfg.num_patches + 1, cfg.hidden_size)
         self.image_size = cfg.image_size
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class EmbeddingTable(nn.Module):
+    """A learned table read whole (`weight` [rows, dim], the parameter name `nn.Embedding` has).
+    Unlike `nn.Embedding` it is not randomly initialised: its values always come from the
+    checkpoint, and `normal_` on the meta device (where models are built) imports
+    torch._dynamo, 1.8 s of every engine core's start."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 

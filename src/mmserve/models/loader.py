@@ -34,9 +34,9 @@ def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SING
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
-    with torch.device("meta"):
+    with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
-    model = model.to_empty(device="cpu")
+    _materialize(model)
     params = dict(model.named_parameters())
     shards = _shards(model)
     loaded: set[str] = set()
@@ -46,6 +46,8 @@ def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SING
             with torch.no_grad():
                 _copy_checked(params[name], _read(tensor_slice, shards.get(name)), name, shards.get(name))
             loaded.add(name)
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # some tied checkpoints also store the head: the model's is the embedding table
         elif not cls.is_unused(name, cfg):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     missing = set(params) - loaded
@@ -54,6 +56,19 @@ def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SING
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+
+
+def _materialize(model: torch.nn.Module) -> None:
+    """Give each parameter of a model built on the meta device uninitialised CPU memory, tied ones
+    staying tied: what `Module.to_empty` does, without its `empty_like` of a meta tensor, which
+    imports sympy (0.5 s of every engine core's start)."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in done:
+                done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                     requires_grad=param.requires_grad)
+            module.register_parameter(name, done[id(param)])
 
 
 def iter_checkpoint(model_dir: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.models.layers import activation
+from mmserve.models.layers import EmbeddingTable, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
 from mmserve.models.qwen_vision import (Grid, Segments, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
@@ -74,7 +74,7 @@ class Qwen3VisionTower(nn.Module):
                              f"got {cfg.num_position_embeddings}")
         self.cfg, self.side = cfg, side
         self.patch_embed = VisionPatchEmbed(cfg, bias=True)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = EmbeddingTable(cfg.num_position_embeddings, cfg.hidden_size)
         self.rotary_pos_emb = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg, tp, _layer_norm, VisionMLP(cfg, tp)) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, False, tp)
