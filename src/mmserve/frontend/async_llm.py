@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator
 
 from mmserve.config import EngineConfig
@@ -39,6 +40,7 @@ from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import log_stats_periodically
+from mmserve.multimodal.processing import create_processor
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -54,11 +56,22 @@ class AsyncLLM(Admission, EngineFigures):
         self.config = config
         self.model_dir = resolve_model(config.model.model)
         self.transport = ItemTransport(config, attachment)
+        # the processor (2-4 s, mostly transformers' imports) is made while the engine cores start
+        with ThreadPoolExecutor(1, thread_name_prefix="mmserve-processor") as pool:
+            processor = pool.submit(create_processor, self.model_dir)
+            try:
+                self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info, attachment)
+            except BaseException:
+                self.transport.close()
+                raise
         try:
-            self.ranks = EngineRanks(config, self.model_dir, self.transport.shm_info, attachment)
+            self._finish_init(config, attachment, processor.result())
         except BaseException:
+            self.ranks.shutdown()
             self.transport.close()
             raise
+
+    def _finish_init(self, config: EngineConfig, attachment: Attachment | None, processor: Any) -> None:
         for rank in range(len(self.ranks)):  # a rank on another node cannot map this node's store
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         self.max_model_len = self.ranks.client(0).max_model_len
@@ -67,7 +80,8 @@ class AsyncLLM(Admission, EngineFigures):
             router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
                 else DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))])
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
-                                              known_tokens=self.transport.known_tokens, fetch=self.transport.fetch)
+                                              known_tokens=self.transport.known_tokens, fetch=self.transport.fetch,
+                                              processor=processor)
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)

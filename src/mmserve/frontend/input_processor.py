@@ -30,9 +30,10 @@ _PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt",
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None,
                  known_tokens: Callable[[str], int | None] = lambda h: None,
-                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None) -> None:
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None, processor: Any = None) -> None:
+        """`processor`: the checkpoint's (`create_processor(model_dir)`, made here when not given)."""
         self.config = config
-        self.processor = create_processor(model_dir)
+        self.processor = create_processor(model_dir) if processor is None else processor
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
