@@ -9,6 +9,7 @@ import sys
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import add_cli_args, engine_args_from_cli
+from mmserve.gc_tuning import pause_collection
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +48,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    pause_collection()  # until the server serves (`run_server`: freeze_startup_heap); else it exits
     from mmserve.entrypoints.openai.api_server import run_server
 
     if args.model_tag is not None:

@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.gc_tuning import freeze_startup_heap, pause_collection
 from mmserve.engine.clients import ApiServerChannels
 from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.proc_title import set_process_title
@@ -65,6 +66,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
     each or one per API server (in server index order), until told to stop; `stats_addr` also
     gets the stats (the data-parallel coordinator). Exit code 0 after SIGTERM / SIGINT, 1 after a
     startup or fatal error."""
+    pause_collection()  # until the engine core serves: freeze_startup_heap
     parallel = config.parallel
     set_process_title(f"engine_dp{parallel.data_parallel_rank}")
     retain_freed_memory()
@@ -113,6 +115,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
     try:
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
         proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, reserve)
+        freeze_startup_heap()  # before the ready message: a full collection would stall every step
         proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid()))
         if proc.orphaned:
             _remove_socket_files(*addresses)

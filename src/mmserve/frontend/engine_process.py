@@ -22,10 +22,10 @@ import time
 from collections.abc import Sequence
 from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
-from typing import Protocol
+from typing import Any, Protocol
 
 from mmserve.config import EngineConfig
-from mmserve.engine.core_proc import run_engine_core
+from mmserve.gc_tuning import pause_collection
 from mmserve.ipc.lifecycle import describe_exit
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class LocalEngineProcess:
         coordinator's `stats_addr`."""
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),
+            target=_run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),
             name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
         self.process.start()
 
@@ -134,6 +134,14 @@ class LocalEngineProcess:
                 proc.kill()
                 _ended(proc, None)
         _reap(proc)
+
+
+def _run_engine_core(*args: Any) -> None:
+    """P1's entry point: collection paused before the engine core's imports (torch, the model)."""
+    pause_collection()
+    from mmserve.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
 
 
 # One thread at a time reaps: of two threads in waitpid() on one child, the loser reads ECHILD,

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.gc_tuning import freeze_startup_heap, pause_collection
 from mmserve.malloc_tuning import retain_freed_memory
 from mmserve.proc_title import set_process_title
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
@@ -66,6 +67,7 @@ class WorkerArgs:
 
 
 def run_worker(args: WorkerArgs) -> None:
+    pause_collection()  # until the worker serves: freeze_startup_heap
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     results: QueueSender = QueueSender(ctx, args.result_address, MsgpackEncoder(), bind=False, linger_ms=_LINGER_MS)
@@ -95,6 +97,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     info = msgspec.msgpack.decode(args.broadcast, type=ShmBroadcastInfo)
     reader: ShmBroadcastReader[WorkerInput] = ShmBroadcastReader(info, args.rank, MsgpackDecoder(WorkerInput), ctx)
     items = RankItems(args.shm_store)
+    freeze_startup_heap()
     try:
         results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block()))
         while True:

@@ -39,6 +39,7 @@ from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
+from mmserve.gc_tuning import freeze_startup_heap
 from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
@@ -200,6 +201,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
         server = uvicorn.Server(config)
+        freeze_startup_heap()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
         supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
         try:

@@ -35,6 +35,7 @@ from multiprocessing.synchronize import Event
 
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
+from mmserve.gc_tuning import freeze_startup_heap, pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.attached_engine import Attachment, engine_addresses
 from mmserve.frontend.coordinator import Coordinator
@@ -121,6 +122,7 @@ class Launcher:
         host, port = self.sock.getsockname()[:2]
         print(f"mmserve: serving {config.model.model} on http://{host}:{port} "
               f"({parallel.api_server_count} API servers)", flush=True)
+        freeze_startup_heap()  # the coordinator's thread routes every request
         while (code := self._check(model_dir)) is None:
             time.sleep(SUPERVISE_POLL_S)
         return code
@@ -183,6 +185,7 @@ class Launcher:
 
 def _api_server_main(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment,
                      sock: socket.socket, ready: Event) -> None:
+    pause_collection()  # until it serves (`serve_api_server`: freeze_startup_heap)
     code = serve_api_server(server_config, engine_config, attachment, sock, ready.set)
     if code:
         raise SystemExit(code)
