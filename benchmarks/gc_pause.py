@@ -54,8 +54,11 @@ def in_process() -> None:
     llm.shutdown()
 
 
-def through_server(freeze: bool, num_prompts: int) -> dict[str, dict[str, list[float]]]:
-    """Per process: the pauses (ms) of its full collections during start-up and while serving."""
+Pauses = dict[str, dict[str, list[float]]]  # process -> phase ("start-up", "serving") -> ms of each full collection
+
+
+def through_server(freeze: bool, num_prompts: int) -> tuple[float, Pauses]:
+    """Seconds until /health, and per process the pauses of its full collections by phase."""
     from server_process import ServerProcess
 
     with tempfile.TemporaryDirectory() as probe_dir:
@@ -71,15 +74,14 @@ def through_server(freeze: bool, num_prompts: int) -> dict[str, dict[str, list[f
                            env={**os.environ, "MMSERVE_GC_PROBE_DIR": ""})
         finally:
             server.stop()
-        pauses: dict[str, dict[str, list[float]]] = {}
+        pauses: Pauses = {process: {"start-up": [], "serving": []} for process in PROCESSES}
         for log in Path(probe_dir).glob("*.log"):
             for line in log.read_text().splitlines():
                 at, generation, ms, _, process = line.split()
                 if process in PROCESSES and generation == "2":
                     phase = "start-up" if float(at) < healthy else "serving"
-                    pauses.setdefault(process, {"start-up": [], "serving": []})[phase].append(float(ms))
-        pauses["_start_s"] = {"start-up": [healthy - start], "serving": []}
-        return pauses
+                    pauses[process][phase].append(float(ms))
+        return healthy - start, pauses
 
 
 def describe(ms: list[float]) -> str:
@@ -95,13 +97,12 @@ def main() -> None:
     for run in range(args.runs):
         results = {name: through_server(freeze, args.num_prompts) for name, freeze in (("unfrozen", False),
                                                                                         ("frozen", True))}
-        for name, pauses in results.items():
-            print(f"run {run}, {name}: /health after {pauses['_start_s']['start-up'][0]:.2f} s")
+        for name, (start_s, pauses) in results.items():
+            print(f"run {run}, {name}: /health after {start_s:.2f} s")
             for process, label in PROCESSES.items():
-                seen = pauses.get(process, {"start-up": [], "serving": []})
+                seen = pauses[process]
                 print(f"  {label}: start-up {describe(seen['start-up'])}; serving {describe(seen['serving'])}")
-        serving = {name: sum(sum(p.get(proc, {"serving": []})["serving"]) for proc in PROCESSES)
-                   for name, p in results.items()}
+        serving = {name: sum(sum(p[proc]["serving"]) for proc in PROCESSES) for name, (_, p) in results.items()}
         ratio = serving["frozen"] / serving["unfrozen"] if serving["unfrozen"] else float("nan")
         print(f"run {run}: full-collection pauses while serving, P0 + P1: frozen / unfrozen {ratio:.3f}")
 

@@ -3,7 +3,7 @@ PYTHONPATH and MMSERVE_GC_PROBE_DIR set (tests/test_gc_tuning.py, benchmarks/gc_
 collection appends a line to `<dir>/<pid>.log`:
 `<unix time> <generation> <milliseconds> <objects frozen then> <process>`, where <process> is
 the multiprocessing name of a spawned child (`mmserve-engine-dp0`) or the main script and its first
-argument (`cli.py serve`).
+argument joined by `_` (`cli.py_serve`).
 """
 
 from __future__ import annotations
