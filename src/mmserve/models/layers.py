@@ -159,8 +159,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                enable_gqa=gqa)  # [1, H, n, Dh]
             out[p.lo:p.hi] = o[0].transpose(0, 1)
         else:
-            cached_k = k_cache.index_select(0, p.block_table).view(-1, Hkv, Dh)[:p.start]  # [start, Hkv, Dh]
-            cached_v = v_cache.index_select(0, p.block_table).view(-1, Hkv, Dh)[:p.start]
+            blocks = p.block_table[: -(-p.start // S)]  # those holding the cached tokens
+            cached_k = k_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]  # [start, Hkv, Dh]
+            cached_v = v_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]
             out[p.lo:p.hi] = prefill_attention(q[p.lo:p.hi], k[p.lo:p.hi], v[p.lo:p.hi], cached_k, cached_v, scale)
     return out
 
