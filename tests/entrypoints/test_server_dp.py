@@ -56,7 +56,11 @@ def test_repeats_go_where_their_image_is_cached(server):
     after = scrape(server)
     served = [mid.value("mmserve_engine_requests_total", engine=str(r))
               - before.value("mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)]
-    assert served == [3, 3]  # the first sights spread over both ranks
+    # the first sights spread over both ranks: with no load and nothing cached to tell them apart,
+    # the rank routed to least takes the next, so the module's requests so far stay even (the
+    # concurrent requests of the test before may have left one rank a request or two ahead)
+    totals = [mid.value("mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)]
+    assert min(served) >= 2 and abs(totals[0] - totals[1]) <= 1, (served, totals)
     cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in repeats]
     assert all(c >= 16 for c in cached), cached  # each repeat found its image's blocks on its rank
     assert all(r.status_code == 200 for r in first)
