@@ -1,7 +1,9 @@
 """Attention of a prefill chunk after cached tokens (`models/layers.py: prefill_attention`): the
 cached keys unmasked and the chunk's own keys causally, merged by log-sum-exp, against one
-attention over all keys under a causal mask (what `paged_attention` did before; the baseline,
-written out here). Per layer, on CPU, median of `--repeats` calls each, interleaved.
+attention over all keys under a causal mask (`masked_prefill_attention`, what `paged_attention`
+did for every such chunk before: the baseline, its mask built outside the clock as a step builds it
+once for every layer). "new" is what `paged_attention` does now: the chunk's `AttentionMetadata`
+decides between the two. Per layer, on CPU, median of `--repeats` calls each, interleaved.
 
 Shapes (new tokens after cached tokens; query heads / key-value heads x head dim):
 - the built-in LLaVA's turn 6 of `warm_path.py`'s agent loop (182 after 720; 8/4 x 32),
@@ -19,14 +21,15 @@ Run: `python benchmarks/prefill_attention.py [--repeats N]`.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, as the engine's processes have it)
 import torch
-import torch.nn.functional as F
 
-from mmserve.models.layers import SPLIT_FROM_CACHED, SPLIT_FROM_NEW, prefill_attention
+from mmserve.models.layers import AttentionMetadata, masked_prefill_attention, prefill_attention
 
 SHAPES = [  # (label, new, cached, heads, kv heads, head dim)
     ("tiny-llava agent turn 6", 182, 720, 8, 4, 32),
@@ -37,14 +40,16 @@ SHAPES = [  # (label, new, cached, heads, kv heads, head dim)
 ]
 
 
-def masked(q, k, v, cached_k, cached_v, scale):
-    """One attention over all keys under a causal mask from `start`: the baseline."""
-    n, start = q.shape[0], cached_k.shape[0]
-    visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-    keys, values = torch.cat([cached_k, k]).transpose(0, 1)[None], torch.cat([cached_v, v]).transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=visible, scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
+def interleaved_medians(calls: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, float]:
+    """Median ms of each call, taking turns (the first to go alternating); 3 warm-up rounds."""
+    took: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(repeats + 3):
+        for name in list(calls)[:: 1 if i % 2 else -1]:
+            t = time.perf_counter()
+            calls[name]()
+            if i >= 3:  # the first calls warm the allocator and the kernels' thread pool
+                took[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t) for name, t in took.items()}
 
 
 def main() -> None:
@@ -55,26 +60,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     worst = 0.0
     for label, n, start, heads, kv_heads, dh in SHAPES:
-        q = torch.randn(n, heads, dh, generator=g)
-        k, v = torch.randn(n, kv_heads, dh, generator=g), torch.randn(n, kv_heads, dh, generator=g)
-        cached_k = torch.randn(start, kv_heads, dh, generator=g)
-        cached_v = torch.randn(start, kv_heads, dh, generator=g)
+        chunk = (torch.randn(n, heads, dh, generator=g), torch.randn(n, kv_heads, dh, generator=g),
+                 torch.randn(n, kv_heads, dh, generator=g), torch.randn(start, kv_heads, dh, generator=g),
+                 torch.randn(start, kv_heads, dh, generator=g))  # q, k, v, cached k, cached v
         scale = dh**-0.5
-        error = prefill_attention(q, k, v, cached_k, cached_v, scale) - masked(q, k, v, cached_k, cached_v, scale)
-        took: dict[str, list[float]] = {"old": [], "new": []}
-        for i in range(args.repeats + 3):
-            for name, fn in (("old", masked), ("new", prefill_attention))[:: 1 if i % 2 else -1]:
-                t = time.perf_counter()
-                fn(q, k, v, cached_k, cached_v, scale)
-                if i >= 3:  # the first calls warm the allocator and the kernels' thread pool
-                    took[name].append((time.perf_counter() - t) * 1e3)
-        old, new = statistics.median(took["old"]), statistics.median(took["new"])
-        split = start >= SPLIT_FROM_CACHED or n >= SPLIT_FROM_NEW
-        if split:
-            worst = max(worst, new / old)
-        target = "target <= 1.0" if split else "the same call both ways: noise"
-        print(f"{label:36s} old {old:8.3f} ms  new {new:8.3f} ms  new/old {new / old:.3f} ({target})"
-              f"  max |diff| {error.abs().max().item():.1e}")
+        causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, start + n]
+        span = AttentionMetadata.build([n], [start + n], [list(range(-(-(start + n) // 16)))], 16).prefills[0]
+        calls = {"old": functools.partial(masked_prefill_attention, *chunk, causal, scale),
+                 "new": (functools.partial(prefill_attention, *chunk, scale) if span.mask is None
+                         else functools.partial(masked_prefill_attention, *chunk, span.mask, scale))}
+        error = (calls["new"]() - calls["old"]()).abs().max().item()
+        ms = interleaved_medians(calls, args.repeats)
+        ratio = ms["new"] / ms["old"]
+        if span.mask is None:  # split
+            worst = max(worst, ratio)
+        target = "target <= 1.0" if span.mask is None else "the same call both ways: noise"
+        print(f"{label:36s} old {ms['old']:8.3f} ms  new {ms['new']:8.3f} ms  new/old {ratio:.3f} ({target})"
+              f"  max |diff| {error:.1e}")
     print(f"worst new/old where the chunk is split {worst:.3f} (target <= 1.0)")
 
 

@@ -93,6 +93,9 @@ class PrefillSpan:
     hi: int
     start: int
     block_table: torch.Tensor  # [num_blocks] int64
+    # [n, start + n] causal from `start` for a small chunk after a short context (one masked
+    # attention); None for a chunk that starts the request or one split by `prefill_attention`
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,7 +105,9 @@ class AttentionMetadata:
     Tokens are laid out request after request. Decoding requests (one query each) attend
     together, padded to the longest context (`decode_mask` marks real keys). Each prefill chunk
     attends on its own: a chunk that starts the request needs only its own K/V (causal); a later
-    chunk also reads its earlier tokens from the cache (`prefill_attention`).
+    chunk also reads its earlier tokens from the cache: a small one after a short context under
+    a causal mask built here once for every layer (`masked_prefill_attention`), any other in two
+    parts (`prefill_attention`).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * S + offset) of each token
@@ -127,9 +132,23 @@ class AttentionMetadata:
         d_tables = rows[decode][:, : max((len(block_tables[b]) for b in decode), default=0)]
         d_lens = torch.tensor([seq_lens[b] for b in decode])
         d_mask = torch.arange(d_tables.shape[1] * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
-        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b])
+        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b],
+                                _small_chunk_mask(seq_lens[b] - q, q))
                     for b, q in enumerate(query_lens) if q > 1]
         return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills)
+
+
+# below both, one masked attention over all keys costs less than two and a merge (measured on CPU:
+# the split loses up to ~0.06 ms a layer there, and gains 10-40% from ~900 cached keys or 256 new)
+SPLIT_FROM_CACHED, SPLIT_FROM_NEW = 512, 128
+
+
+def _small_chunk_mask(start: int, n: int) -> torch.Tensor | None:
+    """[n, start + n] bool (query i at position start + i sees keys 0 .. start + i) for a chunk
+    attended with one masked call; None for one that starts its request or is split."""
+    if start == 0 or start >= SPLIT_FROM_CACHED or n >= SPLIT_FROM_NEW:
+        return None
+    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -162,14 +181,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             blocks = p.block_table[: -(-p.start // S)]  # those holding the cached tokens
             cached_k = k_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]  # [start, Hkv, Dh]
             cached_v = v_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]
-            out[p.lo:p.hi] = prefill_attention(q[p.lo:p.hi], k[p.lo:p.hi], v[p.lo:p.hi], cached_k, cached_v, scale)
+            chunk = (q[p.lo:p.hi], k[p.lo:p.hi], v[p.lo:p.hi], cached_k, cached_v)
+            out[p.lo:p.hi] = (prefill_attention(*chunk, scale) if p.mask is None
+                              else masked_prefill_attention(*chunk, p.mask, scale))
     return out
 
 
+def masked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k: torch.Tensor,
+                             cached_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk after cached tokens as one attention over all its keys under `mask`
+    ([n, start + n], `_small_chunk_mask`): cheaper than `prefill_attention` for a small chunk after
+    a short context. Shapes as there."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], torch.cat([cached_k, k]).transpose(0, 1)[None],
+                                       torch.cat([cached_v, v]).transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])  # [1, H, n, Dh]
+    return o[0].transpose(0, 1)
+
+
 _flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (output, logsumexp)
-# below both, one masked attention over all keys costs less than two and a merge (measured on CPU:
-# the split loses up to ~0.03 ms a layer there, and gains 10-40% from ~900 cached keys or 256 new)
-SPLIT_FROM_CACHED, SPLIT_FROM_NEW = 512, 128
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k: torch.Tensor,
@@ -183,16 +212,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_
     own part is plain causal attention, whose kernel skips the blocks above the diagonal. A mask
     would make the kernel read and apply [n, start + n] of it and skip nothing. A query head group
     sharing a key/value head is folded into the query rows for the cached part (no copy of the
-    cache per query head). A small chunk after a short context takes one masked attention."""
+    cache per query head)."""
     n, H, Dh = q.shape
-    start, Hkv = cached_k.shape[0], k.shape[1]
+    Hkv = k.shape[1]
     group = H // Hkv
-    if start < SPLIT_FROM_CACHED and n < SPLIT_FROM_NEW:
-        visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, start + n]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], torch.cat([cached_k, k]).transpose(0, 1)[None],
-                                           torch.cat([cached_v, v]).transpose(0, 1)[None], attn_mask=visible,
-                                           scale=scale, enable_gqa=group > 1)  # [1, H, n, Dh]
-        return o[0].transpose(0, 1)
     folded = q.reshape(n, Hkv, group, Dh).permute(1, 2, 0, 3).reshape(1, Hkv, group * n, Dh)
     o_cached, lse_cached = _flash_attention(folded, cached_k.transpose(0, 1)[None], cached_v.transpose(0, 1)[None],
                                             scale=scale)  # [1, Hkv, group * n, Dh], [1, Hkv, group * n]
