@@ -19,8 +19,8 @@ from mmserve.sampling_params import SamplingParams
 IMG = 32000  # every image's placeholder token: identical for all images
 
 
-def image(mm_hash: str, offset: int, length: int) -> MultiModalItem:
-    return MultiModalItem("image", mm_hash, None, PlaceholderRange(offset, length))
+def image(mm_hash: str, offset: int, length: int, place: tuple = ()) -> MultiModalItem:
+    return MultiModalItem("image", mm_hash, None, PlaceholderRange(offset, length), position_key=place)
 
 
 def hashes(tokens, items=(), salt=None, algo="sha256", block_size=4) -> list[bytes]:
@@ -44,11 +44,19 @@ def test_the_same_image_at_another_offset_differs():
 
 
 def test_extra_keys_carry_each_overlapping_item_with_its_offset_and_the_salt_on_the_first_block():
-    items = [image("a", 2, 5), image("b", 7, 2)]  # a: [2, 7), b: [7, 9)
-    assert block_extra_keys(items, "s", 0, 4) == (("mm", "a", 2), ("salt", "s"))
-    assert block_extra_keys(items, "s", 4, 8) == (("mm", "a", -2), ("mm", "b", 3))
-    assert block_extra_keys(items, "s", 8, 12) == (("mm", "b", -1),)
+    items = [image("a", 2, 5), image("b", 7, 2, (1, 2, 4))]  # a: [2, 7), b: [7, 9)
+    assert block_extra_keys(items, "s", 0, 4) == (("mm", "a", 2, ()), ("salt", "s"))
+    assert block_extra_keys(items, "s", 4, 8) == (("mm", "a", -2, ()), ("mm", "b", 3, (1, 2, 4)))
+    assert block_extra_keys(items, "s", 8, 12) == (("mm", "b", -1, (1, 2, 4)),)
     assert block_extra_keys(items, None, 12, 16) == ()
+
+
+def test_the_same_item_at_another_temporal_place_differs():
+    """A Qwen2.5-VL video group: same pixels (same hash), same tokens, other seconds per group."""
+    tokens = [1, 2] + [IMG] * 8 + [3, 4]
+    slow, fast = (hashes(tokens, [image("g", 2, 4, (1, 4, 4, 0, s)), image("h", 6, 4, (1, 4, 4, 1, s))])
+                  for s in (1.0, 0.5))
+    assert slow[0] != fast[0] and all(x != y for x, y in zip(slow, fast))
 
 
 def test_salt_isolates_every_block():
@@ -90,10 +98,10 @@ def test_algorithms_digest_sizes_and_unknown_name():
 
 
 def test_the_first_block_seed_is_a_constant_of_the_algorithm():
-    assert BlockHasher(4, "sha256").seed == hashlib.sha256(b"mmserve prefix cache v1").digest()
+    assert BlockHasher(4, "sha256").seed == hashlib.sha256(b"mmserve prefix cache v2").digest()
     # pinned: changing how a block is encoded must be deliberate (bump the seed text)
     got = hashes([1, 2, 3, 4, 5, 6, 7, 8], [image("img", 2, 4)], "s")[1].hex()
-    assert got == "24483a9ea671b94f0d2eb7917b9ae05c0c6308eb0564248dae4b037cf7882313"
+    assert got == "5dc14f95c95ef54c849a969d58302ab125caa4c6b4d6fe82f946be7a0bcee6cd"
 
 
 _CHILD = """

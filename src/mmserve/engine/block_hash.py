@@ -2,14 +2,23 @@
 
     hash(block i) = H(encode(parent, token_ids, extra_keys))
 
-- `parent` is block i-1's hash, or `BlockHasher.seed` for the first block (a constant of the
-  algorithm, so hashes agree across processes and restarts);
+The rule: a block's key covers every input its K/V values depend on, so two blocks with equal keys
+hold equal K/V (tests/engine/test_cache_keys.py checks it on drawn prompts of every family). K/V
+depend on the block's tokens, on the encoder outputs scattered into its placeholder tokens, on the
+positions its tokens sit at, and on everything before it; hence:
+
+- `parent` is block i-1's hash (covering everything before), or `BlockHasher.seed` for the first
+  block (a constant of the algorithm, so hashes agree across processes and restarts);
 - `token_ids` are the block's `block_size` token ids;
-- `extra_keys` is a tuple of `("mm", mm_hash, offset)` for every multimodal item whose placeholder
-  range overlaps the block — `offset` is the item's start relative to the block's start (negative
-  when the item began in an earlier block) — then `("salt", cache_salt)` on the first block.
-  Placeholder tokens are identical for every image, so without the item's hash two images would
-  share blocks; with the offset, one image at two positions gives two keys.
+- `extra_keys` is a tuple of `("mm", mm_hash, offset, position_key)` for every multimodal item whose
+  placeholder range overlaps the block — `mm_hash` is the item's content, `offset` the item's start
+  relative to the block's start (negative when the item began in an earlier block), and
+  `position_key` what the decoder's positions read of the item (`MultiModalItem.position_key`: its
+  M-RoPE grid, a Qwen2.5-VL video group's temporal place), declared by the family's processor —
+  then `("salt", cache_salt)` on the first block. Placeholder tokens are identical for every image,
+  so without the item's hash two images would share blocks; with the offset, one image at two places
+  gives two keys; with the position key, the same frames at another frame rate give two keys.
+  Text after an item is positioned from it: the parent chain carries its position key on.
 
 A prompt's *last block* (the one holding its last token, full or partial) has a key of the same
 form over the tokens it holds so far (`BlockHasher.last_block_hash`): a block of r < block_size
@@ -35,10 +44,10 @@ from mmserve.ipc.items import MultiModalItem
 
 BlockHash = bytes  # a digest: 32 bytes (sha256, blake3) or 16 (xxh3_128)
 HashFn = Callable[[bytes], BlockHash]
-ExtraKeys = tuple[tuple[object, ...], ...]  # ("mm", mm_hash, offset) ... then ("salt", salt)
+ExtraKeys = tuple[tuple[object, ...], ...]  # ("mm", mm_hash, offset, position_key) ... then ("salt", salt)
 
 HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
-_SEED_TEXT = b"mmserve prefix cache v1"  # bump when the encoding of a block changes
+_SEED_TEXT = b"mmserve prefix cache v2"  # bump when the encoding of a block changes
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -86,7 +95,7 @@ def block_extra_keys(mm_items: Sequence[MultiModalItem], cache_salt: str | None,
         if ph.offset >= end:
             break
         if ph.end > start and ph.length:
-            keys.append(("mm", mm_items[i].mm_hash, ph.offset - start))
+            keys.append(("mm", mm_items[i].mm_hash, ph.offset - start, mm_items[i].position_key))
     if start == 0 and cache_salt is not None:
         keys.append(("salt", cache_salt))
     return tuple(keys)

@@ -83,7 +83,8 @@ class InputProcessor:
         else:
             with self._pending_lock:
                 self._pending[request_id] = resolved
-        items = [MultiModalItem("image", r.mm_hash, r.data, rng) for r, rng in zip(resolved, ranges)]
+        items = [MultiModalItem("image", r.mm_hash, r.data, rng, position_key=self.processor.position_key(r.data))
+                 for r, rng in zip(resolved, ranges)]
         items = sorted(items + groups, key=lambda item: item.placeholder.offset)  # prompt order
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt)

@@ -53,9 +53,15 @@ class MultiModalItem(msgspec.Struct):
     content (with model, processor settings and salt) for every cache layer.
 
     A video is one item per temporal group (modality "video", data shaped as an image's), so each
-    group is cached, moved and encoded by itself; `video_group` = (the group's index in its video,
-    seconds per group) places it in time. It is not part of `data`: a group shared by two videos
-    has one hash and one encoder output, wherever it sits.
+    group is cached, moved and encoded by itself: a group shared by two videos has one hash and one
+    encoder output, wherever it sits.
+
+    `position_key` is what the decoder's positions read of the item, declared by its family's
+    P0 processor (`position_key`): () for LLaVA (1-D positions); the grid (t, h, w) for a Qwen-VL
+    image or Qwen3-VL video group; the grid, the group's index in its video and its seconds per
+    group for a Qwen2.5-VL video group (its temporal place). The model computes positions from
+    it alone, and every prefix block the item overlaps carries it in its key (engine/block_hash.py);
+    `mm_hash` (content) does not, so the encoder cache still shares a group wherever it sits.
     """
 
     modality: str
@@ -63,4 +69,4 @@ class MultiModalItem(msgspec.Struct):
     data: dict[str, Any] | None
     placeholder: PlaceholderRange
     shm_handle: ShmHandle | None = None
-    video_group: tuple[int, float] | None = None
+    position_key: tuple[int | float, ...] = ()

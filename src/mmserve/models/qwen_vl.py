@@ -74,15 +74,16 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         """M-RoPE positions [3, len(token_ids)] of a prompt with its items (in prompt order), and
         the delta that continues them (token i >= len at position i + delta on every axis).
 
-        A video arrives as one t = 1 item per temporal group. Qwen3-VL places each group as an
-        image (timestamp text between groups carries time). Qwen2.5-VL places a video's
-        contiguous groups as one grid whose temporal index steps by `tokens_per_second *
-        second_per_grid_ts` per group (float32, as transformers multiplies them)."""
+        Positions read nothing of an item but its `position_key` (which the prefix cache's block
+        keys carry): (t, h, w), and for a Qwen2.5-VL video group also (index in its video, seconds
+        per group). A video arrives as one t = 1 item per temporal group. Qwen3-VL keys no group:
+        each is placed as an image (timestamp text between groups carries time). Qwen2.5-VL joins
+        a video's contiguous groups into one grid whose temporal index steps by `tokens_per_second
+        * seconds per group` per group (float32, as transformers multiplies them)."""
         grids: list[list[int]] = []
         steps: list[float] = []
         for item in items:
-            t, h, w = _grid(item)
-            group = item.video_group if self.config.family != QWEN3_VL else None
+            t, h, w, group = _place(item)
             if group is not None and group[0] > 0 and grids and _continues(grids[-1], item, h, w, self.merge_unit):
                 grids[-1][1] += t
                 continue
@@ -131,7 +132,11 @@ def _grid_of(data: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     return t, h, w
 
 
-def _grid(item: MultiModalItem) -> tuple[int, int, int]:
-    if item.data is None:
-        raise ValueError(f"item {item.mm_hash} reached the model runner without its data")
-    return _grid_of(item.data)
+def _place(item: MultiModalItem) -> tuple[int, int, int, tuple[int, float] | None]:
+    """(t, h, w, (group index, seconds per group) or None) from the item's position key."""
+    key = item.position_key
+    if len(key) not in (3, 5):
+        raise ValueError(f"item {item.mm_hash} has position key {key!r}; a Qwen-VL item needs (t, h, w) "
+                         "or (t, h, w, group, seconds per group)")
+    t, h, w = (int(v) for v in key[:3])
+    return t, h, w, None if len(key) == 3 else (int(key[3]), float(key[4]))

@@ -67,6 +67,11 @@ class MultiModalProcessor:
             count -= 1
         return count
 
+    def position_key(self, data: dict[str, torch.Tensor]) -> tuple[int | float, ...]:
+        """What the decoder's positions read of an item (`MultiModalItem.position_key`): nothing,
+        LLaVA's positions are 1-D and its image features depend on the pixels alone."""
+        return ()
+
     def process(self, prompt: str, images: list[Any]) -> ProcessedPrompt:
         """Processes each image, expands each `<image>` in `prompt` and tokenizes.
 

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from mmserve.multimodal.processing import MultiModalProcessor, _check_image, to_rgb
+from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
 from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
 
@@ -90,6 +91,16 @@ class QwenVLProcessor(MultiModalProcessor):
         """t * h * w / merge²: one embedding per merged block of patches."""
         return int(data["image_grid_thw"].prod()) // self.merge_size**2
 
+    def position_key(self, data: dict[str, torch.Tensor],
+                     group: tuple[int, float] | None = None) -> tuple[int | float, ...]:
+        """What M-RoPE reads of an item (`MultiModalItem.position_key`): its grid (t, h, w); for a
+        Qwen2.5-VL video group also `group` = (its index in the video, seconds per group), its
+        temporal place. Qwen3-VL places a group as an image (its timestamp text carries time)."""
+        t, h, w = (int(v) for v in data["image_grid_thw"].reshape(3).tolist())
+        if group is None or self.family == QWEN3_VL:
+            return (t, h, w)
+        return (t, h, w, group[0], float(group[1]))
+
     def settings(self) -> dict[str, Any]:
         """The image processor's settings (what changes its output), for the item hash."""
         return {"image_processor": self.image_processor.to_dict(), "merge_size": self.merge_size,
@@ -111,7 +122,7 @@ class QwenVLProcessor(MultiModalProcessor):
         outer wrapper (transformers 5.x keeps one: 2 tokens more; vLLM follows 4.57, as we do)."""
         groups, h, w = video.grid
         per_group = self.video_token * (h * w // self.merge_size**2)
-        if self.family != "qwen3_vl":
+        if self.family != QWEN3_VL:
             return f"<|vision_start|>{per_group * groups}<|vision_end|>"
         return "".join(f"<{t:.1f} seconds><|vision_start|>{per_group}<|vision_end|>" for t in video.timestamps)
 

@@ -160,8 +160,10 @@ def group_items(processor: Any, token_ids: list[int], videos: list[ResolvedItem]
             if len(run) != per_group or run[-1] - run[0] + 1 != per_group:
                 raise ValueError(f"the placeholder tokens of video {video_index} are not where its groups need them")
             taken += per_group
-            items.append(MultiModalItem("video", mm_hash, video.group(g), PlaceholderRange(run[0], per_group),
-                                        video_group=(g, video.second_per_grid_ts)))
+            data = video.group(g)
+            place = processor.position_key(data, (g, video.second_per_grid_ts))
+            items.append(MultiModalItem("video", mm_hash, data, PlaceholderRange(run[0], per_group),
+                                        position_key=place))
     if taken != len(positions):
         raise ValueError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
     return items
