@@ -13,30 +13,29 @@ import triton.language as tl
 #   k, v: [T, Hkv, Dh]; k_cache, v_cache: [N, S, Hkv, Dh]
 #   slot_mapping: [T] int64, slot = block * S + offset; a negative slot is a padded token (a
 #   captured graph's unused row) and writes nothing
-# One program per token, its [Hkv, Dh] rows as one tile. Masks: head lanes >= Hkv and head-dim
-# lanes >= Dh (padding to powers of two) are neither loaded nor stored.
+# One program per BLOCK_T tokens; a token's Hkv x Dh values are one row of BLOCK_C lanes (c = head
+# * Dh + d). Masks: tokens past T and padded tokens are neither loaded nor stored, nor are lanes
+# c >= Hkv * Dh (padding to a power of two).
 
 
 @triton.jit
-def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
                         stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch,
                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot >= 0:
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + h[:, None] * stride_kch + d[None, :], k,
-                 mask=mask)
-        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + h[:, None] * stride_vch + d[None, :], v,
-                 mask=mask)
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1)
+    c = tl.arange(0, BLOCK_C)
+    head, d = c // HEAD_DIM, c % HEAD_DIM
+    mask = (slot >= 0)[:, None] & (c < NUM_HEADS * HEAD_DIM)[None, :]
+    block, offset = (slot // BLOCK_SIZE)[:, None], (slot % BLOCK_SIZE)[:, None]
+    k = tl.load(k_ptr + token[:, None] * stride_kt + head[None, :] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + token[:, None] * stride_vt + head[None, :] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + head[None, :] * stride_kch + d[None, :], k,
+             mask=mask)
+    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + head[None, :] * stride_vch + d[None, :], v,
+             mask=mask)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,8 +45,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if T == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    _cache_write_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    block_c = triton.next_power_of_2(Hkv * Dh)
+    block_t = min(16, max(1, 4096 // block_c))  # a tile of at most 4096 values
+    _cache_write_kernel[(triton.cdiv(T, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), NUM_HEADS=Hkv, HEAD_DIM=Dh, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(Dh))
+        v_cache.stride(2), NUM_HEADS=Hkv, HEAD_DIM=Dh, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t, BLOCK_C=block_c)

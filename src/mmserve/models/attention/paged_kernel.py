@@ -21,11 +21,13 @@ from mmserve.models.attention.online_softmax import attend_tile
 #   block_tables: [B, max_blocks] int32, cache block of each S-token block of each sequence
 # One program per (sequence, block of BLOCK_Q queries, KV head). Its BLOCK_M = BLOCK_Q * G_PAD rows
 # are (query, head of the KV head's group) pairs, so a KV tile is loaded once for the whole group.
+# Keys come in tiles of TILE_N positions, whatever S is: each lane finds its cache block through
+# the block table (S need not be a power of two, nor divide TILE_N).
 # Masks: rows past the chunk or past G (padding to powers of two) are computed and not stored;
 # head-dim lanes >= Dh (padding to BLOCK_D) load as 0; key j is seen by the query at position p iff
-# j <= p (causal inside the chunk, every cached token before it) and j < seq_len; key lanes >= S
-# (padding of the block size to BLOCK_N) are masked. Every row sees key 0, so no row's max is -inf.
-# The loop stops at the last block the program's latest query can see.
+# j <= p (causal inside the chunk, every cached token before it) and j < seq_len (lanes past it
+# load nothing, not even their block-table entry). Every row sees key 0, so no row's max is -inf.
+# The loop stops at the last tile the program's latest query can see.
 
 
 @triton.jit
@@ -34,7 +36,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_star
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                             HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+                            TILE_N: tl.constexpr):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -57,17 +59,17 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_star
         l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, cached + (q_block + 1) * BLOCK_Q)  # keys the last query sees
-        lanes = tl.arange(0, BLOCK_N)
-        for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
-            block = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
-            key = j * BLOCK_SIZE + lanes
-            lane_ok = lanes < BLOCK_SIZE
-            kv_mask = lane_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + block * stride_kb + lanes[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_cache_ptr + block * stride_vb + lanes[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+        for start in range(0, kv_end, TILE_N):
+            key = start + tl.arange(0, TILE_N)  # positions in the sequence
+            key_ok = key < seq_len
+            block = tl.load(block_tables_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            slot = (key % BLOCK_SIZE)[:, None]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot * stride_ks + kv_head * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
                         mask=kv_mask, other=0.0)
-            seen = (key[None, :] <= position[:, None]) & (key[None, :] < seq_len) & lane_ok[None, :]
+            seen = (key[None, :] <= position[:, None]) & key_ok[None, :]
             m_i, l_i, acc = attend_tile(q, k, v, seen, m_i, l_i, acc, scale)
         out = acc / l_i[:, None]
         o_off = (q_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -97,5 +99,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, G_PAD=g_pad, BLOCK_Q=block_q,
-        BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_N=max(16, triton.next_power_of_2(S)))
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE_N=64)
     return out

@@ -1,0 +1,67 @@
+"""Whole engines with `attention_backend="triton"` (interpreted on CPU): greedy tokens equal to
+the torch backend's, which tests/engine/*parity* hold equal to transformers', for both built-in
+families; with a prefix-cache hit and chunked prefill, so decoder chunks start after cached
+blocks, and with images, so the vision towers attend through the varlen kernel. Also: the CPU
+default stays torch, and a backend that cannot run is refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve import LLM, SamplingParams
+from mmserve.config import ModelConfig
+from mmserve.models.attention.backend import attention_backend
+from tiny_models import make_image
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+TEMPLATES = {  # (chat template, an image's text) of each family
+    "builtin:tiny-llava": ("USER: {} ASSISTANT:", "<image>\n"),
+    "builtin:tiny-qwen3-vl": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+                              "<|vision_start|><|image_pad|><|vision_end|>"),
+}
+
+
+def run(model: str, backend: str) -> tuple[list[list[int]], str]:
+    """Greedy tokens of two batches (the second's prompt extends one of the first: a prefix hit
+    and a chunk after its cached blocks), and the backend the model attended with."""
+    llm = LLM(model=model, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128)
+    (template, marker), image = TEMPLATES[model], make_image(3, (56, 56))
+    first = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}},
+             {"prompt": template.format("a cat and a dog")}]
+    second = [{"prompt": template.format(marker + "What is this? Say more about it please"),
+               "multi_modal_data": {"image": image}}]
+    outs = llm.generate(first, PARAMS) + llm.generate(second, PARAMS)
+    llm.engine.core.check_integrity()
+    return [o.outputs[0].token_ids for o in outs], llm.engine.core.executor.runner.model.attention.name
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_the_triton_backend_equals_the_torch_backend(model):
+    pytest.importorskip("triton")
+    want, torch_name = run(model, "torch")
+    got, name = run(model, "triton")
+    assert (name, torch_name) == ("triton", "torch")
+    assert got == want
+
+
+def test_the_default_on_cpu_is_torch():
+    assert ModelConfig().attention_backend == "auto"
+    assert attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        attention_backend("triton", torch.device("cpu"))
+
+
+def test_a_backend_whose_package_is_missing_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(attention_backend="nonesuch")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="flashinfer"):
+            ModelConfig(attention_backend="flashinfer")
