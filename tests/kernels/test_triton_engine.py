@@ -1,8 +1,9 @@
 """Whole engines with `attention_backend="triton"` (interpreted on CPU): greedy tokens equal to
 the torch backend's, which tests/engine/*parity* hold equal to transformers', for both built-in
-families; with a prefix-cache hit and chunked prefill, so decoder chunks start after cached
-blocks, and with images, so the vision towers attend through the varlen kernel. Also: the CPU
-default stays torch, and a backend that cannot run is refused at start-up."""
+families and a Qwen2.5-VL checkpoint (window attention). Each runs with a prefix-cache hit and
+chunked prefill, so decoder chunks start after cached blocks, and with an image, so the vision
+tower attends through the varlen kernel. Also: the CPU default stays torch, and a backend that
+cannot run is refused at start-up."""
 
 from __future__ import annotations
 
@@ -12,20 +13,21 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import ModelConfig
 from mmserve.models.attention.backend import attention_backend
-from tiny_models import make_image
+from tiny_models import make_image, make_qwen_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+QWEN = ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>")
 TEMPLATES = {  # (chat template, an image's text) of each family
     "builtin:tiny-llava": ("USER: {} ASSISTANT:", "<image>\n"),
-    "builtin:tiny-qwen3-vl": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
-                              "<|vision_start|><|image_pad|><|vision_end|>"),
+    "builtin:tiny-qwen3-vl": QWEN,
+    "qwen2.5-vl": QWEN,  # a tiny checkpoint whose 56-pixel image is four windows
 }
 
 
-def run(model: str, backend: str) -> tuple[list[list[int]], str]:
+def run(model: str, path: str, backend: str) -> tuple[list[list[int]], str]:
     """Greedy tokens of two batches (the second's prompt extends one of the first: a prefix hit
     and a chunk after its cached blocks), and the backend the model attended with."""
-    llm = LLM(model=model, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128)
+    llm = LLM(model=path, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128)
     (template, marker), image = TEMPLATES[model], make_image(3, (56, 56))
     first = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}},
              {"prompt": template.format("a cat and a dog")}]
@@ -37,10 +39,11 @@ def run(model: str, backend: str) -> tuple[list[list[int]], str]:
 
 
 @pytest.mark.parametrize("model", list(TEMPLATES))
-def test_the_triton_backend_equals_the_torch_backend(model):
+def test_the_triton_backend_equals_the_torch_backend(model, tmp_path):
     pytest.importorskip("triton")
-    want, torch_name = run(model, "torch")
-    got, name = run(model, "triton")
+    path = model if model.startswith("builtin:") else make_qwen_checkpoint(tmp_path, family="qwen2_5_vl")
+    want, torch_name = run(model, path, "torch")
+    got, name = run(model, path, "triton")
     assert (name, torch_name) == ("triton", "torch")
     assert got == want
 
