@@ -74,8 +74,8 @@ def test_chunks_after_many_cached_blocks_equal_the_torch_backend():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-# Triton's interpreter computes bfloat16 arithmetic wrongly (a bfloat16 copy through it is exact),
-# so bfloat16 is checked on a GPU only
+# Triton's interpreter computes a bfloat16 `tl.dot` wrongly (bfloat16 loads, stores and conversions
+# are exact), so bfloat16 is checked on a GPU only
 HALF = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
