@@ -48,6 +48,24 @@ def test_the_triton_backend_equals_the_torch_backend(model, tmp_path):
     assert got == want
 
 
+@pytest.mark.slow  # spawns the tensor-parallel workers
+def test_tp2_ranks_attend_with_the_engines_backend():
+    """Each worker process builds its runner from the config: both ranks run the triton kernels on
+    their heads and KV heads, and the tokens are the torch backend's."""
+    pytest.importorskip("triton")
+    template, marker = QWEN
+    image = make_image(3, (56, 56))
+    items = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}}]
+    got = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model="builtin:tiny-qwen3-vl", attention_backend=backend, tensor_parallel_size=2, num_kv_blocks=64)
+        try:
+            got[backend] = [o.outputs[0].token_ids for o in llm.generate(items, PARAMS)]
+        finally:
+            llm.engine.core.shutdown()
+    assert got["triton"] == got["torch"]
+
+
 def test_the_default_on_cpu_is_torch():
     assert ModelConfig().attention_backend == "auto"
     assert attention_backend("auto", torch.device("cpu")).name == "torch"
