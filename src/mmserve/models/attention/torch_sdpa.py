@@ -203,7 +203,8 @@ class Segments:
 
 
 class TorchBackend:
-    """PyTorch's SDPA on whatever device the tensors are (`models/attention/backend.py`'s interface)."""
+    """PyTorch's SDPA (`models/attention/backend.py`'s interface). CPU-bound for now: its step
+    metadata is built on the CPU and `prefill_attention` calls the CPU flash kernel."""
 
     name = "torch"
 
