@@ -1,9 +1,10 @@
-"""Attention of a prefill chunk after cached tokens (`models/layers.py: prefill_attention`): the
-cached keys unmasked and the chunk's own keys causally, merged by log-sum-exp, against one
-attention over all keys under a causal mask (`masked_prefill_attention`, what `paged_attention`
-did for every such chunk before: the baseline, its mask built outside the clock as a step builds it
-once for every layer). "new" is what `paged_attention` does now: the chunk's `AttentionMetadata`
-decides between the two. Per layer, on CPU, median of `--repeats` calls each, interleaved.
+"""Attention of a prefill chunk after cached tokens (`models/attention/torch_sdpa.py:
+prefill_attention`, the torch backend): the cached keys unmasked and the chunk's own keys
+causally, merged by log-sum-exp, against one attention over all keys under a causal mask
+(`masked_prefill_attention`, what `paged_attention` did for every such chunk before: the baseline,
+its mask built outside the clock as a step builds it once for every layer). "new" is what
+`paged_attention` does now: the chunk's `AttentionMetadata` decides between the two. Per layer,
+on CPU, median of `--repeats` calls each, interleaved.
 
 Shapes (new tokens after cached tokens; query heads / key-value heads x head dim):
 - the built-in LLaVA's turn 6 of `warm_path.py`'s agent loop (182 after 720; 8/4 x 32),
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, as the engine's processes have it)
 import torch
 
-from mmserve.models.layers import AttentionMetadata, masked_prefill_attention, prefill_attention
+from mmserve.models.attention.torch_sdpa import AttentionMetadata, masked_prefill_attention, prefill_attention
 
 SHAPES = [  # (label, new, cached, heads, kv heads, head dim)
     ("tiny-llava agent turn 6", 182, 720, 8, 4, 32),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_type_hints
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from mmserve.multimodal.video import VideoLimits
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # models/attention/backend.py
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -32,10 +34,20 @@ class ModelConfig:
     dtype: str = _opt("float32", "Weights and activations dtype.", choices=_DTYPES)
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the model's).")
     seed: int = _opt(0, "Seed of the engine's random state (requests without their own seed).")
+    attention_backend: str = _opt("auto", "How attention is computed: torch (PyTorch's SDPA), triton (our Triton "
+                                  "kernels), flashinfer (when installed); auto: triton on CUDA, torch on CPU.",
+                                  choices=_ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}")
+        needs = self.attention_backend in ("triton", "flashinfer")
+        if needs and importlib.util.find_spec(self.attention_backend) is None:
+            raise ValueError(f"attention_backend {self.attention_backend} needs the {self.attention_backend!r} "
+                             "package, which is not installed")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from mmserve.models.layers import (SPLIT_FROM_CACHED, SPLIT_FROM_NEW, AttentionMetadata, paged_attention,
-                                   prefill_attention)
+from mmserve.models.attention.torch_sdpa import (SPLIT_FROM_CACHED, SPLIT_FROM_NEW, AttentionMetadata,
+                                              paged_attention, prefill_attention)
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.models.layers import AttentionMetadata
+from mmserve.models.attention.torch_sdpa import AttentionMetadata
 from mmserve.models.qwen_config import QWEN2_5_VL, QWEN3_VL, load_qwen_config
 from mmserve.models.qwen_text import QwenTextModel
 from mmserve.models.mrope import MRotaryEmbedding, mrope_positions

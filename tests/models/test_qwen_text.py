@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from mmserve.models.layers import AttentionMetadata
+from mmserve.models.attention.torch_sdpa import AttentionMetadata
 from mmserve.models.mrope import mrope_positions
 from mmserve.models.qwen_config import QwenTextConfig
 from mmserve.models.qwen_text import QwenTextModel

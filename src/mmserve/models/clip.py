@@ -9,9 +9,10 @@ inner features are split (models/parallel.py); embeddings and layer norms are re
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
+from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.hf_config import VisionConfig
 from mmserve.models.layers import EmbeddingTable, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
@@ -50,12 +51,13 @@ class CLIPAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(D, D, True, tp, what=what)
         self.out_proj = RowParallelLinear(D, D, True, tp, what=what)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, images: SegmentAttention) -> torch.Tensor:
+        # x: [N, L, Dv]; `images`: the N images as N segments of L rows
         N, L, _ = x.shape
-        q, k, v = (p(x).view(N, L, self.num_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N, H/tp, L, Dh] each
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [N, H/tp, L, Dh]
-        return self.out_proj(out.transpose(1, 2).reshape(N, L, -1))  # [N, L, Dv], all-reduced
+        q, k, v = (p(x).view(N * L, self.num_heads, self.head_dim)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N * L, H/tp, Dh] each
+        out = images.attend(q, k, v, self.head_dim**-0.5)  # [N * L, H/tp, Dh]
+        return self.out_proj(out.reshape(N, L, -1))  # [N, L, Dv], all-reduced
 
 
 class CLIPMLP(nn.Module):
@@ -78,8 +80,8 @@ class CLIPEncoderLayer(nn.Module):
         self.mlp = CLIPMLP(cfg, tp)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, images: SegmentAttention) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), images)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -100,11 +102,12 @@ class CLIPVisionTower(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.encoder = CLIPEncoder(cfg, max(feature_layers), tp)
 
-    def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, pixel_values: torch.Tensor, attention: AttentionBackend = TORCH) -> list[torch.Tensor]:
         # pixel_values: [N, C, H, W] -> one [N, P+1, Dv] per feature layer
         x = self.pre_layrnorm(self.embeddings(pixel_values))
+        images = attention.equal_segments(x.shape[0], x.shape[1], x.device)
         hidden = [x]
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = layer(x, images)
             hidden.append(x)
         return [hidden[i] for i in self.feature_layers]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.hf_config import TextConfig
-from mmserve.models.layers import (AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rotary, default_scale,
-                                   paged_attention)
+from mmserve.models.attention.backend import StepAttention
+from mmserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, default_scale
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard)
 
@@ -38,13 +38,13 @@ class LlamaAttention(nn.Module):
         self.scale = default_scale(self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, Dh]
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -70,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepAttention) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -86,7 +86,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:
         # inputs_embeds: [T, D]; positions: [T] -> hidden states [T, D]
         x = inputs_embeds
         rope = self.rotary_emb(positions, x.dtype)

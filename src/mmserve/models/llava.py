@@ -14,7 +14,8 @@ from torch import nn
 
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.hf_config import LlavaModelConfig
-from mmserve.models.layers import AttentionMetadata, activation
+from mmserve.models.attention.backend import StepAttention
+from mmserve.models.layers import activation
 from mmserve.models.llama import LlamaModel
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      check_decoder_shardable)
@@ -91,7 +92,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values: [N, C, H, W] -> image embeddings [N, F, D] (F placeholder tokens each)."""
-        hidden = self.model.vision_tower(pixel_values)  # each [N, P+1, Dv]
+        hidden = self.model.vision_tower(pixel_values, self.attention)  # each [N, P+1, Dv]
         if self.config.vision_feature_select_strategy == "default":
             hidden = [h[:, 1:] for h in hidden]  # drop CLS
         features = torch.cat(hidden, dim=-1)  # [N, F, Dv * len(feature_layers)]
@@ -110,7 +111,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     @torch.inference_mode()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention,
                 deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: [T, D], positions: [T] -> hidden states [T, D]."""
         return self.model.language_model(inputs_embeds, positions, kv_caches, meta)

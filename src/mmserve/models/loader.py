@@ -19,6 +19,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from mmserve.models.attention.backend import attention_backend
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import SINGLE, Shard, TensorParallel
 from mmserve.models.registry import model_class
@@ -28,9 +29,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 
-def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE) -> VisionLanguageModel:
+def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE,
+               attention: str = "torch") -> VisionLanguageModel:
     """Build the model (this rank's shard of it) from `model_dir/config.json` and load its
-    weights (eval mode, no grad)."""
+    weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
+    on its weights' device."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
@@ -55,7 +58,9 @@ def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SING
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    return model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+    model = model.to(_DTYPES[dtype]).eval().requires_grad_(False)
+    model.attention = attention_backend(attention, next(model.parameters()).device)
+    return model
 
 
 def _materialize(model: torch.nn.Module) -> None:

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models.attention.backend import AttentionBackend
+from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import RMSNorm, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, Segments, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
                                         frame_boundaries, vision_positions)
 
 INTERMEDIATE = "the vision tower's intermediate_size"
@@ -72,7 +74,8 @@ class Qwen2_5VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, tp, _rms_norm, GatedMLP(cfg, tp)) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, tp)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid],
+                attention: AttentionBackend = TORCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
         order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
         out_hidden_size] in the processor's order, an empty deepstack list)."""
@@ -81,8 +84,8 @@ class Qwen2_5VisionTower(nn.Module):
         order, window_cu = window_order(grid_thw, cfg)  # merge blocks in window order; cu in patches
         positions = by_block(vision_positions(grid_thw, cfg.spatial_merge_size), order, cfg.merge_unit)
         rope = self.rotary_pos_emb(positions.to(device))
-        windows = Segments.from_cu(window_cu, device)
-        frames = Segments.from_cu(frame_boundaries(grid_thw), device)  # windows never cross a frame
+        windows = attention.segments(window_cu, device)
+        frames = attention.segments(frame_boundaries(grid_thw), device)  # windows never cross a frame
         order = order.to(device)
         x = by_block(self.patch_embed(pixel_values), order, cfg.merge_unit)  # [P, D], window order
         for index, block in enumerate(self.blocks):

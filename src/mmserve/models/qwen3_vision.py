@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.models.attention.backend import AttentionBackend
+from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import EmbeddingTable, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, Segments, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
                                         frame_boundaries, vision_positions)
 
 INTERMEDIATE = "the vision tower's intermediate_size"
@@ -80,7 +82,8 @@ class Qwen3VisionTower(nn.Module):
         self.merger = PatchMerger(cfg, False, tp)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, True, tp) for _ in cfg.deepstack_visual_indexes)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid],
+                attention: AttentionBackend = TORCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
         order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
         out_hidden_size], one [P / merge_unit, out_hidden_size] feature tensor per deepstack
@@ -89,7 +92,7 @@ class Qwen3VisionTower(nn.Module):
         cfg, device = self.cfg, pixel_values.device
         check_grids(pixel_values, grid_thw, cfg)
         rope = self.rotary_pos_emb(vision_positions(grid_thw, cfg.spatial_merge_size).to(device))
-        frames = Segments.from_cu(frame_boundaries(grid_thw), device)
+        frames = attention.segments(frame_boundaries(grid_thw), device)
         x = self.patch_embed(pixel_values)  # [P, D]
         x = x + self.position_embeddings(grid_thw).to(x.dtype)
         deepstack = []

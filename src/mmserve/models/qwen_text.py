@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.models.layers import AttentionMetadata, RMSNorm, apply_rotary, default_scale, paged_attention
+from mmserve.models.attention.backend import StepAttention
+from mmserve.models.layers import RMSNorm, apply_rotary, default_scale
 from mmserve.models.llama import LlamaMLP
 from mmserve.models.mrope import MRotaryEmbedding
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
@@ -47,7 +48,7 @@ class QwenAttention(nn.Module):
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = default_scale(Dh)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
@@ -55,7 +56,7 @@ class QwenAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, Dh]
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -67,7 +68,7 @@ class QwenDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: StepAttention) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -89,7 +90,7 @@ class QwenTextModel(nn.Module):
         return kv_head_shard(self.config.num_key_value_heads, self.tp)[1]
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, deepstack: torch.Tensor | None = None) -> torch.Tensor:
+                meta: StepAttention, deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: [T, D]; positions: [3, T] (or [T]); deepstack: [Ld, T, D] or None -> [T, D]."""
         if deepstack is not None and deepstack.shape[0] > len(self.layers):
             raise ValueError(f"{deepstack.shape[0]} deepstack layers for {len(self.layers)} decoder layers")

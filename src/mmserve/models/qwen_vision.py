@@ -5,19 +5,19 @@ block, and the tensor-parallel fused QKV.
 Shapes: P = patches of every image in one tower call (rows of `pixel_values`, images in order,
 each image's patches in the processor's merge-block order: the m x m patches of a merge block are
 consecutive, blocks row-major), D = the tower's hidden size, H = this rank's heads, Dh = head dim.
-Segments are given by cumulative boundaries `cu` in patches ([S + 1] ints, `cu[0] == 0`), like
-transformers' `cu_seqlens`.
+Segments (an attention backend's `SegmentAttention`) are given by cumulative boundaries `cu` in
+patches ([S + 1] ints, `cu[0] == 0`), like transformers' `cu_seqlens`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models.attention.backend import SegmentAttention
 from mmserve.models.layers import apply_rotary
 from mmserve.models.parallel import SINGLE, RowParallelLinear, Shard, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
@@ -62,37 +62,6 @@ def frame_boundaries(grids: list[Grid]) -> list[int]:
     for t, h, w in grids:
         cu += [cu[-1] + h * w * (i + 1) for i in range(t)]
     return cu
-
-
-@dataclass(frozen=True)
-class Segments:
-    """The attention segments of one tower call, grouped by length so that equal segments (the
-    full windows, the frames of one video) attend in one batched call.
-
-    `groups`: (length L, rows [n, L] int64 on the compute device: the patch indices of each of
-    the n segments of that length). Every patch is in exactly one segment; built once per call."""
-
-    groups: tuple[tuple[int, torch.Tensor], ...]
-
-    @classmethod
-    def from_cu(cls, cu: list[int], device: torch.device) -> Segments:
-        starts: dict[int, list[int]] = {}
-        for lo, hi in zip(cu[:-1], cu[1:]):
-            if hi > lo:
-                starts.setdefault(hi - lo, []).append(lo)
-        groups = tuple((n, (torch.tensor(s)[:, None] + torch.arange(n)).to(device)) for n, s in starts.items())
-        return cls(groups)
-
-
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
-                      scale: float) -> torch.Tensor:
-    """q, k, v: [P, H, Dh] -> [P, H, Dh]: full (non-causal) attention within each segment."""
-    out = torch.empty_like(q)
-    for _, rows in segments.groups:
-        qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))  # [n, H, L, Dh]
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [n, H, L, Dh]
-        out[rows] = o.transpose(1, 2)
-    return out
 
 
 class VisionPatchEmbed(nn.Module):
@@ -159,12 +128,12 @@ class VisionAttention(nn.Module):
         self.qkv = QKVParallelLinear(cfg, tp)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, True, tp, what="the vision tower's hidden_size")
 
-    def forward(self, x: torch.Tensor, rope: Rope, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, segments: SegmentAttention) -> torch.Tensor:
         # x: [P, D] -> [P, D]
         P = x.shape[0]
         q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)  # each [P, H, Dh]
         q, k = (apply_rotary(t.float(), *rope).to(t.dtype) for t in (q, k))
-        out = segment_attention(q, k, v, segments, self.head_dim**-0.5)  # [P, H, Dh]
+        out = segments.attend(q, k, v, self.head_dim**-0.5)  # [P, H, Dh]
         return self.proj(out.reshape(P, -1))
 
 
@@ -180,7 +149,7 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg, tp)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, rope: Rope, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, segments: SegmentAttention) -> torch.Tensor:
         # x: [P, D] -> [P, D]
         x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))

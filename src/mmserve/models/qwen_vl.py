@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.models.layers import AttentionMetadata
+from mmserve.models.attention.backend import StepAttention
 from mmserve.models.parallel import SINGLE, TensorParallel, check_decoder_shardable
 from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
 from mmserve.models.qwen3_vision import Qwen3VisionTower
@@ -104,7 +104,7 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         All images run in one tower call; attention never crosses an image."""
         pixels = torch.cat([data["pixel_values"] for data in datas]).to(dtype)  # [P, C * Tp * p * p]
         grids = [_grid_of(data) for data in datas]
-        embeds, deepstack = self.model.visual(pixels, grids)  # [F, D], each [F, D]
+        embeds, deepstack = self.model.visual(pixels, grids, self.attention)  # [F, D], each [F, D]
         rows = torch.cat([embeds, *deepstack], dim=-1) if deepstack else embeds
         merge = self.config.vision.merge_unit
         return list(rows.split([t * h * w // merge for t, h, w in grids]))
@@ -115,7 +115,7 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
 
     @torch.inference_mode()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention,
                 deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: [T, D], positions: [3, T], deepstack: [layers, T, D] or None -> [T, D]."""
         return self.model.language_model(inputs_embeds, positions, kv_caches, meta, deepstack)

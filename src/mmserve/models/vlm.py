@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmserve.models.attention.backend import AttentionBackend
+from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.parallel import ParallelLMHead, TensorParallel, kv_head_shard
 
 
@@ -20,6 +22,7 @@ class VisionLanguageModel(nn.Module):
     uses_mrope = False  # 1-D positions unless a family says otherwise
     num_deepstack = 0  # decoder layers that take vision features besides the embeddings
 
+    attention: AttentionBackend = TORCH  # the loader sets the engine's (`--attention-backend`)
     config: Any
     tp: TensorParallel
 

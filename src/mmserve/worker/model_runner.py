@@ -18,7 +18,6 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.ipc.items import MultiModalItem
@@ -39,7 +38,7 @@ class ModelRunner:
         model's collectives pair them up) and samples the same tokens."""
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = load_model(model_dir, config.model.dtype, tp)
+        self.model = load_model(model_dir, config.model.dtype, tp, config.model.attention_backend)
         self.dtype = next(self.model.parameters()).dtype
         on_cpu = next(self.model.parameters()).device.type == "cpu"
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
@@ -145,7 +144,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(state.block_ids)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
+        meta = self.model.attention.build_metadata(query_lens, seq_lens, tables, self.block_size)
         positions = torch.cat([self.requests[rid].positions(s - q, s)
                                for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
         return torch.tensor(input_ids, dtype=torch.int64), positions, meta

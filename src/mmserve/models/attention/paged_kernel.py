@@ -1,0 +1,103 @@
+"""Our Triton paged-attention kernel: decode and prefill chunks (after any number of cached
+tokens) of many sequences in one launch, reading every length from tensors.
+
+Imported only by the triton backend (it needs `triton`); under `TRITON_INTERPRET=1` it runs on
+CPU tensors, which is how CI proves it against the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.models.attention.online_softmax import attend_tile
+
+# Shapes (T = query tokens of the step, B = sequences, H = query heads, Hkv = key/value heads,
+# G = H / Hkv, Dh = head dim, N = cache blocks, S = block size):
+#   q, out: [T, H, Dh]; k_cache, v_cache: [N, S, Hkv, Dh] (already holding this step's K/V)
+#   query_start: [B + 1] int32, sequence b's queries are rows query_start[b] .. query_start[b + 1]
+#   seq_lens: [B] int32, tokens of context including the queries (the queries are its last ones)
+#   block_tables: [B, max_blocks] int32, cache block of each S-token block of each sequence
+# One program per (sequence, block of BLOCK_Q queries, KV head). Its BLOCK_M = BLOCK_Q * G_PAD rows
+# are (query, head of the KV head's group) pairs, so a KV tile is loaded once for the whole group.
+# Keys come in tiles of TILE_N positions, whatever S is: each lane finds its cache block through
+# the block table (S need not be a power of two, nor divide TILE_N).
+# Masks: rows past the chunk or past G (padding to powers of two) are computed and not stored;
+# head-dim lanes >= Dh (padding to BLOCK_D) load as 0; key j is seen by the query at position p iff
+# j <= p (causal inside the chunk, every cached token before it) and j < seq_len (lanes past it
+# load nothing, not even their block-table entry). Every row sees key 0, so no row's max is -inf.
+# The loop stops at the last tile the program's latest query can see.
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
+                            block_tables_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                            TILE_N: tl.constexpr):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        cached = seq_len - q_len
+        rows = tl.arange(0, BLOCK_Q * G_PAD)
+        query = q_block * BLOCK_Q + rows // G_PAD  # index inside the chunk
+        head = kv_head * GROUP + rows % G_PAD
+        row_ok = (query < q_len) & (rows % G_PAD < GROUP)
+        position = cached + query  # [BLOCK_M]
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q_off = (q_start + query)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+        m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * G_PAD, BLOCK_D], tl.float32)
+        kv_end = tl.minimum(seq_len, cached + (q_block + 1) * BLOCK_Q)  # keys the last query sees
+        for start in range(0, kv_end, TILE_N):
+            key = start + tl.arange(0, TILE_N)  # positions in the sequence
+            key_ok = key < seq_len
+            block = tl.load(block_tables_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            slot = (key % BLOCK_SIZE)[:, None]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot * stride_ks + kv_head * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            seen = (key[None, :] <= position[:, None]) & key_ok[None, :]
+            m_i, l_i, acc = attend_tile(q, k, v, seen, m_i, l_i, acc, scale)
+        out = acc / l_i[:, None]
+        o_off = (q_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
+                    scale: float) -> torch.Tensor:
+    """Attention of every query of the step over its sequence's cached context (shapes above).
+
+    `max_query_len` only sizes the grid (1 for a decode batch, so a captured graph replays for
+    any lengths); everything a program reads about its sequence comes from the tensors."""
+    T, H, Dh = q.shape
+    _, S, Hkv, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    group = H // Hkv
+    g_pad = triton.next_power_of_2(group)
+    # tl.dot wants every side >= 16: rows are queries x padded group, at least 16 of them
+    block_q = max(1, 16 // g_pad) if max_query_len == 1 else max(1, 64 // g_pad)
+    out = torch.empty_like(q)
+    B = seq_lens.shape[0]
+    grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, G_PAD=g_pad, BLOCK_Q=block_q,
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE_N=64)
+    return out

@@ -1,0 +1,76 @@
+"""The triton backend: our Triton kernels for paged decoder attention, the KV-cache write and the
+vision towers' segments (the CUDA default; on CPU only under `TRITON_INTERPRET=1`, for tests).
+
+Every length a kernel reads is in a tensor on the backend's device; the Python ints kept beside
+them (`max_query_len`, `max_len`) only size the launch grids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.models.attention.cache_write_kernel import write_kv_cache
+from mmserve.models.attention.paged_kernel import paged_attention
+from mmserve.models.attention.varlen_kernel import varlen_attention
+
+
+@dataclass
+class TritonMetadata:
+    """Where one step's tokens read and write K/V, as the kernels read it (B requests, T tokens,
+    laid out request after request)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * S + offset) of each token
+    query_start: torch.Tensor  # [B + 1] int32: request b's tokens are query_start[b] .. query_start[b + 1]
+    seq_lens: torch.Tensor  # [B] int32: tokens of context, the step's tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    max_query_len: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write the step's K/V at its slots, then one paged-attention launch for every request."""
+        write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(q.contiguous(), k_cache, v_cache, self.query_start, self.seq_lens,
+                               self.block_tables, self.max_query_len, scale)
+
+
+@dataclass(frozen=True)
+class TritonSegments:
+    """A vision tower call's segments as the variable-length kernel reads them."""
+
+    cu: torch.Tensor  # [S + 1] int32: segment s is rows cu[s] .. cu[s + 1]
+    max_len: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q, k, v: [P, H, Dh] -> [P, H, Dh]: full attention within each segment."""
+        return varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.cu, self.max_len, scale)
+
+
+class TritonBackend:
+    """Our Triton kernels on `device` (`models/attention/backend.py`'s interface)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                       block_size: int) -> TritonMetadata:
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)  # [B, width]
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        request = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens.long())  # [T]
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
+        slots = tables[request, positions // block_size].long() * block_size + positions % block_size
+        query_start = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_lens, 0, dtype=torch.int32)])
+        return TritonMetadata(slots.to(self.device), query_start.to(self.device),
+                              torch.tensor(seq_lens, dtype=torch.int32).to(self.device), tables.to(self.device),
+                              max(query_lens))
+
+    def segments(self, cu: list[int], device: torch.device) -> TritonSegments:
+        longest = max((hi - lo for lo, hi in zip(cu[:-1], cu[1:])), default=0)
+        return TritonSegments(torch.tensor(cu, dtype=torch.int32, device=device), longest)
+
+    def equal_segments(self, count: int, length: int, device: torch.device) -> TritonSegments:
+        return self.segments([i * length for i in range(count + 1)], device)

@@ -1,0 +1,88 @@
+"""Whole engines with `attention_backend="triton"` (interpreted on CPU): greedy tokens equal to
+the torch backend's, which tests/engine/*parity* hold equal to transformers', for both built-in
+families and a Qwen2.5-VL checkpoint (window attention). Each runs with a prefix-cache hit and
+chunked prefill, so decoder chunks start after cached blocks, and with an image, so the vision
+tower attends through the varlen kernel. Also: the CPU default stays torch, and a backend that
+cannot run is refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve import LLM, SamplingParams
+from mmserve.config import ModelConfig
+from mmserve.models.attention.backend import attention_backend
+from tiny_models import make_image, make_qwen_checkpoint
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+QWEN = ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>")
+TEMPLATES = {  # (chat template, an image's text) of each family
+    "builtin:tiny-llava": ("USER: {} ASSISTANT:", "<image>\n"),
+    "builtin:tiny-qwen3-vl": QWEN,
+    "qwen2.5-vl": QWEN,  # a tiny checkpoint whose 56-pixel image is four windows
+}
+
+
+def run(model: str, path: str, backend: str) -> tuple[list[list[int]], str]:
+    """Greedy tokens of two batches (the second's prompt extends one of the first: a prefix hit
+    and a chunk after its cached blocks), and the backend the model attended with."""
+    llm = LLM(model=path, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128)
+    (template, marker), image = TEMPLATES[model], make_image(3, (56, 56))
+    first = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}},
+             {"prompt": template.format("a cat and a dog")}]
+    second = [{"prompt": template.format(marker + "What is this? Say more about it please"),
+               "multi_modal_data": {"image": image}}]
+    outs = llm.generate(first, PARAMS) + llm.generate(second, PARAMS)
+    llm.engine.core.check_integrity()
+    return [o.outputs[0].token_ids for o in outs], llm.engine.core.executor.runner.model.attention.name
+
+
+@pytest.mark.parametrize("model", list(TEMPLATES))
+def test_the_triton_backend_equals_the_torch_backend(model, tmp_path):
+    pytest.importorskip("triton")
+    path = model if model.startswith("builtin:") else make_qwen_checkpoint(tmp_path, family="qwen2_5_vl")
+    want, torch_name = run(model, path, "torch")
+    got, name = run(model, path, "triton")
+    assert (name, torch_name) == ("triton", "torch")
+    assert got == want
+
+
+@pytest.mark.slow  # spawns the tensor-parallel workers
+def test_tp2_ranks_attend_with_the_engines_backend():
+    """Each worker process builds its runner from the config: both ranks run the triton kernels on
+    their heads and KV heads, and the tokens are the torch backend's."""
+    pytest.importorskip("triton")
+    template, marker = QWEN
+    image = make_image(3, (56, 56))
+    items = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}}]
+    got = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model="builtin:tiny-qwen3-vl", attention_backend=backend, tensor_parallel_size=2, num_kv_blocks=64)
+        try:
+            got[backend] = [o.outputs[0].token_ids for o in llm.generate(items, PARAMS)]
+        finally:
+            llm.engine.core.shutdown()
+    assert got["triton"] == got["torch"]
+
+
+def test_the_default_on_cpu_is_torch():
+    assert ModelConfig().attention_backend == "auto"
+    assert attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        attention_backend("triton", torch.device("cpu"))
+
+
+def test_a_backend_whose_package_is_missing_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(attention_backend="nonesuch")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="flashinfer"):
+            ModelConfig(attention_backend="flashinfer")

@@ -1,0 +1,63 @@
+"""Our variable-length (segment) attention kernel against the torch backend (interpreted on CPU):
+random segments, Qwen2.5-VL's windows and frames as its tower makes them, and CLIP's equal
+segments, for head sizes 24, 64, 80 and 128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_device import DEVICE
+from mmserve.models.attention.torch_sdpa import TORCH
+from mmserve.models.qwen2_5_vision import window_order
+from mmserve.models.qwen_config import QwenVisionConfig
+from mmserve.models.qwen_vision import frame_boundaries
+
+pytest.importorskip("triton")
+
+from mmserve.models.attention.triton_backend import TritonBackend  # noqa: E402
+
+
+def compare(cu: list[int], heads: int, head_dim: int, seed: int, dtype: torch.dtype = torch.float32) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(cu[-1], heads, head_dim, generator=g).to(dtype) for _ in range(3))
+    scale = head_dim**-0.5
+    want = TORCH.segments(cu, torch.device("cpu")).attend(q, k, v, scale)
+    got = TritonBackend(DEVICE).segments(cu, DEVICE).attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads,head_dim", [(2, 80), (3, 64), (1, 24), (2, 128)])
+def test_random_segments_equal_the_torch_backend(heads, head_dim):
+    lengths = torch.randint(1, 90, (6,), generator=torch.Generator().manual_seed(head_dim)).tolist()
+    cu = [0]
+    for n in lengths + [1, 64]:  # a one-row segment and one of exactly a tile
+        cu.append(cu[-1] + n)
+    compare(cu, heads, head_dim, seed=heads)
+
+
+def test_qwen2_5_vl_windows_and_frames_equal_the_torch_backend():
+    """A video of two frames and an image whose grid is not whole windows (edge windows cut short)."""
+    cfg = QwenVisionConfig(depth=1, hidden_size=160, intermediate_size=32, num_heads=2, in_channels=3, patch_size=14,
+                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, hidden_act="silu",
+                           window_size=112)
+    grids = [(2, 8, 12), (1, 10, 6)]
+    _, windows = window_order(grids, cfg)
+    compare(windows, 2, cfg.head_dim, seed=1)
+    compare(frame_boundaries(grids), 2, cfg.head_dim, seed=2)
+
+
+def test_clip_images_as_equal_segments_equal_the_torch_backend():
+    """Fixed-size images, each its patches plus CLS (17 rows), as CLIP's tower attends them."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3 * 17, 4, 64, generator=g) for _ in range(3))
+    want = TORCH.equal_segments(3, 17, torch.device("cpu")).attend(q, k, v, 0.125)
+    got = TritonBackend(DEVICE).equal_segments(3, 17, DEVICE).attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 0.125)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+def test_half_precision_equals_the_torch_backend_within_rounding(dtype):
+    """bfloat16 on a GPU only: Triton's interpreter computes a bfloat16 `tl.dot` wrongly."""
+    compare([0, 30, 31, 100], 2, 80, seed=5, dtype=dtype)
