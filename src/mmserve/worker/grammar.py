@@ -102,9 +102,10 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, c
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [G, ceil(V / 32)] int32
     for i, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, i)
-    index = torch.tensor(rows, dtype=torch.int64)
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
     sub = logits[index]  # [G, V]
-    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=logits.shape[-1])
-    sub[:, control_tokens] = float("-inf")
+    xgr.apply_token_bitmask_inplace(sub, bitmask.to(device, non_blocking=True), vocab_size=logits.shape[-1])
+    sub[:, control_tokens.to(device, non_blocking=True)] = float("-inf")
     logits[index] = sub
 

@@ -10,9 +10,16 @@ computes once per request from its tokens and items (`mrope_positions`), continu
 `index + delta` for generated tokens; a chunk, a prefix-cache hit or a preemption therefore
 resumes at exactly the positions of a whole-prompt forward. Encoder outputs of deepstack models
 (Qwen3-VL) carry the deepstack features beside the embedding: rows [F, D * (1 + layers)].
+
+Device: the weights, KV cache, encoder outputs, sampler state and generators live on the rank's
+device (`worker/device.py`). A step's inputs are built on the host and cross in one pinned buffer
+(`to_device`); pixel values cross once, from pinned staging; the sampled tokens (and log
+probabilities) come back in the step's one device-to-host transfer (`sample_requests`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +29,22 @@ from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.ipc.items import MultiModalItem
+from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
 from mmserve.worker.grammar import GrammarCache
+from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs: host tensors until `to_device` moves them all in one copy."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] or [3, T] (M-RoPE) int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
+    sampling: list[str]  # the R requests that sample, in row order
 
 
 # A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
@@ -39,16 +59,16 @@ class ModelRunner:
         model's collectives pair them up) and samples the same tokens."""
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = load_model(model_dir, config.model.dtype, tp)
-        self.dtype = next(self.model.parameters()).dtype
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        self.device = rank_device(config, tp.rank)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, tp, self.device)
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
-        self.small_step_threads = 1 if on_cpu else self.threads
+        self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, RunnerRequest] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
         self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
-        self.generator = torch.Generator().manual_seed(config.model.seed)
+        self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -57,10 +77,16 @@ class ModelRunner:
         t = self.model.config.text
         return 2 * t.num_hidden_layers * self.block_size * self.model.num_kv_heads * t.head_dim * self.dtype.itemsize
 
+    def available_kv_cache_bytes(self) -> int | None:
+        """On CUDA, the KV cache's share of `--gpu-memory-utilization` after profiling the largest
+        step (`worker/memory.py`); None on CPU."""
+        return available_kv_cache_bytes(self)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         t = self.model.config.text
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(t.num_hidden_layers)]
 
     # ---- one step ---------------------------------------------------------------------------
@@ -76,10 +102,10 @@ class ModelRunner:
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
-            input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
-            embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
-            hidden = self.model(embeds, positions, self.kv_caches, meta, deepstack)  # [T, D]
-            return self._sample(req_ids, so.num_scheduled_tokens, hidden)
+            step = to_device(self._prepare_inputs(req_ids, so.num_scheduled_tokens), self.device)
+            embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, step.input_ids)
+            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
+            return self._sample(req_ids, step, hidden)
         finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
             torch.set_num_threads(self.threads)
 
@@ -101,7 +127,7 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> RunnerRequest:
         params = new.sampling_params
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        generator = None if params.seed is None else new_generator(self.device, params.seed)
         num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
         state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
                               num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id)
@@ -115,9 +141,7 @@ class ModelRunner:
         """Copy KV blocks (source, destination) in every layer, before the step writes any K/V."""
         if not copies:
             return
-        device = self.kv_caches[0][0].device
-        src = torch.tensor([s for s, _ in copies], device=device)
-        dst = torch.tensor([d for _, d in copies], device=device)
+        src, dst = to_device(torch.tensor(copies, dtype=torch.int64).T, self.device)  # [2, n]: sources, destinations
         for k, v in self.kv_caches:  # each [num_blocks, block_size, Hkv, Dh]
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
@@ -128,16 +152,18 @@ class ModelRunner:
                  for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
         if not keyed:
             return
-        features = self.model.encode_items([_data(item) for item in keyed.values()], self.dtype)  # each [F, D']
+        datas = [_data(item, self.device) for item in keyed.values()]
+        features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
         for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
             self.encoder_outputs[key] = feats
         self.num_encoded_items += len(keyed)
 
-    def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]):
+    def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]) -> StepInputs:
+        """The step's inputs, built on the host (`to_device` moves them in one copy)."""
         input_ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
         for rid in req_ids:
             state, n = self.requests[rid], num_sched[rid]
             start = state.num_computed_tokens
@@ -145,10 +171,14 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(state.block_ids)
+            if start + n == len(state.token_ids):  # reaches the end of its tokens: samples one
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(rid)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
         positions = torch.cat([self.requests[rid].positions(s - q, s)
                                for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
-        return torch.tensor(input_ids, dtype=torch.int64), positions, meta
+        return StepInputs(torch.tensor(input_ids, dtype=torch.int64), positions, meta,
+                          torch.tensor(logits_rows, dtype=torch.int64), sampling)
 
     def _embed(self, req_ids: list[str], num_sched: dict[str, int],
                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -176,18 +206,11 @@ class ModelRunner:
             offset += n
         return embeds, deepstack
 
-    def _sample(self, req_ids: list[str], num_sched: dict[str, int], hidden: torch.Tensor) -> ModelRunnerOutput:
-        rows, sampling = [], []
-        offset = 0
-        for rid in req_ids:
-            state, n = self.requests[rid], num_sched[rid]
-            offset += n
-            if state.num_computed_tokens + n == len(state.token_ids):  # reached the end: sample
-                rows.append(offset - 1)
-                sampling.append(rid)
-        if not rows:
+    def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        sampling = step.sampling
+        if not sampling:
             return ModelRunnerOutput({rid: [] for rid in req_ids})
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]
+        logits = self.model.compute_logits(hidden[step.logits_rows])  # [R, V]
         states = [self.requests[rid] for rid in sampling]
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
@@ -206,7 +229,13 @@ def _step_seed(seed: int | None, position: int) -> int:
     return ((seed or 0) ^ (position * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
 
 
-def _data(item: MultiModalItem) -> dict[str, torch.Tensor]:
-    """An item's processed tensors: P1 holds every scheduled item's data (IPC cache or shm)."""
+def _data(item: MultiModalItem, device: torch.device) -> dict[str, torch.Tensor]:
+    """An item's processed tensors (P1 holds every scheduled item's data: IPC cache or shm), its
+    floating-point ones (pixel values) copied to `device`; integer metadata (grids) stays on the host."""
     assert item.data is not None, f"item {item.mm_hash} reached the runner without its data"
-    return item.data
+    return {key: staged(value, device) if value.is_floating_point() else value for key, value in item.data.items()}
+
+
+def new_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator on `device` (the host's for a device without generators: meta)."""
+    return torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(seed)
