@@ -58,8 +58,8 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRe
     if not rows:
         return
     biases = [states[i].logit_bias_tensors(logits.device) for i in rows]
-    counts = torch.tensor([ids.shape[0] for ids, _ in biases], device=logits.device)
-    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device).repeat_interleave(counts)
+    lengths = torch.tensor([ids.shape[0] for ids, _ in biases])  # host sizes: no device sync
+    row_index = torch.tensor(rows, dtype=torch.int64).repeat_interleave(lengths).to(logits.device)
     ids = torch.cat([ids for ids, _ in biases])
     values = torch.cat([values for _, values in biases]).to(logits.dtype)
     logits.index_put_((row_index, ids), values, accumulate=True)
