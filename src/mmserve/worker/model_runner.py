@@ -19,6 +19,7 @@ probabilities) come back in the step's one device-to-host transfer (`sample_requ
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,9 @@ class StepInputs:
     sampling: list[str]  # the R requests that sample, in row order
 
 
+logger = logging.getLogger(__name__)
+
+
 # A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
 # second thread costs more than it saves on a small matmul (a repeated image's uncached tail, a
 # small decode batch), the more so while P0 holds the other core.
@@ -62,6 +66,7 @@ class ModelRunner:
         self.device = rank_device(config, tp.rank)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, tp, self.device)
+        logger.info("rank %d: model on %s in %s", tp.rank, self.device, str(self.dtype).removeprefix("torch."))
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
         self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
