@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmserve.worker.cuda_graphs import GRAPH_BACKENDS, torch_decode_metadata
 from gpu_cases import CHECKPOINTS, checkpoint, hf_tokens, prompts
 from parity_runs import run_greedy
 
@@ -56,9 +57,15 @@ def test_every_cache_on_equals_every_cache_off(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["builtin:tiny-llava", "qwen3_vl"])
-def test_cuda_graphs_on_equal_graphs_off(tmp_path, name):
+def test_cuda_graphs_on_equal_graphs_off(tmp_path, monkeypatch, name):
+    """Captured and replayed on the GPU; the torch backend's graph metadata is registered for the
+    test (it declares no graph support itself: its decode reads every block of the longest context)."""
+    monkeypatch.setitem(GRAPH_BACKENDS, "torch", GRAPH_BACKENDS.get("torch", torch_decode_metadata))
     path, items = checkpoint(name, tmp_path), prompts(name)
-    eager, _ = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=True)
-    graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=False)
+    eager, _ = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=True, max_model_len=512)
+    graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=False, max_model_len=512)
+    graphs = llm.engine.core.executor.runner.decode_graphs
+    assert graphs is not None and graphs.graphs  # captured
     assert graphed == eager
-    print(f"\n{name}: decode steps replayed from CUDA graphs: {llm.engine.core.executor.runner.graph_replays}")
+    assert graphs.replays > 0
+    print(f"\n{name}: decode steps replayed from CUDA graphs: {graphs.replays}")

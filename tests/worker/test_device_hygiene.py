@@ -17,6 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mmserve import LLM, SamplingParams
+from mmserve.worker.cuda_graphs import torch_decode_metadata
 from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 LLAVA_PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
@@ -56,10 +57,15 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     return any(str(t) == "cpu" for t in targets if isinstance(t, (str, torch.device)))
 
 
-def _run_on_meta(model_dir: str, prompt: str, params: SamplingParams) -> tuple[Any, list[tuple[int, bool]]]:
-    """Generate on the meta device; (runner, [(host copies, sampled?) per step])."""
-    llm = LLM(model=model_dir, device="meta", max_model_len=256)
+def _run_on_meta(model_dir: str, prompt: str, params: SamplingParams,
+                 graphs: bool = False) -> tuple[Any, list[tuple[int, bool]]]:
+    """Generate on the meta device (with `graphs`, decode steps through the decode graphs' static
+    buffers); (runner, [(host copies, sampled?) per step])."""
+    llm = LLM(model=model_dir, device="meta", max_model_len=256, num_kv_blocks=64)
     runner = llm.engine.core.executor.runner
+    if graphs:
+        runner.allocate_kv_cache(64, scratch=True)
+        runner.enable_decode_graphs(torch_decode_metadata, capture=False)
     steps: list[tuple[int, bool]] = []
     execute = runner.execute_model
     copies = HostCopies()
@@ -98,7 +104,9 @@ def test_a_step_runs_on_the_device_alone_and_copies_back_once(tmp_path, family):
     assert held and all(t.device.type == "meta" for t in held)
 
 
-def test_a_greedy_batch_without_extras_copies_back_once(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_a_greedy_batch_without_extras_copies_back_once(tmp_path, graphs):
     runner, steps = _run_on_meta(make_checkpoint(tmp_path), LLAVA_PROMPT,
-                                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+                                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), graphs)
     assert [n for n, _ in steps] == [1] * len(steps) and len(steps) == 3
+    assert not graphs or runner.decode_graphs.eager_runs == 2  # the two decode steps ran in the static buffers

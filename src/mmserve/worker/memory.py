@@ -53,7 +53,7 @@ def profile_largest_step(runner: ModelRunner) -> None:
         blocks = -(-n // block_size)
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
-    runner.initialize_kv_cache(next_block)
+    runner.allocate_kv_cache(next_block, scratch=False)
     try:
         meta = AttentionMetadata.build(query_lens, query_lens, tables, block_size)
         positions = torch.cat([torch.arange(n) for n in query_lens])

@@ -20,32 +20,20 @@ probabilities) come back in the step's one device-to-host transfer (`sample_requ
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from mmserve.models.layers import AttentionMetadata
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
+from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs: host tensors until `to_device` moves them all in one copy."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] or [3, T] (M-RoPE) int64
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
-    sampling: list[str]  # the R requests that sample, in row order
+from mmserve.worker.step_inputs import StepInputs, prepare_inputs
 
 
 logger = logging.getLogger(__name__)
@@ -70,6 +58,8 @@ class ModelRunner:
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
         self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_scratch_block: int | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.requests: dict[str, RunnerRequest] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
         self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
@@ -88,6 +78,35 @@ class ModelRunner:
         return available_kv_cache_bytes(self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The KV cache of `num_blocks` blocks; on CUDA, unless --enforce-eager, with the decode
+        graphs captured when the attention backend supports them."""
+        build = graph_metadata_for(self.config)
+        self.allocate_kv_cache(num_blocks, scratch=build is not None and self._graphs_allowed())
+        if build is not None and self._graphs_allowed():
+            self.enable_decode_graphs(build, capture=True)
+
+    def _graphs_allowed(self) -> bool:
+        return self.device.type == "cuda" and not self.config.device.enforce_eager
+
+    def enable_decode_graphs(self, build_metadata: GraphMetadata, capture: bool) -> None:
+        """Run plain decode steps through `DecodeGraphs` (captured when `capture`; eagerly over
+        the same padded static buffers otherwise: how CPU tests check them). Needs the KV cache
+        allocated with its scratch block (the last one)."""
+        assert self.kv_scratch_block is not None, "the KV cache has no scratch block"
+        t = self.model.config.text
+        longest = self.config.model.max_model_len or t.max_position_embeddings
+        max_blocks = min(self.kv_scratch_block, -(-longest // self.block_size))
+        sizes = self.config.device.graph_sizes(self.config.scheduler.max_num_seqs)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.block_size,
+                                          self.kv_scratch_block, build_metadata)
+        if capture:
+            self.decode_graphs.capture()
+
+    def allocate_kv_cache(self, num_blocks: int, scratch: bool) -> None:
+        """`num_blocks` blocks for the scheduler, and with `scratch` one more that only decode
+        graphs' padding rows write (block id `num_blocks`)."""
+        self.kv_scratch_block = num_blocks if scratch else None
+        num_blocks += int(scratch)
         t = self.model.config.text
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -107,9 +126,13 @@ class ModelRunner:
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
-            step = to_device(self._prepare_inputs(req_ids, so.num_scheduled_tokens), self.device)
-            embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, step.input_ids)
-            hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
+            host = prepare_inputs(self.requests, req_ids, so.num_scheduled_tokens, self.block_size, self.decode_graphs)
+            step = to_device(host, self.device)
+            if step.graph_inputs is not None and self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
+            else:
+                embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, step.input_ids)
+                hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
             return self._sample(req_ids, step, hidden)
         finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
             torch.set_num_threads(self.threads)
@@ -164,26 +187,6 @@ class ModelRunner:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
             self.encoder_outputs[key] = feats
         self.num_encoded_items += len(keyed)
-
-    def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]) -> StepInputs:
-        """The step's inputs, built on the host (`to_device` moves them in one copy)."""
-        input_ids: list[int] = []
-        query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
-        for rid in req_ids:
-            state, n = self.requests[rid], num_sched[rid]
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start:start + n])
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(state.block_ids)
-            if start + n == len(state.token_ids):  # reaches the end of its tokens: samples one
-                logits_rows.append(len(input_ids) - 1)
-                sampling.append(rid)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
-        positions = torch.cat([self.requests[rid].positions(s - q, s)
-                               for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
-        return StepInputs(torch.tensor(input_ids, dtype=torch.int64), positions, meta,
-                          torch.tensor(logits_rows, dtype=torch.int64), sampling)
 
     def _embed(self, req_ids: list[str], num_sched: dict[str, int],
                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
