@@ -1,14 +1,15 @@
 """Sizing the KV cache on a GPU: what `--gpu-memory-utilization` leaves after the largest step.
 
-`available_kv_cache_bytes` runs one profiling forward of the largest step the scheduler may send
-(`max_num_batched_tokens` prompt tokens, split into sequences no longer than the context, and
-logits and a sort for `max_num_seqs` rows, as sampling makes them) on a temporary KV cache, then
-reads the peak of torch's allocator and the device's free memory (vLLM's rule):
+`available_kv_cache_bytes` runs the largest work a step may hold: the vision tower on the largest
+image the family admits (`largest_item_data`), then one forward of `max_num_batched_tokens` prompt
+tokens (split into sequences no longer than the context) on a temporary KV cache, and logits and
+a sort for `max_num_seqs` rows, as sampling makes them. It then reads the peak of torch's
+allocator and the device's free memory (vLLM's rule):
 
     kv bytes = total * utilization - peak torch memory - memory others hold (CUDA context, nccl)
 
-Not profiled: the vision tower's activations (an image's tower pass is far smaller than the
-decoder's largest step for the families here); the utilization's margin covers it.
+Not profiled: several images in one step's tower call (the encoder budget may admit more than
+one); the utilization's margin covers them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmserve.models.layers import AttentionMetadata
-from mmserve.worker.device import to_device
+from mmserve.worker.device import staged, to_device
 
 if TYPE_CHECKING:
     from mmserve.worker.model_runner import ModelRunner
@@ -53,6 +54,10 @@ def profile_largest_step(runner: ModelRunner) -> None:
         blocks = -(-n // block_size)
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
+    item = {key: staged(value, runner.device) if value.is_floating_point() else value
+            for key, value in runner.model.largest_item_data().items()}
+    runner.model.encode_items([item], runner.dtype)
+    del item
     runner.allocate_kv_cache(next_block, scratch=False)
     try:
         meta = AttentionMetadata.build(query_lens, query_lens, tables, block_size)
