@@ -101,10 +101,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     """logits: [n, V] of sampling rows -> [n] sampled ids (temperature, top-k, top-p, the race)."""
     device, V = logits.device, logits.shape[-1]
     logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
-    top_k = [p.top_k if p.top_k is not None and p.top_k < V else V for p in params]
-    if any(k < V for k in top_k):
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, _index(top_k, device)[:, None] - 1)  # [n, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cut = [(j, p.top_k) for j, p in enumerate(params) if p.top_k is not None and p.top_k < V]
+    if cut:
+        logits = logits.masked_fill(logits < _kth_largest(logits, cut), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]  # [n, 1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -117,6 +116,18 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     for row, generator in zip(q, generators):  # one draw per request, from its own generator
         row.exponential_(generator=generator)
     return (probs / q).argmax(dim=-1)
+
+
+def _kth_largest(logits: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
+    """[n, 1]: each (row, k) of `cut` gets its row's k-th largest logit, other rows -inf (no cut);
+    one `topk` of the largest k over the cut rows, not a sort of the vocabulary."""
+    device = logits.device
+    rows = _index([j for j, _ in cut], device)
+    ks = _index([k for _, k in cut], device)
+    top = logits[rows].topk(max(k for _, k in cut), dim=-1).values  # [m, k_max], descending
+    kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=device)
+    kth[rows] = top.gather(1, ks[:, None] - 1)
+    return kth
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
