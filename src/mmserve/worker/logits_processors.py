@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.worker.device import to_device
 from mmserve.worker.grammar import apply_grammar_masks
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[int], states: list[Runner
     """min_tokens: EOS and the stop token ids of `rows` to -inf, in one indexed write."""
     pairs = [(i, token) for i in rows for token in states[i].stop_token_ids()]
     if pairs:
-        where = torch.tensor(pairs, dtype=torch.int64, device=logits.device)  # [n, 2]
-        logits.index_put_((where[:, 0], where[:, 1]), torch.tensor(float("-inf"), device=logits.device))
+        where = to_device(torch.tensor(pairs, dtype=torch.int64), logits.device)  # [n, 2]
+        logits[where[:, 0], where[:, 1]] = float("-inf")
 
 
 def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
@@ -59,7 +60,7 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRe
         return
     biases = [states[i].logit_bias_tensors(logits.device) for i in rows]
     lengths = torch.tensor([ids.shape[0] for ids, _ in biases])  # host sizes: no device sync
-    row_index = torch.tensor(rows, dtype=torch.int64).repeat_interleave(lengths).to(logits.device)
+    row_index = to_device(torch.tensor(rows, dtype=torch.int64).repeat_interleave(lengths), logits.device)
     ids = torch.cat([ids for ids, _ in biases])
     values = torch.cat([values for _, values in biases]).to(logits.dtype)
     logits.index_put_((row_index, ids), values, accumulate=True)
@@ -68,16 +69,16 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRe
 def apply_penalties(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
     """Repetition, frequency and presence penalties on `rows` of logits [R, V], in place."""
     V, device = logits.shape[-1], logits.device
-    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    weights = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                            for s in states], dtype=logits.dtype)  # [P, 3]
+    index, weights = to_device((torch.tensor(rows, dtype=torch.int64), weights), device)
+    rep, freq, pres = weights[:, 0:1], weights[:, 1:2], weights[:, 2:3]  # each [P, 1]
     sub = logits[index]  # [P, V]
     counts = torch.stack([s.penalty_counts(V, device) for s in states]).to(sub.dtype)  # [P, V] output counts
     present = counts > 0
     if any(s.params.repetition_penalty != 1.0 for s in states):
-        rep = torch.tensor([s.params.repetition_penalty for s in states], dtype=sub.dtype, device=device)[:, None]
         seen = present | torch.stack([s.penalty_prompt_mask(V, device) for s in states])
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([s.params.frequency_penalty for s in states], dtype=sub.dtype, device=device)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in states], dtype=sub.dtype, device=device)[:, None]
     sub = sub - freq * counts - pres * present.to(sub.dtype)
     logits[index] = sub
 

@@ -9,6 +9,7 @@ import torch
 
 from mmserve.ipc.items import MultiModalItem
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.device import to_device
 
 
 @dataclass
@@ -61,7 +62,7 @@ class RunnerRequest:
         if self.output_counts is None:
             outputs = torch.tensor(self.output_token_ids, dtype=torch.int64)
             counts = torch.bincount(outputs[outputs < vocab_size], minlength=vocab_size)
-            self.output_counts = counts.to(device)
+            self.output_counts = to_device(counts, device)
         return self.output_counts
 
     def penalty_prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -70,13 +71,13 @@ class RunnerRequest:
             prompt = torch.tensor(self.token_ids[:self.num_prompt_tokens], dtype=torch.int64)
             prompt = prompt[prompt < vocab_size]
             mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, prompt, True)
-            self.prompt_mask = mask.to(device)
+            self.prompt_mask = to_device(mask, device)
         return self.prompt_mask
 
     def logit_bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's `logit_bias` as (ids [n] int64, values [n] float32) on `device` (built once)."""
         if self.logit_bias is None:
             bias = self.params.logit_bias or {}
-            self.logit_bias = (torch.tensor(list(bias), dtype=torch.int64, device=device),
-                               torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+            self.logit_bias = to_device((torch.tensor(list(bias), dtype=torch.int64),
+                                         torch.tensor(list(bias.values()), dtype=torch.float32)), device)
         return self.logit_bias

@@ -17,13 +17,14 @@ The sampled ids and the log probabilities come back to the host together, as one
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from mmserve.ipc.messages import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.device import to_host
+from mmserve.worker.device import to_device, to_host
 from mmserve.worker.logits_processors import process_logits, record_sampled
 
 if TYPE_CHECKING:
@@ -55,10 +56,37 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = logits.argmax(dim=-1)  # [R]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        index = _index(random_rows, logits.device)
-        tokens[index] = _sample_rows(logits[index], [params[i] for i in random_rows],
-                                     [generators[i] or default_generator for i in random_rows])
+        rows = to_device(_RowParams.build(random_rows, params, logits.shape[-1]), logits.device)
+        every = len(random_rows) == len(params)  # no gather, no scatter
+        sampled = _sample_rows(logits if every else logits[rows.index], rows,
+                               [generators[i] or default_generator for i in random_rows])
+        if every:
+            return sampled
+        tokens[rows.index] = sampled
     return tokens
+
+
+@dataclass
+class _RowParams:
+    """The sampling rows' parameters as tensors, built on the host and moved in one copy."""
+
+    index: torch.Tensor  # [n] int64: the rows that sample
+    temperature: torch.Tensor  # [n, 1] float32
+    top_p: torch.Tensor  # [n, 1] float32 (1: no cut)
+    cut_rows: torch.Tensor  # [m] int64: positions in `index` with a top-k cut
+    cut_k: torch.Tensor  # [m] int64: their k
+    max_k: int  # the largest k (0: no row cuts)
+    all_cut: bool  # every row has a top-k cut
+    any_top_p: bool
+
+    @classmethod
+    def build(cls, rows: list[int], params: list[SamplingParams], vocab_size: int) -> _RowParams:
+        chosen = [params[i] for i in rows]
+        cut = [(j, p.top_k) for j, p in enumerate(chosen) if p.top_k is not None and p.top_k < vocab_size]
+        return cls(torch.tensor(rows, dtype=torch.int64), torch.tensor([[p.temperature] for p in chosen]),
+                   torch.tensor([[p.top_p] for p in chosen]), torch.tensor([j for j, _ in cut], dtype=torch.int64),
+                   torch.tensor([k for _, k in cut], dtype=torch.int64), max((k for _, k in cut), default=0),
+                   len(cut) == len(chosen), any(p.top_p < 1.0 for p in chosen))
 
 
 def compute_logprobs(logits: torch.Tensor, params: list[SamplingParams],
@@ -68,9 +96,8 @@ def compute_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return rows, None
-    device = logits.device
-    index = _index(rows, device)
-    temps = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in rows], device=device)[:, None]
+    host_temps = torch.tensor([[1.0 if params[i].greedy else params[i].temperature] for i in rows])  # [L, 1]
+    index, temps = to_device((torch.tensor(rows, dtype=torch.int64), host_temps), logits.device)
     lp = torch.log_softmax(logits[index] / temps, dim=-1)  # [L, V]
     chosen_lp = lp.gather(1, tokens[index][:, None])  # [L, 1]
     ranks = (lp > chosen_lp).sum(-1, keepdim=True) + 1  # [L, 1]
@@ -97,20 +124,17 @@ def _unpack_logprobs(flat: list[float], rows: list[int], params: list[SamplingPa
     return result
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.Generator]) -> torch.Tensor:
     """logits: [n, V] of sampling rows -> [n] sampled ids (temperature, top-k, top-p, the race)."""
-    device, V = logits.device, logits.shape[-1]
-    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
-    cut = [(j, p.top_k) for j, p in enumerate(params) if p.top_k is not None and p.top_k < V]
-    if cut:
-        logits = logits.masked_fill(logits < _kth_largest(logits, cut), float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]  # [n, 1]
+    logits = logits / rows.temperature  # a new tensor: masked in place below
+    if rows.max_k:
+        logits.masked_fill_(logits < _kth_largest(logits, rows), float("-inf"))
+    if rows.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         # keep the smallest prefix reaching top_p (rows asking no top-p keep everything)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p) & (rows.top_p < 1.0)
+        logits.masked_fill_(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     q = torch.empty_like(probs)
     for row, generator in zip(q, generators):  # one draw per request, from its own generator
@@ -118,17 +142,13 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     return (probs / q).argmax(dim=-1)
 
 
-def _kth_largest(logits: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
-    """[n, 1]: each (row, k) of `cut` gets its row's k-th largest logit, other rows -inf (no cut);
-    one `topk` of the largest k over the cut rows, not a sort of the vocabulary."""
-    device = logits.device
-    rows = _index([j for j, _ in cut], device)
-    ks = _index([k for _, k in cut], device)
-    top = logits[rows].topk(max(k for _, k in cut), dim=-1).values  # [m, k_max], descending
-    kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=device)
-    kth[rows] = top.gather(1, ks[:, None] - 1)
+def _kth_largest(logits: torch.Tensor, rows: _RowParams) -> torch.Tensor:
+    """[n, 1]: each cut row's k-th largest logit, other rows -inf (no cut); one `topk` of the
+    largest k over the cut rows, not a sort of the vocabulary."""
+    cut = logits if rows.all_cut else logits[rows.cut_rows]
+    top = cut.topk(rows.max_k, dim=-1).values  # [m, max_k], descending
+    if rows.all_cut:
+        return top.gather(1, rows.cut_k[:, None] - 1)
+    kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    kth[rows.cut_rows] = top.gather(1, rows.cut_k[:, None] - 1)
     return kth
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
