@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.worker.cuda_graphs import GRAPH_BACKENDS, torch_decode_metadata
+from mmserve.worker import model_runner
+from mmserve.worker.cuda_graphs import torch_decode_metadata
 from gpu_cases import CHECKPOINTS, checkpoint, hf_tokens, prompts
 from parity_runs import run_greedy
 
@@ -58,9 +59,11 @@ def test_every_cache_on_equals_every_cache_off(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["builtin:tiny-llava", "qwen3_vl"])
 def test_cuda_graphs_on_equal_graphs_off(tmp_path, monkeypatch, name):
-    """Captured and replayed on the GPU; the torch backend's graph metadata is registered for the
-    test (it declares no graph support itself: its decode reads every block of the longest context)."""
-    monkeypatch.setitem(GRAPH_BACKENDS, "torch", GRAPH_BACKENDS.get("torch", torch_decode_metadata))
+    """Captured and replayed on the GPU with the configured backend's graph metadata, or the torch
+    backend's where it declares none (the torch backend itself declares no graph support: its
+    decode reads every block of the longest context)."""
+    declared = model_runner.graph_metadata_for
+    monkeypatch.setattr(model_runner, "graph_metadata_for", lambda config: declared(config) or torch_decode_metadata)
     path, items = checkpoint(name, tmp_path), prompts(name)
     eager, _ = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=True, max_model_len=512)
     graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=False, max_model_len=512)
