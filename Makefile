@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate lint test bench bench-serve soak clean
+.PHONY: setup run generate lint test test-gpu bench bench-serve bench-gpu soak clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,20 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -p no:cacheprovider
+
+# The GPU kit, on a CUDA machine, from a clone: the python there (GPU_PY, with its own CUDA torch and
+# mmserve's dependencies installed) runs the tree as it is; nothing is downloaded.
+GPU_PY ?= python3
+GPU_RUN := PYTHONPATH=src:tests $(GPU_PY)
+
+# tests/gpu: parity with transformers on the same GPU, caches and CUDA graphs on vs off, the server
+test-gpu:
+	$(GPU_RUN) -m pytest -p no:cacheprovider -m gpu -s tests/gpu
+
+# a random-weight model of real size (Qwen2.5-VL-7B's config) on the GPU: mmserve against
+# transformers, cold vs warm image, encoder time, decode step against the bandwidth limit
+bench-gpu:
+	$(GPU_RUN) benchmarks/gpu_serving.py $(BENCH_GPU_ARGS)
 
 # every component benchmark in benchmarks/ (one at a time: make bench ONLY=serving_overhead)
 bench: $(STAMP)

@@ -9,5 +9,20 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: spawns processes (an engine core, a server, TP workers); "
                                        "deselect with -m 'not slow' for a quick run")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (the GPU kit, `make test-gpu`); skipped where "
+                                       "torch sees none")
     config.addinivalue_line("markers", "soak: a short soak of a real server under mixed load (tests/soak.py); "
                                        "deselect with -m 'not soak'")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `gpu` tests where CUDA is absent (at once: they build nothing)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu)")
+        for item in gpu_items:
+            item.add_marker(skip)

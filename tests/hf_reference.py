@@ -6,17 +6,20 @@ import torch
 from PIL import Image
 
 
-def hf_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """transformers' `generate` on each prompt dict alone: output token ids and prompt lengths."""
+def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> tuple[list[list[int]], list[int]]:
+    """transformers' `generate` on each prompt dict alone: output token ids and prompt lengths
+    (the model in `dtype` on `device`: the GPU kit runs it on CUDA)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
     processor = AutoProcessor.from_pretrained(path)
     refs, lens = [], []
     for item in items:
         images = item.get("multi_modal_data", {}).get("image")
         images = [images] if isinstance(images, Image.Image) else images
         inputs = processor(text=item["prompt"], images=images, return_tensors="pt")
+        inputs = _on(inputs, device, dtype)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
@@ -24,7 +27,8 @@ def hf_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[list[l
     return refs, lens
 
 
-def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[list[list[int]], list[int]]:
+def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> tuple[list[list[int]], list[int]]:
     """transformers' Qwen2.5-VL / Qwen3-VL `generate` on each prompt dict alone.
 
     The Qwen processor classes need torchvision, so the inputs are built the way they build
@@ -44,7 +48,7 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[l
 
     with open(os.path.join(path, "config.json")) as f:
         arch = json.load(f)["architectures"][0]
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     assert type(model).__name__ == arch
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
@@ -56,11 +60,20 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int) -> tuple[l
         text = inputs.pop("text")
         if item.get("multi_modal_data", {}).get("video") is not None:
             inputs = _with_videos(inputs, text, item, tokenizer, video_processor, family, model.config)
+        inputs = _on(inputs, device, dtype)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
         lens.append(inputs["input_ids"].shape[1])
     return refs, lens
+
+
+def _on(inputs, device: str, dtype: torch.dtype) -> dict:
+    """Processor outputs on `device`, pixel values in `dtype`; as they are on the CPU in float32."""
+    if device == "cpu" and dtype == torch.float32:
+        return inputs
+    return {k: (v.to(device, dtype) if k.startswith("pixel_values") else v.to(device))
+            if isinstance(v, torch.Tensor) else v for k, v in dict(inputs).items()}
 
 
 def _qwen_inputs(item: dict, tokenizer, image_processor, image_token_id: int) -> dict:

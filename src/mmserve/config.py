@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from mmserve.multimodal.media import MediaLimits
     from mmserve.multimodal.video import VideoLimits
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cuda", "cpu")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # models/attention/backend.py
 
 
@@ -31,7 +32,8 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _opt("builtin:tiny-llava", "Model directory (Hugging Face format) or builtin name.")
-    dtype: str = _opt("float32", "Weights and activations dtype.", choices=_DTYPES)
+    dtype: str = _opt("auto", "Weights and activations dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+                      choices=_DTYPES)
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the model's).")
     seed: int = _opt(0, "Seed of the engine's random state (requests without their own seed).")
     attention_backend: str = _opt("auto", "How attention is computed: torch (PyTorch's SDPA), triton (our Triton "
@@ -55,8 +57,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV cache block.")
-    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache in GiB, per tensor-parallel rank "
-                                     "(ignored with --num-kv-blocks).")
+    kv_cache_memory_gb: float | None = _opt(
+        None, "Memory for the KV cache in GiB, per tensor-parallel rank (ignored with --num-kv-blocks; default: "
+        "1 on CPU, on CUDA what --gpu-memory-utilization leaves).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV cache blocks (overrides --kv-cache-memory-gb).")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV blocks of identical prompt prefixes (images included).")
     enable_last_block_caching: bool = _opt(
@@ -75,7 +78,7 @@ class CacheConfig:
             raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive; got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1; got {self.num_kv_blocks}")
@@ -249,8 +252,45 @@ class ParallelConfig:
         return dataclasses.replace(self, data_parallel_rank=rank)
 
 
+def _graph_sizes(text: str) -> list[int]:
+    """`"1,2,4"` -> [1, 2, 4] (the --cuda-graph-sizes flag)."""
+    return [int(item) for item in _comma_list(text)]
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where each rank runs and how its GPU memory and decode steps are set up."""
+
+    device: str = _opt("auto", "Device of every rank: cuda (rank r on GPU r), cpu, or auto (cuda when present).",
+                       choices=_DEVICES)
+    gpu_memory_utilization: float = _opt(
+        0.9, "On CUDA, the share of each GPU's memory mmserve may use: weights, the activations of the largest "
+        "step (profiled at start) and the KV cache, which gets the rest (--num-kv-blocks overrides it, as does "
+        "an explicit --kv-cache-memory-gb). Ignored on CPU.")
+    enforce_eager: bool = _opt(False, "Never capture CUDA graphs: every decode step runs eagerly.")
+    cuda_graph_sizes: list[int] = _opt(
+        [], "Decode batch sizes captured as CUDA graphs, comma-separated (default: 1, 2, 4, 8 and multiples "
+        "of 8 up to --max-num-seqs); a batch runs in the smallest graph that holds it, padded.",
+        parse=_graph_sizes)
+
+    def __post_init__(self) -> None:
+        if self.device not in _DEVICES and self.device != "meta":  # meta: structure only (device tests)
+            raise ValueError(f"device must be one of {', '.join(_DEVICES)}; got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if any(size < 1 for size in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive; got {self.cuda_graph_sizes}")
+
+    def graph_sizes(self, max_num_seqs: int) -> list[int]:
+        """The decode batch sizes to capture, ascending (the flag's, else 1, 2, 4, 8, 16, ...)."""
+        if self.cuda_graph_sizes:
+            return sorted(set(self.cuda_graph_sizes))
+        sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
+        return sorted({min(s, max_num_seqs) for s in sizes})
+
+
 _LAYERS: dict[str, Any] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                           "multimodal": MultiModalConfig, "parallel": ParallelConfig}
+                           "multimodal": MultiModalConfig, "parallel": ParallelConfig, "device": DeviceConfig}
 
 
 @dataclass(frozen=True)
@@ -262,6 +302,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
     @property
     def needs_item_hash(self) -> bool:

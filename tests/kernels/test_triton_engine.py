@@ -86,3 +86,24 @@ def test_a_backend_whose_package_is_missing_is_refused_by_the_config():
     except ImportError:
         with pytest.raises(ValueError, match="flashinfer"):
             ModelConfig(attention_backend="flashinfer")
+
+
+def test_decode_graphs_replay_the_triton_kernel_from_their_static_buffers():
+    """The triton backend's `graph_metadata` over the decode graphs' padded static buffers (run
+    eagerly: the forward a CUDA graph replays) gives the plain triton engine's tokens."""
+    pytest.importorskip("triton")
+    from mmserve.models.attention.triton_backend import TritonBackend
+
+    template, _ = TEMPLATES["builtin:tiny-llava"]
+    items = [{"prompt": template.format("word " * (2 * i + 1))} for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(3)]
+    args = dict(model="builtin:tiny-llava", attention_backend="triton", num_kv_blocks=32, block_size=8,
+                max_num_seqs=3, max_model_len=128, cuda_graph_sizes=[2, 4])
+    plain = [o.outputs[0].token_ids for o in LLM(**args).generate(items, params)]
+    llm = LLM(**args)
+    runner = llm.engine.core.executor.runner
+    runner.allocate_kv_cache(32, scratch=True)
+    runner.enable_decode_graphs(TritonBackend.graph_metadata, capture=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(items, params)] == plain
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.eager_runs >= 4 and graphs.replays == 0

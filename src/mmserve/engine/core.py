@@ -22,6 +22,7 @@ from mmserve.worker.executor import make_executor
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+_DEFAULT_KV_GB = 1.0  # the KV cache on CPU when --kv-cache-memory-gb is not given
 
 
 class EngineCore:
@@ -33,11 +34,8 @@ class EngineCore:
         compute_encoder_budget(config.scheduler, self.model_config.max_item_tokens)  # refuse before loading
         self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
         try:
-            num_blocks = config.cache.num_kv_blocks or int(  # KV memory and block bytes are per rank
-                config.cache.kv_cache_memory_gb * _GIB // self.executor.kv_cache_bytes_per_block())
-            if num_blocks < 1:
-                raise ValueError("--kv-cache-memory-gb is too small for one KV block; raise it")
-            self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks)
+            num_blocks, profiled = kv_cache_blocks(config, self.executor)
+            self.max_model_len = resolve_max_model_len(config, self.model_config, num_blocks, profiled)
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -106,11 +104,33 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
-    """The model's context length, or the user's (never longer than the model's or the KV cache's)."""
+def kv_cache_blocks(config: EngineConfig, executor) -> tuple[int, bool]:
+    """KV blocks per rank, and whether they were sized by profiling: `--num-kv-blocks`, else
+    `--kv-cache-memory-gb`, else on CUDA what `--gpu-memory-utilization` leaves, else 1 GiB."""
+    cache = config.cache
+    if cache.num_kv_blocks:
+        return cache.num_kv_blocks, False
+    available = None if cache.kv_cache_memory_gb is not None else executor.available_kv_cache_bytes()
+    budget = available if available is not None else (cache.kv_cache_memory_gb or _DEFAULT_KV_GB) * _GIB
+    num_blocks = int(max(budget, 0) // executor.kv_cache_bytes_per_block())  # KV memory and block bytes are per rank
+    if num_blocks < 1:
+        raise ValueError("no memory is left for one KV block after the weights and the largest step; raise "
+                         "--gpu-memory-utilization or lower --max-num-batched-tokens"
+                         if available is not None else "--kv-cache-memory-gb is too small for one KV block; raise it")
+    return num_blocks, available is not None
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int, profiled: bool = False) -> int:
+    """The model's context length, or the user's (never longer than the model's or the KV cache's).
+    With a profiled KV cache (`profiled`), one request of the full length must fit."""
     model_max = model.text.max_position_embeddings
     capacity = num_blocks * config.cache.block_size
     wanted = config.model.max_model_len
+    if profiled and (wanted or model_max) > capacity:
+        raise ValueError(f"the KV cache left by --gpu-memory-utilization {config.device.gpu_memory_utilization} holds "
+                         f"{capacity} tokens, less than one request of {wanted or model_max} tokens: raise "
+                         "--gpu-memory-utilization, lower --max-model-len or --max-num-batched-tokens, or set "
+                         "--kv-cache-memory-gb / --num-kv-blocks")
     if wanted is not None and wanted > model_max:
         raise ValueError(f"--max-model-len {wanted} exceeds the model's max_position_embeddings ({model_max})")
     if wanted is not None and wanted > capacity:

@@ -260,10 +260,11 @@ WorkerInput = InitializeKVCache | ExecuteModel | ShutdownWorker  # P1 -> every r
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready"):
-    """The rank loaded its shard of the model."""
+    """The rank loaded its shard of the model (and on CUDA profiled its largest step)."""
 
     rank: int
     kv_cache_bytes_per_block: int
+    available_kv_cache_bytes: int | None = None  # on CUDA: what --gpu-memory-utilization leaves the KV cache
 
 
 class WorkerDone(msgspec.Struct, tag="worker_done"):

@@ -154,6 +154,19 @@ def _write_processor_files(path: Path, tokenizer: Any, vision: Any, min_pixels: 
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
 
 
+def write_qwen_vl_files(path: str | os.PathLike, *, family: str, text_config: dict, vision_config: dict,
+                        min_pixels: int, max_pixels: int) -> Any:
+    """Writes a Qwen-VL directory's tokenizer and processor files (no config, no weights) and returns
+    its transformers config: for a model whose weights are made elsewhere (the GPU benchmark builds
+    a real-size one on the device and saves it there)."""
+    tokenizer = build_qwen_tokenizer()
+    config = _config(family, tokenizer, text_config, vision_config)
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    _write_processor_files(target, tokenizer, config.vision_config, min_pixels, max_pixels)
+    return config
+
+
 def write_tiny_qwen_vl(path: str | os.PathLike, *, family: str = "qwen3_vl", text_config: dict | None = None,
                        vision_config: dict | None = None, min_pixels: int = DEFAULT_MIN_PIXELS,
                        max_pixels: int = DEFAULT_MAX_PIXELS, init_std: float = DEFAULT_INIT_STD, seed: int = 0,

@@ -98,6 +98,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         features = torch.cat(hidden, dim=-1)  # [N, F, Dv * len(feature_layers)]
         return self.model.multi_modal_projector(features)
 
+    def largest_item_data(self) -> dict[str, torch.Tensor]:
+        """A processed image's shape (every LLaVA image has it), zeros on the host: what the
+        memory profile encodes."""
+        size = self.config.vision.image_size
+        return {"pixel_values": torch.zeros(3, size, size)}
+
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
         """One processed image per entry -> its embedding rows [F, D], in order."""

@@ -1,6 +1,10 @@
 """Loading a Hugging Face checkpoint directory: config, the family's model class (models/registry.py),
 then safetensors weights by name.
 
+Weights stream to the rank's device tensor by tensor: parameters are allocated there (in the
+target dtype) and each checkpoint tensor is read into host memory alone and copied in, so no
+whole CPU copy of the model ever exists. On the `meta` device nothing is read (structure only).
+
 Under tensor parallelism each rank reads only its shard: a parameter whose module lists it in
 `tp_shards` is read with `safe_open(...).get_slice(name)[...]` over its `Shard` (zero-padded
 where the shard runs past the checkpoint, e.g. vocab rows), everything else whole. A list of
@@ -29,17 +33,29 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 
-def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SINGLE,
-               attention: str = "torch") -> VisionLanguageModel:
-    """Build the model (this rank's shard of it) from `model_dir/config.json` and load its
-    weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
-    on its weights' device."""
+def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorParallel = SINGLE,
+               device: str | torch.device = "cpu", attention: str = "torch") -> VisionLanguageModel:
+    """Build the model (this rank's shard of it) from `model_dir/config.json` on `device` and load
+    its weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
+    chosen for `device`."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
+    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = torch.device(device)
     with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
-    _materialize(model)
+    if device.type != "meta":
+        _materialize(model, dtype, device)
+        _load_weights(model, cls, cfg, model_dir)
+    _move_tensor_attributes(model, device)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.attention = attention_backend(attention, device)
+    return model
+
+
+def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str) -> None:
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time."""
     params = dict(model.named_parameters())
     shards = _shards(model)
     loaded: set[str] = set()
@@ -58,22 +74,31 @@ def load_model(model_dir: str, dtype: str = "float32", tp: TensorParallel = SING
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    model = model.to(_DTYPES[dtype]).eval().requires_grad_(False)
-    model.attention = attention_backend(attention, next(model.parameters()).device)
-    return model
 
 
-def _materialize(model: torch.nn.Module) -> None:
-    """Give each parameter of a model built on the meta device uninitialised CPU memory, tied ones
-    staying tied: what `Module.to_empty` does, without its `empty_like` of a meta tensor, which
-    imports sympy (0.5 s of every engine core's start)."""
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give each parameter of a model built on the meta device uninitialised memory on `device`
+    (floating ones in `dtype`), tied ones staying tied: what `Module.to_empty` does, without its
+    `empty_like` of a meta tensor, which imports sympy (0.5 s of every engine core's start)."""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in done:
-                done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                kind = dtype if param.dtype.is_floating_point else param.dtype
+                done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                      requires_grad=param.requires_grad)
             module.register_parameter(name, done[id(param)])
+
+
+def _move_tensor_attributes(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the plain tensor attributes modules keep beside their parameters (rotary inverse
+    frequencies, built on the host) to `device`."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                setattr(module, name, value.to(device))
 
 
 def iter_checkpoint(model_dir: str):

@@ -11,6 +11,8 @@ added after the first decoder layers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -96,6 +98,13 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
     @property
     def merge_unit(self) -> int:
         return self.config.vision.merge_unit
+
+    def largest_item_data(self) -> dict[str, torch.Tensor]:
+        """Zeros on the host shaped as the largest image the default processor settings make
+        (a square grid of `max_item_tokens` merged patches at most): what the memory profile encodes."""
+        vision, side = self.config.vision, math.isqrt(self.config.max_item_tokens)
+        h = w = side * vision.spatial_merge_size
+        return {"pixel_values": torch.zeros(h * w, vision.patch_dim), "image_grid_thw": torch.tensor([[1, h, w]])}
 
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:

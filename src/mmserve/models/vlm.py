@@ -59,6 +59,11 @@ class VisionLanguageModel(nn.Module):
         """Processed items -> each one's encoder rows [F_i, D * (1 + num_deepstack)], in order."""
         raise NotImplementedError
 
+    def largest_item_data(self) -> dict[str, torch.Tensor]:
+        """Processed data (zeros, on the host) of the largest image the family admits: the memory
+        profile runs it through the vision tower."""
+        raise NotImplementedError
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> [T, D]; the runner overwrites placeholders with encoder rows."""
         raise NotImplementedError

@@ -1,6 +1,7 @@
 """Executors run the model for the engine core: in its own process (tensor parallel size 1) or
 in one worker process per rank (worker/multiproc_executor.py). Both offer the same calls:
-`kv_cache_bytes_per_block`, `initialize_kv_cache`, `execute_model`, `check_health`, `shutdown`."""
+`kv_cache_bytes_per_block`, `available_kv_cache_bytes`, `initialize_kv_cache`, `execute_model`,
+`check_health`, `shutdown`."""
 
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ class InProcessExecutor:
         from mmserve.worker.model_runner import ModelRunner  # torch stays out of P0
 
         self.runner = ModelRunner(config, model_dir)
+        self.available_bytes = self.runner.available_kv_cache_bytes()  # profiled once, at start
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()
+
+    def available_kv_cache_bytes(self) -> int | None:
+        return self.available_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -24,6 +24,8 @@ from collections import OrderedDict
 
 import torch
 
+from mmserve.worker.device import to_device
+
 from mmserve.structured_outputs import SEPARATORS, StructuredOutputsParams
 
 # `json_object`: any JSON object, compact and bounded so that it ends within an ordinary budget
@@ -102,7 +104,8 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, c
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [G, ceil(V / 32)] int32
     for i, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, i)
-    index = torch.tensor(rows, dtype=torch.int64)
+    index, bitmask, control_tokens = to_device((torch.tensor(rows, dtype=torch.int64), bitmask, control_tokens),
+                                               logits.device)  # one pinned copy
     sub = logits[index]  # [G, V]
     xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=logits.shape[-1])
     sub[:, control_tokens] = float("-inf")

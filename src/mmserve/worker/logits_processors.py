@@ -4,7 +4,11 @@
 whose requests ask for none of it costs one pass over the batch's flags. Order: `min_tokens`
 (EOS and stop tokens masked while too few tokens are out; skipped for a structured request, whose
 grammar decides when it may end), `logit_bias`, the penalties (vLLM's meaning, see
-`SamplingParams`), then the structured-output masks.
+`SamplingParams`), then the structured-output masks. Each kind is one indexed op over its rows.
+
+Penalty state lives on the logits' device and is kept incrementally: a penalised request's
+output-token counts ([V]) and prompt mask ([V] bool) are built on its first processed step and
+its counts updated with each sampled token (`record_sampled`), never rebuilt from its tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.worker.device import to_device
 from mmserve.worker.grammar import apply_grammar_masks
 
 if TYPE_CHECKING:
@@ -25,16 +30,8 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
     rows = [i for i, s in enumerate(states) if s.params.needs_logits_processing]
     if not rows:
         return
-    for i in rows:
-        state = states[i]
-        params = state.params
-        if params.min_tokens and state.grammar is None and len(state.output_token_ids) < params.min_tokens:
-            stop = state.stop_token_ids()
-            if stop:
-                logits[i, stop] = float("-inf")
-        if params.logit_bias is not None:
-            ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
-            logits[i].index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype))
+    _mask_stop_tokens(logits, [i for i in rows if _holds_back_stop(states[i])], states)
+    _add_logit_bias(logits, [i for i in rows if states[i].params.logit_bias], states)
     penalized = [i for i in rows if states[i].params.has_penalties]
     if penalized:
         apply_penalties(logits, penalized, [states[i] for i in penalized])
@@ -44,28 +41,51 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
         apply_grammar_masks(logits, structured, [states[i].grammar for i in structured], control_tokens)
 
 
+def _holds_back_stop(state: RunnerRequest) -> bool:
+    params = state.params
+    return bool(params.min_tokens) and state.grammar is None and len(state.output_token_ids) < params.min_tokens
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
+    """min_tokens: EOS and the stop token ids of `rows` to -inf, in one indexed write."""
+    pairs = [(i, token) for i in rows for token in states[i].stop_token_ids()]
+    if pairs:
+        where = to_device(torch.tensor(pairs, dtype=torch.int64), logits.device)  # [n, 2]
+        logits[where[:, 0], where[:, 1]] = float("-inf")
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
+    """Each row's `logit_bias` added, in one indexed add (each request's bias tensors built once)."""
+    if not rows:
+        return
+    biases = [states[i].logit_bias_tensors(logits.device) for i in rows]
+    lengths = torch.tensor([ids.shape[0] for ids, _ in biases])  # host sizes: no device sync
+    row_index = to_device(torch.tensor(rows, dtype=torch.int64).repeat_interleave(lengths), logits.device)
+    ids = torch.cat([ids for ids, _ in biases])
+    values = torch.cat([values for _, values in biases]).to(logits.dtype)
+    logits.index_put_((row_index, ids), values, accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
     """Repetition, frequency and presence penalties on `rows` of logits [R, V], in place."""
-    V = logits.shape[-1]
-    index = torch.tensor(rows, dtype=torch.int64)
+    V, device = logits.shape[-1], logits.device
+    weights = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                            for s in states], dtype=logits.dtype)  # [P, 3]
+    index, weights = to_device((torch.tensor(rows, dtype=torch.int64), weights), device)
+    rep, freq, pres = weights[:, 0:1], weights[:, 1:2], weights[:, 2:3]  # each [P, 1]
     sub = logits[index]  # [P, V]
-    counts = torch.stack([torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.int64), minlength=V)[:V]
-                          for s in states]).to(sub.dtype)  # [P, V] each token's count in the output
+    counts = torch.stack([s.penalty_counts(V, device) for s in states]).to(sub.dtype)  # [P, V] output counts
     present = counts > 0
-    rep = torch.tensor([s.params.repetition_penalty for s in states], dtype=sub.dtype)[:, None]  # [P, 1]
-    if bool((rep != 1.0).any()):
-        seen = present | torch.stack([_prompt_mask(s, V) for s in states])
+    if any(s.params.repetition_penalty != 1.0 for s in states):
+        seen = present | torch.stack([s.penalty_prompt_mask(V, device) for s in states])
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([s.params.frequency_penalty for s in states], dtype=sub.dtype)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in states], dtype=sub.dtype)[:, None]
     sub = sub - freq * counts - pres * present.to(sub.dtype)
     logits[index] = sub
 
 
-def _prompt_mask(state: RunnerRequest, vocab_size: int) -> torch.Tensor:
-    """[V] bool: the tokens of the request's prompt (built once per request)."""
-    if state.prompt_mask is None:
-        prompt = torch.tensor(state.token_ids[:state.num_prompt_tokens], dtype=torch.int64)
-        prompt = prompt[prompt < vocab_size]
-        state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, prompt, True)
-    return state.prompt_mask
+def record_sampled(states: list[RunnerRequest], tokens: torch.Tensor) -> None:
+    """Count each penalised request's sampled token (tokens: [R] on the device, row i of `states[i]`)."""
+    for i, state in enumerate(states):
+        if state.output_counts is not None:
+            state.output_counts.index_add_(0, tokens[i:i + 1], torch.ones(1, dtype=state.output_counts.dtype,
+                                                                         device=tokens.device))

@@ -10,10 +10,16 @@ computes once per request from its tokens and items (`mrope_positions`), continu
 `index + delta` for generated tokens; a chunk, a prefix-cache hit or a preemption therefore
 resumes at exactly the positions of a whole-prompt forward. Encoder outputs of deepstack models
 (Qwen3-VL) carry the deepstack features beside the embedding: rows [F, D * (1 + layers)].
+
+Device: the weights, KV cache, encoder outputs, sampler state and generators live on the rank's
+device (`worker/device.py`). A step's inputs are built on the host and cross in one pinned buffer
+(`to_device`); pixel values cross once, from pinned staging; the sampled tokens (and log
+probabilities) come back in the step's one device-to-host transfer (`sample_requests`).
 """
 
 from __future__ import annotations
 
+import logging
 import torch
 
 from mmserve.config import EngineConfig
@@ -21,9 +27,16 @@ from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOut
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.ipc.items import MultiModalItem
+from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
+from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.grammar import GrammarCache
+from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
+from mmserve.worker.step_inputs import StepInputs, prepare_inputs
+
+
+logger = logging.getLogger(__name__)
 
 
 # A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
@@ -38,16 +51,20 @@ class ModelRunner:
         model's collectives pair them up) and samples the same tokens."""
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = load_model(model_dir, config.model.dtype, tp, config.model.attention_backend)
-        self.dtype = next(self.model.parameters()).dtype
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        self.device = rank_device(config, tp.rank)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend)
+        logger.info("rank %d: model on %s in %s, %s attention", tp.rank, self.device,
+                    str(self.dtype).removeprefix("torch."), self.model.attention.name)
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
-        self.small_step_threads = 1 if on_cpu else self.threads
+        self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_scratch_block: int | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.requests: dict[str, RunnerRequest] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
         self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
-        self.generator = torch.Generator().manual_seed(config.model.seed)
+        self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -56,10 +73,45 @@ class ModelRunner:
         t = self.model.config.text
         return 2 * t.num_hidden_layers * self.block_size * self.model.num_kv_heads * t.head_dim * self.dtype.itemsize
 
+    def available_kv_cache_bytes(self) -> int | None:
+        """On CUDA, the KV cache's share of `--gpu-memory-utilization` after profiling the largest
+        step (`worker/memory.py`); None on CPU."""
+        return available_kv_cache_bytes(self)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The KV cache of `num_blocks` blocks; on CUDA, unless --enforce-eager, with the decode
+        graphs captured when the attention backend supports them."""
+        build = graph_metadata_for(self.model.attention)
+        self.allocate_kv_cache(num_blocks, scratch=build is not None and self._graphs_allowed())
+        if build is not None and self._graphs_allowed():
+            self.enable_decode_graphs(build, capture=True)
+
+    def _graphs_allowed(self) -> bool:
+        return self.device.type == "cuda" and not self.config.device.enforce_eager
+
+    def enable_decode_graphs(self, build_metadata: GraphMetadata, capture: bool) -> None:
+        """Run plain decode steps through `DecodeGraphs` (captured when `capture`; eagerly over
+        the same padded static buffers otherwise: how CPU tests check them). Needs the KV cache
+        allocated with its scratch block (the last one)."""
+        assert self.kv_scratch_block is not None, "the KV cache has no scratch block"
+        t = self.model.config.text
+        longest = self.config.model.max_model_len or t.max_position_embeddings
+        max_blocks = min(self.kv_scratch_block, -(-longest // self.block_size))
+        sizes = self.config.device.graph_sizes(self.config.scheduler.max_num_seqs)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sizes, max_blocks, self.block_size,
+                                          self.kv_scratch_block, build_metadata)
+        if capture:
+            self.decode_graphs.capture()
+
+    def allocate_kv_cache(self, num_blocks: int, scratch: bool) -> None:
+        """`num_blocks` blocks for the scheduler, and with `scratch` one more that only decode
+        graphs' padding rows write (block id `num_blocks`)."""
+        self.kv_scratch_block = num_blocks if scratch else None
+        num_blocks += int(scratch)
         t = self.model.config.text
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(t.num_hidden_layers)]
 
     # ---- one step ---------------------------------------------------------------------------
@@ -75,10 +127,15 @@ class ModelRunner:
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
-            input_ids, positions, meta = self._prepare_inputs(req_ids, so.num_scheduled_tokens)
-            embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, input_ids)
-            hidden = self.model(embeds, positions, self.kv_caches, meta, deepstack)  # [T, D]
-            return self._sample(req_ids, so.num_scheduled_tokens, hidden)
+            host = prepare_inputs(self.requests, req_ids, so.num_scheduled_tokens, self.block_size,
+                                  self.model.attention.build_metadata, self.decode_graphs)
+            step = to_device(host, self.device)
+            if step.graph_inputs is not None and self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
+            else:
+                embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, step.input_ids)
+                hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
+            return self._sample(req_ids, step, hidden)
         finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
             torch.set_num_threads(self.threads)
 
@@ -100,7 +157,7 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> RunnerRequest:
         params = new.sampling_params
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        generator = None if params.seed is None else new_generator(self.device, params.seed)
         num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
         state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
                               num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id)
@@ -114,9 +171,7 @@ class ModelRunner:
         """Copy KV blocks (source, destination) in every layer, before the step writes any K/V."""
         if not copies:
             return
-        device = self.kv_caches[0][0].device
-        src = torch.tensor([s for s, _ in copies], device=device)
-        dst = torch.tensor([d for _, d in copies], device=device)
+        src, dst = to_device(torch.tensor(copies, dtype=torch.int64).T, self.device)  # [2, n]: sources, destinations
         for k, v in self.kv_caches:  # each [num_blocks, block_size, Hkv, Dh]
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
@@ -127,27 +182,13 @@ class ModelRunner:
                  for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
         if not keyed:
             return
-        features = self.model.encode_items([_data(item) for item in keyed.values()], self.dtype)  # each [F, D']
+        datas = [_data(item, self.device) for item in keyed.values()]
+        features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
         for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:
                 raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
             self.encoder_outputs[key] = feats
         self.num_encoded_items += len(keyed)
-
-    def _prepare_inputs(self, req_ids: list[str], num_sched: dict[str, int]):
-        input_ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for rid in req_ids:
-            state, n = self.requests[rid], num_sched[rid]
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start:start + n])
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(state.block_ids)
-        meta = self.model.attention.build_metadata(query_lens, seq_lens, tables, self.block_size)
-        positions = torch.cat([self.requests[rid].positions(s - q, s)
-                               for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
-        return torch.tensor(input_ids, dtype=torch.int64), positions, meta
 
     def _embed(self, req_ids: list[str], num_sched: dict[str, int],
                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,18 +216,11 @@ class ModelRunner:
             offset += n
         return embeds, deepstack
 
-    def _sample(self, req_ids: list[str], num_sched: dict[str, int], hidden: torch.Tensor) -> ModelRunnerOutput:
-        rows, sampling = [], []
-        offset = 0
-        for rid in req_ids:
-            state, n = self.requests[rid], num_sched[rid]
-            offset += n
-            if state.num_computed_tokens + n == len(state.token_ids):  # reached the end: sample
-                rows.append(offset - 1)
-                sampling.append(rid)
-        if not rows:
+    def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        sampling = step.sampling
+        if not sampling:
             return ModelRunnerOutput({rid: [] for rid in req_ids})
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]
+        logits = self.model.compute_logits(hidden[step.logits_rows])  # [R, V]
         states = [self.requests[rid] for rid in sampling]
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
@@ -205,7 +239,13 @@ def _step_seed(seed: int | None, position: int) -> int:
     return ((seed or 0) ^ (position * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
 
 
-def _data(item: MultiModalItem) -> dict[str, torch.Tensor]:
-    """An item's processed tensors: P1 holds every scheduled item's data (IPC cache or shm)."""
+def _data(item: MultiModalItem, device: torch.device) -> dict[str, torch.Tensor]:
+    """An item's processed tensors (P1 holds every scheduled item's data: IPC cache or shm), its
+    floating-point ones (pixel values) copied to `device`; integer metadata (grids) stays on the host."""
     assert item.data is not None, f"item {item.mm_hash} reached the runner without its data"
-    return item.data
+    return {key: staged(value, device) if value.is_floating_point() else value for key, value in item.data.items()}
+
+
+def new_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator on `device` (the host's for a device without generators: meta)."""
+    return torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(seed)

@@ -120,6 +120,7 @@ class MultiprocExecutor:
         self._items_by_handle = shm_store is not None
         self._failed: str | None = None
         self._res = _Resources(make_ipc_dir())
+        self._available_bytes: int | None = None
         self._finalizer = weakref.finalize(self, self._res.release)  # also runs at exit
         try:
             self._bytes_per_block = self._start(config, model_dir, shm_store)
@@ -143,6 +144,8 @@ class MultiprocExecutor:
             res.procs.append(proc)
         ready = self._collect(WorkerReady, range(self.tp_size), _STARTUP_TIMEOUT_S, "start")
         logger.info("%d tensor-parallel workers ready (pids %s)", self.tp_size, [p.pid for p in res.procs])
+        profiled = [r.available_kv_cache_bytes for r in ready if r.available_kv_cache_bytes is not None]
+        self._available_bytes = min(profiled) if profiled else None  # every rank holds as many blocks
         return ready[0].kv_cache_bytes_per_block
 
     @property
@@ -161,6 +164,10 @@ class MultiprocExecutor:
     def kv_cache_bytes_per_block(self) -> int:
         """One block's bytes on one rank (its KV heads); every rank holds that many blocks."""
         return self._bytes_per_block
+
+    def available_kv_cache_bytes(self) -> int | None:
+        """On CUDA, the smallest rank's KV budget after profiling; None on CPU."""
+        return self._available_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._send(InitializeKVCache(num_blocks))

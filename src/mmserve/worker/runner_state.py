@@ -9,6 +9,7 @@ import torch
 
 from mmserve.ipc.items import MultiModalItem
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.device import to_device
 
 
 @dataclass
@@ -17,8 +18,10 @@ class RunnerRequest:
 
     `token_ids[:num_prompt_tokens]` is the prompt; the rest are outputs (a request resumed after
     preemption arrives with its outputs so far). `grammar` is its structured-output matcher, which
-    has accepted every output token; `prompt_mask` ([V] bool, tokens present in the prompt) is
-    built on the first step that needs it (repetition penalty) and kept.
+    has accepted every output token. Penalty and bias state on the sampling device, built on the
+    first step that needs it and kept: `output_counts` ([V] int64, each token's count among the
+    outputs; `record_sampled` adds each new one), `prompt_mask` ([V] bool, tokens present in the
+    prompt), `logit_bias` (ids [n] int64, values [n] float32).
     """
 
     token_ids: list[int]
@@ -32,6 +35,8 @@ class RunnerRequest:
     eos_token_id: int | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher, or None
     prompt_mask: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -51,3 +56,28 @@ class RunnerRequest:
         """The tokens `min_tokens` holds back: EOS (unless ignored) and the stop token ids."""
         eos = [] if self.eos_token_id is None or self.params.ignore_eos else [self.eos_token_id]
         return eos + list(self.params.stop_token_ids)
+
+    def penalty_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[V] int64: each token's count among the outputs so far (built once, then kept current)."""
+        if self.output_counts is None:
+            outputs = torch.tensor(self.output_token_ids, dtype=torch.int64)
+            counts = torch.bincount(outputs[outputs < vocab_size], minlength=vocab_size)
+            self.output_counts = to_device(counts, device)
+        return self.output_counts
+
+    def penalty_prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[V] bool: the tokens of the prompt (built once)."""
+        if self.prompt_mask is None:
+            prompt = torch.tensor(self.token_ids[:self.num_prompt_tokens], dtype=torch.int64)
+            prompt = prompt[prompt < vocab_size]
+            mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, prompt, True)
+            self.prompt_mask = to_device(mask, device)
+        return self.prompt_mask
+
+    def logit_bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's `logit_bias` as (ids [n] int64, values [n] float32) on `device` (built once)."""
+        if self.logit_bias is None:
+            bias = self.params.logit_bias or {}
+            self.logit_bias = to_device((torch.tensor(list(bias), dtype=torch.int64),
+                                         torch.tensor(list(bias.values()), dtype=torch.float32)), device)
+        return self.logit_bias

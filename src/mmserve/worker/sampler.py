@@ -1,26 +1,31 @@
-"""Sampling the next token of each request from its logits row.
+"""Sampling the next token of each request from its logits row, batched on the logits' device.
 
-The rows are first processed per request (`logits_processors.py`: min_tokens, logit_bias,
-penalties, structured-output masks; rows asking for none of these are not touched). Greedy rows
-then take the argmax. Other rows are scaled by temperature, cut by top-k and top-p, and sampled
-with the exponential-race trick (argmax of p / q, q ~ Exp(1)), drawing q from the request's own
-generator when it has a seed, so a seeded request samples the same tokens whatever else shares
-its batch.
+The rows are first processed (`logits_processors.py`: min_tokens, logit_bias, penalties,
+structured-output masks; rows asking for none of these are not touched). Greedy rows then take
+the argmax. Other rows are scaled by their temperatures, cut by top-k and top-p (one sort of the
+batch), and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)), each row's q
+drawn from the request's own generator when it has a seed, so a seeded request samples the same
+tokens whatever else shares its batch.
 
 Log probabilities (`SamplingParams.logprobs`) are the log-softmax of the processed row divided by
 the temperature (1 when greedy), before top-k / top-p: the distribution the token was sampled
 from, with every alternative still finite (see `SamplingParams`).
+
+The sampled ids and the log probabilities come back to the host together, as one float64 tensor
+(`to_host`: the step's one device-to-host transfer; ids and ranks are exact in float64).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from mmserve.ipc.messages import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.logits_processors import process_logits
+from mmserve.worker.device import to_device, to_host
+from mmserve.worker.logits_processors import process_logits, record_sampled
 
 if TYPE_CHECKING:
     from mmserve.worker.runner_state import RunnerRequest
@@ -30,61 +35,120 @@ def sample_requests(logits: torch.Tensor, states: list[RunnerRequest], default_g
                     control_tokens: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [R, V] float32, row i of `states[i]` -> one token per row, and its log
     probabilities where the request asked for them (None elsewhere). Structured requests'
-    matchers accept their token here."""
+    matchers accept their token here, and penalised requests count it."""
     process_logits(logits, states, control_tokens)
     params = [s.params for s in states]
-    tokens = sample(logits, params, [s.generator for s in states], default_generator)
-    logprobs = compute_logprobs(logits, params, tokens)
-    for state, token in zip(states, tokens):
+    tokens = sample(logits, params, [s.generator for s in states], default_generator)  # [R] int64
+    rows, block = compute_logprobs(logits, params, tokens)
+    packed = tokens.double() if block is None else torch.cat([tokens.double(), block.reshape(-1)])
+    host = to_host(packed).tolist()
+    token_ids = [int(t) for t in host[:len(states)]]
+    record_sampled(states, tokens)
+    for state, token in zip(states, token_ids):
         if state.grammar is not None and not state.grammar.is_terminated():
             state.grammar.accept_token(token)
-    return tokens, logprobs
+    return token_ids, _unpack_logprobs(host[len(states):], rows, params, token_ids)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> list[int]:
-    """logits: [R, V] float32, one row per request -> one token id per row."""
+           default_generator: torch.Generator) -> torch.Tensor:
+    """logits: [R, V] float32, one row per request -> [R] int64 token ids, on the logits' device."""
     tokens = logits.argmax(dim=-1)  # [R]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    for i in random_rows:
-        tokens[i] = _sample_row(logits[i], params[i], generators[i] or default_generator)
-    return tokens.tolist()
+    if random_rows:
+        rows = to_device(_RowParams.build(random_rows, params, logits.shape[-1]), logits.device)
+        every = len(random_rows) == len(params)  # no gather, no scatter
+        sampled = _sample_rows(logits if every else logits[rows.index], rows,
+                               [generators[i] or default_generator for i in random_rows])
+        if every:
+            return sampled
+        tokens[rows.index] = sampled
+    return tokens
+
+
+@dataclass
+class _RowParams:
+    """The sampling rows' parameters as tensors, built on the host and moved in one copy."""
+
+    index: torch.Tensor  # [n] int64: the rows that sample
+    temperature: torch.Tensor  # [n, 1] float32
+    top_p: torch.Tensor  # [n, 1] float32 (1: no cut)
+    cut_rows: torch.Tensor  # [m] int64: positions in `index` with a top-k cut
+    cut_k: torch.Tensor  # [m] int64: their k
+    max_k: int  # the largest k (0: no row cuts)
+    all_cut: bool  # every row has a top-k cut
+    any_top_p: bool
+
+    @classmethod
+    def build(cls, rows: list[int], params: list[SamplingParams], vocab_size: int) -> _RowParams:
+        chosen = [params[i] for i in rows]
+        cut = [(j, p.top_k) for j, p in enumerate(chosen) if p.top_k is not None and p.top_k < vocab_size]
+        return cls(torch.tensor(rows, dtype=torch.int64), torch.tensor([[p.temperature] for p in chosen]),
+                   torch.tensor([[p.top_p] for p in chosen]), torch.tensor([j for j, _ in cut], dtype=torch.int64),
+                   torch.tensor([k for _, k in cut], dtype=torch.int64), max((k for _, k in cut), default=0),
+                   len(cut) == len(chosen), any(p.top_p < 1.0 for p in chosen))
 
 
 def compute_logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                     tokens: list[int]) -> list[TokenLogprobs | None]:
-    """Each asking row's sampled-token log probability, rank (1 = most likely) and top K."""
+                     tokens: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """The asking rows, and for each [2 + 2K] float64: the sampled token's log probability, its
+    rank (1 = most likely), the top K ids and their log probabilities (K the largest asked)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return rows, None
+    host_temps = torch.tensor([[1.0 if params[i].greedy else params[i].temperature] for i in rows])  # [L, 1]
+    index, temps = to_device((torch.tensor(rows, dtype=torch.int64), host_temps), logits.device)
+    lp = torch.log_softmax(logits[index] / temps, dim=-1)  # [L, V]
+    chosen_lp = lp.gather(1, tokens[index][:, None])  # [L, 1]
+    ranks = (lp > chosen_lp).sum(-1, keepdim=True) + 1  # [L, 1]
+    parts = [chosen_lp.double(), ranks.double()]
+    k_max = max(params[i].logprobs or 0 for i in rows)
+    if k_max:
+        top = lp.topk(k_max, dim=-1)
+        parts += [top.indices.double(), top.values.double()]
+    return rows, torch.cat(parts, dim=1)
+
+
+def _unpack_logprobs(flat: list[float], rows: list[int], params: list[SamplingParams],
+                     tokens: list[int]) -> list[TokenLogprobs | None]:
+    """`compute_logprobs`' block, read back on the host, as one `TokenLogprobs` per asking row."""
     result: list[TokenLogprobs | None] = [None] * len(params)
     if not rows:
         return result
-    index = torch.tensor(rows, dtype=torch.int64)
-    temps = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in rows])[:, None]
-    lp = torch.log_softmax(logits[index] / temps, dim=-1)  # [L, V]
-    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.int64)
-    chosen_lp = lp.gather(1, chosen[:, None])  # [L, 1]
-    ranks = (lp > chosen_lp).sum(-1) + 1  # [L]
-    k_max = max(params[i].logprobs or 0 for i in rows)
-    top = lp.topk(k_max, dim=-1) if k_max else None
+    width = len(flat) // len(rows)
+    k_max = (width - 2) // 2
     for j, i in enumerate(rows):
-        k = params[i].logprobs or 0
-        ids = top.indices[j, :k].tolist() if top is not None else []
-        vals = top.values[j, :k].tolist() if top is not None else []
-        result[i] = TokenLogprobs(tokens[i], float(chosen_lp[j, 0]), int(ranks[j]), ids, vals)
+        row, k = flat[j * width:(j + 1) * width], params[i].logprobs or 0
+        result[i] = TokenLogprobs(tokens[i], row[0], int(row[1]), [int(t) for t in row[2:2 + k]],
+                                  row[2 + k_max:2 + k_max + k])
     return result
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    # logits: [V]
-    logits = logits / p.temperature
-    if p.top_k is not None and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """logits: [n, V] of sampling rows -> [n] sampled ids (temperature, top-k, top-p, the race)."""
+    logits = logits / rows.temperature  # a new tensor: masked in place below
+    if rows.max_k:
+        logits.masked_fill_(logits < _kth_largest(logits, rows), float("-inf"))
+    if rows.any_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix reaching top_p (rows asking no top-p keep everything)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p) & (rows.top_p < 1.0)
+        logits.masked_fill_(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    q = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / q).argmax())
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators):  # one draw per request, from its own generator
+        row.exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def _kth_largest(logits: torch.Tensor, rows: _RowParams) -> torch.Tensor:
+    """[n, 1]: each cut row's k-th largest logit, other rows -inf (no cut); one `topk` of the
+    largest k over the cut rows, not a sort of the vocabulary."""
+    cut = logits if rows.all_cut else logits[rows.cut_rows]
+    top = cut.topk(rows.max_k, dim=-1).values  # [m, max_k], descending
+    if rows.all_cut:
+        return top.gather(1, rows.cut_k[:, None] - 1)
+    kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    kth[rows.cut_rows] = top.gather(1, rows.cut_k[:, None] - 1)
+    return kth

@@ -99,7 +99,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     items = RankItems(args.shm_store)
     freeze_startup_heap()
     try:
-        results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block()))
+        results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes()))
         while True:
             msg = reader.dequeue(timeout_s=_PARENT_CHECK_S)
             if msg is None:
@@ -124,8 +124,13 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
 def _init_distributed(args: WorkerArgs) -> None:
     import torch.distributed as dist
 
+    from mmserve.worker.device import rank_device
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank runs on this host
-    backend = "gloo"  # the runner's tensors live on the CPU; nccl joins when it runs on CUDA
+    device = rank_device(args.config, args.rank)
+    if device.type == "cuda":  # nccl binds each rank to its GPU: the device is set before the group forms
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # collectives run where the tensors live
     dist.init_process_group(backend, init_method=f"file://{args.dist_store_path}", rank=args.rank,
                             world_size=args.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 

@@ -149,6 +149,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_
     sharing a key/value head is folded into the query rows for the cached part (no copy of the
     cache per query head)."""
     n, H, Dh = q.shape
+    if q.device.type != "cpu":  # the log-sum-exp kernel below is the CPU's: elsewhere one causal masked call
+        start = cached_k.shape[0]
+        keys = torch.arange(start + n, device=q.device)
+        mask = keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]  # [n, start + n]
+        return masked_prefill_attention(q, k, v, cached_k, cached_v, mask, scale)
     Hkv = k.shape[1]
     group = H // Hkv
     folded = q.reshape(n, Hkv, group, Dh).permute(1, 2, 0, 3).reshape(1, Hkv, group * n, Dh)

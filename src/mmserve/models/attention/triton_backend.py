@@ -57,6 +57,7 @@ class TritonBackend:
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int) -> TritonMetadata:
+        """Host tensors: the runner moves a step's inputs to the device in one copy."""
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)  # [B, width]
         q_lens = torch.tensor(query_lens, dtype=torch.int32)
@@ -64,9 +65,16 @@ class TritonBackend:
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
         slots = tables[request, positions // block_size].long() * block_size + positions % block_size
         query_start = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_lens, 0, dtype=torch.int32)])
-        return TritonMetadata(slots.to(self.device), query_start.to(self.device),
-                              torch.tensor(seq_lens, dtype=torch.int32).to(self.device), tables.to(self.device),
-                              max(query_lens))
+        return TritonMetadata(slots, query_start, torch.tensor(seq_lens, dtype=torch.int32), tables, max(query_lens))
+
+    @staticmethod
+    def graph_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       block_size: int) -> TritonMetadata:
+        """A decode step's metadata from a CUDA graph's static tensors (`worker/cuda_graphs.py`):
+        one query per request, every length read from tensors."""
+        B = seq_lens.shape[0]
+        query_start = torch.arange(B + 1, dtype=torch.int32, device=seq_lens.device)
+        return TritonMetadata(slot_mapping, query_start, seq_lens.to(torch.int32), block_tables.to(torch.int32), 1)
 
     def segments(self, cu: list[int], device: torch.device) -> TritonSegments:
         longest = max((hi - lo for lo, hi in zip(cu[:-1], cu[1:])), default=0)

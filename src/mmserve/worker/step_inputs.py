@@ -1,0 +1,76 @@
+"""One step's inputs, built on the host from the runner's request states (`prepare_inputs`).
+
+Everything here is a CPU tensor; the runner moves the whole `StepInputs` to its device in one
+pinned copy (`worker/device.py: to_device`). A plain decode step that a CUDA graph holds gets
+`GraphInputs` (slot mapping, block tables, sequence lengths) instead of the backend's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from mmserve.worker.cuda_graphs import DecodeGraphs, GraphInputs
+from mmserve.worker.runner_state import RunnerRequest
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs: host tensors until `to_device` moves them all in one copy."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] or [3, T] (M-RoPE) int64
+    meta: Any  # the attention backend's step metadata; None for a step run by the decode graphs
+    logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
+    sampling: list[str]  # the R requests that sample, in row order
+    graph_inputs: GraphInputs | None = None  # a plain decode step the decode graphs hold
+
+
+def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
+                   block_size: int, build_metadata: Callable[..., Any],
+                   graphs: DecodeGraphs | None = None) -> StepInputs:
+    """The step's token ids, positions, attention metadata and sampling rows (request order)."""
+    input_ids: list[int] = []
+    query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
+    for rid in req_ids:
+        state, n = requests[rid], num_sched[rid]
+        start = state.num_computed_tokens
+        input_ids.extend(state.token_ids[start:start + n])
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(state.block_ids)
+        if start + n == len(state.token_ids):  # reaches the end of its tokens: samples one
+            logits_rows.append(len(input_ids) - 1)
+            sampling.append(rid)
+    positions = torch.cat([requests[rid].positions(s - q, s)
+                           for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
+    ids, rows = torch.tensor(input_ids, dtype=torch.int64), torch.tensor(logits_rows, dtype=torch.int64)
+    if graphs is not None and _plain_decode(requests, req_ids, query_lens, graphs):
+        return StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size))
+    meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    return StepInputs(ids, positions, meta, rows, sampling)
+
+
+def _plain_decode(requests: dict[str, RunnerRequest], req_ids: list[str], query_lens: list[int],
+                  graphs: DecodeGraphs) -> bool:
+    """One new token per request, none of them an image placeholder, and a graph that holds them."""
+    if any(q != 1 for q in query_lens):
+        return False
+    for rid in req_ids:
+        state = requests[rid]
+        pos = state.num_computed_tokens
+        if any(item.placeholder.offset <= pos < item.placeholder.end for item in state.mm_items):
+            return False
+    widest = max(len(requests[rid].block_ids) for rid in req_ids)
+    return graphs.size_for(len(req_ids), widest) is not None
+
+
+def _graph_inputs(seq_lens: list[int], tables: list[list[int]], block_size: int) -> GraphInputs:
+    """Each decoding token's slot, the block tables padded to the widest, the lengths."""
+    slots = [table[(s - 1) // block_size] * block_size + (s - 1) % block_size for s, table in zip(seq_lens, tables)]
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return GraphInputs(torch.tensor(slots, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64),
+                       torch.tensor(seq_lens, dtype=torch.int64))

@@ -1,0 +1,56 @@
+"""The GPU kit's models and prompts: both built-in families, the test checkpoints, and a few
+prompts with images (one repeated, so every cache layer has something to hit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.models.builtin import resolve_model
+from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+
+LLAVA_TEXT = "USER: {image}\n{question} ASSISTANT:"
+QWEN_TEXT = "<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n"
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
+CHECKPOINTS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl", "llava-gqa", "llava-mha", "qwen2_5_vl", "qwen3_vl")
+
+
+def checkpoint(name: str, tmp_dir: Path) -> str:
+    """A checkpoint directory by kit name (built-ins come from mmserve's cache)."""
+    if name.startswith("builtin:"):
+        return resolve_model(name)
+    if name == "llava-gqa":
+        return make_checkpoint(tmp_dir, text_config=dict(num_attention_heads=4, num_key_value_heads=2))
+    if name == "llava-mha":
+        return make_checkpoint(tmp_dir, text_config=dict(num_attention_heads=4, num_key_value_heads=4),
+                               vision_config=dict(image_size=56, patch_size=14))
+    return make_qwen_checkpoint(tmp_dir, family=name)
+
+
+def is_qwen(name: str) -> bool:
+    return "qwen" in name
+
+
+def prompts(name: str) -> list[dict[str, Any]]:
+    """Text only, a long text, two images (the first twice): the same for every checkpoint."""
+    template = QWEN_TEXT if is_qwen(name) else LLAVA_TEXT
+    image = "<|vision_start|><|image_pad|><|vision_end|>" if is_qwen(name) else "<image>"
+    a, b = make_image(0, (64, 48)), make_image(1, (40, 40))
+    return [
+        {"prompt": template.format(image="", question="hello there")},
+        {"prompt": template.format(image="", question=LONG)},
+        {"prompt": template.format(image=image, question="What is this?"), "multi_modal_data": {"image": a}},
+        {"prompt": template.format(image=image, question="Describe it."), "multi_modal_data": {"image": b}},
+        {"prompt": template.format(image=image, question="What is this?"), "multi_modal_data": {"image": a}},
+    ]
+
+
+def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, dtype: torch.dtype,
+              device: str = "cuda") -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, on `device` in `dtype`."""
+    from hf_reference import hf_greedy, hf_qwen_greedy
+
+    reference = hf_qwen_greedy if is_qwen(name) else hf_greedy
+    return reference(path, items, max_new, dtype=dtype, device=device)[0]
