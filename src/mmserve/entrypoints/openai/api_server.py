@@ -29,6 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.deployment_defaults import family_tool_parser
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -172,6 +173,16 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
         signal.signal(signal.SIGTERM, previous)
 
 
+def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
+    """tool_choice "auto"'s parser: the flag's, else the model family's (said once at start-up)."""
+    family = family_tool_parser(engine.model_dir)
+    parser = server_config.auto_tool_parser(family)
+    if server_config.tool_call_parser is None and parser is not None and engine.config.parallel.api_server_index == 0:
+        logger.info('tool_choice "auto" reads %s tool calls (the model family\'s format; --tool-call-parser '
+                    "overrides)", parser)
+    return parser
+
+
 def _loop_factory() -> Any:
     """uvloop's event loop when installed (a faster loop for every request's hops), else asyncio's;
     MMSERVE_EVENT_LOOP=asyncio forces asyncio's."""
@@ -196,7 +207,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)), server_config.auto_tool_parser)
+                        None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine))
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
