@@ -41,6 +41,7 @@ from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompleti
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.gc_tuning import freeze_startup_heap
+from mmserve.lazy_imports import keep_triton_out
 from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
     configure_logging(server_config.log_level)
     set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
+    keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
     retain_freed_memory()
     # before any other thread starts; the processor cache keeps each new item's pixels
     reserve = HeapReserve(min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
