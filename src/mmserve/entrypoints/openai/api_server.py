@@ -38,6 +38,8 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from mmserve.entrypoints.openai.response_store import ResponseStore
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.gc_tuning import freeze_startup_heap
@@ -58,10 +60,12 @@ HEALTH_POLL_S = 0.5
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int | None = None, auto_tool_parser: str | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
+              responses_store_bytes: int = 256 << 20) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
-    `auto_tool_parser` enables tool_choice "auto" with that parser."""
+    `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
+    for previous_response_id in `responses_store_bytes`."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -76,6 +80,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
+    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     @v1.post("/chat/completions")
@@ -85,6 +90,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @v1.post("/completions")
     async def completions(raw_request: Request) -> Response:
         return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
+
+    @v1.post("/responses")
+    async def create_response(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -209,7 +218,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine))
+                        None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
+                        int(server_config.responses_store_mb * (1 << 20)))
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes

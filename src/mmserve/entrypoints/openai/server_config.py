@@ -33,6 +33,9 @@ class ServerConfig:
         "help": "How calls are read from free answers for tool_choice auto: hermes (<tool_call> JSON). Default: "
                 "the model family's format (hermes for Qwen2.5-VL and Qwen3-VL; none known for LLaVA).",
         "choices": ("hermes",)})
+    responses_store_mb: float = field(default=256.0, metadata={
+        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB per API server "
+                "(least recently used evicted first; 0 keeps none)."})
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
@@ -51,6 +54,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_mb must be positive; got {self.max_request_body_mb}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.responses_store_mb < 0:
+            raise ValueError(f"responses_store_mb must not be negative; got {self.responses_store_mb}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
@@ -75,7 +80,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         if f.name == "port":
             kw["type"] = int
-        if f.name == "max_request_body_mb":
+        if f.name in ("max_request_body_mb", "responses_store_mb"):
             kw["type"] = float
         if f.metadata.get("action"):
             kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}

@@ -54,7 +54,7 @@ class ToolMode:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole choice's text."""
         if self.kind == "named":
-            return None, [ToolCall(self.name or "", _compact(text))]
+            return None, [ToolCall(self.name or "", compact_arguments(text))]
         if self.kind == "required":
             return None, _forced_calls(text)
         if self.kind == "auto" and self.parser is not None:
@@ -162,7 +162,7 @@ def finish_reason(reason: str | None, called: bool, tools: ToolMode | None) -> s
     return "tool_calls" if called and tools is not None and reason == "stop" else reason
 
 
-def _compact(text: str) -> str:
+def compact_arguments(text: str) -> str:
     try:
         return json.dumps(json.loads(text), ensure_ascii=False)
     except ValueError:
