@@ -57,8 +57,16 @@ class CacheConfig:
     prefix_caching_hash_algo: str = _opt(
         "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
         choices=("sha256", "blake3", "xxh3_128"))
+    kv_events_config: dict[str, Any] | None = _opt(
+        None, 'Publish the prefix cache\'s changes for external routers, in vLLM\'s format and names, as JSON: '
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"} '
+        "(kv_events_config.py).", parse=json.loads)
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from mmserve.kv_events_config import KVEventsConfig
+
+            KVEventsConfig.from_dict(self.kv_events_config)  # a ValueError names the fault
         if self.prefix_caching_hash_algo not in ("sha256", "blake3", "xxh3_128"):
             raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}")
         if self.block_size < 1 or self.block_size > 1024:
