@@ -58,16 +58,17 @@ class ResponsesStream(ChoiceStream):
         return events
 
     def _text(self, text: str) -> list[str]:
-        events = []
-        if self.text is None:
-            item = message_item(new_item_id("msg"), None, "in_progress")
-            self.items.append(item)
-            self.text = ""
-            events += [self._event("response.output_item.added", output_index=len(self.items) - 1, item=item),
-                       self._event("response.content_part.added", **self._where(item), part=_part(""))]
-        self.text += text
+        events = self._open_message() if self.text is None else []
+        self.text = (self.text or "") + text
         return events + [self._event("response.output_text.delta", **self._where(self._message()), delta=text,
                                      logprobs=[])]
+
+    def _open_message(self) -> list[str]:
+        item = message_item(new_item_id("msg"), None, "in_progress")
+        self.items.append(item)
+        self.text = ""
+        return [self._event("response.output_item.added", output_index=len(self.items) - 1, item=item),
+                self._event("response.content_part.added", **self._where(item), part=_part(""))]
 
     def _call(self, entry: dict[str, Any]) -> list[str]:
         """A chat tool-call delta: one with an id opens a call, the others add to its arguments."""
@@ -88,7 +89,7 @@ class ResponsesStream(ChoiceStream):
 
     def _usage(self, usage: UsageInfo) -> str:
         """The end: every open item's done events, then `response.completed` (the whole response)."""
-        events = []
+        events = self._open_message() if not self.items else []  # an empty answer is an empty message, as whole
         for index, item in enumerate(self.items):
             if item["type"] == "message":
                 item["content"], item["status"] = [_part(self.text or "")], "completed"
