@@ -1,6 +1,7 @@
 """KV events in vLLM's wire format (issue 41): a ZMQ subscriber decodes the server's batches with
 its own msgspec types (vLLM's, written here from its format), sees the blocks of two requests with
-the same image carry that image's hash in their extra keys, and sees evictions published."""
+the same image carry that image's hash in their extra keys, and sees evictions published; with
+data parallelism each rank publishes on its own endpoint under its own topic."""
 
 from __future__ import annotations
 
@@ -56,25 +57,34 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def chat(server: ServerProcess, system: str, url: str) -> None:
+def chat(server: ServerProcess, system: str, url: str, **headers: str) -> None:
     body = {"model": "m", "max_tokens": 2, "temperature": 0.0, "messages": [
         {"role": "system", "content": system},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]}
-    assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60, headers=headers)
+    assert r.status_code == 200
 
 
-def receive(sub: zmq.Socket, decoder: msgspec.msgpack.Decoder, quiet_s: float = 1.0) -> list[Any]:
+def receive(sub: zmq.Socket, decoder: msgspec.msgpack.Decoder, quiet_s: float = 1.0, topic: bytes = b"kv-events",
+            rank: int = 0) -> list[Any]:
     """Every event until none has come for `quiet_s`, checking the frames and sequence numbers."""
     events, seqs = [], []
     while sub.poll(int(quiet_s * 1000)):
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv-events"
+        got, seq, payload = sub.recv_multipart()
+        assert got == topic
         seqs.append(int.from_bytes(seq, "big"))
         batch = decoder.decode(payload)
-        assert batch.data_parallel_rank == 0 and batch.ts > 0
+        assert batch.data_parallel_rank == rank and batch.ts > 0
         events += batch.events
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
     return events
+
+
+def subscribe(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    sub.connect(endpoint)
+    return sub
 
 
 def test_blocks_carry_their_images_hash_and_evictions_are_published(tmp_path):
@@ -82,12 +92,10 @@ def test_blocks_carry_their_images_hash_and_evictions_are_published(tmp_path):
     endpoint = f"ipc://{tmp_path}/kv-events"
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"}
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     server = ServerProcess(model, "--served-model-name", "m", "--max-model-len", "256", "--num-kv-blocks", "20",
                            "--kv-events-config", json.dumps(config))
+    sub = subscribe(ctx, endpoint)
     try:
-        sub.connect(endpoint)
         time.sleep(0.5)  # ZMQ's slow joiner: the subscription reaches the publisher
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
         url = data_url(make_image(1))
@@ -115,4 +123,27 @@ def test_blocks_carry_their_images_hash_and_evictions_are_published(tmp_path):
     finally:
         server.stop()
         sub.close(linger=0)
+        ctx.term()
+
+
+def test_each_data_parallel_rank_publishes_its_own_events(tmp_path):
+    model = make_checkpoint(tmp_path / "model")
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"}
+    ctx = zmq.Context()
+    server = ServerProcess(model, "--served-model-name", "m", "--max-model-len", "256", "--data-parallel-size", "2",
+                           "--kv-events-config", json.dumps(config))
+    subs = [subscribe(ctx, endpoint), subscribe(ctx, endpoint + "_dp1")]
+    try:
+        time.sleep(0.5)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        for rank, sub in enumerate(subs):
+            chat(server, f"Rank {rank}.", data_url(make_image(20 + rank)), **{"X-Data-Parallel-Rank": str(rank)})
+            events = receive(sub, decoder, topic=f"kv-events.dp{rank}".encode(), rank=rank)
+            assert any(isinstance(e, BlockStored) for e in events)
+        assert not subs[0].poll(300)  # rank 1's request published nothing on rank 0's socket
+    finally:
+        server.stop()
+        for sub in subs:
+            sub.close(linger=0)
         ctx.term()

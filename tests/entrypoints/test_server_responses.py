@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_process import ServerProcess, data_url
+from server_process import ServerProcess, data_url, labelled
 from tiny_models import make_image, make_qwen_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -44,14 +44,16 @@ def chat_answer(client, messages: list[dict], max_tokens: int) -> tuple[str, int
     return r.choices[0].message.content, r.usage.prompt_tokens
 
 
-def test_whole_and_streamed_answers_equal_chat(client):
+def test_whole_and_streamed_answers_equal_chat(server, client):
     chat_messages = [{"role": "system", "content": INSTRUCTIONS},
                      {"role": "user", "content": [
                          {"type": "image_url", "image_url": {"url": data_url(make_image(3, (64, 48)))}},
                          {"type": "text", "text": "What is on the screen?"}]}]
     want, prompt_tokens = chat_answer(client, chat_messages, 12)
     args = dict(model="m", input=[user_turn()], instructions=INSTRUCTIONS, max_output_tokens=12, temperature=0.0)
+    hits = labelled(server, "mmserve_cache_hits_total", "processor")
     whole = client.responses.create(**args)
+    assert labelled(server, "mmserve_cache_hits_total", "processor") == hits + 1  # chat's processed image
     assert whole.status in ("completed", "incomplete") and whole.output_text == want
     assert whole.usage.input_tokens == prompt_tokens and whole.usage.output_tokens > 0
     assert whole.usage.input_tokens_details.cached_tokens > 0  # chat's request left its prefix cached
