@@ -67,6 +67,18 @@ class RequestRecord:
                                          time.perf_counter() - self.arrival)
 
 
+@dataclass
+class ChatTurns:
+    """A conversation as `OpenAIServingChat.start` takes it, from chat or from responses."""
+
+    messages: list[dict[str, Any]]  # OpenAI chat messages
+    tools: ToolMode | None
+    tool_specs: list[dict[str, Any]] | None  # the tools in chat's shape, for the chat template
+    cache_salt: str | None
+    extras: dict[str, Any]  # prompt fields: mm_processor_kwargs, media_io_kwargs (None: absent)
+    format_param: str = "response_format"  # the request's structure parameter, named when refused
+
+
 class OpenAIServingChat:
     """The chat completions handler over an `AsyncLLM`-like engine."""
 
@@ -105,8 +117,8 @@ class OpenAIServingChat:
         params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
         tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
         extras = {"mm_processor_kwargs": request.mm_processor_kwargs, "media_io_kwargs": request.media_io_kwargs}
-        outputs = await self.start(raw_request, request_id, request.messages_as_dicts(), params, tools,
-                                   request.tools, request.cache_salt, extras, bool(request.stream))
+        turns = ChatTurns(request.messages_as_dicts(), tools, request.tools, request.cache_salt, extras)
+        outputs = await self.start(raw_request, request_id, turns, params, bool(request.stream))
         handed_over = False
         try:
             first = await first_output(outputs)
@@ -122,20 +134,19 @@ class OpenAIServingChat:
             if not handed_over:
                 await outputs.aclose()
 
-    async def start(self, raw_request: Request, request_id: str, messages: list[dict[str, Any]],
-                    params: SamplingParams, tools: ToolMode | None, tool_specs: list[dict[str, Any]] | None,
-                    cache_salt: str | None, prompt_extras: dict[str, Any], stream: bool,
-                    format_param: str = "response_format") -> AsyncGenerator[RequestOutput, None]:
+    async def start(self, raw_request: Request, request_id: str, turns: ChatTurns, params: SamplingParams,
+                    stream: bool) -> AsyncGenerator[RequestOutput, None]:
         """Start a conversation's generation, as chat and responses both do: a forced tool call
-        becomes the grammar (refused next to another structure, named by `format_param`), the
-        chat template renders `messages` with the tools, `prompt_extras` (mm_processor_kwargs,
-        media_io_kwargs) join the prompt. Returns the engine's output generator."""
+        becomes the grammar (refused next to another structure), the chat template renders the
+        messages with the tools, the prompt extras join the prompt. Returns the engine's outputs."""
+        tools = turns.tools
         if tools is not None and tools.forced:
             if params.structured_outputs is not None:
-                raise ParameterError(format_param, f"{format_param} cannot be combined with a forced tool call")
+                raise ParameterError(turns.format_param, f"{turns.format_param} cannot be combined with a forced "
+                                     "tool call")
             params = msgspec.structs.replace(params, structured_outputs=tools.structured())
-        prompt = await self.engine.build_prompt(messages, cache_salt, tool_specs)
-        prompt.update({k: v for k, v in prompt_extras.items() if v is not None})
+        prompt = await self.engine.build_prompt(turns.messages, turns.cache_salt, turns.tool_specs)
+        prompt.update({k: v for k, v in turns.extras.items() if v is not None})
         return self.engine.generate(request_id, prompt, params, **routing(raw_request, stream))
 
     def check_model(self, name: str | None) -> str:

@@ -23,7 +23,8 @@ from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from mmserve.entrypoints.openai.response_store import Conversation, ResponseStore
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
-from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, RequestRecord, first_output, last_output
+from mmserve.entrypoints.openai.serving_chat import (ChatTurns, OpenAIServingChat, RequestRecord, first_output,
+                                                     last_output)
 from mmserve.entrypoints.openai.streaming import SSEResponse
 from mmserve.entrypoints.openai.tool_calls import tool_mode
 
@@ -53,9 +54,9 @@ class OpenAIServingResponses:
         tool_specs = request.chat_tools()
         tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls,
                           self.chat.auto_tool_parser)
-        extras = {"mm_processor_kwargs": request.mm_processor_kwargs}
-        outputs = await self.chat.start(raw_request, response_id, system + history, params, tools, tool_specs,
-                                        request.cache_salt, extras, bool(request.stream), format_param="text.format")
+        turns = ChatTurns(system + history, tools, tool_specs, request.cache_salt,
+                          {"mm_processor_kwargs": request.mm_processor_kwargs}, format_param="text.format")
+        outputs = await self.chat.start(raw_request, response_id, turns, params, bool(request.stream))
         shape = ResponseShape(response_id, model, request)
 
         def keep(items: list[dict[str, Any]]) -> None:
