@@ -1,7 +1,8 @@
 """`--kv-events-config`: where an engine core publishes its prefix cache's changes (vLLM's names).
 
 `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic":
-"kv-events"}`, plus optionally `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`. With
+"kv-events"}`, plus optionally `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`, and our
+`event_encoding` ("map", today's vLLM, or "array", the positional events of vLLM before #42892). With
 data parallelism each rank publishes on its own endpoint, as vLLM offsets it (a tcp port plus the
 rank; `_dp<rank>` after an ipc or inproc address), under the topic `<topic>.dp<rank>` (a
 subscriber to the bare topic gets every rank: ZMQ subscriptions match by prefix); every batch also
@@ -27,8 +28,11 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
+    event_encoding: str = "map"  # ours: "array" for subscribers of vLLM before its PR #42892
 
     def __post_init__(self) -> None:
+        if self.event_encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_config.event_encoding must be map or array; got {self.event_encoding!r}")
         if self.publisher not in PUBLISHERS:
             raise ValueError(f"kv_events_config.publisher must be one of {', '.join(PUBLISHERS)}; "
                              f"got {self.publisher!r}")

@@ -12,7 +12,8 @@ import zmq
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.kv_cache import KVCacheManager
-from mmserve.engine.kv_events import (BlockRemoved, BlockStored, KVEventLog, ZmqEventPublisher, to_events)
+from mmserve.engine.kv_events import (BlockRemoved, BlockStored, KVEventBatch, KVEventLog, ZmqEventPublisher,
+                                      to_events)
 from mmserve.engine.request import Request
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.kv_events_config import KVEventsConfig
@@ -77,9 +78,13 @@ class Batch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-def test_the_wire_format_is_vllms_array_like_tagged_batch(tmp_path):
+@pytest.mark.parametrize("encoding, removed", [
+    ("map", {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU"}),  # vLLM since #42892
+    ("array", ["BlockRemoved", [b"\x01" * 32], "GPU"]),  # vLLM before it
+])
+def test_the_wire_format_is_vllms_positional_batch_of_tagged_events(tmp_path, encoding, removed):
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/ev",
-                            topic="kv")
+                            topic="kv", event_encoding=encoding)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -94,7 +99,9 @@ def test_the_wire_format_is_vllms_array_like_tagged_batch(tmp_path):
         topic, seq, payload = next(f for f in frames if b"BlockRemoved" in f[2])
         batch = msgspec.msgpack.decode(payload, type=Batch)
         assert topic == b"kv.dp1" and len(seq) == 8 and batch.data_parallel_rank == 1
-        assert batch.events[-1] == ["BlockRemoved", [b"\x01" * 32], "GPU"]
+        assert batch.events == [removed]
+        if encoding == "map":
+            assert msgspec.msgpack.decode(payload, type=KVEventBatch).events == [BlockRemoved([b"\x01" * 32], "GPU")]
     finally:
         publisher.shutdown()
         sub.close(linger=0)

@@ -1,14 +1,16 @@
 """KV events: the prefix cache's changes, published over ZMQ in vLLM's wire format.
 
 External cache-aware routers (llm-d's precise prefix scorer, NVIDIA Dynamo's KV router) read
-what each replica holds from these. The format is vLLM's `KVEventBatch`: msgpack of msgspec
-structs, `array_like` (fields in order, no names), each event tagged with its class name first:
+what each replica holds from these. The format is vLLM's `KVEventBatch`, msgpack of msgspec
+structs: the batch positional, each event a map tagged by its class name under "type" (vLLM
+since its PR #42892; `"event_encoding": "array"` sends the earlier positional events instead,
+`["BlockStored", block_hashes, ...]` in the field order below):
 
     KVEventBatch   = [ts, [event, ...], data_parallel_rank]
-    BlockStored    = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                      lora_id, medium, lora_name, extra_keys]
-    BlockRemoved   = ["BlockRemoved", block_hashes, medium]
-    AllBlocksCleared = ["AllBlocksCleared"]
+    BlockStored    = {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+                      "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+    BlockRemoved   = {"type": "BlockRemoved", "block_hashes", "medium"}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
 
 sent as the multipart message (topic, 8-byte big-endian sequence number, payload); with a
 `replay_endpoint`, a ROUTER socket answers a sequence number with every kept batch from it on,
@@ -56,8 +58,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """A change of the prefix cache (tagged by class name)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A change of the prefix cache (a map tagged by class name under "type")."""
 
 
 class BlockStored(KVCacheEvent):
@@ -143,6 +145,7 @@ class ZmqEventPublisher:
 
         self.rank = rank
         self.block_size = block_size
+        self.positional = config.event_encoding == "array"
         endpoint, replay, topic = config.for_rank(rank, data_parallel_size)
         self.topic = topic.encode()
         self._queue: queue.Queue[list[Record] | None] = queue.Queue(maxsize=config.max_queue_size)
@@ -190,7 +193,9 @@ class ZmqEventPublisher:
             self._send(encoder, next(seq), to_events(records, self.block_size))
 
     def _send(self, encoder: msgspec.msgpack.Encoder, seq: int, events: list[Any]) -> None:
-        payload = encoder.encode(KVEventBatch(time.time(), events, self.rank))
+        if self.positional:
+            events = [[type(e).__name__, *msgspec.structs.astuple(e)] for e in events]
+        payload = encoder.encode(EventBatch(time.time(), events, self.rank))
         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
 
