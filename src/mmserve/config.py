@@ -72,8 +72,16 @@ class CacheConfig:
     prefix_caching_hash_algo: str = _opt(
         "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
         choices=("sha256", "blake3", "xxh3_128"))
+    kv_events_config: dict[str, Any] | None = _opt(
+        None, 'Publish the prefix cache\'s changes for external routers, in vLLM\'s format and names, as JSON: '
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"} '
+        "(kv_events_config.py).", parse=json.loads)
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from mmserve.kv_events_config import KVEventsConfig
+
+            KVEventsConfig.from_dict(self.kv_events_config)  # a ValueError names the fault
         if self.prefix_caching_hash_algo not in ("sha256", "blake3", "xxh3_128"):
             raise ValueError(f"unknown prefix_caching_hash_algo {self.prefix_caching_hash_algo!r}")
         if self.block_size < 1 or self.block_size > 1024:
@@ -120,8 +128,10 @@ class MultiModalConfig:
     max_media_bytes: int = _opt(20 << 20, "Largest encoded image in bytes.")
     mm_processor_cache_gb: float = _opt(4.0, "P0's processed-item cache in GiB (0 turns it off).")
     mm_ipc_cache_gb: float = _opt(4.0, "P0 -> P1 item cache in GiB, mirrored on both sides (0 turns it off).")
-    mm_cache_type: str = _opt("lru", "How processed items reach P1: lru (the IPC cache) or shm (shared memory).",
-                              choices=("lru", "shm"))
+    mm_cache_type: str | None = _opt(
+        None, "How processed items reach P1: lru (the IPC cache) or shm (shared memory). Default: shm with "
+        "--api-server-count > 1 when /dev/shm holds --mm-shm-cache-gb (one store for the node), else lru.",
+        choices=("lru", "shm"))
     mm_shm_cache_gb: float = _opt(4.0, "Shared-memory object store size in GiB (with --mm-cache-type shm).")
     mm_shm_max_object_mb: float = _opt(128.0, "Largest item the shared-memory store takes, in MiB.")
     max_media_pixels: int = _opt(40_000_000, "Largest decoded image in pixels (width x height).")
@@ -156,7 +166,7 @@ class MultiModalConfig:
         for name in ("mm_processor_cache_gb", "mm_ipc_cache_gb", "mm_shm_cache_gb", "mm_shm_max_object_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
-        if self.mm_cache_type not in ("lru", "shm"):
+        if self.mm_cache_type not in (None, "lru", "shm"):
             raise ValueError(f"mm_cache_type must be lru or shm; got {self.mm_cache_type!r}")
 
     def media_limits(self) -> MediaLimits:
@@ -185,7 +195,8 @@ class MultiModalConfig:
 
     @property
     def uses_shm(self) -> bool:
-        """Items reach P1 (and TP workers) through the shared-memory store, not the IPC cache."""
+        """Items reach P1 (and TP workers) through the shared-memory store, not the IPC cache (an
+        unset `mm_cache_type` is lru here; `deployment_defaults.py` decides it for a server)."""
         return self.mm_cache_type == "shm" and self.mm_shm_cache_gb > 0
 
     @property

@@ -20,7 +20,8 @@ from tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
-ARGS = ("--api-server-count", "2", "--data-parallel-size", "2", "--max-model-len", "256")
+# lru asked for: these tests are about per-server processor and IPC caches (shm is the default here)
+ARGS = ("--api-server-count", "2", "--data-parallel-size", "2", "--mm-cache-type", "lru", "--max-model-len", "256")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_a_killed_engine_core_is_survived_by_every_api_server(model_path, offlin
 
 
 def test_nothing_outlives_a_killed_launcher(model_path):
-    s = ServerProcess(model_path, "--api-server-count", "2", "--max-model-len", "256")
+    s = ServerProcess(model_path, "--api-server-count", "2", "--mm-cache-type", "lru", "--max-model-len", "256")
     deadline = time.monotonic() + 30  # /health answered: one API server is up, the other may still start
     while len(children := set(children_titled(s, "").values()) - {s.proc.pid}) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,5 +1,6 @@
-"""Two API servers with `--mm-cache-type shm`: one item store for the node, owned by the launcher
-and written by both servers. A repeat skips the image processor whichever server takes it (the
+"""Two API servers with the node's shared store (`--mm-cache-type shm`, their default): one item
+store for the node, owned by the launcher and written by both servers. A repeat skips the image
+processor whichever server takes it (the
 other server processed it: its processor cache finds it in the store), answers equal one
 engine's, a killed engine core is replaced on the same store, and the store's segment is gone
 after shutdown."""
@@ -26,9 +27,11 @@ def test_a_repeat_on_either_server_skips_the_processor(tmp_path):
     model = make_checkpoint(tmp_path)
     offline = LLM(model=model, max_model_len=256)
     before = segments()
-    server = ServerProcess(model, "--api-server-count", "2", "--mm-cache-type", "shm", "--max-model-len", "256")
+    # no --mm-cache-type: with several API servers the node's store is the default (issue 41)
+    server = ServerProcess(model, "--api-server-count", "2", "--mm-shm-cache-gb", "0.25", "--max-model-len", "256")
     server.model = model
     try:
+        assert "share the node's item store" in server.output()
         assert len(segments() - before) == 1  # one store for the node, not one per API server
         urls = [data_url(make_image(500 + i)) for i in range(8)]
         want = [expected(offline, u) for u in urls]

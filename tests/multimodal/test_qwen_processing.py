@@ -7,6 +7,7 @@ is skipped, because transformers' video processors need torchvision, which this 
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -174,6 +175,29 @@ def test_checked_mm_kwargs_are_the_given_keys(family):
     _, _, ours, _ = family
     assert ours.check_mm_kwargs(None) == {} and ours.check_mm_kwargs({}) == {}
     assert ours.check_mm_kwargs({"max_pixels": 4096}) == {"max_pixels": 4096}
+
+
+def test_mm_kwargs_equal_to_the_defaults_hit_the_item_made_without_them(family, tmp_path):
+    """An explicit max_pixels (or min_pixels) equal to the processor's default is dropped before
+    hashing: the request hits the processor-cache entry a request without kwargs made."""
+    from mmserve.multimodal.processor_cache import ProcessorCache
+    from mmserve.multimodal.items import ItemResolver
+    from mmserve.multimodal.media import MediaLimits
+
+    _, _, ours, _ = family
+    assert ours.check_mm_kwargs(dict(ours.default_pixels)) == {}
+    cache = ProcessorCache(1 << 26)
+    resolver = ItemResolver("m", ours, cache, MediaLimits(), True)
+    png = tmp_path / "a.png"
+    IMAGES["square"].save(png)
+    source = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    first = resolver.resolve([source], [None], None)
+    resolver.commit(first)
+    same = resolver.resolve([source], [None], None, {"max_pixels": ours.default_pixels["max_pixels"]})
+    other = resolver.resolve([source], [None], None, {"max_pixels": ours.default_pixels["max_pixels"] // 2})
+    assert same[0].mm_hash == first[0].mm_hash and not same[0].fresh
+    assert other[0].mm_hash != first[0].mm_hash and other[0].fresh
+    assert resolver.num_processed == 2
 
 
 def test_settings_follow_the_checkpoint(family, tmp_path):

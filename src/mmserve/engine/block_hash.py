@@ -114,10 +114,13 @@ class BlockHasher:
         self.algo = algo
         self.hash_fn = get_hash_fn(algo)
         self.seed: BlockHash = self.hash_fn(_SEED_TEXT)  # the first block's parent
+        self.keep_extra_keys = False  # requests keep each block's extra keys too (KV events publish them)
 
     def new_block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem],
-                         cache_salt: str | None, known: Sequence[BlockHash]) -> list[BlockHash]:
-        """Hashes of the full blocks after the `len(known)` already hashed; [] when none is new."""
+                         cache_salt: str | None, known: Sequence[BlockHash],
+                         extra_keys_out: list[ExtraKeys] | None = None) -> list[BlockHash]:
+        """Hashes of the full blocks after the `len(known)` already hashed; [] when none is new.
+        `extra_keys_out` gets each new block's extra keys, as hashed (for KV events)."""
         bs = self.block_size
         parent = known[-1] if known else self.seed
         new: list[BlockHash] = []
@@ -128,6 +131,8 @@ class BlockHasher:
             while first < len(mm_items) and mm_items[first].placeholder.end <= start:
                 first += 1
             extra = block_extra_keys(mm_items, cache_salt, start, start + bs, first)
+            if extra_keys_out is not None:
+                extra_keys_out.append(extra)
             parent = hash_block(self.hash_fn, parent, token_ids[start:start + bs], extra)
             new.append(parent)
         return new

@@ -13,7 +13,7 @@ computed when it is registered; the registration is dropped with the block's has
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from mmserve.engine.block_hash import BlockHash
 
@@ -128,6 +128,7 @@ class BlockPool:
         self.last_blocks: dict[BlockHash, dict[int, KVBlock]] = {}  # last-block key -> blocks
         self.num_cached_blocks = 0  # blocks with a hash, owned or free
         self.num_evictions = 0  # cached blocks handed out again (their hash dropped), since start
+        self.on_key_removed: Callable[[BlockHash], None] | None = None  # told when no block holds a key any more
 
     @property
     def num_free_blocks(self) -> int:
@@ -171,14 +172,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register an owned, full block under `block_hash`; nothing when it already has it."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register an owned, full block under `block_hash`; nothing when it already has it.
+        True when no other block held `block_hash` (the pool has a new key)."""
         if block.block_hash is not None:
             assert block.block_hash == block_hash, f"{block} is cached under another hash"
-            return
+            return False
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, {})[block.block_id] = block
+        same = self.cached.setdefault(block_hash, {})
+        same[block.block_id] = block
         self.num_cached_blocks += 1
+        return len(same) == 1
 
     def cache_last_block(self, block: KVBlock, last_hash: BlockHash) -> None:
         """Register an owned block, whose first slots hold a prompt's last tokens (K/V computed),
@@ -195,7 +199,8 @@ class BlockPool:
             block.last_hash = None
         if block.block_hash is None:
             return
-        _unmap(self.cached, block.block_hash, block.block_id)
+        if _unmap(self.cached, block.block_hash, block.block_id) and self.on_key_removed is not None:
+            self.on_key_removed(block.block_hash)
         block.block_hash = None
         self.num_cached_blocks -= 1
         self.num_evictions += 1
@@ -220,9 +225,10 @@ class BlockPool:
                 f"last-block map entry {h[:4].hex()} disagrees with its blocks"
 
 
-def _unmap(index: dict[BlockHash, dict[int, KVBlock]], key: BlockHash, block_id: int) -> None:
-    """Take block `block_id` out of `index[key]`, and the key out when no block is left."""
+def _unmap(index: dict[BlockHash, dict[int, KVBlock]], key: BlockHash, block_id: int) -> bool:
+    """Take block `block_id` out of `index[key]`, and the key out when no block is left (True then)."""
     same = index[key]
     del same[block_id]
     if not same:
         del index[key]
+    return not same

@@ -13,6 +13,8 @@ from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.kv_events import KVEvents, make_kv_events
+from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -46,11 +48,26 @@ class EngineCore:
         # requests hash their blocks only when the prefix cache can use the hashes
         self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
                              if cache.enable_prefix_caching else None)
+        self.kv_events = self._kv_events()
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    self.model_config.max_item_tokens,
                                    FirstTokenCache(num_blocks, enabled=cache.enable_first_token_caching))
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
+
+    def _kv_events(self) -> KVEvents | None:
+        """The rank's KV event publisher (`--kv-events-config`), fed by the KV cache manager."""
+        cache, parallel = self.config.cache, self.config.parallel
+        events_config = None if cache.kv_events_config is None else KVEventsConfig.from_dict(cache.kv_events_config)
+        if events_config is not None and events_config.publishes and self.block_hasher is None:
+            logger.warning("--kv-events-config: no events without prefix caching (--enable-prefix-caching)")
+            return None
+        events = make_kv_events(events_config, parallel.data_parallel_rank, parallel.data_parallel_size,
+                                cache.block_size)
+        if events is not None and self.block_hasher is not None:
+            self.kv_cache.attach_events(events.log)
+            self.block_hasher.keep_extra_keys = True
+        return events
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; a ValueError (and no state change) when it can never run."""
@@ -75,6 +92,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         result = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        if self.kv_events is not None:
+            self.kv_events.end_step()
         outputs.stats = self.stats()
         return outputs
 
@@ -101,6 +120,8 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
 

@@ -8,10 +8,13 @@ hash map) is in `block_pool.py`; how block hashes are made is in `block_hash.py`
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from mmserve.engine.block_hash import BlockHash
 from mmserve.engine.block_pool import BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    from mmserve.engine.kv_events import KVEventLog
 
 __all__ = ["BlockPool", "KVBlock", "KVCacheManager"]
 
@@ -37,6 +40,13 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its blocks registered so far
+        self.events: KVEventLog | None = None  # told of new and dropped keys (`attach_events`)
+
+    def attach_events(self, events: KVEventLog) -> None:
+        """Tell `events` of every key the pool gains (the scheduler passes the request's blocks)
+        and loses (an eviction of the last block holding it)."""
+        self.events = events
+        self.pool.on_key_removed = events.removed
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,19 +95,24 @@ class KVCacheManager:
         blocks.extend(new)
         return [b.block_id for b in new]
 
-    def cache_full_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, block_hashes: Sequence[BlockHash],
+                          num_computed_tokens: int) -> list[int]:
         """Register the request's blocks that `num_computed_tokens` fill (and that have a hash),
         so that later requests hit them. The K/V of the last ones may be computed in the step
         being scheduled: a request admitted later in the same step reads them only after that
-        step's cache writes (each layer writes all of the step's K/V before attending)."""
+        step's cache writes (each layer writes all of the step's K/V before attending).
+        Returns the indices of the blocks whose hash is new to the pool (for KV events)."""
+        new_keys: list[int] = []
         if not self.enable_caching:
-            return
+            return new_keys
         blocks = self.req_to_blocks[request_id]
         done = self.num_cached_blocks.get(request_id, 0)
         full = min(num_computed_tokens // self.block_size, len(block_hashes), len(blocks))
         for i in range(done, full):
-            self.pool.cache_block(blocks[i], block_hashes[i])
+            if self.pool.cache_block(blocks[i], block_hashes[i]):
+                new_keys.append(i)
         self.num_cached_blocks[request_id] = max(done, full)
+        return new_keys
 
     def find_last_block(self, last_hash: BlockHash | None) -> KVBlock | None:
         """A block holding a prompt's last tokens under `last_hash` (see `BlockPool`), to copy;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from mmserve.engine.block_hash import BlockHash, BlockHasher
+from mmserve.engine.block_hash import BlockHash, BlockHasher, ExtraKeys
 from mmserve.ipc.items import MultiModalItem
 from mmserve.ipc.messages import EngineCoreRequest, FinishReason, sibling_request_id
 from mmserve.sampling_params import SamplingParams
@@ -64,6 +64,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_cached_tokens: int | None = None
         self.block_hashes: list[BlockHash] = []
+        self.block_extra_keys: list[ExtraKeys] = []  # per hashed block, when the hasher keeps them
         self._block_hasher = block_hasher
         self._update_block_hashes()
         self.client_id = request_id
@@ -82,6 +83,7 @@ class Request:
                       self.sampling_params.for_sibling(index), self.eos_token_id, self.arrival_time,
                       cache_salt=self.cache_salt)
         sib.block_hashes = list(self.block_hashes)
+        sib.block_extra_keys = list(self.block_extra_keys)
         sib._block_hasher = self._block_hasher
         sib.client_id, sib.index = self.client_id, index
         return sib
@@ -133,8 +135,11 @@ class Request:
     def _update_block_hashes(self) -> None:
         hasher = self._block_hasher
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            keys: list[ExtraKeys] | None = [] if hasher.keep_extra_keys else None
             self.block_hashes += hasher.new_block_hashes(self.all_token_ids, self.mm_items, self.cache_salt,
-                                                         self.block_hashes)
+                                                         self.block_hashes, keys)
+            if keys:
+                self.block_extra_keys += keys
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

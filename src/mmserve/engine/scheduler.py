@@ -210,7 +210,9 @@ class Scheduler:
         rid, start, n = req.request_id, req.num_computed_tokens, plan.num_tokens
         new_blocks = self.kv_cache.allocate_slots(rid, start + n, computed)
         assert new_blocks is not None, "caller checked can_allocate"
-        self.kv_cache.cache_full_blocks(rid, req.block_hashes, start + n)
+        stored = self.kv_cache.cache_full_blocks(rid, req.block_hashes, start + n)
+        if stored and self.kv_cache.events is not None:
+            self.kv_cache.events.stored(req, stored)
         if rid in self._known_to_runner:
             out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
         else:

@@ -58,8 +58,10 @@ class QwenVLProcessor(MultiModalProcessor):
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        """The request's image pixel budget, validated (a ValueError names the fault); only the
-        image keys given (video keys are allowed and checked where videos are sampled)."""
+        """The request's image pixel budget, validated (a ValueError names the fault) and normalised:
+        only the image keys given whose value differs from the processor's default, so that a
+        setting equal to the default hashes (and hits) as no setting does. Video keys are allowed
+        and checked where videos are sampled."""
         mm_kwargs = dict(mm_kwargs or {})
         unknown = sorted(set(mm_kwargs) - set(MM_KWARGS) - set(REQUEST_KEYS))
         if unknown:
@@ -74,7 +76,7 @@ class QwenVLProcessor(MultiModalProcessor):
         if budget["min_pixels"] > budget["max_pixels"]:
             raise ValueError(f"mm_processor_kwargs: min_pixels ({budget['min_pixels']}) exceeds max_pixels "
                              f"({budget['max_pixels']})")
-        return mm_kwargs
+        return {k: v for k, v in mm_kwargs.items() if v != self.default_pixels[k]}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """One image -> `{"pixel_values": Tensor[P, C * Tp * p * p] float32, "image_grid_thw":

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.deployment_defaults import family_tool_parser
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -37,9 +38,12 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from mmserve.entrypoints.openai.response_store import ResponseStore
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
 from mmserve.gc_tuning import freeze_startup_heap
+from mmserve.lazy_imports import keep_triton_out
 from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
@@ -56,10 +60,12 @@ HEALTH_POLL_S = 0.5
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int | None = None, auto_tool_parser: str | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
+              responses_store_bytes: int = 256 << 20) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
-    `auto_tool_parser` enables tool_choice "auto" with that parser."""
+    `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
+    for previous_response_id in `responses_store_bytes`."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -74,6 +80,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
+    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     @v1.post("/chat/completions")
@@ -83,6 +90,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @v1.post("/completions")
     async def completions(raw_request: Request) -> Response:
         return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
+
+    @v1.post("/responses")
+    async def create_response(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -159,6 +170,7 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
     configure_logging(server_config.log_level)
     set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
+    keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
     retain_freed_memory()
     # before any other thread starts; the processor cache keeps each new item's pixels
     reserve = HeapReserve(min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
@@ -170,6 +182,16 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
+    """tool_choice "auto"'s parser: the flag's, else the model family's (said once at start-up)."""
+    family = family_tool_parser(engine.model_dir)
+    parser = server_config.auto_tool_parser(family)
+    if server_config.tool_call_parser is None and parser is not None and engine.config.parallel.api_server_index == 0:
+        logger.info('tool_choice "auto" reads %s tool calls (the model family\'s format; --tool-call-parser '
+                    "overrides)", parser)
+    return parser
 
 
 def _loop_factory() -> Any:
@@ -196,7 +218,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)), server_config.auto_tool_parser)
+                        None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
+                        int(server_config.responses_store_mb * (1 << 20)))
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes

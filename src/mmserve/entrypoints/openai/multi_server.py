@@ -7,8 +7,9 @@ The launcher (title `mmserve::launcher`):
 - makes one ipc directory for every socket between API servers and engine cores, and sets
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
 - with data parallelism, runs the `Coordinator` (one routing picture for every API server);
-- with `--mm-cache-type shm`, owns the node's item store (`ipc/node_store.py`): every API server
-  writes into it and finds there what the others processed; every engine core reads it;
+- with `--mm-cache-type shm` (the default here: `deployment_defaults.py`), owns the node's item
+  store (`ipc/node_store.py`): every API server writes into it and finds there what the others
+  processed; every engine core reads it;
 - starts the engine cores itself, each connected to every API server
   (`frontend/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
   by the coordinator and started again while `--engine-restart-limit` allows (each API server
@@ -34,6 +35,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
 from mmserve.config import EngineConfig
+from mmserve.deployment_defaults import with_item_transport
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
 from mmserve.gc_tuning import freeze_startup_heap, pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
@@ -55,6 +57,7 @@ SERVER_STOP_S = 10.0  # how long an API server may take to stop after SIGTERM be
 def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     configure_logging(server_config.log_level)
     set_process_title("launcher")
+    engine_config = with_item_transport(engine_config)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     launcher = Launcher(server_config, engine_config)
     try:

@@ -29,18 +29,25 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
     def to_structured_outputs(self) -> StructuredOutputsParams | None:
-        from mmserve.entrypoints.openai.protocol import ParameterError
+        schema = None if self.json_schema is None else self.json_schema.json_schema
+        return structured_outputs_of(self.type, schema, "response_format", "json_schema.schema")
 
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.json_schema is None or self.json_schema.json_schema is None:
-            raise ParameterError("response_format", "response_format of type json_schema needs json_schema.schema")
-        try:
-            return StructuredOutputsParams.for_schema(self.json_schema.json_schema)
-        except ValueError as e:
-            raise ParameterError("response_format", f"response_format: {e}") from None
+
+def structured_outputs_of(kind: str, schema: Any, param: str, schema_name: str) -> StructuredOutputsParams | None:
+    """The structure an answer format asks for (chat's `response_format`, responses' `text.format`):
+    None for "text"; a `ParameterError` naming `param` for a missing or unsupported schema."""
+    from mmserve.entrypoints.openai.protocol import ParameterError
+
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if schema is None:
+        raise ParameterError(param, f"{param} of type json_schema needs {schema_name}")
+    try:
+        return StructuredOutputsParams.for_schema(schema)
+    except ValueError as e:
+        raise ParameterError(param, f"{param}: {e}") from None
 
 
 class SamplingExtras(BaseModel):

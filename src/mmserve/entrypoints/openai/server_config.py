@@ -26,11 +26,16 @@ class ServerConfig:
         "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
     enable_auto_tool_choice: bool = field(default=False, metadata={
-        "help": 'Let requests use tool_choice "auto" (the default when tools are given): the model answers '
-                "freely and --tool-call-parser extracts its calls.", "action": "store_true"})
+        "help": 'Let requests use tool_choice "auto" (the default when tools are given) with --tool-call-parser '
+                "(vLLM's flag; without it, auto is on wherever the model family's format is known).",
+        "action": "store_true"})
     tool_call_parser: str | None = field(default=None, metadata={
-        "help": "How calls are read from free answers: hermes (<tool_call> JSON, what Qwen2.5-VL and "
-                "Qwen3-VL emit).", "choices": ("hermes",)})
+        "help": "How calls are read from free answers for tool_choice auto: hermes (<tool_call> JSON). Default: "
+                "the model family's format (hermes for Qwen2.5-VL and Qwen3-VL; none known for LLaVA).",
+        "choices": ("hermes",)})
+    responses_store_mb: float = field(default=256.0, metadata={
+        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB per API server "
+                "(least recently used evicted first; 0 keeps none)."})
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
@@ -49,6 +54,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_mb must be positive; got {self.max_request_body_mb}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.responses_store_mb < 0:
+            raise ValueError(f"responses_store_mb must not be negative; got {self.responses_store_mb}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
@@ -56,10 +63,10 @@ class ServerConfig:
         """The names the server answers to: the configured ones, else `model`."""
         return list(self.served_model_name) if self.served_model_name else [model]
 
-    @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser for tool_choice "auto", or None where "auto" is not enabled."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
+    def auto_tool_parser(self, family_parser: str | None = None) -> str | None:
+        """The parser for tool_choice "auto": `--tool-call-parser` when given, else the model
+        family's (`deployment_defaults.family_tool_parser`); None where "auto" is refused."""
+        return self.tool_call_parser or family_parser
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerConfig:
@@ -73,7 +80,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         if f.name == "port":
             kw["type"] = int
-        if f.name == "max_request_body_mb":
+        if f.name in ("max_request_body_mb", "responses_store_mb"):
             kw["type"] = float
         if f.metadata.get("action"):
             kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}

@@ -31,6 +31,7 @@ from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletio
                                                  UsageInfo)
 from mmserve.metrics import ServerMetrics
 from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
@@ -64,6 +65,18 @@ class RequestRecord:
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
         self.metrics.on_request_finished(outcome, self.prompt_tokens, self.generation_tokens, ttft,
                                          time.perf_counter() - self.arrival)
+
+
+@dataclass
+class ChatTurns:
+    """A conversation as `OpenAIServingChat.start` takes it, from chat or from responses."""
+
+    messages: list[dict[str, Any]]  # OpenAI chat messages
+    tools: ToolMode | None
+    tool_specs: list[dict[str, Any]] | None  # the tools in chat's shape, for the chat template
+    cache_salt: str | None
+    extras: dict[str, Any]  # prompt fields: mm_processor_kwargs, media_io_kwargs (None: absent)
+    format_param: str = "response_format"  # the request's structure parameter, named when refused
 
 
 class OpenAIServingChat:
@@ -103,19 +116,12 @@ class OpenAIServingChat:
                            ", ".join(request.unknown_fields()))
         params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
         tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
-        if tools is not None and tools.forced:
-            if params.structured_outputs is not None:
-                raise ParameterError("response_format", "response_format cannot be combined with a forced tool call")
-            params = msgspec.structs.replace(params, structured_outputs=tools.structured())
-        prompt = await self.engine.build_prompt(request.messages_as_dicts(), request.cache_salt, request.tools)
-        if request.mm_processor_kwargs is not None:
-            prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
-        if request.media_io_kwargs is not None:
-            prompt["media_io_kwargs"] = request.media_io_kwargs
-        outputs = self.engine.generate(request_id, prompt, params, **routing(raw_request, bool(request.stream)))
+        extras = {"mm_processor_kwargs": request.mm_processor_kwargs, "media_io_kwargs": request.media_io_kwargs}
+        turns = ChatTurns(request.messages_as_dicts(), tools, request.tools, request.cache_salt, extras)
+        outputs = await self.start(raw_request, request_id, turns, params, bool(request.stream))
         handed_over = False
         try:
-            first = await _first_output(outputs)
+            first = await first_output(outputs)
             record.observe(first)
             if request.stream:
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -128,6 +134,21 @@ class OpenAIServingChat:
             if not handed_over:
                 await outputs.aclose()
 
+    async def start(self, raw_request: Request, request_id: str, turns: ChatTurns, params: SamplingParams,
+                    stream: bool) -> AsyncGenerator[RequestOutput, None]:
+        """Start a conversation's generation, as chat and responses both do: a forced tool call
+        becomes the grammar (refused next to another structure), the chat template renders the
+        messages with the tools, the prompt extras join the prompt. Returns the engine's outputs."""
+        tools = turns.tools
+        if tools is not None and tools.forced:
+            if params.structured_outputs is not None:
+                raise ParameterError(turns.format_param, f"{turns.format_param} cannot be combined with a forced "
+                                     "tool call")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured())
+        prompt = await self.engine.build_prompt(turns.messages, turns.cache_salt, turns.tool_specs)
+        prompt.update({k: v for k, v in turns.extras.items() if v is not None})
+        return self.engine.generate(request_id, prompt, params, **routing(raw_request, stream))
+
     def check_model(self, name: str | None) -> str:
         """The model name to answer with; a 404 for a name this server does not serve."""
         if name is None:
@@ -139,7 +160,7 @@ class OpenAIServingChat:
         return name
 
 
-async def _first_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+async def first_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
     try:
         return await anext(outputs)
     except StopAsyncIteration:

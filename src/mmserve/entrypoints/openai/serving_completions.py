@@ -19,7 +19,7 @@ from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
 from mmserve.entrypoints.openai.routing import routing
-from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, RequestRecord, _first_output, last_output
+from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, RequestRecord, first_output, last_output
 from mmserve.entrypoints.openai.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServingChat):
                                                   for p, prompt in enumerate(prompts)], params.n)
         handed_over = False
         try:
-            first = await _first_output(outputs)
+            first = await first_output(outputs)
             record.observe(first)
             top = request.logprobs or 0
             if request.stream:

@@ -5,9 +5,9 @@
   the named function's arguments object, or a JSON array of `{"name", "arguments"}` calls (one at
   most when `parallel_tool_calls` is false) — so the calls are valid for their schemas whatever
   the weights; the finish reason is `"tool_calls"`.
-- `"auto"` (the default when tools are given; needs `--enable-auto-tool-choice` and
-  `--tool-call-parser NAME`): the model answers freely and the parser (tool_parsers/) extracts
-  calls; text that turns out to be a call is never streamed as content.
+- `"auto"` (the default when tools are given; the parser is `--tool-call-parser NAME`, else the
+  model family's known one, `deployment_defaults.py`): the model answers freely and the parser
+  (tool_parsers/) extracts calls; text that turns out to be a call is never streamed as content.
 
 `ToolMode.extract` answers a whole choice; `ToolMode.stream()` gives each streamed choice its
 `ChoiceTools`, which turns the choice's text deltas into content and tool-call deltas.
@@ -54,7 +54,7 @@ class ToolMode:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole choice's text."""
         if self.kind == "named":
-            return None, [ToolCall(self.name or "", _compact(text))]
+            return None, [ToolCall(self.name or "", compact_arguments(text))]
         if self.kind == "required":
             return None, _forced_calls(text)
         if self.kind == "auto" and self.parser is not None:
@@ -139,9 +139,9 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | 
         return ToolMode(choice, tools, parallel=parallel)
     if choice == "auto":
         if auto_parser is None:
-            raise ParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs the server '
-                                 "started with --enable-auto-tool-choice and --tool-call-parser; or name a "
-                                 'function, or use "required" or "none"')
+            raise ParameterError("tool_choice", 'tool_choice "auto" (the default with tools) needs a tool-call '
+                                 "format, and this model family has none known: start the server with "
+                                 "--tool-call-parser NAME, or name a function, or use \"required\" or \"none\"")
         return ToolMode("auto", tools, parser=tool_parser(auto_parser), parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
@@ -162,7 +162,7 @@ def finish_reason(reason: str | None, called: bool, tools: ToolMode | None) -> s
     return "tool_calls" if called and tools is not None and reason == "stop" else reason
 
 
-def _compact(text: str) -> str:
+def compact_arguments(text: str) -> str:
     try:
         return json.dumps(json.loads(text), ensure_ascii=False)
     except ValueError:

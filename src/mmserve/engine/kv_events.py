@@ -1,0 +1,238 @@
+"""KV events: the prefix cache's changes, published over ZMQ in vLLM's wire format.
+
+External cache-aware routers (llm-d's precise prefix scorer, NVIDIA Dynamo's KV router) read
+what each replica holds from these. The format is vLLM's `KVEventBatch`, msgpack of msgspec
+structs: the batch positional, each event a map tagged by its class name under "type" (vLLM
+since its PR #42892; `"event_encoding": "array"` sends the earlier positional events instead,
+`["BlockStored", block_hashes, ...]` in the field order below):
+
+    KVEventBatch   = [ts, [event, ...], data_parallel_rank]
+    BlockStored    = {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+                      "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+    BlockRemoved   = {"type": "BlockRemoved", "block_hashes", "medium"}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+sent as the multipart message (topic, 8-byte big-endian sequence number, payload); with a
+`replay_endpoint`, a ROUTER socket answers a sequence number with every kept batch from it on,
+then (-1, b""). Block hashes are our digests (bytes); `parent_block_hash` is None for a prompt's
+first block; `extra_keys[i]` is block i's extra keys exactly as `block_hash.py` hashed them
+(`("mm", mm_hash, offset, ...)` per item overlapping the block, then `("salt", salt)`), None for
+a block without any. `medium` is "GPU", vLLM's name for an engine's own KV cache.
+
+One key, one story: a `BlockStored` when a hash first gets a block in the pool, a `BlockRemoved`
+when the last block holding it is handed out again, and `AllBlocksCleared` when the publisher
+starts (a new or restarted engine core holds nothing).
+
+Cost in the step: `KVEventLog` appends tuples (the block's hash, parent, token slice and extra
+keys); at the end of a step the list goes to the publisher thread's queue, which builds the
+structs, encodes and sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from itertools import count
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from mmserve.engine.block_hash import BlockHash
+from mmserve.kv_events_config import KVEventsConfig
+
+if TYPE_CHECKING:
+    from mmserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = "GPU"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A change of the prefix cache (a map tagged by class name under "type")."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# what KVEventLog records: (STORED, hash, parent, token ids, extra keys) or (REMOVED, hash)
+STORED, REMOVED = 0, 1
+Record = tuple[Any, ...]
+
+
+class KVEventLog:
+    """The step's record of keys the pool gained and lost, in order; `take` hands it over."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._records: list[Record] = []
+
+    def stored(self, req: Request, indices: list[int]) -> None:
+        """Blocks `indices` of `req` are now cached under hashes new to the pool."""
+        bs, hashes, keys = self.block_size, req.block_hashes, req.block_extra_keys
+        for i in indices:
+            self._records.append((STORED, hashes[i], hashes[i - 1] if i else None,
+                                  req.all_token_ids[i * bs:(i + 1) * bs], keys[i] if i < len(keys) else ()))
+
+    def removed(self, block_hash: BlockHash) -> None:
+        self._records.append((REMOVED, block_hash))
+
+    def take(self) -> list[Record]:
+        records, self._records = self._records, []
+        return records
+
+
+def to_events(records: list[Record], block_size: int) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """Records as vLLM's events: a run of stored blocks that chain (each the parent of the next)
+    is one `BlockStored`, a run of removals one `BlockRemoved`."""
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for record in records:
+        last = events[-1] if events else None
+        if record[0] == REMOVED:
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(record[1])
+            else:
+                events.append(BlockRemoved([record[1]], MEDIUM))
+            continue
+        _, block_hash, parent, tokens, keys = record
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(tokens)
+            assert last.extra_keys is not None
+            last.extra_keys.append(keys or None)
+        else:
+            events.append(BlockStored([block_hash], parent, list(tokens), block_size, None, MEDIUM, None,
+                                      [keys or None]))
+    return events
+
+
+class ZmqEventPublisher:
+    """Publishes one rank's batches from a thread: PUB socket, optional ROUTER for replay."""
+
+    def __init__(self, config: KVEventsConfig, rank: int, data_parallel_size: int, block_size: int) -> None:
+        import zmq
+
+        self.rank = rank
+        self.block_size = block_size
+        self.positional = config.event_encoding == "array"
+        endpoint, replay, topic = config.for_rank(rank, data_parallel_size)
+        self.topic = topic.encode()
+        self._queue: queue.Queue[list[Record] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._pub.bind(endpoint)  # vLLM's rule: bind a wildcard or local address, else connect
+        else:
+            self._pub.connect(endpoint)
+        self._replay = None
+        if replay is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV events on %s (topic %r)", endpoint, topic)
+
+    def publish(self, records: list[Record]) -> None:
+        """Queue one step's records (dropped, with a warning, when the queue is full)."""
+        try:
+            self._queue.put_nowait(records)
+        except queue.Full:
+            logger.warning("KV events queue full: %d records dropped", len(records))
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=2.0)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        seq = count()
+        self._send(encoder, next(seq), [AllBlocksCleared()])  # a new engine core holds nothing yet
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                records = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if records is None:
+                return
+            self._send(encoder, next(seq), to_events(records, self.block_size))
+
+    def _send(self, encoder: msgspec.msgpack.Encoder, seq: int, events: list[Any]) -> None:
+        if self.positional:
+            events = [[type(e).__name__, *msgspec.structs.astuple(e)] for e in events]
+        payload = encoder.encode(EventBatch(time.time(), events, self.rank))
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+class KVEvents:
+    """An engine core's KV events: the log the scheduler and pool write, the rank's publisher."""
+
+    def __init__(self, config: KVEventsConfig, rank: int, data_parallel_size: int, block_size: int) -> None:
+        self.log = KVEventLog(block_size)
+        self.publisher = ZmqEventPublisher(config, rank, data_parallel_size, block_size)
+
+    def end_step(self) -> None:
+        """Hand the step's records to the publisher thread (nothing when there are none)."""
+        records = self.log.take()
+        if records:
+            self.publisher.publish(records)
+
+    def shutdown(self) -> None:
+        self.end_step()
+        self.publisher.shutdown()
+
+
+def make_kv_events(config: KVEventsConfig | None, rank: int, data_parallel_size: int,
+                   block_size: int) -> KVEvents | None:
+    """The engine core's KV events, or None when none are published."""
+    if config is None or not config.publishes:
+        return None
+    return KVEvents(config, rank, data_parallel_size, block_size)

@@ -1,0 +1,42 @@
+"""What a server loads at start-up (issue 41): no Triton and no xgrammar in the API server or the
+engine core until a request asks for a structure, and a clean Ctrl-C prints nothing alarming
+(Triton's nanobind extension printed ~60 `nanobind: leaked` lines at every exit)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import ServerProcess, child_pids
+from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+
+HEAVY = ("libtriton", "xgrammar")
+
+
+def loaded(pid: int) -> set[str]:
+    """Which of the heavy extensions `pid` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {name for name in HEAVY if name in maps}
+
+
+def test_heavy_imports_wait_for_a_structured_request_and_ctrl_c_is_quiet(tmp_path):
+    server = ServerProcess(make_checkpoint(tmp_path), "--served-model-name", "m", "--max-model-len", "256")
+    try:
+        api_server, engines = server.proc.pid, child_pids(server.proc.pid)
+        assert engines and loaded(api_server) == set() and all(loaded(p) == set() for p in engines)
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        body = {"model": "m", "messages": [{"role": "user", "content": "Answer."}], "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "xgrammar" in loaded(api_server)  # imported by the first request that asked for it
+    finally:
+        code = server.stop(signal.SIGINT)
+    output = server.output()
+    assert code == 0, output
+    assert "nanobind" not in output and "Traceback" not in output, output[-3000:]
