@@ -228,7 +228,7 @@ class EngineCoreProc:
         try:
             self.channels.register(request)
             missing = self.shm.attach(request.request_id, request.mm_items) if self.shm is not None else []
-            if not missing:
+            if not missing and not request.bypass_caches:  # a shadow's items come whole, past the IPC cache
                 missing = self.channels.restore(request)
             if missing:
                 self._release(request.request_id)

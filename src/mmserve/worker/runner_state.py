@@ -32,6 +32,7 @@ class RunnerRequest:
     eos_token_id: int | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher, or None
     prompt_mask: torch.Tensor | None = None
+    return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
 
     @property
     def output_token_ids(self) -> list[int]:
