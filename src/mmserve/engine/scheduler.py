@@ -115,13 +115,27 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (preempting when KV blocks run out), then
-        waiting ones; `free_encoder_ids` carries the encoder outputs dropped since the last step."""
+        waiting ones, then shadows; `free_encoder_ids` carries the encoder outputs dropped since
+        the last step."""
         out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
         self._finished_ids = set()
         self.encoder_planner.start_step()
-        budget = self.config.max_num_batched_tokens
+        shadows = [r for r in self.running if r.shadow]
+        budget, preempted = self._schedule_running([r for r in self.running if not r.shadow],
+                                                   self.config.max_num_batched_tokens, out)
+        if not preempted:
+            budget = self._admit_from(self.waiting, budget, out)
+        budget, shadow_preempted = self._schedule_running([r for r in shadows if r in self.running], budget, out)
+        if not (preempted or shadow_preempted or any(r.shadow for r in self.running)):
+            self._admit_from(self.shadows, budget, out)
+        out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
+        return out
+
+    def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        """Schedule running `reqs` in order within `budget` tokens, preempting (a shadow first,
+        else the last admitted) when KV blocks run out; the budget left and whether it preempted."""
         preempted = False
-        for req in sorted(self.running, key=lambda r: r.shadow):  # arrival order, shadows last
+        for req in reqs:
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -138,22 +152,19 @@ class Scheduler:
                 continue
             self._schedule(req, plan, out)
             budget -= plan.num_tokens
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs and \
-                (queue := self._next_queue()) is not None:
-            if not self._admit_next(budget, out, queue):
-                break
-            budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
-        out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
-        return out
+        return budget, preempted
 
-    def _next_queue(self) -> deque[Request] | None:
-        """The queue to admit from: the waiting requests; once none waits, a shadow request, if
-        no other shadow runs."""
-        if self.waiting:
-            return self.waiting
-        if self.shadows and not any(r.shadow for r in self.running):
-            return self.shadows
-        return None
+    def _admit_from(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
+        """Admit requests of `queue` in order while budget, `max_num_seqs` and blocks allow (a
+        waiting request takes a running shadow's place); the budget left."""
+        while queue and budget > 0:
+            if len(self.running) < self.config.max_num_seqs and self._admit_next(budget, out, queue):
+                budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
+            elif queue is self.waiting and any(r.shadow for r in self.running):
+                self._preempt_last()  # the shadow, not scheduled yet this step
+            else:
+                break
+        return budget
 
     def _admit_next(self, budget: int, out: SchedulerOutput, queue: deque[Request]) -> bool:
         """Schedule the first request of `queue` within `budget` tokens, after its prefix-cache hit;

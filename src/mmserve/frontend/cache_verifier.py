@@ -82,6 +82,11 @@ class CacheVerifier:
         self._logits: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a shadow run is under way (or about to start)."""
+        return self._task is not None and not self._task.done()
+
     def wants(self, params: SamplingParams) -> bool:
         """Whether a new request is a candidate (asks for its first logits)."""
         return self.rate > 0 and params.n == 1 and self._random.random() < self.rate
@@ -97,7 +102,7 @@ class CacheVerifier:
         report = final.cache_report if final is not None else None
         if final is None or report is None or not report.hit_layers or final.outputs[0].finish_reason == "abort":
             return
-        if self._task is not None and not self._task.done():
+        if self.busy:
             return
         case = Case(request_id, prompt, params, rank, list(final.outputs[0].token_ids), logits, report.hit_layers,
                     list(report.item_hashes))
