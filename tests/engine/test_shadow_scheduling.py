@@ -1,6 +1,6 @@
 """Shadow requests (the cache verifier's re-runs) in the scheduler, with no model: they read and
-write no cache, run last and one at a time, are preempted first, and every request reports what
-each cache layer did for its prompt in its first output."""
+write no cache, run last and one at a time, are preempted first; and every request reports what
+each cache layer did for its prompt in its first output (the offline engine's last, with a model)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from mmserve.engine.request import Request
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
+from mm_prompts import one
 from scheduler_sim import BS, IMG, fake_step, make_request, make_scheduler, run
 
 PROMPT = list(range(100, 100 + 4 * BS + 2))  # four full blocks and two tokens
@@ -106,3 +107,13 @@ def test_the_first_output_reports_each_layer_for_its_request():
 
 def counts(outs, rid: str):
     return next(out.cache_counts for out in outs.outputs if out.request_id == rid)
+
+
+def test_the_offline_engine_reports_its_layers_too(llm):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    cold, warm = (llm.generate([one(5)], params)[0] for _ in range(2))
+    n = len(cold.prompt_token_ids)
+    assert cold.cache_report.counts == {"processor": (0, 1), "encoder": (0, 1), "prefix": (0, n)}
+    assert warm.cache_report.counts == {"processor": (1, 1), "prefix": (n, n), "last_block": (1, 1),
+                                        "first_token": (1, 1)}
+    assert warm.cache_report.header_value() == f"processor=1/1 prefix={n}/{n} last_block=1/1 first_token=1/1"

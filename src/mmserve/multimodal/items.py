@@ -124,6 +124,7 @@ class ItemResolver:
                    else self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing else uuid_lib.uuid4().hex)
         image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(bytes(raw), self.limits)
         data = self.processor.process_image(image, mm_kwargs)
+        self.num_processed += 1
         return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
 
     def _fetch(self, mm_hash: str) -> dict[str, Any] | None:
