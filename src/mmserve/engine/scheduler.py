@@ -133,7 +133,8 @@ class Scheduler:
 
     def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """Schedule running `reqs` in order within `budget` tokens, preempting (a shadow first,
-        else the last admitted) when KV blocks run out; the budget left and whether it preempted."""
+        else the last admitted) when KV blocks run out; the budget left and whether it preempted a
+        request that is not a shadow."""
         preempted = False
         for req in reqs:
             if budget <= 0:
@@ -145,8 +146,9 @@ class Scheduler:
             if plan.num_tokens == 0:  # its next item cannot run this step
                 continue
             while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
-                preempted = True
-                if self._preempt_last() is req:
+                victim = self._preempt_last()
+                preempted |= not victim.shadow  # a shadow's blocks were spare: admission goes on
+                if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
