@@ -19,8 +19,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=2)
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("shadow_inputs"))
+def path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("shadow_inputs"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(path):
     config = EngineConfig.from_kwargs(model=path)
     return InputProcessor(config, path, 256, None), ItemTransport(config)
 
@@ -48,3 +52,22 @@ def test_a_shadow_processes_again_and_keeps_nothing(pipeline):
     assert message.mm_items[0].mm_hash == report.item_hashes[0] == cold.item_hashes[0]
     assert report.counts == {}  # no layer was asked
     assert inputs.processor_cache.stats() == lookups and transport.sender.stats() == sent
+
+
+def test_the_shm_transport_reports_its_layer_and_a_shadow_skips_it(path):
+    config = EngineConfig.from_kwargs(model=path, mm_cache_type="shm", mm_shm_cache_gb=0.05)
+    transport = ItemTransport(config)
+    try:
+        pipeline = (InputProcessor(config, path, 256, None), transport)
+        _, cold = send(pipeline, "cold")
+        _, warm = send(pipeline, "warm")
+        assert cold.counts == {"processor": (0, 1), "shm": (0, 1)} and warm.counts == {"processor": (1, 1),
+                                                                                         "shm": (1, 1)}
+        written = transport.stats()["shm"]
+        message, report = send(pipeline, "shadow", shadow=True)
+        assert all(item.shm_handle is None and item.data is not None for item in message.mm_items)
+        assert transport.stats()["shm"] == written and report.counts == {}
+    finally:
+        for rid in ("cold", "warm", "shadow"):
+            transport.finish(rid)
+        transport.close()
