@@ -7,7 +7,9 @@ the checks that every failure path left nothing behind:
   output state, resend record, pending processor-cache entry or shm pin; caches are intact;
 - P0's IPC sender and P1's receiver hold the same keys (their key digests and sizes agree);
 - /dev/shm holds what it held before: the store's one segment while serving, nothing after;
-- every good request's answer equals that of a fresh server with every cache off.
+- every good request's answer equals that of a fresh server with every cache off;
+- the shadow cache verifier (`--cache-verify-rate`) re-ran some cache-served requests with every
+  cache bypassed and found no mismatch.
 
 `make soak` runs it on the built-in model, lru then shm (`python tests/soak.py --help`);
 tests/entrypoints/test_soak.py runs a short one. Loopback only: the server binds 127.0.0.1,
@@ -50,6 +52,7 @@ class SoakReport:
     references: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    verified: int = 0  # cache-served requests the shadow verifier re-ran
 
     def count(self, spec: Spec, outcome: str) -> None:
         self.outcomes.setdefault(spec.kind, Counter())[outcome] += 1
@@ -59,7 +62,8 @@ class SoakReport:
         verdict = "passed" if not self.failures else f"FAILED ({len(self.failures)})"
         phases = ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items())
         return (f"soak {self.cache_type}: {self.requests} requests in {self.seconds:.1f} s, "
-                f"{len(self.answers)} distinct answers checked; {kinds}; {verdict} ({phases})")
+                f"{len(self.answers)} distinct answers checked; {self.verified} re-run by the cache verifier; "
+                f"{kinds}; {verdict} ({phases})")
 
 
 async def _send(client: httpx.AsyncClient, spec: Spec) -> tuple[str, str | None]:
@@ -161,16 +165,16 @@ def _check_answers(reports: list[SoakReport], reference: LoopbackServer, concurr
 
 
 def run_soak(model: str, cache_types: list[str], requests: int, seconds: float, concurrency: int,
-             seed: int = 0, cache_items: int = 3) -> list[SoakReport]:
+             seed: int = 0, cache_items: int = 3, verify_rate: float = 0.2) -> list[SoakReport]:
     """Soak one server per cache type (lru, shm) and check everything above; one report each."""
     model_dir = resolve_model(model)
     reports = [SoakReport(cache_type) for cache_type in cache_types]
     with tempfile.TemporaryDirectory(prefix="mmserve-soak-") as media:
         for report in reports:
-            engine_args = soak_engine_args(model_dir, report.cache_type, Path(media), cache_items)
+            engine_args = soak_engine_args(model_dir, report.cache_type, Path(media), cache_items, verify_rate)
             _soak(report, LoopbackServer(model_dir, engine_args), Path(media), requests, seconds, concurrency, seed)
         off = {**engine_args, "mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "mm_cache_type": "lru",
-               "enable_prefix_caching": False, "encoder_cache_tokens": 0}
+               "enable_prefix_caching": False, "encoder_cache_tokens": 0, "cache_verify_rate": 0.0}
         start = time.monotonic()
         with LoopbackServer(model_dir, off) as reference:
             _check_answers(reports, reference, concurrency)
@@ -194,11 +198,20 @@ def _soak(report: SoakReport, server: LoopbackServer, media: Path, requests: int
         report.seconds = report.phases["load"]
         with _timed(report, "settle"):
             _check_idle(report, server.call(idle_state, timeout_s=60.0))
+        _check_verified(report, server)
         serving = server.shm_segments()
     after, store = server.shm_segments(), serving - before
     if after != before or len(store) != (report.cache_type == "shm"):  # the store's one segment
         report.failures.append(f"/dev/shm: {sorted(before)} before, {sorted(serving)} while serving, "
                                f"{sorted(after)} after")
+
+
+def _check_verified(report: SoakReport, server: LoopbackServer) -> None:
+    """With the verifier on, it ran at least once (mismatches are an idle check)."""
+    figures = server.engine.verifier.figures
+    report.verified = figures.matches + figures.mismatches
+    if server.engine.config.cache.cache_verify_rate > 0 and not report.verified:
+        report.failures.append("the cache verifier never ran (no cache-served request was re-run)")
 
 
 @contextlib.contextmanager
@@ -219,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--cache-items", type=int, default=3, help="items each small cache holds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-verify-rate", type=float, default=0.2, help="the shadow verifier's sampling rate")
     args = parser.parse_args(argv)
     reports = run_soak(args.model, args.cache_type, args.requests, args.seconds, args.concurrency, args.seed,
-                       args.cache_items)
+                       args.cache_items, args.cache_verify_rate)
     for report in reports:
         print(report.summary(), flush=True)
         for failure in report.failures:

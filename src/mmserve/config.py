@@ -69,6 +69,10 @@ class CacheConfig:
         True, "With last-block caching, also keep the first token of each greedy prompt (no penalties, "
         "logit_bias, min_tokens or grammar): an identical greedy prompt asking no logprobs takes it and runs no "
         "forward for its first token.")
+    cache_verify_rate: float = _opt(
+        0.0, "Share of requests (0 to 1) that, when a cache served them, are run once more with every cache "
+        "bypassed, at the lowest priority after they finish, to check the caches changed nothing (mismatches are "
+        "logged and counted in mmserve_cache_verify_total).")
     prefix_caching_hash_algo: str = _opt(
         "sha256", "Block hash: sha256 or blake3 (collision-resistant), xxh3_128 (fast, not collision-resistant).",
         choices=("sha256", "blake3", "xxh3_128"))
@@ -88,6 +92,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive; got {self.kv_cache_memory_gb}")
+        if not 0.0 <= self.cache_verify_rate <= 1.0:
+            raise ValueError(f"cache_verify_rate must be in [0, 1]; got {self.cache_verify_rate}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1; got {self.num_kv_blocks}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
@@ -91,13 +92,43 @@ def _gauge(name: str, documentation: str, value: int | None) -> GaugeMetricFamil
     return gauge
 
 
+@dataclass
+class VerifyFigures:
+    """The shadow cache verifier's counts (`frontend/cache_verifier.py`), since start."""
+
+    matches: int = 0
+    mismatches: int = 0
+    max_abs_diff: float = 0.0  # the largest first-token logit difference seen
+
+
+class VerifyCollector(Collector):
+    """`mmserve_cache_verify_total{outcome}` and `mmserve_cache_verify_max_abs_diff`, read at scrape."""
+
+    def __init__(self, figures_fn: Callable[[], VerifyFigures]) -> None:
+        self.figures_fn = figures_fn
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.figures_fn()
+        total = CounterMetricFamily("mmserve_cache_verify", "Requests served by a cache that the shadow "
+                                    "verifier re-ran with every cache bypassed, by outcome.", labels=["outcome"])
+        total.add_metric(["match"], figures.matches)
+        total.add_metric(["mismatch"], figures.mismatches)
+        yield total
+        diff = GaugeMetricFamily("mmserve_cache_verify_max_abs_diff", "The largest first-token logit "
+                                 "difference the shadow verifier saw between a cached and an uncached run.")
+        diff.add_metric([], figures.max_abs_diff)
+        yield diff
+
+
 class ServerMetrics:
     """The server's metrics; the HTTP layer calls `on_request_finished` once per request."""
 
     def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None,
-                 dp_figures_fn: Callable[[], DataParallelFigures] | None = None, api_server: int | None = None) -> None:
+                 dp_figures_fn: Callable[[], DataParallelFigures] | None = None, api_server: int | None = None,
+                 verify_fn: Callable[[], VerifyFigures] | None = None) -> None:
         """`api_server`: this server's index when it is one of several (its requests are also
-        counted under `api_server="<index>"`)."""
+        counted under `api_server="<index>"`); `verify_fn`: the cache verifier's figures (this
+        server's own: with several API servers each reports its shadows)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmserve_requests", "Chat completion requests by outcome "
@@ -122,6 +153,8 @@ class ServerMetrics:
             self.render_registry.register(EngineStatsCollector(stats_fn))
         if dp_figures_fn is not None:
             self.render_registry.register(RankCollector(dp_figures_fn))
+        if verify_fn is not None:
+            self.render_registry.register(VerifyCollector(verify_fn))
 
     def on_request_finished(self, outcome: str, prompt_tokens: int, generation_tokens: int,
                             ttft_s: float | None, e2e_s: float | None) -> None:

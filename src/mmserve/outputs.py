@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmserve.cache_report import CacheReport
+
 
 @dataclass
 class Logprob:
@@ -42,3 +44,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None before the first token
+    cache_report: CacheReport | None = None  # what each cache layer did for the prompt (server requests)

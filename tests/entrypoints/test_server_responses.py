@@ -57,6 +57,8 @@ def test_whole_and_streamed_answers_equal_chat(server, client):
     assert whole.status in ("completed", "incomplete") and whole.output_text == want
     assert whole.usage.input_tokens == prompt_tokens and whole.usage.output_tokens > 0
     assert whole.usage.input_tokens_details.cached_tokens > 0  # chat's request left its prefix cached
+    raw = client.responses.with_raw_response.create(**args)  # the per-request cache report, as chat's
+    assert "processor=1/1" in raw.headers["x-mmserve-cache"] and "prefix=" in raw.headers["x-mmserve-cache"]
     events = list(client.responses.create(**args, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"

@@ -116,7 +116,7 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
         proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, reserve)
         freeze_startup_heap()  # before the ready message: a full collection would stall every step
-        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid()))
+        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid(), core.executor.dtype))
         if proc.orphaned:
             _remove_socket_files(*addresses)
         return 0
@@ -228,7 +228,7 @@ class EngineCoreProc:
         try:
             self.channels.register(request)
             missing = self.shm.attach(request.request_id, request.mm_items) if self.shm is not None else []
-            if not missing:
+            if not missing and not request.bypass_caches:  # a shadow's items come whole, past the IPC cache
                 missing = self.channels.restore(request)
             if missing:
                 self._release(request.request_id)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+SHADOW_HASH_PREFIX = "shadow/"  # a shadow request's private item hashes (`request.shadow_items`)
+
 if TYPE_CHECKING:
     from mmserve.config import SchedulerConfig
     from mmserve.ipc.items import MultiModalItem
@@ -39,7 +41,8 @@ class EncoderCacheManager:
     - `allocate(req, i)`: item i's output becomes resident, referenced by the request. Counts a query.
     - `free_encoder_input(req, i)` / `free(req)`: drop the request's reference(s); an entry no
       request references becomes freeable — it stays resident (reusable) until space is needed,
-      or is dropped at once when `keep_unused` is False (`--encoder-cache-tokens 0`).
+      or is dropped at once when `keep_unused` is False (`--encoder-cache-tokens 0`) or its hash
+      is a shadow request's (`request.SHADOW_HASH_PREFIX`: never reused, never counted in the stats).
     - `get_freed_hashes()`: hashes dropped since the last call, for the runner to delete; a hash
       allocated again before the call is not reported (the runner overwrites it when it encodes).
 
@@ -124,7 +127,8 @@ class EncoderCacheManager:
         if item.mm_hash in self._freed:  # dropped and back within one step: the runner keeps it
             self._freed.remove(item.mm_hash)
         self._reference(request.request_id, idx, item.mm_hash)
-        self.num_queries += 1
+        if not item.mm_hash.startswith(SHADOW_HASH_PREFIX):
+            self.num_queries += 1
 
     def free_encoder_input(self, request: EncoderRequest, idx: int) -> None:
         """Drop the request's reference through item `idx` (no-op if it holds none)."""
@@ -141,7 +145,7 @@ class EncoderCacheManager:
         if not users:
             self._freeable[mm_hash] = self._tokens[mm_hash]
             self.num_reclaimable_tokens += self._tokens[mm_hash]
-            if not self.keep_unused:
+            if not self.keep_unused or mm_hash.startswith(SHADOW_HASH_PREFIX):
                 del self._freeable[mm_hash]
                 self._drop(mm_hash)
 
@@ -183,6 +187,7 @@ class EncoderCacheManager:
         assert sorted(unused) == sorted(self._freeable), "the freeable queue is not the set of unused entries"
         assert all(self._freeable[h] == self._tokens[h] for h in self._freeable)
         assert self.keep_unused or not self._freeable, "an unused entry kept with keep_unused False"
+        assert not any(h.startswith(SHADOW_HASH_PREFIX) for h in self._freeable), "a shadow output kept unused"
         assert self.num_free_tokens == self.cache_size - sum(self._tokens.values()) >= 0, "free tokens drifted"
         assert self.num_reclaimable_tokens == self.num_free_tokens + sum(self._freeable.values())
         assert not set(self._freed) & set(self._tokens), "a reported hash is resident"

@@ -78,6 +78,7 @@ class EncoderPlanner:
             if item.mm_hash in new_hashes:
                 plan.to_share.append(idx)
             elif self.cache.check_and_update(req, idx):
+                req.count_cache("encoder", 1, 1, add=True)
                 continue
             elif self.cache.can_allocate(req, idx, self.budget_left - plan.num_encoder_tokens,
                                          plan.num_encoder_tokens):
@@ -96,6 +97,8 @@ class EncoderPlanner:
         for idx in plan.to_share:
             hit = self.cache.check_and_update(req, idx)
             assert hit, "a shared item's output was allocated just before"
+        if plan.to_encode or plan.to_share:
+            req.count_cache("encoder", len(plan.to_share), len(plan.to_encode) + len(plan.to_share), add=True)
         self.budget_left -= plan.num_encoder_tokens
 
     def release_consumed(self, req: Request) -> None:

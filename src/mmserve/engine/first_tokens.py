@@ -38,7 +38,8 @@ class FirstTokenCache:
     """Prompt last-block key -> the first token a plain greedy request sampled after it.
 
     `put` adds or refreshes an entry (evicting the least recently used past `capacity`); `get`
-    answers a waiting request's cached first token, refreshing the entry; both count (`stats`)."""
+    answers a waiting request's cached first token, refreshing the entry; both count (`stats`), and
+    `get` records its lookup in the request's own counts (`Request.count_cache`)."""
 
     def __init__(self, capacity: int, enabled: bool = True) -> None:
         if capacity < 1:
@@ -65,6 +66,7 @@ class FirstTokenCache:
         if token is not None:
             self._tokens.move_to_end(key)
             self.num_hits += 1
+        req.count_cache("first_token", int(token is not None), 1)
         return token
 
     def put(self, req: Request, token: int) -> None:

@@ -49,7 +49,9 @@ class PrefixHits:
             return None
         if back_off_from_placeholders(last, req.mm_items, bs, self.resident) != last:
             return None
-        return self.kv_cache.find_last_block(req.last_block_hash(req.num_tokens))
+        block = self.kv_cache.find_last_block(req.last_block_hash(req.num_tokens))
+        req.count_cache("last_block", int(block is not None), 1)
+        return block
 
     def cache_prompt_last_block(self, req: Request, num_scheduled: int) -> None:
         """After a step of `num_scheduled` tokens of `req` has run: if it computed the prompt's last

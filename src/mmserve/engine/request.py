@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
 from mmserve.engine.block_hash import BlockHash, BlockHasher, ExtraKeys
+from mmserve.engine.encoder_cache import SHADOW_HASH_PREFIX
 from mmserve.ipc.items import MultiModalItem
 from mmserve.ipc.messages import EngineCoreRequest, FinishReason, sibling_request_id
 from mmserve.sampling_params import SamplingParams
@@ -45,11 +48,15 @@ class Request:
     `append_output_token_ids`), so each block is hashed once. Without one it stays empty.
     `num_cached_tokens` is the prefix-cache hit of its first admission (None before it).
     A completion of an n > 1 request (`sibling`) answers to its request's `client_id` as `index`.
+    `cache_counts` is what each cache layer did for this request's prompt (`count_cache`), sent
+    back with its first output. A `shadow` request (the cache verifier's) reads and writes no
+    cache: it has no block hashes, and its items carry private hashes (`shadow_items`).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
                  sampling_params: SamplingParams, eos_token_id: int | None, arrival_time: float, *,
-                 cache_salt: str | None = None, block_hasher: BlockHasher | None = None) -> None:
+                 cache_salt: str | None = None, block_hasher: BlockHasher | None = None,
+                 return_first_logits: bool = False, shadow: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.mm_items = mm_items
@@ -69,11 +76,17 @@ class Request:
         self._update_block_hashes()
         self.client_id = request_id
         self.index = 0
+        self.return_first_logits = return_first_logits
+        self.shadow = shadow
+        self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
+        if r.bypass_caches:
+            return cls(r.request_id, r.prompt_token_ids, shadow_items(r.request_id, r.mm_items), r.sampling_params,
+                       r.eos_token_id, r.arrival_time, cache_salt=r.cache_salt, return_first_logits=True, shadow=True)
         return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
-                   cache_salt=r.cache_salt, block_hasher=block_hasher)
+                   cache_salt=r.cache_salt, block_hasher=block_hasher, return_first_logits=r.return_first_logits)
 
     def sibling(self, index: int) -> Request:
         """Completion `index` of this (n > 1) request, before it runs: the same prompt, items and
@@ -108,6 +121,14 @@ class Request:
         """Append sampled tokens; hashes the blocks they fill (mutates `block_hashes`)."""
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
+
+    def count_cache(self, layer: str, hits: int, queries: int, add: bool = False) -> None:
+        """Record what cache `layer` did for this request's prompt: (hits, queries), replacing the
+        layer's last lookup (an admission tried again looks up again), or with `add` added to it."""
+        if add and layer in self.cache_counts:
+            old_hits, old_queries = self.cache_counts[layer]
+            hits, queries = old_hits + hits, old_queries + queries
+        self.cache_counts[layer] = (hits, queries)
 
     def stop_status(self, max_model_len: int) -> RequestStatus | None:
         """How the request ends after its last token: FINISHED_STOPPED on EOS (unless ignored) or a
@@ -144,3 +165,10 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def shadow_items(request_id: str, items: list[MultiModalItem]) -> list[MultiModalItem]:
+    """A shadow request's items under hashes of its own, so the encoder cache neither serves nor
+    keeps their outputs for any other request."""
+    return [msgspec.structs.replace(item, mm_hash=f"{SHADOW_HASH_PREFIX}{request_id}/{i}")
+            for i, item in enumerate(items)]

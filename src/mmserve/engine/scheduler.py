@@ -27,6 +27,11 @@ token appended: the step copies its last block and computes nothing for it.
 
 n > 1 (`siblings.py`): a request's later completions wait until its first has scheduled its whole
 prompt, then queue at the front, where its blocks and encoder outputs are hits.
+
+Shadow requests (the cache verifier's re-runs, `Request.shadow`) wait in a queue of their own and
+run last: one at a time, admitted only when no other request waits and the batch has room; in a
+step the other running requests take the budget first, and a shadow is the first to be preempted.
+So a user's request is never held back by one for more than the step it shares with it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups = SiblingGroups()
         self.waiting: deque[Request] = deque()
+        self.shadows: deque[Request] = deque()  # waiting shadow requests (run last, one at a time)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
         self._known_to_runner: set[str] = set()
@@ -81,7 +87,7 @@ class Scheduler:
         if request.sampling_params.n > 1:
             request = self.groups.split(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.shadows if request.shadow else self.waiting).append(request)
 
     def has_request(self, request_id: str) -> bool:
         """Whether the id names an unfinished request (or one of an n > 1 request's completions)."""
@@ -98,55 +104,78 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             else:
-                self.waiting.remove(req)
+                (self.shadows if req.shadow else self.waiting).remove(req)
             self._finish(req, status)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.shadows)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (preempting when KV blocks run out), then
-        waiting ones; `free_encoder_ids` carries the encoder outputs dropped since the last step."""
+        waiting ones, then shadows; `free_encoder_ids` carries the encoder outputs dropped since
+        the last step."""
         out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
         self._finished_ids = set()
         self.encoder_planner.start_step()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            plan = self.encoder_planner.plan(req, req.num_computed_tokens,
-                                             min(req.num_tokens - req.num_computed_tokens, budget))
-            if plan.num_tokens == 0:  # its next item cannot run this step
-                i += 1
-                continue
-            while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
-                preempted = True
-                if self._preempt_last() is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break
-            self._schedule(req, plan, out)
-            budget -= plan.num_tokens
-            i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admit_next(budget, out):
-                break
-            budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
+        shadows = [r for r in self.running if r.shadow]
+        budget, preempted = self._schedule_running([r for r in self.running if not r.shadow],
+                                                   self.config.max_num_batched_tokens, out)
+        if not preempted:
+            budget = self._admit_from(self.waiting, budget, out)
+        budget, shadow_preempted = self._schedule_running([r for r in shadows if r in self.running], budget, out)
+        if not (preempted or shadow_preempted or any(r.shadow for r in self.running)):
+            self._admit_from(self.shadows, budget, out)
         out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
         return out
 
-    def _admit_next(self, budget: int, out: SchedulerOutput) -> bool:
-        """Schedule the first waiting request within `budget` tokens, after its prefix-cache hit;
+    def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        """Schedule running `reqs` in order within `budget` tokens, preempting (a shadow first,
+        else the last admitted) when KV blocks run out; the budget left and whether it preempted a
+        request that is not a shadow."""
+        preempted = False
+        for req in reqs:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for a request before it
+            plan = self.encoder_planner.plan(req, req.num_computed_tokens,
+                                             min(req.num_tokens - req.num_computed_tokens, budget))
+            if plan.num_tokens == 0:  # its next item cannot run this step
+                continue
+            while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
+                victim = self._preempt_last()
+                preempted |= not victim.shadow  # a shadow's blocks were spare: admission goes on
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self._schedule(req, plan, out)
+            budget -= plan.num_tokens
+        return budget, preempted
+
+    def _admit_from(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
+        """Admit requests of `queue` in order while budget, `max_num_seqs` and blocks allow (a
+        waiting request takes a running shadow's place); the budget left."""
+        while queue and budget > 0:
+            if len(self.running) < self.config.max_num_seqs and self._admit_next(budget, out, queue):
+                budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
+            elif queue is self.waiting and any(r.shadow for r in self.running):
+                self._preempt_last()  # the shadow, not scheduled yet this step
+            else:
+                break
+        return budget
+
+    def _admit_next(self, budget: int, out: SchedulerOutput, queue: deque[Request]) -> bool:
+        """Schedule the first request of `queue` within `budget` tokens, after its prefix-cache hit;
         False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
-        req = self.waiting[0]
-        computed, last = self.prefix.hits(req)
+        req = queue[0]
+        computed, last = self.prefix.hits(req) if not req.shadow else ([], None)
         token = self.first_tokens.get(req) if last is not None else None
         if last is not None and token is not None:
-            return self._admit_answered(req, computed, last, token, out)
+            return self._admit_answered(req, computed, last, token, out, queue)
         num_hit = req.num_tokens - 1 if last is not None else len(computed) * self.kv_cache.block_size
         n = min(req.num_tokens - num_hit, budget)
         if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
@@ -154,21 +183,21 @@ class Scheduler:
         plan = self.encoder_planner.plan(req, num_hit, n)  # may shorten the chunk: it still fits the blocks
         if plan.num_tokens == 0:
             return False  # took no reference: its first needed item was the one that cannot run
-        self._admit(req, num_hit)
+        self._admit(req, num_hit, queue)
         self._schedule(req, plan, out, computed)
         if last is not None:
             self._copy_last_block(req, len(computed), last, out)
         return True
 
     def _admit_answered(self, req: Request, computed: list[KVBlock], last: KVBlock, token: int,
-                        out: SchedulerOutput) -> bool:
+                        out: SchedulerOutput, queue: deque[Request]) -> bool:
         """Admit `req` with its whole prompt cached (`computed`, then a copy of `last`) and `token`,
         its prompt's cached first token, appended; nothing of it is computed this step. False (and
         nothing done) when its blocks do not fit."""
         rid, n = req.request_id, req.num_tokens
         if not self.kv_cache.can_allocate(rid, n, computed):
             return False
-        self._admit(req, n)
+        self._admit(req, n, queue)
         self.kv_cache.allocate_slots(rid, n, computed)
         req.append_output_token_ids([token])
         out.new_requests.append(self._new_to_runner(req))
@@ -186,21 +215,22 @@ class Scheduler:
         self._known_to_runner.add(req.request_id)
         return NewRequestData(req.request_id, list(req.all_token_ids), req.mm_items, req.sampling_params,
                               self.kv_cache.get_block_ids(req.request_id).copy(), req.num_computed_tokens,
-                              req.num_prompt_tokens, req.eos_token_id)
+                              req.num_prompt_tokens, req.eos_token_id, req.return_first_logits)
 
-    def _admit(self, req: Request, num_hit: int) -> None:
-        """Move the first waiting request `req` to running after its `num_hit` cached tokens; the
+    def _admit(self, req: Request, num_hit: int, queue: deque[Request]) -> None:
+        """Move `req`, the first of `queue`, to running after its `num_hit` cached tokens; the
         first admission sets its `num_cached_tokens` and counts the lookup in `prefix_queries` /
-        `prefix_hits`."""
-        self.waiting.popleft()
+        `prefix_hits` and the request's own `cache_counts` (not a shadow's: it looked nothing up)."""
+        queue.popleft()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_hit
-            if self.kv_cache.enable_caching:
+            if self.kv_cache.enable_caching and not req.shadow:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += num_hit
+                req.count_cache("prefix", num_hit, req.num_tokens)
 
     def _schedule(self, req: Request, plan: EncoderPlan, out: SchedulerOutput,
                   computed: Sequence[KVBlock] = ()) -> None:
@@ -228,13 +258,15 @@ class Scheduler:
                 self.waiting.appendleft(sibling)
 
     def _preempt_last(self) -> Request:
-        victim = self.running.pop()
+        """Preempt the running shadow request if there is one, else the last admitted request."""
+        victim = next((r for r in self.running if r.shadow), self.running[-1])
+        self.running.remove(victim)
         self._release(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        (self.shadows if victim.shadow else self.waiting).appendleft(victim)
         return victim
 
     # ---- after the step ---------------------------------------------------------------------
@@ -254,14 +286,16 @@ class Scheduler:
             req.append_output_token_ids(tokens)
             if req.num_output_tokens == 1 and req.num_computed_tokens == req.num_prompt_tokens:
                 self.first_tokens.put(req, tokens[0])
-            outputs.append(self._output(req, tokens, result.logprobs.get(rid)))
+            outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid)))
         answered, self._answered = self._answered, []
         outputs += [self._output(req, req.output_token_ids[-1:]) for req in answered
                     if req.status is RequestStatus.RUNNING]
         return EngineCoreOutputs(outputs)
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> EngineCoreOutput:
-        """What is new for `req`, its `tokens` appended already: finished if it stops."""
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None,
+                first_logits: bytes | None = None) -> EngineCoreOutput:
+        """What is new for `req`, its `tokens` appended already: finished if it stops. The first
+        output carries what the caches did for the prompt and, when asked, the first logits."""
         status = req.stop_status(self.max_model_len)
         siblings_running = False
         if status is not None:
@@ -270,7 +304,8 @@ class Scheduler:
         first = req.num_output_tokens == len(tokens)
         return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
                                 num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
-                                index=req.index, siblings_running=siblings_running, new_logprobs=logprobs)
+                                index=req.index, siblings_running=siblings_running, new_logprobs=logprobs,
+                                cache_counts=dict(req.cache_counts) if first else None, first_logits=first_logits)
 
     def _finish(self, req: Request, status: RequestStatus) -> bool:
         """End `req`; whether other completions of its request still run."""
@@ -297,8 +332,11 @@ class Scheduler:
         assert not self._answered, "an answered request's output was not sent"
         running = {r.request_id for r in self.running}
         assert set(self.kv_cache.req_to_blocks) <= running, "a non-running request owns blocks"
-        assert not any(self.encoder_cache.held_items(r.request_id) for r in self.waiting), "a waiting request holds one"
-        assert running | {r.request_id for r in self.waiting} == set(self.requests)
+        assert not any(self.encoder_cache.held_items(r.request_id) for r in (*self.waiting, *self.shadows)), \
+            "a waiting request holds one"
+        assert running | {r.request_id for r in (*self.waiting, *self.shadows)} == set(self.requests)
+        assert all(r.shadow for r in self.shadows) and not any(r.shadow for r in self.waiting)
+        assert sum(r.shadow for r in self.running) <= 1, "more than one shadow request runs"
         assert len(self.running) <= self.config.max_num_seqs
         for req in self.running:
             blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any
 
+from mmserve.cache_report import CacheReport
 from mmserve.frontend.failover import RankFailover
 from mmserve.frontend.flights import Flight
 from mmserve.frontend.input_processor import InputProcessor
@@ -34,7 +35,8 @@ class Admission(RankFailover):
     input_processor: InputProcessor
 
     async def _admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                     stream: bool, pin: int | None) -> asyncio.Queue[RequestOutput | Exception]:
+                     stream: bool, pin: int | None, shadow: bool = False,
+                     return_first_logits: bool = False) -> asyncio.Queue[RequestOutput | Exception]:
         """Resolve the request, register it and send it to P1: the one place that owns the undo.
 
         What registers itself in the `UndoLog`: processor-cache in-flight entries
@@ -42,7 +44,8 @@ class Admission(RankFailover):
         checkpoint) or shm pins and fresh entries, the resend record. A client fault is a
         ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while a worker thread
         resolves (the client left) runs the undo once that thread has ended, since it goes on
-        regardless."""
+        regardless. A `shadow` request (the cache verifier's) resolves in a worker thread, its items
+        processed again; `return_first_logits` asks P1 for the first token's logits row."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         undo = UndoLog()
@@ -51,16 +54,18 @@ class Admission(RankFailover):
         undo.push(self._queues.pop, request_id, None)
         undo.push(self.input_processor.reject, request_id)
         resolving: asyncio.Future[EngineCoreRequest] | None = None
+        report = CacheReport()
         try:
-            if resolves_on_loop(prompt, len(self._queues)):
-                request = self.input_processor.process(request_id, prompt, params, False)
+            if resolves_on_loop(prompt, len(self._queues)) and not shadow:
+                request = self.input_processor.process(request_id, prompt, params, False, False, report)
             else:
-                resolving = asyncio.ensure_future(
-                    asyncio.to_thread(self.input_processor.process, request_id, prompt, params, False))
+                resolving = asyncio.ensure_future(asyncio.to_thread(
+                    self.input_processor.process, request_id, prompt, params, False, shadow, report))
                 request = await asyncio.shield(resolving)
+            request.return_first_logits = return_first_logits or shadow
             if pin is None and not self.ranks.live():
                 await self.wait_for_live_rank()  # the rank died while the request was resolved
-            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream)
+            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
             self._register(flight, undo, pin)
         except asyncio.CancelledError:
             if resolving is None:
@@ -78,7 +83,7 @@ class Admission(RankFailover):
         """The request's output state, then its route and send; each step registered in `undo`."""
         assert flight.request is not None
         rid = flight.request.request_id
-        self.output_processor.add_request(flight.request, flight.prompt_text)
+        self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
         undo.push(self.output_processor.abort_requests, [rid])
         self.flights.send(rid, flight, undo, pin)
 

@@ -27,6 +27,7 @@ from typing import Any, AsyncGenerator
 from mmserve.config import EngineConfig
 from mmserve.frontend.admission import Admission
 from mmserve.frontend.attached_engine import Attachment
+from mmserve.frontend.cache_verifier import CacheVerifier
 from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
@@ -39,7 +40,7 @@ from mmserve.frontend.item_transport import ItemTransport
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from mmserve.metrics import log_stats_periodically
+from mmserve.metrics import VerifyFigures, log_stats_periodically
 from mmserve.multimodal.processing import create_processor
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
@@ -93,6 +94,7 @@ class AsyncLLM(Admission, EngineFigures):
         self.figures_changed = False
         self.shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
+        self.verifier = CacheVerifier(config.cache.cache_verify_rate, self.ranks.client(0).dtype, self._run_shadow)
 
     @property
     def client(self) -> EngineCoreClient:
@@ -125,7 +127,7 @@ class AsyncLLM(Admission, EngineFigures):
         return inputs.prompt(text, cache_salt)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                       stream: bool = True, data_parallel_rank: int | None = None,
+                       stream: bool = True, data_parallel_rank: int | None = None, shadow: bool = False,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.
 
@@ -133,7 +135,8 @@ class AsyncLLM(Admission, EngineFigures):
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
         start over on another rank until then; `data_parallel_rank` pins it to one rank. While no
-        rank serves and one restarts, the request waits for it (`wait_for_live_rank`).
+        rank serves and one restarts, the request waits for it (`wait_for_live_rank`). `shadow`: the
+        cache verifier's re-run, past every cache (`cache_verifier.py`).
         """
         self._ensure_output_task()
         if not self.is_healthy:
@@ -143,8 +146,10 @@ class AsyncLLM(Admission, EngineFigures):
         if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
             raise ValueError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
                              f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
-        queue = await self._admit(request_id, prompt, params, stream, data_parallel_rank)
+        candidate = not shadow and self.verifier.wants(params)
+        queue = await self._admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
         finished = False
+        last: RequestOutput | None = None
         try:
             while not finished:
                 item = await queue.get()
@@ -152,14 +157,25 @@ class AsyncLLM(Admission, EngineFigures):
                     finished = True
                     raise item
                 finished = item.finished
+                last = item
                 yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort_now([request_id])
+            if candidate and (flight := self.flights.get(request_id)) is not None:
+                self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
             self.flights.land(request_id)
             self.transport.finish(request_id)
             self.figures_changed = True  # several API servers: shared with the others within SHARE_EVERY_S
+
+    def _run_shadow(self, request_id: str, prompt: Any, params: SamplingParams,
+                    rank: int) -> AsyncGenerator[RequestOutput, None]:
+        return self.generate(request_id, prompt, params, stream=False, data_parallel_rank=rank, shadow=True)
+
+    def verify_figures(self) -> VerifyFigures:
+        """The shadow cache verifier's counts (for /metrics)."""
+        return self.verifier.figures
 
     async def abort(self, request_id: str) -> None:
         self._abort_now([request_id])
@@ -211,6 +227,8 @@ class AsyncLLM(Admission, EngineFigures):
             self._resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
+            if out.first_logits is not None:
+                self.verifier.keep_logits(out.request_id, out.first_logits)
             if out.error is None:
                 ok.append(out)
             else:
@@ -239,6 +257,7 @@ class AsyncLLM(Admission, EngineFigures):
         self.output_processor.abort_requests(list(self._queues))
 
     def shutdown(self) -> None:
+        self.verifier.close()
         for task in self._tasks.values():
             task.cancel()
         self.ranks.shutdown()

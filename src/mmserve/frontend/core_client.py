@@ -96,6 +96,7 @@ class EngineCoreClient:
             raise
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
+        self.dtype = ready.dtype
 
     @property
     def engine(self) -> EngineProcess:

@@ -99,7 +99,9 @@ class RankFailover:
             if flight is None or flight.request is None or rid not in self._queues:
                 continue
             self.output_processor.abort_requests([rid])
-            self.output_processor.add_request(flight.request, flight.prompt_text)
+            if flight.report is not None:
+                flight.report.moved()
+            self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
             undo = UndoLog()
             try:
                 self.flights.send(rid, flight, undo)

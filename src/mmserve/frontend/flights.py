@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmserve.cache_report import CacheReport
 from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.dp_router import DPRouter
 from mmserve.frontend.core_client import EngineDeadError
@@ -34,6 +35,7 @@ class Flight:
     request: EngineCoreRequest | None  # None once it can no longer be sent again
     prompt_text: str | None
     stream: bool
+    report: CacheReport | None = None  # what the caches did for it (the transport counts its layer)
 
 
 class RequestFlights:
@@ -73,7 +75,7 @@ class RequestFlights:
         self._put(flight, flight.request, undo, resend=True)
 
     def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool) -> None:
-        message, _ = self.transport.to_wire(request, undo, resend, flight.rank)
+        message, _ = self.transport.to_wire(request, undo, resend, flight.rank, flight.report)
         self.ranks.client(flight.rank).add_request(message)
 
     def shown(self, result: RequestOutput) -> None:

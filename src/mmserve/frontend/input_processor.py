@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.video_input import VideoInputs, check_uuids
 from mmserve.engine.encoder_cache import compute_encoder_budget
@@ -51,12 +52,15 @@ class InputProcessor:
         self.max_encoder_tokens = _encoder_limit(config, load_model_config(model_dir).max_item_tokens)
 
     def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                commit: bool = True) -> EngineCoreRequest:
+                commit: bool = True, bypass_caches: bool = False,
+                report: CacheReport | None = None) -> EngineCoreRequest:
         """The request for the engine, or a ValueError (and then nothing of it stays).
 
         With `commit` False the freshly processed items stay out of the processor cache (and in
         flight) until the caller says `accept(request_id)` once the engine has the request, or
-        `reject(request_id)` when a later step failed: a request that fails anywhere leaves no entry."""
+        `reject(request_id)` when a later step failed: a request that fails anywhere leaves no entry.
+        `bypass_caches` (a shadow run) processes every item from its source and marks the request
+        so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
         text, images, uuids, salt = _split_prompt(prompt)
         mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
@@ -65,9 +69,9 @@ class InputProcessor:
             raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
-        resolved = self.items.resolve(images, uuids, salt, mm_kwargs)
+        resolved = self.items.resolve(images, uuids, salt, mm_kwargs, bypass_caches)
         try:
-            videos = self.videos.resolve(prompt, text, salt, mm_kwargs)  # [] without videos
+            videos = self.videos.resolve(prompt, text, salt, mm_kwargs, bypass_caches)  # [] without videos
             self._check_item_sizes(resolved)
             self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
@@ -86,8 +90,10 @@ class InputProcessor:
         items = [MultiModalItem("image", r.mm_hash, r.data, rng, position_key=self.processor.position_key(r.data))
                  for r, rng in zip(resolved, ranges)]
         items = sorted(items + groups, key=lambda item: item.placeholder.offset)  # prompt order
+        if report is not None:
+            _report_items(report, resolved, items)
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
-                                 cache_salt=salt)
+                                 cache_salt=salt, bypass_caches=bypass_caches)
 
 
     def accept(self, request_id: str) -> None:
@@ -126,6 +132,14 @@ class InputProcessor:
             if item.num_tokens > limit:
                 raise ValueError(f"image {index} needs {item.num_tokens} embedding tokens, more than the encoder "
                                  f"cache and budget hold ({limit}); send a smaller image or lower max_pixels")
+
+
+def _report_items(report: CacheReport, resolved: list[ResolvedItem], items: list[MultiModalItem]) -> None:
+    """The processor cache's lookups for this request, and its items' hashes."""
+    looked_up = [r.hit for r in resolved if r.hit is not None]
+    if looked_up:
+        report.count("processor", sum(looked_up), len(looked_up))
+    report.item_hashes = [item.mm_hash for item in items]
 
 
 def _encoder_limit(config: EngineConfig, max_item_tokens: int) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.attached_engine import Attachment
 from mmserve.frontend.undo import UndoLog
@@ -76,21 +77,29 @@ class ItemTransport:
         return None
 
     def to_wire(self, request: EngineCoreRequest, undo: UndoLog, resend: bool = False,
-                rank: int = 0) -> tuple[EngineCoreRequest, bool]:
+                rank: int = 0, report: CacheReport | None = None) -> tuple[EngineCoreRequest, bool]:
         """(the message for `rank`'s P1, whether some item crosses by reference — a hash or a
-        handle — so P1 may report it missing). `resend`: P1 lacked an item of this request last time."""
+        handle — so P1 may report it missing). `resend`: P1 lacked an item of this request last time.
+        A shadow request (`bypass_caches`) sends every item whole and touches no cache; `report`
+        gets the lookups of the layer the items went through (`ipc` or `shm`)."""
+        if request.bypass_caches:
+            return msgspec.structs.replace(request, client_index=self.client_index), False
         if self.shm is not None and rank not in self.remote:
             written: list[str] = []
             undo.push(self.shm.finish, request.request_id)
             undo.push(self.shm.discard, written)
             items = self.shm.to_wire(request, resend, written)  # a resend goes inline
-            return (msgspec.structs.replace(request, mm_items=items, client_index=self.client_index),
-                    any(item.shm_handle is not None for item in items))
+            by_handle = sum(item.shm_handle is not None for item in items)
+            if report is not None and items:
+                report.count("shm", by_handle - len(written), len(items))
+            return (msgspec.structs.replace(request, mm_items=items, client_index=self.client_index), by_handle > 0)
         sender = self.senders[rank]
         if resend:
             sender.reset()
         undo.push(sender.rollback, sender.checkpoint())
         cached = sender.update(request.mm_items)
+        if report is not None and sender.enabled and cached:
+            report.count("ipc", sum(cached), len(cached))
         items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
         return (msgspec.structs.replace(request, mm_items=items, ipc_epoch=sender.epoch,
                                         client_index=self.client_index), any(cached))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
 from mmserve.frontend.input_processor import InputProcessor
@@ -29,15 +30,17 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
-        """Process and queue a request; any fault in it is a ValueError and queues nothing."""
-        request = self.input_processor.process(request_id, prompt, params, commit=False)
+        """Process and queue a request; any fault in it is a ValueError and queues nothing. Its
+        outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer)."""
+        report = CacheReport()
+        request = self.input_processor.process(request_id, prompt, params, commit=False, report=report)
         try:
             self.core.add_request(request)
         except BaseException:
             self.input_processor.reject(request_id)
             raise
         self.input_processor.accept(request_id)
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"))
+        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"), report)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmserve.cache_report import CacheReport
 from mmserve.frontend.detokenizer import IncrementalDetokenizer
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
@@ -39,6 +40,7 @@ class RequestState:
     prompt: str | None
     completions: list[CompletionState]
     num_cached_tokens: int | None = None  # from the first engine-core output of completion 0
+    report: CacheReport | None = None  # P0's layers counted at admission; P1's merged from completion 0
 
     @property
     def finished(self) -> bool:
@@ -46,7 +48,8 @@ class RequestState:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
-                             [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens)
+                             [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens,
+                             self.report)
 
 
 @dataclass
@@ -60,12 +63,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None, report: CacheReport | None = None) -> None:
         params = request.sampling_params
         completions = [CompletionState(i, IncrementalDetokenizer(self.tokenizer, params),
                                        logprobs=None if params.logprobs is None else [])
                        for i in range(params.n)]
-        self.states[request.request_id] = RequestState(request, prompt, completions)
+        self.states[request.request_id] = RequestState(request, prompt, completions, report=report)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -97,6 +100,8 @@ class OutputProcessor:
             completion.num_cached_tokens = out.num_cached_tokens
             if out.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
+                if state.report is not None:
+                    state.report.merge(out.cache_counts)
         if completion.finish_reason is not None:
             return  # finished here by a stop string; the engine's last tokens are dropped
         completion.token_ids.extend(out.new_token_ids)

@@ -34,7 +34,7 @@ class VideoInputs:
                                           config.needs_item_hash)
 
     def resolve(self, prompt: str | dict[str, Any], text: str, salt: str | None,
-                mm_kwargs: dict[str, Any] | None) -> list[ResolvedItem]:
+                mm_kwargs: dict[str, Any] | None, bypass: bool = False) -> list[ResolvedItem]:
         """The prompt's videos, resolved (ValueError / MediaError for anything refused)."""
         videos, uuids, media_io = _split_videos(prompt)
         if not videos:
@@ -46,7 +46,7 @@ class VideoInputs:
                              f"(--limit-mm-per-prompt)")
         self.processor.check_video_count(text, len(videos))
         opts = self.resolver.options(mm_kwargs, media_io)
-        return self.resolver.resolve(videos, uuids, salt, opts)
+        return self.resolver.resolve(videos, uuids, salt, opts, bypass)
 
     def check_sizes(self, videos: list[ResolvedItem], limit: int) -> None:
         """ValueError when a video's temporal group has more embedding tokens than the encoder's

@@ -40,6 +40,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     cache_salt: str | None = None  # isolates a tenant in every cache (prefix blocks included)
     ipc_epoch: int = 0  # the IPC cache epoch the sender was in; a newer one empties the receiver
     client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go back there
+    return_first_logits: bool = False  # send back the first sampled step's raw logits row (`first_logits`)
+    bypass_caches: bool = False  # a shadow run (`frontend/cache_verifier.py`): reads and writes no cache, runs last
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -67,6 +69,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     num_kv_blocks: int
     pid: int = 0  # P1's process id (an API server that did not start P1 watches it by pid)
+    dtype: str = "float32"  # the weights' and activations' dtype, "auto" resolved on the rank's device
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed"):
@@ -93,6 +96,11 @@ class EngineCoreOutput(msgspec.Struct):
     the completion's (0 ≤ index < n); `siblings_running` says, on a finished completion, that
     others of its request still run (P1 keeps the request's items until the last one ends).
     `new_logprobs` has one entry per new token when the request asked for log probabilities.
+    On a completion's first output, `cache_counts` maps each P1 cache layer that was asked for the
+    prompt ("prefix" in tokens; "encoder" in items; "last_block", "first_token" in lookups) to
+    (hits, queries) for this request alone, and `first_logits` (when the request asked for them)
+    is the raw logits row of its first sampled token, float32 bytes (absent when the first-token
+    cache answered: no forward ran).
     """
 
     request_id: str
@@ -104,6 +112,8 @@ class EngineCoreOutput(msgspec.Struct):
     index: int = 0
     siblings_running: bool = False
     new_logprobs: list[TokenLogprobs] | None = None
+    cache_counts: dict[str, tuple[int, int]] | None = None
+    first_logits: bytes | None = None
 
 
 class CacheStats(msgspec.Struct):
@@ -182,6 +192,7 @@ class NewRequestData(msgspec.Struct):
     num_computed_tokens: int
     num_prompt_tokens: int | None = None  # None: all of token_ids is prompt
     eos_token_id: int | None = None  # what `min_tokens` holds back, with the stop token ids
+    return_first_logits: bool = False  # the runner returns the first sampled step's raw logits row
 
 
 class CachedRequestData(msgspec.Struct):
@@ -219,10 +230,13 @@ class SchedulerOutput(msgspec.Struct):
 
 class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early.
-    `logprobs[id]` (requests that asked only) has one entry per sampled token."""
+    `logprobs[id]` (requests that asked only) has one entry per sampled token; `first_logits[id]`
+    the raw logits row (float32 bytes) of the first token sampled after the prompt, for requests
+    that asked (`NewRequestData.return_first_logits`)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = {}
+    first_logits: dict[str, bytes] = {}
 
 
 # ---- P1 executor <-> tensor-parallel workers ---------------------------------------------
@@ -265,6 +279,7 @@ class WorkerReady(msgspec.Struct, tag="worker_ready"):
     rank: int
     kv_cache_bytes_per_block: int
     available_kv_cache_bytes: int | None = None  # on CUDA: what --gpu-memory-utilization leaves the KV cache
+    dtype: str = "float32"  # the rank's resolved dtype
 
 
 class WorkerDone(msgspec.Struct, tag="worker_done"):

@@ -7,6 +7,9 @@ processed it), and only on a miss decode and run the Hugging Face image processo
 uuid replaces the content hash; a uuid part with no image is served from what P0 still holds
 (the processor cache, else the IPC cache's record of what P1 holds).
 
+With `bypass` (the cache verifier's shadow run) every item is processed again from its source: the
+cache is neither read nor written, and no in-flight item is shared.
+
 Nothing is stored while a request is being resolved: `commit` puts the fresh items into the
 processor cache once the whole request has been accepted, so a rejected request leaves no entry.
 Requests are resolved in worker threads; an item that another request is processing, or has
@@ -35,6 +38,7 @@ class ResolvedItem:
     data: dict[str, Any] | None  # None: known to P1 by hash alone (a uuid-only part)
     num_tokens: int
     fresh: bool  # processed for this request; goes into the processor cache on commit
+    hit: bool | None = None  # found in the processor cache (or the node's store); None: not looked up
 
 
 class ItemResolver:
@@ -61,14 +65,15 @@ class ItemResolver:
         self._lock = threading.Lock()
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
-                mm_kwargs: dict[str, Any] | None = None) -> list[ResolvedItem]:
+                mm_kwargs: dict[str, Any] | None = None, bypass: bool = False) -> list[ResolvedItem]:
         """Every item, or an error (and then nothing of this request stays in flight).
         `mm_kwargs`: the request's processor settings; they are part of every item's hash."""
         done: list[ResolvedItem] = []
         mm_kwargs = self.processor.check_mm_kwargs(mm_kwargs)
         try:
             for source, uid in zip(sources, uuids):
-                done.append(self._resolve_one(source, uid, salt, mm_kwargs))
+                done.append(self._reprocess(source, uid, salt, mm_kwargs) if bypass
+                            else self._resolve_one(source, uid, salt, mm_kwargs))
         except BaseException:
             self.release(done)
             raise
@@ -102,11 +107,25 @@ class ItemResolver:
                        else uuid_lib.uuid4().hex)
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False, hit=True)
         data = self._fetch(mm_hash)
+        hit = data is not None if self.cache.enabled else None
         if data is None:
             data = self._process_once(mm_hash, raw, mm_kwargs)
-        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
+        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True, hit=hit)
+
+    def _reprocess(self, source: Any, uid: str | None, salt: str | None, mm_kwargs: dict[str, Any]) -> ResolvedItem:
+        """The item processed again from `source`, under the hash the cached path gives it; kept
+        nowhere (a ValueError for a uuid part without its image: there is nothing to process)."""
+        if source is None:
+            raise ValueError("an image given by uuid alone cannot be processed again")
+        raw = read_image_source(source, self.limits)
+        mm_hash = (self.hasher.hash_uuid("image", uid, salt, mm_kwargs) if uid is not None
+                   else self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing else uuid_lib.uuid4().hex)
+        image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(bytes(raw), self.limits)
+        data = self.processor.process_image(image, mm_kwargs)
+        self.num_processed += 1
+        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
 
     def _fetch(self, mm_hash: str) -> dict[str, Any] | None:
         """After a processor-cache miss: the item as another API server processed it (kept here on
@@ -140,9 +159,9 @@ class ItemResolver:
     def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False, hit=True)
         if (data := self._fetch(mm_hash)) is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True)
+            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True, hit=True)
         num_tokens = self.known_tokens(mm_hash)
         if num_tokens is None:
             raise ValueError(f"the image with uuid {uid!r} is not cached (any more): send the image again "

@@ -61,26 +61,33 @@ class VideoResolver:
         return resolve(self.base, media_io.get("video"), request)
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
-                opts: VideoOptions) -> list[ResolvedItem]:
-        return [self._resolve_one(source, uid, salt, opts) for source, uid in zip(sources, uuids)]
+                opts: VideoOptions, bypass: bool = False) -> list[ResolvedItem]:
+        """Each video's entry; with `bypass` (a shadow run) decoded and processed again, the
+        processor cache neither read nor written."""
+        return [self._resolve_one(source, uid, salt, opts, bypass) for source, uid in zip(sources, uuids)]
 
-    def _resolve_one(self, source: Any, uid: str | None, salt: str | None, opts: VideoOptions) -> ResolvedItem:
+    def _resolve_one(self, source: Any, uid: str | None, salt: str | None, opts: VideoOptions,
+                     bypass: bool = False) -> ResolvedItem:
         settings = opts.as_dict()
         if uid is not None:
             mm_hash = self.hasher.hash_uuid("video", uid, salt, settings)
+            if source is None and bypass:
+                raise ValueError("a video given by uuid alone cannot be processed again")
             if source is None:
                 data = self.cache.get(mm_hash) if self.cache.enabled else None
                 if data is None:
                     raise ValueError(f"the video with uuid {uid!r} is not cached (any more): send the video again "
                                      "together with its uuid")
-                return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=False)
+                return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=False, hit=True)
         raw = self._read(source)
         if uid is None:
             key = raw if isinstance(raw, bytes) else [raw[0], raw[1]]
             mm_hash = self.hasher.hash_item("video", key, salt, settings) if self.hashing else uuid_lib.uuid4().hex
-        cached = self.cache.get(mm_hash) if self.cache.enabled else None
+        looked_up = self.cache.enabled and not bypass
+        cached = self.cache.get(mm_hash) if looked_up else None
         data = cached if cached is not None else self._process(raw, opts, salt)
-        return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=cached is None)
+        return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=cached is None and not bypass,
+                            hit=cached is not None if looked_up else None)
 
     def _read(self, source: Any) -> bytes | tuple[np.ndarray, float | None]:
         """Encoded bytes (a URL, path or bytes) or (frames [T, H, W, 3] uint8, fps)."""

@@ -29,6 +29,7 @@ from mmserve.models.parallel import SINGLE, TensorParallel
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
+from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
@@ -64,8 +65,15 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
         self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
+        self._encoded: set[str] = set()  # the hashes encoded this step (the rest are cache reads)
         self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
+        self.fault = CacheFault.from_env()  # a debugging hook that alters cache hits (tests of the verifier)
+
+    @property
+    def dtype_name(self) -> str:
+        """The resolved dtype's name ("float32", "bfloat16", "float16")."""
+        return str(self.dtype).removeprefix("torch.")
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -160,7 +168,10 @@ class ModelRunner:
         generator = None if params.seed is None else new_generator(self.device, params.seed)
         num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
         state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
-                              num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id)
+                              num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id,
+                              return_first_logits=new.return_first_logits)
+        if self.fault is not None and new.num_computed_tokens and len(new.token_ids) == num_prompt:
+            self.fault.on_prefix_hit(self.kv_caches, new.block_ids[0])
         if params.structured_outputs is not None:
             state.grammar = self.grammars.matcher(params.structured_outputs, new.eos_token_id)
             for token in state.output_token_ids:  # resumed after preemption: replay its outputs
@@ -180,6 +191,7 @@ class ModelRunner:
         """Encode the scheduled items, once per `mm_hash`, into `encoder_outputs`."""
         keyed = {item.mm_hash: item for rid, idxs in scheduled.items()
                  for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
+        self._encoded = set(keyed)
         if not keyed:
             return
         datas = [_data(item, self.device) for item in keyed.values()]
@@ -207,6 +219,8 @@ class ModelRunner:
                 lo, hi = max(start, ph.offset), min(start + n, ph.end)
                 if lo < hi:
                     feats = self.encoder_outputs[item.mm_hash][lo - ph.offset: hi - ph.offset]  # [n, D']
+                    if self.fault is not None and item.mm_hash not in self._encoded:
+                        feats = self.fault.on_encoder_hit(feats)
                     rows = slice(offset + lo - start, offset + hi - start)
                     embeds[rows] = feats[:, :D]
                     if layers:
@@ -222,6 +236,9 @@ class ModelRunner:
             return ModelRunnerOutput({rid: [] for rid in req_ids})
         logits = self.model.compute_logits(hidden[step.logits_rows])  # [R, V]
         states = [self.requests[rid] for rid in sampling]
+        first_logits = {rid: logits[i].float().cpu().numpy().tobytes()  # raw: before any logits processing
+                        for i, (rid, state) in enumerate(zip(sampling, states))
+                        if state.return_first_logits and len(state.token_ids) == state.num_prompt_tokens}
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
                 state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
@@ -230,7 +247,8 @@ class ModelRunner:
         for rid, state, token in zip(sampling, states, tokens):
             state.token_ids.append(token)
             result[rid] = [token]
-        return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(sampling, logprobs) if lp is not None})
+        return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(sampling, logprobs) if lp is not None},
+                                 first_logits)
 
 
 def _step_seed(seed: int | None, position: int) -> int:

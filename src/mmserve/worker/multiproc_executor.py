@@ -146,6 +146,7 @@ class MultiprocExecutor:
         logger.info("%d tensor-parallel workers ready (pids %s)", self.tp_size, [p.pid for p in res.procs])
         profiled = [r.available_kv_cache_bytes for r in ready if r.available_kv_cache_bytes is not None]
         self._available_bytes = min(profiled) if profiled else None  # every rank holds as many blocks
+        self.dtype = ready[0].dtype
         return ready[0].kv_cache_bytes_per_block
 
     @property

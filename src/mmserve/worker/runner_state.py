@@ -37,6 +37,7 @@ class RunnerRequest:
     prompt_mask: torch.Tensor | None = None
     output_counts: torch.Tensor | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
 
     @property
     def output_token_ids(self) -> list[int]:

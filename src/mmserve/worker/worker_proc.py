@@ -99,7 +99,8 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     items = RankItems(args.shm_store)
     freeze_startup_heap()
     try:
-        results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes()))
+        results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes(),
+                                 runner.dtype_name))
         while True:
             msg = reader.dequeue(timeout_s=_PARENT_CHECK_S)
             if msg is None:

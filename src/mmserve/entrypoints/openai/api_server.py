@@ -76,7 +76,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.engine = engine
     parallel = engine.config.parallel
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
-                                                parallel.api_server_index if parallel.api_server_count > 1 else None)
+                                                parallel.api_server_index if parallel.api_server_count > 1 else None,
+                                                getattr(engine, "verify_figures", None))
     install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)

@@ -3,8 +3,9 @@
 Each prompt runs as its own engine request; `merged_outputs` turns their outputs into one stream of
 `RequestOutput`s as if one request had `len(prompts) * n` completions: prompt p's completion i is
 choice `p * n + i`, `prompt_token_ids` is every prompt's tokens (so usage counts them all) and
-`num_cached_tokens` their sum. Each merged output holds every choice known so far with only the
-prompt that just advanced carrying new `delta_text`, so a choice's text is given out once. Closing
+`num_cached_tokens` their sum (`cache_report` each layer's sums). Each merged output holds every
+choice known so far with only the prompt that just advanced carrying new `delta_text`, so a
+choice's text is given out once. Closing
 the merged generator (or an error in any prompt) closes every prompt's generator, which aborts
 those still running.
 """
@@ -15,6 +16,7 @@ import asyncio
 import dataclasses
 from typing import AsyncGenerator
 
+from mmserve.cache_report import CacheReport
 from mmserve.outputs import RequestOutput
 
 
@@ -64,4 +66,6 @@ def _merge(request_id: str, latest: list[RequestOutput | None], fresh: int, n: i
         completions += [dataclasses.replace(c, index=p * n + c.index, delta_text=c.delta_text if p == fresh else "")
                         for c in out.outputs]
     finished = all(out is not None and out.finished for out in latest)
-    return RequestOutput(request_id, None, prompt_ids, completions, finished, cached)
+    reports = [out.cache_report for out in latest if out is not None and out.cache_report is not None]
+    return RequestOutput(request_id, None, prompt_ids, completions, finished, cached,
+                         CacheReport.combined(reports) if reports else None)

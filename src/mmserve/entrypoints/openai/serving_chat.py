@@ -20,6 +20,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from mmserve.cache_report import CacheReport, cache_headers
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, completion_tokens, outcome_of
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, call_entry, finish_reason, tool_mode
@@ -47,6 +48,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    report: CacheReport | None = None  # what each cache layer did for the prompt (`x-mmserve-cache`)
     first_token_time: float | None = None
     finished: bool = False
 
@@ -54,6 +56,7 @@ class RequestRecord:
         self.prompt_tokens = len(out.prompt_token_ids)
         self.generation_tokens = completion_tokens(out)
         self.cached_tokens = out.num_cached_tokens or 0
+        self.report = out.cache_report or self.report
         if self.first_token_time is None and self.generation_tokens:
             self.first_token_time = time.perf_counter()
 
@@ -128,7 +131,7 @@ class OpenAIServingChat:
                 stream = ChatStream(request_id, model, outputs, first, record, include_usage, request.top_logprobs or 0,
                                     tools=tools)
                 handed_over = True
-                return SSEResponse(stream)
+                return SSEResponse(stream, cache_headers(record.report))
             return await _complete(request_id, model, outputs, first, record, request.top_logprobs or 0, tools)
         finally:
             if not handed_over:
@@ -195,7 +198,7 @@ async def _complete(request_id: str, model: str, outputs: AsyncGenerator[Request
     for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers
         if choice["message"]["tool_calls"] is None:
             del choice["message"]["tool_calls"]
-    return JSONResponse(body)
+    return JSONResponse(body, headers=cache_headers(record.report))
 
 
 

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs
+from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
@@ -56,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServingChat):
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
                 stream = CompletionStream(request_id, model, outputs, first, record, include_usage, top)
                 handed_over = True
-                return SSEResponse(stream)
+                return SSEResponse(stream, cache_headers(record.report))
             final = await last_output(outputs, first, record)
             choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                         logprobs=None if c.logprobs is None else
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServingChat):
                        for c in final.outputs]
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
             return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices,
-                                                   usage=usage).model_dump())
+                                                   usage=usage).model_dump(), headers=cache_headers(record.report))
         finally:
             if not handed_over:
                 await outputs.aclose()

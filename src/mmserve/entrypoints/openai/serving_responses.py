@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -71,7 +72,7 @@ class OpenAIServingResponses:
                 stream = ResponsesStream(response_id, model, outputs, first, record, True, 0, shape=shape,
                                          tools=tools, on_done=keep)
                 handed_over = True
-                return SSEResponse(stream)
+                return SSEResponse(stream, cache_headers(record.report))
             final = await last_output(outputs, first, record)
         finally:
             if not handed_over:
@@ -81,7 +82,7 @@ class OpenAIServingResponses:
         usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
         body, items = shape.whole(content, calls, usage, choice.finish_reason)
         keep(items)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=cache_headers(record.report))
 
     def _history(self, previous_response_id: str | None) -> Conversation:
         if previous_response_id is None:

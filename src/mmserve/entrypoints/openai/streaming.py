@@ -30,10 +30,11 @@ class SSEResponse(StreamingResponse):
     Closing here makes sure the engine generator is closed (and the request aborted) in every case.
     """
 
-    def __init__(self, stream: ChoiceStream) -> None:
+    def __init__(self, stream: ChoiceStream, headers: dict[str, str] | None = None) -> None:
+        """`headers`: more response headers (the cache report, known from the first output)."""
         self.events = stream.events()
         super().__init__(self.events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
