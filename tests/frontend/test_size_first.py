@@ -149,4 +149,14 @@ def test_the_same_new_video_in_a_burst_is_decoded_once(path):
     assert p.videos.resolver.num_decoded == 1
     assert all(r.mm_items[0].mm_hash == requests[0].mm_items[0].mm_hash for r in requests)
     assert p.items.inflight.futures == {}
-    assert VideoOptions  # the options type the resolver returns
+    assert isinstance(p.videos.resolver.options(None, None), VideoOptions)
+
+
+def test_a_video_request_refused_after_processing_leaves_nothing_in_flight(path):
+    p = inputs(path)
+    clip = encode_video(make_frames(63, 12, (64, 64)), fps=4)
+    long_text = VIDEO_PROMPT + " word" * 3000
+    with pytest.raises(ValueError, match="max_model_len"):
+        p.process("l", {"prompt": long_text, "multi_modal_data": {"video": clip}}, SamplingParams())
+    assert p.videos.resolver.num_decoded == 1
+    assert p.items.inflight.futures == {} and len(p.processor_cache.keys()) == 0

@@ -79,6 +79,7 @@ class InputProcessor:
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
         resolved = self.items.resolve(images, uuids, salt, mm_kwargs, bypass_caches)
+        videos: list[ResolvedItem] = []
         try:
             videos = self.videos.resolve(prompt, text, salt, mm_kwargs, bypass_caches)  # [] without videos
             self._check_item_sizes(resolved)
@@ -88,7 +89,7 @@ class InputProcessor:
                 raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
         except BaseException:
-            self.items.release(resolved)
+            self.items.release(resolved + videos)  # one in-flight table for every modality
             raise
         resolved += videos
         if commit:

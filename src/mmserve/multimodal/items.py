@@ -36,7 +36,7 @@ from PIL import Image
 
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
-from mmserve.multimodal.media import FLAG_MAX_PIXELS, MediaLimits, decode_image, read_image_source
+from mmserve.multimodal.media import FLAG_MAX_PIXELS, MediaLimits, decode_image, header_size, read_image_source
 from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.multimodal.processor_cache import ProcessorCache
 
@@ -265,7 +265,7 @@ class ImageModality:
         """ValueError when the image, as its header sizes it under the request's settings, would
         get more placeholder tokens than the budget holds (an unreadable header is left to the
         decoder's error)."""
-        size = raw.size if isinstance(raw, Image.Image) else _header_size(raw)
+        size = raw.size if isinstance(raw, Image.Image) else header_size(raw)
         tokens = None if size is None else self.processor.image_tokens(size[0], size[1], settings)
         if tokens is not None:
             self.budget.check_image(index, tokens)
@@ -293,16 +293,3 @@ class ItemResolver(ItemPipeline):
         self.processor = processor
         self.limits = limits
 
-
-def _header_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from an encoded image's header, nothing decoded; None when unreadable."""
-    import io
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                return image.size
-    except Exception:  # the decoder reports what is wrong with it
-        return None
