@@ -133,9 +133,11 @@ def test_a_prompt_longer_than_max_model_len_can_spell_is_refused_untokenized(pat
     just_over = "a" * (p.max_prompt_chars + 1)
     with pytest.raises(ValueError, match="not tokenized"):
         p.process("t", just_over, SamplingParams())
-    with pytest.raises(ValueError, match="max_model_len"):  # within the bound: tokenized, then too long
-        p.process("t", "word " * 5000, SamplingParams())
-    assert counting.calls == 1 and counting.chars <= p.max_prompt_chars
+    assert counting.calls == 0
+    long = "word " * 5000  # within the bound; its prefix alone has more than max_model_len tokens
+    with pytest.raises(ValueError, match="max_model_len"):
+        p.process("t", long, SamplingParams())
+    assert counting.calls == 1 and counting.chars < len(long)  # tokenizing stopped
 
 
 def test_the_same_new_video_in_a_burst_is_decoded_once(path):

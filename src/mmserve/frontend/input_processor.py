@@ -21,7 +21,7 @@ from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
-from mmserve.multimodal.placeholders import max_token_chars
+from mmserve.multimodal.placeholders import max_token_chars, tokens_past
 from mmserve.multimodal.processing import create_processor
 from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ class InputProcessor:
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
         text, images, uuids, salt = _split_prompt(prompt)
-        self.check_prompt_chars(text)
+        self.check_prompt_length(text)
         mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
         if len(images) > limit:
@@ -119,13 +119,18 @@ class InputProcessor:
             resolved = self._pending.pop(request_id, [])
         self.items.release(resolved)
 
-    def check_prompt_chars(self, text: str) -> None:
-        """ValueError, before the text is tokenized, when it has more characters than
-        max_model_len tokens can spell (no token spells more than the tokenizer's longest piece):
-        tokenizing is bounded by the length limit, not by what the client sent."""
+    def check_prompt_length(self, text: str) -> None:
+        """ValueError, before the whole text is tokenized, when it cannot fit max_model_len: more
+        characters than max_model_len tokens can spell (no token spells more than the tokenizer's
+        longest piece) is refused unread; a long text whose prefix alone has too many tokens is
+        refused once that prefix is tokenized. Tokenizing is bounded by the limit, not by the input."""
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len ({self.max_model_len}) "
                              f"tokens can hold ({self.max_prompt_chars} characters at most); it was not tokenized")
+        past = tokens_past(self.processor.tokenizer, text, self.max_model_len)
+        if past is not None:
+            raise ValueError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
+                             f"tokenized), but max_model_len is {self.max_model_len}")
 
     def _check_params(self, params: SamplingParams) -> None:
         """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length;

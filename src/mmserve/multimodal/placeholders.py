@@ -56,3 +56,21 @@ def max_token_chars(tokenizer: Any) -> int:
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     longest = max([longest, *(len(t) for t in added), *(len(str(t)) for t in decoder.values())])
     return max(longest, 1)
+
+
+PREFIX_CHARS_PER_TOKEN = 8  # a long text's prefix of this many characters per allowed token is tokenized first
+_MARGIN = 16  # tokens that absorb the cut's effect on the last few tokens (and a BOS)
+
+
+def tokens_past(tokenizer: Any, text: str, limit: int) -> tuple[int, int] | None:
+    """(tokens, characters) of a prefix of `text` that alone has more than `limit` tokens, when
+    one does: tokenizing stops there. None when `text` is short enough to tokenize whole, or
+    its prefix does not prove it too long. The prefix ends at a whitespace where one is near, so
+    the words before the cut tokenize as they do in the whole text."""
+    cut = (limit + _MARGIN) * PREFIX_CHARS_PER_TOKEN
+    if len(text) <= cut:
+        return None
+    space = max(text.rfind(" ", cut - 1024, cut), text.rfind("\n", cut - 1024, cut))
+    end = space if space > 0 else cut
+    count = len(tokenizer(text[:end])["input_ids"])
+    return (count, end) if count > limit + _MARGIN else None
