@@ -67,6 +67,7 @@ def test_an_upscaling_pixel_budget_is_refused_from_the_header(path):
     ({"media_io_kwargs": {"video": {"num_frames": 80_000_000}}}, "--max-video-frames"),
     ({"media_io_kwargs": {"video": {"num_frames": 1 << 31}}}, "--max-video-frames"),
     ({"mm_processor_kwargs": {"num_frames": 1 << 31}}, "--max-video-frames"),
+    ({"media_io_kwargs": {"video": {"fps": None, "min_frames": 1 << 31, "max_frames": 1 << 31}}}, "--max-video-frames"),
 ])
 def test_video_options_beyond_the_server_limits_are_refused_undecoded(path, options, flag):
     p = inputs(path)

@@ -203,8 +203,12 @@ class ItemPipeline:
         table = self.inflight
         with table.lock:
             pending = table.futures.get(mm_hash)
-            if pending is None:
+            # committed since this request's lookup (commit puts, then ends the in-flight entry)
+            committed = self.cache.peek(mm_hash) if pending is None else None
+            if pending is None and committed is None:
                 table.futures[mm_hash] = future = Future[dict[str, Any]]()
+        if committed is not None:
+            return committed
         if pending is not None:
             return pending.result()
         try:

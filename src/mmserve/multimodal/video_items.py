@@ -190,9 +190,11 @@ class VideoResolver(ItemPipeline):
             raise ValueError('media_io_kwargs takes only the key "video"')
         request = {k: v for k, v in (mm_kwargs or {}).items() if k in REQUEST_KEYS}
         opts = resolve(self.base, media_io.get("video"), request)
-        if opts.num_frames is not None and opts.num_frames > self.limits.max_frames:
-            raise MediaError(f"video option num_frames ({opts.num_frames}) exceeds the server's limit of "
-                             f"{self.limits.max_frames} frames ({FLAG_MAX_FRAMES})")
+        for key in ("num_frames", "min_frames"):  # either may become the sampled count
+            value = getattr(opts, key)
+            if value is not None and value > self.limits.max_frames:
+                raise MediaError(f"video option {key} ({value}) exceeds the server's limit of "
+                                 f"{self.limits.max_frames} frames ({FLAG_MAX_FRAMES})")
         if opts.min_pixels > self.limits.max_total_pixels:
             raise MediaError(f"video option min_pixels ({opts.min_pixels}) exceeds the server's limit of "
                              f"{self.limits.max_total_pixels} pixels ({FLAG_MAX_TOTAL_PIXELS})")
