@@ -5,9 +5,9 @@ SGLang's default backend), a compiled grammar is a reusable object keyed by its 
 per-step mask costs microseconds per request on CPU; llguidance would do as well, but it has no
 compact-separator switch for JSON schemas and would add a Lark front end we do not need.
 
-`GrammarCache` compiles each distinct `StructuredOutputsParams.key` once (LRU of
-`max_entries` compiled grammars; the compiler is built on first use, so a runner whose
-requests never ask pays nothing). Each request gets its own `GrammarMatcher` over the shared
+`GrammarCache` compiles each distinct `StructuredOutputsParams.key` once (LRU bounded by
+`max_entries` compiled grammars and by `max_bytes` of their memory; the compiler is built on first
+use, so a runner whose requests never ask pays nothing). Each request gets its own `GrammarMatcher` over the shared
 compiled grammar: its state is the request's alone and dies with it. With tensor parallelism
 every rank compiles and advances the same matchers (every rank samples the same tokens).
 
@@ -48,13 +48,19 @@ array3 ::= "[" (scalar ("," scalar){0,15})? "]"
 '''
 
 
-class GrammarCache:
-    """Compiled grammars by key, least recently used dropped past `max_entries`."""
+DEFAULT_CACHE_BYTES = 512 << 20
 
-    def __init__(self, model_dir: str, vocab_size: int, max_entries: int = 256) -> None:
+
+class GrammarCache:
+    """Compiled grammars by key, least recently used dropped past `max_entries` or `max_bytes`."""
+
+    def __init__(self, model_dir: str, vocab_size: int, max_entries: int = 256,
+                 max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # the cached grammars' memory
         self._compiler: Any = None
         self.control_tokens: torch.Tensor | None = None  # [C] int64, set with the compiler
         self._compiled: OrderedDict[str, Any] = OrderedDict()
@@ -69,8 +75,11 @@ class GrammarCache:
         if compiled is None:
             compiled = self._compile(spec, eos_token_id)
             self._compiled[spec.key] = compiled
-            if len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
+            self.num_bytes += compiled.memory_size_bytes
+            while len(self._compiled) > 1 and (len(self._compiled) > self.max_entries
+                                               or self.num_bytes > self.max_bytes):
+                _, dropped = self._compiled.popitem(last=False)
+                self.num_bytes -= dropped.memory_size_bytes
         self._compiled.move_to_end(spec.key)
         return xgr.GrammarMatcher(compiled)
 
