@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from mmserve.errors import ClientError
 from mmserve.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -57,7 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = [self.stop]
         if self.top_k is not None and self.top_k <= 0:
             if self.top_k not in (0, -1):
-                raise ValueError(f"top_k must be a positive integer, 0 or -1 (disabled); got {self.top_k}")
+                raise ClientError(f"top_k must be a positive integer, 0 or -1 (disabled); got {self.top_k}")
             self.top_k = None
         _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens < _INT64,
                f"max_tokens must be a positive 64-bit integer; got {self.max_tokens!r:.40}")
@@ -114,10 +115,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         """Build from a plain dict; unknown names are a ValueError naming them."""
         unknown = sorted(set(values) - set(cls.__struct_fields__))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise ClientError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ClientError(message)

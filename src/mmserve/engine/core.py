@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from mmserve.errors import ClientError
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.encoder_cache import compute_encoder_budget
@@ -73,12 +74,12 @@ class EngineCore:
         """Queue a request; a ValueError (and no state change) when it can never run."""
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise ClientError("the prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
+            raise ClientError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
                              f"{self.max_model_len}, which must also leave room for at least one output token")
         if self.scheduler.has_request(request.request_id):
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise ClientError(f"request id {request.request_id!r} is already in use")
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mmserve.errors import ClientError
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.media import MediaLimits, decode_image, read_image_source
@@ -118,7 +119,7 @@ class ItemResolver:
         """The item processed again from `source`, under the hash the cached path gives it; kept
         nowhere (a ValueError for a uuid part without its image: there is nothing to process)."""
         if source is None:
-            raise ValueError("an image given by uuid alone cannot be processed again")
+            raise ClientError("an image given by uuid alone cannot be processed again")
         raw = read_image_source(source, self.limits)
         mm_hash = (self.hasher.hash_uuid("image", uid, salt, mm_kwargs) if uid is not None
                    else self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing else uuid_lib.uuid4().hex)
@@ -164,6 +165,6 @@ class ItemResolver:
             return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True, hit=True)
         num_tokens = self.known_tokens(mm_hash)
         if num_tokens is None:
-            raise ValueError(f"the image with uuid {uid!r} is not cached (any more): send the image again "
+            raise ClientError(f"the image with uuid {uid!r} is not cached (any more): send the image again "
                              "together with its uuid")
         return ResolvedItem(mm_hash, None, num_tokens, fresh=False)

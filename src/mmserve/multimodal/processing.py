@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mmserve.errors import ClientError
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.media import to_rgb
 
@@ -49,7 +50,7 @@ class MultiModalProcessor:
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
         if mm_kwargs:
-            raise ValueError(f"this model takes no mm_processor_kwargs; got {', '.join(sorted(mm_kwargs))}")
+            raise ClientError(f"this model takes no mm_processor_kwargs; got {', '.join(sorted(mm_kwargs))}")
         return {}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -90,10 +91,10 @@ class MultiModalProcessor:
     def check_image_count(self, prompt: str, num_images: int) -> None:
         """ValueError unless the prompt has exactly one `<image>` per image."""
         if not isinstance(prompt, str):
-            raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
+            raise ClientError(f"the prompt must be a string, not {type(prompt).__name__}")
         num_tokens = prompt.count(self.image_token)
         if num_tokens != num_images:
-            raise ValueError(
+            raise ClientError(
                 f"the prompt has {num_tokens} {self.image_token} token(s) but {num_images} "
                 f"image(s) were given; each image needs exactly one {self.image_token} in the prompt"
             )
@@ -109,7 +110,7 @@ class MultiModalProcessor:
         token_ids = list(self.tokenizer(prompt)["input_ids"])
         positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
         if len(positions) != len(counts):
-            raise ValueError(f"expected {len(counts)} {self.image_token} tokens in the prompt, the tokenizer "
+            raise ClientError(f"expected {len(counts)} {self.image_token} tokens in the prompt, the tokenizer "
                              f"produced {len(positions)}")
         expanded: list[int] = []
         ranges: list[PlaceholderRange] = []
@@ -133,7 +134,7 @@ class MultiModalProcessor:
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):
-            raise ValueError(f"images must be a list, not {type(images).__name__}")
+            raise ClientError(f"images must be a list, not {type(images).__name__}")
         for image in images:
             _check_image(image)
         self.check_image_count(prompt, len(images))
@@ -155,7 +156,7 @@ def _check_image(image: Any) -> None:
     if not isinstance(image, Image.Image):
         kind = type(image)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise ValueError(f"an image must be a PIL.Image.Image, got {name}")
+        raise ClientError(f"an image must be a PIL.Image.Image, got {name}")
 
 
 def _fill_missing_llava_fields(processor: Any, model_path: str) -> None:

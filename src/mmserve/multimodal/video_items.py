@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmserve.errors import ClientError
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
@@ -56,7 +57,7 @@ class VideoResolver:
         video keys of `mm_processor_kwargs` (ValueError names a bad one)."""
         media_io = dict(media_io_kwargs or {})
         if set(media_io) - {"video"}:
-            raise ValueError('media_io_kwargs takes only the key "video"')
+            raise ClientError('media_io_kwargs takes only the key "video"')
         request = {k: v for k, v in (mm_kwargs or {}).items() if k in REQUEST_KEYS}
         return resolve(self.base, media_io.get("video"), request)
 
@@ -72,11 +73,11 @@ class VideoResolver:
         if uid is not None:
             mm_hash = self.hasher.hash_uuid("video", uid, salt, settings)
             if source is None and bypass:
-                raise ValueError("a video given by uuid alone cannot be processed again")
+                raise ClientError("a video given by uuid alone cannot be processed again")
             if source is None:
                 data = self.cache.get(mm_hash) if self.cache.enabled else None
                 if data is None:
-                    raise ValueError(f"the video with uuid {uid!r} is not cached (any more): send the video again "
+                    raise ClientError(f"the video with uuid {uid!r} is not cached (any more): send the video again "
                                      "together with its uuid")
                 return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=False, hit=True)
         raw = self._read(source)
@@ -103,12 +104,12 @@ class VideoResolver:
         if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], np.ndarray):
             frames, fps = source
             if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
-                raise ValueError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
+                raise ClientError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
                                  f"{tuple(frames.shape)}")
             if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
-                raise ValueError(f"a video's fps must be a positive number; got {fps!r:.40}")
+                raise ClientError(f"a video's fps must be a positive number; got {fps!r:.40}")
             return np.ascontiguousarray(frames), None if fps is None else float(fps)
-        raise ValueError("a video is a URL / path string, encoded bytes, or (frames: T x H x W x 3 uint8 array, fps)")
+        raise ClientError("a video is a URL / path string, encoded bytes, or (frames: T x H x W x 3 uint8 array, fps)")
 
     def _process(self, raw: bytes | tuple[np.ndarray, float | None], opts: VideoOptions,
                  salt: str | None) -> dict[str, torch.Tensor]:
@@ -165,14 +166,14 @@ def group_items(processor: Any, token_ids: list[int], videos: list[ResolvedItem]
         for g, mm_hash in enumerate(hashes):
             run = positions[taken:taken + per_group]
             if len(run) != per_group or run[-1] - run[0] + 1 != per_group:
-                raise ValueError(f"the placeholder tokens of video {video_index} are not where its groups need them")
+                raise ClientError(f"the placeholder tokens of video {video_index} are not where its groups need them")
             taken += per_group
             data = video.group(g)
             place = processor.position_key(data, (g, video.second_per_grid_ts))
             items.append(MultiModalItem("video", mm_hash, data, PlaceholderRange(run[0], per_group),
                                         position_key=place))
     if taken != len(positions):
-        raise ValueError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
+        raise ClientError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
     return items
 
 
