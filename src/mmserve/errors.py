@@ -36,6 +36,15 @@ class StopStringsError(ClientError):
     """Stop strings beyond the server's count or length limits."""
 
 
+class RequestFault(RuntimeError):
+    """A step failed in work that belongs to one request (its grammar, its items, its sampling
+    settings): the engine fails `request_id` alone and keeps stepping."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_id = request_id
+
+
 class EngineRequestError(RuntimeError):
     """The engine failed while serving one request (a 500: not the client's fault)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from mmserve.errors import ClientError
+from mmserve.errors import ClientError, RequestFault
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.encoder_cache import compute_encoder_budget
@@ -18,7 +18,7 @@ from mmserve.engine.kv_events import KVEvents, make_kv_events
 from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.worker.executor import make_executor
 
@@ -89,14 +89,37 @@ class EngineCore:
         return self.scheduler.num_unfinished_requests > 0
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model once, and return every request's new tokens."""
+        """Schedule, run the model once, and return every request's new tokens. A failure that
+        belongs to one request (a `RequestFault`, or any error in a step of one request) fails
+        that request alone; any other failure propagates (the rank is restarted)."""
         scheduler_output = self.scheduler.schedule()
-        result = self.executor.execute_model(scheduler_output)
+        try:
+            result = self.executor.execute_model(scheduler_output)
+        except Exception as exc:
+            culprit = self._culprit(scheduler_output, exc)
+            if culprit is None:
+                raise
+            logger.error("request %s failed in the engine step; the engine goes on", culprit, exc_info=exc)
+            outputs = self.scheduler.fail_step(scheduler_output, culprit, f"the engine failed on this request: {exc}")
+            outputs.stats = self.stats()
+            return outputs
         outputs = self.scheduler.update_from_output(scheduler_output, result)
         if self.kv_events is not None:
             self.kv_events.end_step()
         outputs.stats = self.stats()
         return outputs
+
+    def _culprit(self, scheduled: SchedulerOutput, exc: Exception) -> str | None:
+        """The one request a step failure belongs to, or None (then the rank cannot go on)."""
+        try:
+            self.executor.check_health()
+        except Exception:
+            return None  # a worker is gone: not one request's fault
+        if isinstance(exc, RequestFault) and exc.request_id in scheduled.num_scheduled_tokens:
+            return exc.request_id
+        if len(scheduled.num_scheduled_tokens) == 1:
+            return next(iter(scheduled.num_scheduled_tokens))
+        return None
 
     def stats(self) -> SchedulerStats:
         """P1's state. Prefix layer: queries and hits in prompt tokens, entries in cached blocks.

@@ -122,6 +122,13 @@ class Request:
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def drop_last_token(self) -> None:
+        """Take back the last appended token (a step that failed), and the block hash it made."""
+        self.all_token_ids.pop()
+        if self._block_hasher is not None:
+            full = len(self.all_token_ids) // self._block_hasher.block_size
+            del self.block_hashes[full:], self.block_extra_keys[full:]
+
     def count_cache(self, layer: str, hits: int, queries: int, add: bool = False) -> None:
         """Record what cache `layer` did for this request's prompt: (hits, queries), replacing the
         layer's last lookup (an admission tried again looks up again), or with `add` added to it."""

@@ -269,6 +269,35 @@ class Scheduler:
         (self.shadows if victim.shadow else self.waiting).appendleft(victim)
         return victim
 
+    def fail_step(self, sched: SchedulerOutput, culprit: str, message: str) -> EngineCoreOutputs:
+        """Undo a step that raised in `culprit`'s work: end `culprit` with an internal error
+        output (its blocks and items freed) and requeue the step's other requests at the head of
+        the queue, to recompute what the step lost (the runner drops their state next step)."""
+        outputs: list[EngineCoreOutput] = []
+        answered, self._answered = self._answered, []
+        for req in answered:  # admitted with a cached first token: take the token back
+            req.drop_last_token()
+        step = {rid: sched.num_scheduled_tokens.get(rid, 0) for rid in
+                [*sched.num_scheduled_tokens, *(r.request_id for r in answered)]}
+        for rid in reversed(list(step)):
+            found = self.requests.get(rid)
+            if found is None or found.status is not RequestStatus.RUNNING:
+                continue
+            req = found
+            self.running.remove(req)
+            self.kv_cache.forget_from(rid, req.num_computed_tokens - step[rid])
+            if rid == culprit:
+                siblings_running = self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(req.client_id, [], req.status.finish_reason, error=message,
+                                                error_kind="internal", index=req.index,
+                                                siblings_running=siblings_running))
+                continue
+            self._release(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            (self.shadows if req.shadow else self.waiting).appendleft(req)
+        return EngineCoreOutputs(outputs)
+
     # ---- after the step ---------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
