@@ -79,6 +79,7 @@ class Request:
         self.return_first_logits = return_first_logits
         self.shadow = shadow
         self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
+        self.order = 0  # the scheduler's arrival number (siblings share their request's)
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
@@ -98,7 +99,7 @@ class Request:
         sib.block_hashes = list(self.block_hashes)
         sib.block_extra_keys = list(self.block_extra_keys)
         sib._block_hasher = self._block_hasher
-        sib.client_id, sib.index = self.client_id, index
+        sib.client_id, sib.index, sib.order = self.client_id, index, self.order
         return sib
 
     @property
