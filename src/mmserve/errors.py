@@ -29,8 +29,6 @@ class ClientError(ValueError):
 class SchemaError(ClientError):
     """A structured-output schema that is malformed, unsupported, too large or unsatisfiable."""
 
-    code = "invalid_schema"
-
 
 class StopStringsError(ClientError):
     """Stop strings beyond the server's count or length limits."""
