@@ -31,3 +31,16 @@ def test_one_request_holds_no_more_than_its_share_while_others_wait():
     held = sum(r.client_id == "big" for r in s.running)
     assert "late" in running_ids(s)
     assert held <= 8 and held >= 4  # its share of 8 slots with two requests, at least
+
+
+def test_a_completions_batch_counts_as_one_request():
+    s = make_scheduler(num_blocks=256, max_tokens=256)
+    batch = "cmpl-" + "ab" * 16
+    for p in range(16):
+        s.add_request(make_request(f"{batch}-{p}", range(10 * p, 10 * p + 8), max_tokens=50))
+    fake_step(s)
+    s.add_request(make_request("chatcmpl-late", range(300, 308), max_tokens=50))
+    for _ in range(3):
+        fake_step(s)
+    assert "chatcmpl-late" in running_ids(s)
+    assert sum(r.client_id.startswith(batch) for r in s.running) <= 7

@@ -1,6 +1,7 @@
 """Fair shares of the running slots: who goes next, and who gives a slot back (pure functions).
 
-A request's completions (n > 1 siblings) count together, by `client_id`. A request's share is
+A request's completions (n > 1 siblings) count together, by `client_id`, and so do the prompts of
+one completions batch (the endpoint names them `cmpl-…-{p}`: `group_of`). A request's share is
 `max_num_seqs` divided by the number of requests running or waiting (at least 1). While a request
 within its share waits, the next admitted is the first waiting request within its share, and with
 every slot taken, completions of requests over their share are preempted (the last admitted
@@ -9,25 +10,35 @@ first) until it has a slot. Released siblings queue behind the requests that arr
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Sequence
 
 from mmserve.engine.request import Request
 
 
+_BATCH = re.compile(r"(cmpl-[0-9a-f]+)-\d+")  # serving_completions.py: a batch's prompt p is `{id}-{p}`
+
+
+def group_of(request: Request) -> str:
+    """What shares one fair share: the client's request (its siblings), or its completions batch."""
+    match = _BATCH.fullmatch(request.client_id)
+    return match.group(1) if match else request.client_id
+
+
 def shares(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> tuple[dict[str, int], int]:
-    """Running slots per request (siblings together), and each request's fair share."""
+    """Running slots per request (siblings and batch prompts together), and each one's fair share."""
     held: dict[str, int] = {}
     for r in running:
-        held[r.client_id] = held.get(r.client_id, 0) + 1
-    groups = set(held) | {r.client_id for r in waiting}
+        held[group_of(r)] = held.get(group_of(r), 0) + 1
+    groups = set(held) | {group_of(r) for r in waiting}
     return held, max(1, max_num_seqs // max(1, len(groups)))
 
 
 def next_fair(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> int:
     """The index in `waiting` of the first request within its share (0 when the head is, or none is)."""
     held, share = shares(running, waiting, max_num_seqs)
-    return next((i for i, r in enumerate(waiting) if held.get(r.client_id, 0) < share), 0)
+    return next((i for i, r in enumerate(waiting) if held.get(group_of(r), 0) < share), 0)
 
 
 def over_share(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> list[Request]:
@@ -36,10 +47,10 @@ def over_share(running: Sequence[Request], waiting: Sequence[Request], max_num_s
     if len(running) < max_num_seqs:
         return []
     held, share = shares(running, waiting, max_num_seqs)
-    if not any(held.get(r.client_id, 0) < share for r in waiting if not r.shadow):
+    if not any(held.get(group_of(r), 0) < share for r in waiting if not r.shadow):
         return []
     for victim in reversed(running):
-        if held[victim.client_id] > share and not victim.shadow:
+        if held[group_of(victim)] > share and not victim.shadow:
             return [victim]  # one slot: the waiting request takes it
     return []
 
