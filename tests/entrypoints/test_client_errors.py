@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
-from mmserve.errors import ClientError
+from mmserve.errors import CLIENT, INTERNAL, ClientError, engine_error
 from fake_engine import GOOD, MODEL, FakeEngine, post
 
 
@@ -29,6 +29,8 @@ class QuirkyEngine(FakeEngine):
             raise ValueError("a bug's message, not the client's fault")
         if text == "client":
             raise ClientError("the client's fault", param="messages")
+        if text in ("engine", "refused"):
+            raise engine_error("the engine failed on this request: boom", INTERNAL if text == "engine" else CLIENT)
         return await super().build_prompt(messages, cache_salt, tools)
 
 
@@ -58,6 +60,13 @@ def test_a_client_error_is_a_400_naming_its_param(client):
     assert r.status_code == 400
     assert r.json()["error"] == {"message": "the client's fault", "type": "invalid_request_error",
                                  "code": "invalid_value", "param": "messages"}
+
+
+def test_an_engine_error_output_is_a_500_naming_the_cause_or_a_400_for_a_refusal(client):
+    r = post(client, {"model": MODEL, "messages": ask("engine")})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "engine_error"
+    assert post(client, {"model": MODEL, "messages": ask("refused")}).status_code == 400
 
 
 def test_tool_choice_with_a_string_function_is_a_400(client):

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mmserve.entrypoints.openai.protocol import UNION_TAG, ErrorInfo, ErrorResponse
-from mmserve.errors import ClientError
+from mmserve.errors import ClientError, EngineRequestError
 from mmserve.frontend.core_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         logger.info("the client closed the connection before its request was read in full")
         return OpenAIError(CLIENT_CLOSED_REQUEST, "client closed request", code="client_closed_request")
     error_id = f"err-{uuid.uuid4().hex[:16]}"
+    if isinstance(exc, EngineRequestError):  # the engine's own words on a request it failed
+        logger.error("request failed in the engine (%s): %s", error_id, exc)
+        return OpenAIError(500, f"{exc} ({error_id})", code="engine_error")
     logger.error("internal error %s while serving a request: %s: %s", error_id, type(exc).__name__, exc,
                  exc_info=exc if not isinstance(exc, RecursionError) else None)
     return OpenAIError(500, f"internal server error {error_id} (details are in the server log)",
