@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.structured_outputs import StructuredOutputsParams
 
 POISON = StructuredOutputsParams.for_schema({"type": "object", "properties": {"poison": {"type": "integer"}}})
@@ -47,8 +48,6 @@ def test_a_poison_request_fails_alone_and_the_others_finish_unchanged(poisoned):
 
 
 def test_the_error_output_is_internal_and_names_the_cause(poisoned):
-    from mmserve.ipc.messages import EngineCoreRequest
-
     core = poisoned.engine.core
     core.add_request(EngineCoreRequest("bad", [1, 2, 3], [], SamplingParams(max_tokens=4, structured_outputs=POISON),
                                        None, 0.0))
@@ -67,9 +66,28 @@ def test_an_unowned_failure_in_a_batch_still_propagates(path, monkeypatch):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(core.executor, "execute_model", boom)
-    from mmserve.ipc.messages import EngineCoreRequest
 
     for i in range(2):
         core.add_request(EngineCoreRequest(f"r{i}", [1, 2, 3 + i], [], SamplingParams(max_tokens=4), None, 0.0))
     with pytest.raises(RuntimeError, match="device lost"):
         core.step()
+
+
+def test_an_item_that_does_not_fill_its_placeholders_fails_its_request_alone(path):
+    from mm_prompts import PARAMS, one
+
+    llm = LLM(model=path, num_kv_blocks=64)
+    core = llm.engine.core
+    bad = llm.engine.input_processor.process("bad", one(3), PARAMS)
+    item = bad.mm_items[0]
+    bad.mm_items[0] = item.__class__(item.modality, "tampered", item.data,
+                                     item.placeholder.__class__(item.placeholder.offset, item.placeholder.length - 1))
+    core.add_request(bad)
+    core.add_request(EngineCoreRequest("good", [1, 2, 3], [], plain(4), None, 0.0))
+    outputs: dict[str, list] = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    assert outputs["bad"][-1].error_kind == "internal" and "placeholders" in (outputs["bad"][-1].error or "")
+    assert sum(len(o.new_token_ids) for o in outputs["good"]) == 4
+    core.check_integrity()

@@ -201,8 +201,11 @@ class ModelRunner:
         datas = [_data(item, self.device) for item in keyed.values()]
         features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
         for (key, item), feats in zip(keyed.items(), features):
-            if feats.shape[0] != item.placeholder.length:
-                raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
+            if feats.shape[0] != item.placeholder.length:  # the request's item is at fault, not the engine
+                owner = next(rid for rid, idxs in scheduled.items() if any(
+                    self.requests[rid].mm_items[i].mm_hash == key for i in idxs))
+                raise RequestFault(owner, ValueError(f"image gives {feats.shape[0]} embeddings for "
+                                                     f"{item.placeholder.length} placeholders"))
             self.encoder_outputs[key] = feats
         self.num_encoded_items += len(keyed)
 
