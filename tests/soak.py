@@ -2,7 +2,8 @@
 and uuid-only requests at concurrency, with caches small enough to evict all the time — then
 the checks that every failure path left nothing behind:
 
-- no response is a 5xx, and every request ends (good ones 200, hostile ones 4xx);
+- no response is a 5xx, and every request ends (good ones 200, hostile and costly ones 4xx: a
+  huge enum schema, a schema nested 330 deep or satisfied by nothing, a stop-string flood...);
 - the engine is idle: nothing running or waiting, every KV block free; P0 holds no queue,
   output state, resend record, pending processor-cache entry or shm pin; caches are intact;
 - P0's IPC sender and P1's receiver hold the same keys (their key digests and sizes agree);
@@ -35,7 +36,7 @@ import httpx
 
 from mmserve.entrypoints.openai.body_limit import default_body_limit
 from mmserve.models.builtin import resolve_model
-from soak_requests import Spec, draw, make_pool  # tests/ is on sys.path: pytest's, or this script's own
+from soak_requests import Spec, draw, make_pool, with_costly  # tests/ is on sys.path: pytest's, or this script's own
 from soak_server import LoopbackServer, idle_state, soak_engine_args
 
 
@@ -192,7 +193,7 @@ def _soak(report: SoakReport, server: LoopbackServer, media: Path, requests: int
         mm = server.engine.config.multimodal
         pool = make_pool(media, server.served_name, server.engine.max_model_len,
                          default_body_limit(mm.max_media_bytes, mm.max_images))
-        specs = draw(random.Random(seed), pool, requests)
+        specs = with_costly(draw(random.Random(seed), pool, requests), pool)
         with _timed(report, "load"):
             asyncio.run(_load(server.base_url, specs, concurrency, seconds, report))
         report.seconds = report.phases["load"]

@@ -23,6 +23,7 @@ from tiny_models import make_image
 TEXTS = ("What is this?", "Describe the picture.")
 MAX_TOKENS = (1, 8)
 KINDS = (("good", 45), ("hostile", 25), ("cancel", 15), ("uuid_only", 15))  # (kind, weight)
+# and "costly" (`with_costly`): requests whose cost must be bounded before it is paid
 
 
 @dataclass
@@ -163,6 +164,39 @@ def hostile_bodies(pool: Pool) -> dict[str, dict[str, Any] | bytes]:
         "malformed json": b'{"model": ', "body over the limit": _oversized(pool.max_body_bytes),
     }
     return bodies
+
+
+def with_costly(specs: list[Spec], pool: Pool, every: int = 10) -> list[Spec]:
+    """`specs` with the `costly_bodies` spread among them, one every `every` (the draw unchanged)."""
+    costly = [Spec("costly", name, body) for name, body in costly_bodies(pool).items()]
+    out: list[Spec] = []
+    for i, spec in enumerate(specs):
+        if i % every == every - 1 and costly:
+            out.append(costly.pop(0))
+        out.append(spec)
+    return out + costly
+
+
+def costly_bodies(pool: Pool) -> dict[str, dict[str, Any]]:
+    """Requests whose cost the server must bound before paying it (issue 40): each a 400."""
+    def schema(value: Any) -> dict[str, Any]:
+        return _chat(pool, [], "x", max_tokens=4,
+                     response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": value}})
+
+    def chat(**extra: Any) -> dict[str, Any]:
+        return _chat(pool, [], "x", **extra)
+
+    deep = '{"type": "array", "items": ' * 330 + '{"type": "string"}' + "}" * 330
+    return {
+        "huge enum schema": schema({"type": "string", "enum": [f"v{i}" for i in range(20_000)]}),
+        "1,500 optional properties": schema({"type": "object", "properties": {
+            f"p{i}": {"type": "integer"} for i in range(1500)}}),
+        "schema text nested 330 deep": schema(deep),
+        "unsatisfiable schema": schema({"$ref": "#"}),
+        "stop-string flood": chat(max_tokens=4, stop=[f"{i:05d}" + "s" * 195 for i in range(1_000)]),
+        "tool_choice function as a string": chat(tools=[{"type": "function", "function": {
+            "name": "a", "parameters": {"type": "object"}}}], tool_choice={"function": "a"}),
+    }
 
 
 def _oversized(limit: int) -> bytes:

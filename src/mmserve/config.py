@@ -111,6 +111,9 @@ class SchedulerConfig:
         "requests use it (no reuse by later requests).")
     disable_chunked_mm_input: bool = _opt(
         False, "Never split an image's placeholder tokens across steps (--max-num-batched-tokens must hold one image).")
+    max_grammar_compile_s: float = _opt(
+        10.0, "Longest a structured-output grammar may take to compile (off the engine step); a request "
+        "whose grammar takes longer is refused.")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -120,6 +123,8 @@ class SchedulerConfig:
         if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
             raise ValueError("max_num_encoder_input_tokens must be at least 1; "
                              f"got {self.max_num_encoder_input_tokens}")
+        if not self.max_grammar_compile_s > 0:
+            raise ValueError(f"max_grammar_compile_s must be positive; got {self.max_grammar_compile_s}")
         if self.encoder_cache_tokens is not None and self.encoder_cache_tokens < 0:
             raise ValueError(f"encoder_cache_tokens must not be negative; got {self.encoder_cache_tokens}")
 

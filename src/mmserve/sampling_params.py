@@ -6,12 +6,15 @@ from typing import Any
 
 import msgspec
 
+from mmserve.errors import ClientError
 from mmserve.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63  # every integer crosses to the engine process as msgpack int64
 MAX_LOGPROBS = 20  # the most alternatives per token `logprobs` may ask for (OpenAI's top_logprobs limit)
 MAX_N = 128  # the most completions one request may ask for
+MAX_STOP_STRINGS = 128  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -19,7 +22,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     `temperature` 0 is greedy. `top_k` None (or 0 / -1, normalised to None) means no top-k cut.
     `stop` strings end the output in the frontend (excluded from the text unless
-    `include_stop_str_in_output`); `stop_token_ids` and EOS end it in the engine core.
+    `include_stop_str_in_output`); at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS`
+    characters each; `stop_token_ids` and EOS end it in the engine core.
 
     `n` completions share the prompt (see engine/siblings.py); seeded, completion i uses `seed + i`.
     `logprobs` K: each sampled token's log probability, its rank and the K most likely
@@ -57,7 +61,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             self.stop = [self.stop]
         if self.top_k is not None and self.top_k <= 0:
             if self.top_k not in (0, -1):
-                raise ValueError(f"top_k must be a positive integer, 0 or -1 (disabled); got {self.top_k}")
+                raise ClientError(f"top_k must be a positive integer, 0 or -1 (disabled); got {self.top_k}")
             self.top_k = None
         _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens < _INT64,
                f"max_tokens must be a positive 64-bit integer; got {self.max_tokens!r:.40}")
@@ -68,6 +72,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(self.seed is None or 0 <= self.seed < _INT64,
                f"seed must be a non-negative 64-bit integer; got {self.seed!r:.40}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop takes at most {MAX_STOP_STRINGS} strings; got {len(self.stop)}")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+               f"each stop string has at most {MAX_STOP_CHARS} characters")
         _check(all(isinstance(t, int) and 0 <= t < _INT64 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative 64-bit integers (token ids)")
         self._check_extras()
@@ -114,10 +122,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         """Build from a plain dict; unknown names are a ValueError naming them."""
         unknown = sorted(set(values) - set(cls.__struct_fields__))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise ClientError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ClientError(message)

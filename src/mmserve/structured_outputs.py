@@ -18,6 +18,9 @@ from typing import Any
 
 import msgspec
 
+from mmserve.errors import ClientError, SchemaError
+from mmserve.schema_limits import check_satisfiable, check_schema_size, check_text_depth
+
 MAX_SAFE_INTEGER = 2**53 - 1
 SEPARATORS = (",", ":")  # compact JSON, as clients parse best
 
@@ -39,19 +42,24 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
-            raise ValueError("structured outputs take exactly one of a JSON schema or json_object")
+            raise ClientError("structured outputs take exactly one of a JSON schema or json_object")
 
     @classmethod
     def for_schema(cls, schema: Any) -> StructuredOutputsParams:
-        """A schema (dict, or JSON text) checked for what the grammar supports and normalised."""
+        """A schema (dict, or JSON text) checked for what the grammar supports, its size
+        (schema_limits.py) and its satisfiability, and normalised; a `SchemaError` if not."""
         if isinstance(schema, str):
+            check_text_depth(schema)
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+                raise SchemaError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
-            raise ValueError("a JSON schema must be an object")
-        return cls(json=json.dumps(normalise_schema(schema), separators=SEPARATORS))  # property order kept
+            raise SchemaError("a JSON schema must be an object")
+        check_schema_size(schema)
+        normalised = normalise_schema(schema)
+        check_satisfiable(normalised)
+        return cls(json=json.dumps(normalised, separators=SEPARATORS))  # property order kept
 
     @property
     def key(self) -> str:
@@ -60,10 +68,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def normalise_schema(schema: dict[str, Any], path: str = "$") -> dict[str, Any]:
-    """A copy of `schema` with bounded integers; a ValueError naming the first unsupported keyword."""
+    """A copy of `schema` with bounded integers; a SchemaError naming the first unsupported keyword."""
     for key in _UNSUPPORTED:
         if key in schema:
-            raise ValueError(f"unsupported_schema_keyword: {key!r} at {path} is not supported in "
+            raise SchemaError(f"unsupported_schema_keyword: {key!r} at {path} is not supported in "
                              f"structured outputs (the grammar cannot enforce it)")
     out = dict(schema)
     if _types(schema) in ({"integer"}, {"number"}):
@@ -86,7 +94,7 @@ def _walk(sub: Any, path: str) -> Any:
     if isinstance(sub, bool):
         return sub
     if not isinstance(sub, dict):
-        raise ValueError(f"invalid JSON schema: {path} must be a schema (an object or a boolean)")
+        raise SchemaError(f"invalid JSON schema: {path} must be a schema (an object or a boolean)")
     return normalise_schema(sub, path)
 
 
@@ -96,7 +104,7 @@ def _types(schema: dict[str, Any]) -> set[str]:
 
 
 def check_schema(spec: StructuredOutputsParams) -> None:
-    """P0's check that xgrammar can build the grammar (no tokenizer needed): a ValueError naming
+    """P0's check that xgrammar can build the grammar (no tokenizer needed): a SchemaError naming
     the problem for a malformed or unsupported schema."""
     if spec.json is None:
         return
@@ -106,4 +114,4 @@ def check_schema(spec: StructuredOutputsParams) -> None:
         xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
     except Exception as e:  # xgrammar raises RuntimeError with the converter's message
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ValueError(f"invalid or unsupported JSON schema: {message.split('] ')[-1]}") from None
+        raise SchemaError(f"invalid or unsupported JSON schema: {message.split('] ')[-1]}") from None

@@ -5,107 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from mmserve.config import EngineConfig
+from fake_engine import CACHED, GOOD, MODEL, PIECES, FakeEngine, messages, post
 from mmserve.entrypoints.openai.api_server import build_app
-from mmserve.frontend.core_client import EngineDeadError
 from mmserve.ipc.messages import CacheStats, SchedulerStats
-from mmserve.multimodal.media import MediaError
-from mmserve.outputs import CompletionOutput, RequestOutput
-from mmserve.sampling_params import SamplingParams
-
-MODEL = "tiny"
-PROMPT_IDS = [1, 2, 3, 4, 5]
-CACHED = 2  # of PROMPT_IDS, "served from the prefix cache"
-PIECES = ["Hel", "lo", " wor", "ld"]
-
-
-class FakeEngine:
-    """`AsyncLLM`'s interface: one text piece per step, scripted failures, records aborts."""
-
-    model_dir = "/models/tiny"
-    max_model_len = 64
-    tokenizer = None
-    config = EngineConfig()
-
-    def __init__(self) -> None:
-        self.healthy = True
-        self.step_s = 0.0
-        self.die_after: int | None = None  # raise EngineDeadError after this many outputs
-        self.params: list[SamplingParams] = []
-        self.prompts: list[dict[str, Any]] = []
-        self.aborted: list[str] = []
-        self.finished: list[str] = []
-        self._stats: SchedulerStats | None = None
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.healthy
-
-    def stats(self) -> SchedulerStats | None:
-        return self._stats
-
-    async def build_prompt(self, messages: list[dict], cache_salt: str | None = None,
-                           tools: list[dict] | None = None) -> dict:
-        for m in messages:
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"bad role {m['role']!r}")
-            for part in m["content"] if isinstance(m["content"], list) else []:
-                if part["type"] == "image_url" and part["image_url"]["url"].startswith("bad:"):
-                    raise MediaError("the data is not a supported image")
-                if part["type"] == "image_url" and part["image_url"]["url"] == "crash":
-                    raise RuntimeError("secret internal detail")
-        parts = [p for m in messages for p in (m["content"] if isinstance(m["content"], list)
-                                               else [{"type": "text", "text": m["content"]}])]
-        text = " ".join(p["text"] for p in parts if p["type"] == "text")
-        prompt = {"prompt": text, "multi_modal_data": {"image": []}}
-        self.prompts.append({"messages": messages, **prompt})
-        return prompt
-
-    async def generate(self, request_id: str, prompt: dict, params: SamplingParams,
-                       **routing: object) -> AsyncIterator[RequestOutput]:
-        if not self.healthy:
-            raise EngineDeadError("engine core died")
-        if "too long" in prompt["prompt"]:
-            raise ValueError("the prompt has 999 tokens, but max_model_len is 64")
-        self.params.append(params)
-        n = min(params.max_tokens, len(PIECES))
-        text, ids, done = "", [], False
-        try:
-            for i in range(n):
-                await asyncio.sleep(self.step_s)
-                if self.die_after is not None and i >= self.die_after:
-                    raise EngineDeadError("engine core died")
-                text += PIECES[i]
-                ids.append(100 + i)
-                done = i == n - 1
-                reason = ("length" if n == params.max_tokens else "stop") if done else None
-                yield RequestOutput(request_id, prompt["prompt"], PROMPT_IDS, [CompletionOutput(
-                    0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done,
-                    num_cached_tokens=CACHED)
-        finally:
-            (self.finished if done else self.aborted).append(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def shutdown(self) -> None:
-        pass
-
-
-def messages(text: str = "hi", url: str | None = None) -> list[dict]:
-    """One user message: an optional image part, then a text part."""
-    parts: list[dict] = [{"type": "text", "text": text}]
-    if url is not None:
-        parts.insert(0, {"type": "image_url", "image_url": {"url": url}, "uuid": "img-1"})
-    return [{"role": "user", "content": parts}]
-
-
-GOOD = messages()
 
 
 @pytest.fixture
@@ -116,11 +23,6 @@ def engine() -> FakeEngine:
 @pytest.fixture
 def client(engine) -> TestClient:
     return TestClient(build_app(engine, [MODEL, "alias"]), raise_server_exceptions=False)
-
-
-def post(client: TestClient, body: Any, **kw: Any):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return client.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"}, **kw)
 
 
 def sse_events(text: str) -> list[Any]:

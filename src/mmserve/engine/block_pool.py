@@ -193,6 +193,10 @@ class BlockPool:
         block.last_hash = last_hash
         self.last_blocks.setdefault(last_hash, {})[block.block_id] = block
 
+    def drop_hash(self, block: KVBlock) -> None:
+        """Unregister `block` (its K/V are not what its keys say); nothing when it has none."""
+        self._drop_hash(block)
+
     def _drop_hash(self, block: KVBlock) -> None:
         if block.last_hash is not None:
             _unmap(self.last_blocks, block.last_hash, block.block_id)

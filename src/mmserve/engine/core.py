@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from mmserve.errors import CLIENT, ClientError, RequestFault
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.encoder_cache import compute_encoder_budget
@@ -17,7 +18,9 @@ from mmserve.engine.kv_events import KVEvents, make_kv_events
 from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import CacheStats, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.engine.grammar_gate import GrammarGate
+from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                  SchedulerOutput, SchedulerStats)
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.worker.executor import make_executor
 
@@ -52,6 +55,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    self.model_config.max_item_tokens,
                                    FirstTokenCache(num_blocks, enabled=cache.enable_first_token_caching))
+        runner = getattr(self.executor, "runner", None)  # in-process only: TP workers compile their own
+        self.grammar_gate = GrammarGate(None if runner is None else runner.grammars,
+                                        config.scheduler.max_grammar_compile_s)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.cache.block_size, self.max_model_len)
 
@@ -73,29 +79,72 @@ class EngineCore:
         """Queue a request; a ValueError (and no state change) when it can never run."""
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise ClientError("the prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
+            raise ClientError(f"the prompt has {n} tokens, but this model's context length (max_model_len) is "
                              f"{self.max_model_len}, which must also leave room for at least one output token")
-        if self.scheduler.has_request(request.request_id):
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        if self.scheduler.has_request(request.request_id) or self.grammar_gate.holds(request.request_id):
+            raise ClientError(f"request id {request.request_id!r} is already in use")
+        if not self.grammar_gate.hold(request):  # else queued once its grammar is compiled
+            self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.grammar_gate.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0
+        return self.scheduler.num_unfinished_requests > 0 or self.grammar_gate.num_held > 0
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model once, and return every request's new tokens."""
+        """Queue the requests whose grammar is now compiled, then schedule and run the model
+        once; return every request's new tokens (and refusals of grammars that did not compile)."""
+        refused = self._admit_compiled()
+        if self.scheduler.num_unfinished_requests == 0:
+            return EngineCoreOutputs(refused, stats=self.stats())
+        outputs = self._step()
+        outputs.outputs = refused + outputs.outputs
+        return outputs
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue held requests whose grammar compiled; error outputs for those refused."""
+        ready, refused = self.grammar_gate.take(wait_s=0.0 if self.scheduler.num_unfinished_requests else 0.05)
+        for request in ready:
+            self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        return [EngineCoreOutput(r.request_id, [], FinishReason.ABORT, error=why, error_kind=CLIENT)
+                for r, why in refused]
+
+    def _step(self) -> EngineCoreOutputs:
+        """Schedule and run the model once. A failure that belongs to one request (a
+        `RequestFault`, or any error in a step of one request) fails that request alone; any
+        other failure propagates (the rank is restarted)."""
         scheduler_output = self.scheduler.schedule()
-        result = self.executor.execute_model(scheduler_output)
+        try:
+            result = self.executor.execute_model(scheduler_output)
+        except Exception as exc:
+            culprit = self._culprit(scheduler_output, exc)
+            if culprit is None:
+                raise
+            logger.error("request %s failed in the engine step; the engine goes on", culprit, exc_info=exc)
+            outputs = self.scheduler.fail_step(scheduler_output, culprit, f"the engine failed on this request: {exc}")
+            outputs.stats = self.stats()
+            return outputs
         outputs = self.scheduler.update_from_output(scheduler_output, result)
         if self.kv_events is not None:
             self.kv_events.end_step()
         outputs.stats = self.stats()
         return outputs
+
+    def _culprit(self, scheduled: SchedulerOutput, exc: Exception) -> str | None:
+        """The one request a step failure belongs to, or None (then the rank cannot go on)."""
+        try:
+            self.executor.check_health()
+        except Exception:
+            return None  # a worker is gone: not one request's fault
+        if isinstance(exc, RequestFault) and exc.request_id in scheduled.num_scheduled_tokens:
+            return exc.request_id
+        if len(scheduled.num_scheduled_tokens) == 1:
+            return next(iter(scheduled.num_scheduled_tokens))
+        return None
 
     def stats(self) -> SchedulerStats:
         """P1's state. Prefix layer: queries and hits in prompt tokens, entries in cached blocks.
@@ -120,6 +169,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.grammar_gate.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()
         self.executor.shutdown()

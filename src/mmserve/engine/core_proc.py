@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from mmserve.errors import CLIENT, INTERNAL, ClientError
 from mmserve.config import EngineConfig
 from mmserve.gc_tuning import freeze_startup_heap, pause_collection
 from mmserve.engine.clients import ApiServerChannels
@@ -237,8 +238,9 @@ class EngineCoreProc:
             self.core.add_request(request)
         except ValueError as e:
             self._release(request.request_id)
+            kind = CLIENT if isinstance(e, ClientError) else INTERNAL
             self._pending.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT,
-                                                  error=str(e)))
+                                                  error=str(e), error_kind=kind))
 
     def _release(self, request_id: str) -> None:
         if self.shm is not None:

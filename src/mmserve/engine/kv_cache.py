@@ -127,6 +127,15 @@ class KVCacheManager:
         if self.cache_last_blocks and last_hash is not None:
             self.pool.cache_last_block(self.req_to_blocks[request_id][(num_tokens - 1) // self.block_size], last_hash)
 
+    def forget_from(self, request_id: str, first_token: int) -> None:
+        """Unregister the request's blocks from the one holding `first_token` on: a step that
+        failed registered them before writing their K/V, so no later request may hit them."""
+        keep = first_token // self.block_size
+        for block in self.req_to_blocks.get(request_id, [])[keep:]:
+            self.pool.drop_hash(block)
+        if request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], keep)
+
     def free(self, request_id: str) -> None:
         """Release all the request's blocks, last block first: freed blocks keep their hashes, and
         the request's tail blocks are evicted before its head blocks."""

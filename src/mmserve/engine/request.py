@@ -79,6 +79,7 @@ class Request:
         self.return_first_logits = return_first_logits
         self.shadow = shadow
         self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
+        self.order = 0  # the scheduler's arrival number (siblings share their request's)
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
@@ -98,7 +99,7 @@ class Request:
         sib.block_hashes = list(self.block_hashes)
         sib.block_extra_keys = list(self.block_extra_keys)
         sib._block_hasher = self._block_hasher
-        sib.client_id, sib.index = self.client_id, index
+        sib.client_id, sib.index, sib.order = self.client_id, index, self.order
         return sib
 
     @property
@@ -121,6 +122,13 @@ class Request:
         """Append sampled tokens; hashes the blocks they fill (mutates `block_hashes`)."""
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
+
+    def drop_last_token(self) -> None:
+        """Take back the last appended token (a step that failed), and the block hash it made."""
+        self.all_token_ids.pop()
+        if self._block_hasher is not None:
+            full = len(self.all_token_ids) // self._block_hasher.block_size
+            del self.block_hashes[full:], self.block_extra_keys[full:]
 
     def count_cache(self, layer: str, hits: int, queries: int, add: bool = False) -> None:
         """Record what cache `layer` did for this request's prompt: (hits, queries), replacing the

@@ -42,6 +42,7 @@ from typing import Sequence
 from mmserve.config import SchedulerConfig
 from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
+from mmserve.engine.fairness import insert_in_order, next_fair, over_share
 from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.prefix_hits import PrefixHits
@@ -76,6 +77,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0  # since start, for tests and metrics
+        self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
         self.prefix_hits = 0  # of which were cache hits
 
@@ -84,6 +86,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; a ValueError (and no change) when one of its items can never run."""
         self.encoder_planner.check_fits(request, self.config.max_num_batched_tokens)
+        request.order = self._arrivals
+        self._arrivals += 1
         if request.sampling_params.n > 1:
             request = self.groups.split(request)
         self.requests[request.request_id] = request
@@ -120,6 +124,8 @@ class Scheduler:
         out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
         self._finished_ids = set()
         self.encoder_planner.start_step()
+        for victim in over_share(self.running, self.waiting, self.config.max_num_seqs):
+            self._preempt(victim)
         shadows = [r for r in self.running if r.shadow]
         budget, preempted = self._schedule_running([r for r in self.running if not r.shadow],
                                                    self.config.max_num_batched_tokens, out)
@@ -160,6 +166,8 @@ class Scheduler:
         """Admit requests of `queue` in order while budget, `max_num_seqs` and blocks allow (a
         waiting request takes a running shadow's place); the budget left."""
         while queue and budget > 0:
+            if queue is self.waiting:
+                self._fair_head()
             if len(self.running) < self.config.max_num_seqs and self._admit_next(budget, out, queue):
                 budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
             elif queue is self.waiting and any(r.shadow for r in self.running):
@@ -167,6 +175,14 @@ class Scheduler:
             else:
                 break
         return budget
+
+    def _fair_head(self) -> None:
+        """Bring the first waiting request within its fair share to the head (`fairness.py`)."""
+        index = next_fair(self.running, self.waiting, self.config.max_num_seqs)
+        if index:
+            req = self.waiting[index]
+            del self.waiting[index]
+            self.waiting.appendleft(req)
 
     def _admit_next(self, budget: int, out: SchedulerOutput, queue: deque[Request]) -> bool:
         """Schedule the first request of `queue` within `budget` tokens, after its prefix-cache hit;
@@ -253,21 +269,54 @@ class Scheduler:
         out.num_scheduled_tokens[rid] = n
         req.num_computed_tokens += n
         if self.groups.held:
-            for sibling in reversed(self.groups.release(req)):
-                self.requests[sibling.request_id] = sibling
-                self.waiting.appendleft(sibling)
+            released = self.groups.release(req)
+            self.requests.update((r.request_id, r) for r in released)
+            insert_in_order(self.waiting, released)
 
     def _preempt_last(self) -> Request:
         """Preempt the running shadow request if there is one, else the last admitted request."""
         victim = next((r for r in self.running if r.shadow), self.running[-1])
+        self._preempt(victim)
+        return victim
+
+    def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self._release(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
+        self._requeue(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        (self.shadows if victim.shadow else self.waiting).appendleft(victim)
-        return victim
+
+    def _requeue(self, req: Request) -> None:
+        """Put `req` (out of `running`) back at the head of its queue, to recompute from scratch."""
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        (self.shadows if req.shadow else self.waiting).appendleft(req)
+
+    def fail_step(self, sched: SchedulerOutput, culprit: str, message: str) -> EngineCoreOutputs:
+        """Undo a step that raised in `culprit`'s work: end `culprit` with an internal error
+        output (its blocks and items freed) and requeue the step's other requests at the head of
+        the queue, to recompute what the step lost (the runner drops their state next step)."""
+        outputs: list[EngineCoreOutput] = []
+        answered, self._answered = self._answered, []
+        for req in answered:  # admitted with a cached first token: take the token back
+            req.drop_last_token()
+        step = {rid: sched.num_scheduled_tokens.get(rid, 0) for rid in
+                [*sched.num_scheduled_tokens, *(r.request_id for r in answered)]}
+        for rid in reversed(list(step)):
+            found = self.requests.get(rid)
+            if found is None or found.status is not RequestStatus.RUNNING:
+                continue
+            req = found
+            self.running.remove(req)
+            self.kv_cache.forget_from(rid, req.num_computed_tokens - step[rid])
+            if rid == culprit:
+                siblings_running = self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(req.client_id, [], req.status.finish_reason, error=message,
+                                                error_kind="internal", index=req.index,
+                                                siblings_running=siblings_running))
+                continue
+            self._requeue(req)
+        return EngineCoreOutputs(outputs)
 
     # ---- after the step ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any
 
+from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.failover import RankFailover
 from mmserve.frontend.flights import Flight
@@ -47,7 +48,7 @@ class Admission(RankFailover):
         regardless. A `shadow` request (the cache verifier's) resolves in a worker thread, its items
         processed again; `return_first_logits` asks P1 for the first token's logits row."""
         if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ClientError(f"request id {request_id!r} is already in use")
         undo = UndoLog()
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue  # reserves the id before anything else is done for it
@@ -95,7 +96,7 @@ class Admission(RankFailover):
         logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
                        len(missing), request_id)
         if any(item.data is None for item in flight.request.mm_items):
-            self._fail(request_id, ValueError("an image given by uuid alone is no longer cached: send the image "
+            self._fail(request_id, ClientError("an image given by uuid alone is no longer cached: send the image "
                                               "again together with its uuid"))
             return
         undo = UndoLog()

@@ -24,6 +24,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator
 
+from mmserve.errors import ClientError, engine_error
 from mmserve.config import EngineConfig
 from mmserve.frontend.admission import Admission
 from mmserve.frontend.attached_engine import Attachment
@@ -144,7 +145,7 @@ class AsyncLLM(Admission, EngineFigures):
         if data_parallel_rank is None and not self.ranks.live():
             await self.wait_for_live_rank()  # one is restarting
         if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
-            raise ValueError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
+            raise ClientError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
                              f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
         candidate = not shadow and self.verifier.wants(params)
         queue = await self._admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
@@ -232,7 +233,7 @@ class AsyncLLM(Admission, EngineFigures):
             if out.error is None:
                 ok.append(out)
             else:
-                self._fail(out.request_id, ValueError(out.error))
+                self._fail(out.request_id, engine_error(out.error, out.error_kind))
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
             self._abort_now(processed.to_abort)

@@ -12,6 +12,8 @@ from typing import Any
 
 from PIL import Image
 
+from mmserve.errors import ClientError
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "image_url", "image_pil", "image", "video_url", "video")
 
@@ -57,7 +59,7 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
     Malformed messages raise `ValueError` naming the offending field.
     """
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise ClientError("messages must be a non-empty list")
     inputs = ChatInputs([])
     call_ids: set[str] = set()
     for index, message in enumerate(messages):
@@ -70,7 +72,7 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
         elif isinstance(content, list):
             turn["content"] = [_part(part, f"{where}.content[{i}]", inputs) for i, part in enumerate(content)]
         elif not (content is None and role == "assistant" and message.get("tool_calls")):
-            raise ValueError(f"{where}.content must be a string or a list of content parts; "
+            raise ClientError(f"{where}.content must be a string or a list of content parts; "
                              f"got {type(content).__name__}")
         if role == "assistant" and message.get("tool_calls") is not None:
             turn["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls", call_ids)
@@ -84,16 +86,16 @@ def check_tools(tools: object) -> list[dict[str, Any]]:
     """OpenAI `tools` (function tools), as the chat template takes them; ValueError naming the
     offending field otherwise."""
     if not isinstance(tools, list) or not tools:
-        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+        raise ClientError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
     names: set[str] = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
+            raise ClientError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
         if not isinstance(fn.get("parameters", {}), dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ClientError(f"tools[{i}].function.parameters must be a JSON schema object")
         if fn["name"] in names:
-            raise ValueError(f"tools[{i}].function.name {fn['name']!r} is given twice")
+            raise ClientError(f"tools[{i}].function.name {fn['name']!r} is given twice")
         names.add(fn["name"])
     return tools
 
@@ -102,17 +104,17 @@ def _tool_calls(calls: object, where: str, call_ids: set[str]) -> list[dict[str,
     """An assistant turn's calls for the template: arguments as an object (templates render it
     with `tojson`), the way transformers' templates expect them."""
     if not isinstance(calls, list):
-        raise ValueError(f"{where} must be a list")
+        raise ClientError(f"{where} must be a list")
     out = []
     for i, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValueError(f"{where}[{i}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+            raise ClientError(f"{where}[{i}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
         arguments = fn.get("arguments", {})
         try:
             arguments = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
         except ValueError as exc:
-            raise ValueError(f"{where}[{i}].function.arguments is not valid JSON: {exc}") from exc
+            raise ClientError(f"{where}[{i}].function.arguments is not valid JSON: {exc}") from exc
         if isinstance(call.get("id"), str):
             call_ids.add(call["id"])
         out.append({"id": call.get("id"), "type": "function",
@@ -122,35 +124,35 @@ def _tool_calls(calls: object, where: str, call_ids: set[str]) -> list[dict[str,
 
 def _tool_call_id(value: object, where: str, call_ids: set[str]) -> str:
     if not isinstance(value, str) or value not in call_ids:
-        raise ValueError(f"{where} must name a tool call of an earlier assistant message; got {value!r:.60}")
+        raise ClientError(f"{where} must name a tool call of an earlier assistant message; got {value!r:.60}")
     return value
 
 
 def _role(message: object, where: str) -> str:
     if not isinstance(message, dict):
-        raise ValueError(f"{where} must be an object with 'role' and 'content'; got {type(message).__name__}")
+        raise ClientError(f"{where} must be an object with 'role' and 'content'; got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
-        raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
+        raise ClientError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
     return role
 
 
 def _part(part: object, where: str, inputs: ChatInputs) -> dict[str, Any]:
     """Normalise one content part; an image part's source (and uuid) is appended to `inputs`."""
     if not isinstance(part, dict):
-        raise ValueError(f"{where} must be an object with a 'type'; got {type(part).__name__}")
+        raise ClientError(f"{where} must be an object with a 'type'; got {type(part).__name__}")
     kind = part.get("type")
     if kind not in PART_TYPES:
-        raise ValueError(f"{where}.type must be one of {', '.join(PART_TYPES)}; got {kind!r}")
+        raise ClientError(f"{where}.type must be one of {', '.join(PART_TYPES)}; got {kind!r}")
     uid = part.get("uuid")
     if uid is not None and (not isinstance(uid, str) or not uid):
-        raise ValueError(f"{where}.uuid must be a non-empty string")
+        raise ClientError(f"{where}.uuid must be a non-empty string")
     if kind not in part and not (kind in ("image_url", "video_url") and uid is not None):
-        raise ValueError(f"{where} has type {kind!r} but no {kind!r} field")
+        raise ClientError(f"{where} has type {kind!r} but no {kind!r} field")
     value = part.get(kind)
     if kind == "text":
         if not isinstance(value, str):
-            raise ValueError(f"{where}.text must be a string; got {type(value).__name__}")
+            raise ClientError(f"{where}.text must be a string; got {type(value).__name__}")
         return {"type": "text", "text": value}
     if kind in ("video_url", "video"):
         inputs.videos.append(_media_url(value, where, uid, kind) if kind == "video_url" else value)
@@ -159,9 +161,9 @@ def _part(part: object, where: str, inputs: ChatInputs) -> dict[str, Any]:
     if kind == "image_url":
         value = _media_url(value, where, uid, kind)
     elif kind == "image_pil" and not isinstance(value, Image.Image):
-        raise ValueError(f"{where}.image_pil must be a PIL image; got {type(value).__name__}")
+        raise ClientError(f"{where}.image_pil must be a PIL image; got {type(value).__name__}")
     elif kind == "image" and not isinstance(value, (Image.Image, str)):
-        raise ValueError(f"{where}.image must be a PIL image or a URL/path string; got {type(value).__name__}")
+        raise ClientError(f"{where}.image must be a PIL image or a URL/path string; got {type(value).__name__}")
     inputs.images.append(value)
     inputs.uuids.append(uid)
     return {"type": "image"}
@@ -176,5 +178,5 @@ def _media_url(value: object, where: str, uid: str | None, kind: str) -> str | N
     else:
         where = f"{where}.{kind}"
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{where} must be a non-empty URL string; got {value!r:.80}")
+        raise ClientError(f"{where} must be a non-empty URL string; got {value!r:.80}")
     return value

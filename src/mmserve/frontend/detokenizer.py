@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mmserve.frontend.stop_matcher import StopMatcher
 from mmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,13 +29,14 @@ class IncrementalDetokenizer:
     update. Text given out by `take_delta` is never taken back: a tail that could still start a
     stop string is held back unless `include_stop_str_in_output` is set, since then a match
     truncates only after the stop string. `clean_up_tokenization_spaces` is not applied (it
-    is not prefix-stable).
+    is not prefix-stable). Stop strings are matched incrementally (`stop_matcher.py`): the cost
+    of a token's text does not grow with their number.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, params: SamplingParams) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = params.skip_special_tokens
-        self._stops = tuple(params.stop)
+        self._stops = StopMatcher(tuple(params.stop)) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens  # stop strings count only after this many tokens (vLLM)
         self.token_ids: list[int] = []
@@ -65,9 +67,10 @@ class IncrementalDetokenizer:
             return None
         start = len(self.output_text)
         self.output_text += new_text
-        if len(self.token_ids) <= self._min_tokens:
+        if self._stops is None:
             return None
-        return self._check_stop(start)
+        match = self._stops.feed(new_text, start, report=len(self.token_ids) > self._min_tokens)
+        return None if match is None else self._truncate(*match)
 
     def take_delta(self, finished: bool = False) -> str:
         """Return the text not returned yet, holding back a possible stop-string start.
@@ -97,31 +100,14 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _check_stop(self, start: int) -> str | None:
-        """Find the earliest stop string ending at or after `start`; truncate on a match.
-
-        A match ending before `start` would have been found by an earlier update, so each stop
-        string is searched only from `start - len(stop) + 1`.
-        """
-        match: tuple[int, str] | None = None
-        for stop in self._stops:
-            index = self.output_text.find(stop, max(0, start - len(stop) + 1))
-            if index != -1 and (match is None or index < match[0]):
-                match = (index, stop)
-        if match is None:
-            return None
-        index, stop = match
-        self.output_text = self.output_text[:index + len(stop) if self._include_stop else index]
+    def _truncate(self, begin: int, end: int) -> str:
+        """End the output at the stop string `output_text[begin:end]`; return it."""
+        stop = self.output_text[begin:end]
+        self.output_text = self.output_text[:end if self._include_stop else begin]
         self._sent = min(self._sent, len(self.output_text))
         self.stop_str = stop
         return stop
 
     def _partial_stop_length(self) -> int:
         """Length of the longest tail of output_text that is a proper prefix of a stop string."""
-        text = self.output_text
-        longest = max((len(stop) for stop in self._stops), default=0)
-        for length in range(min(longest - 1, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(len(stop) > length and stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0
+        return 0 if self._stops is None else self._stops.pending

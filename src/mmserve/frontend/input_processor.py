@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Callable, cast
 
+from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.video_input import VideoInputs, check_uuids
@@ -75,7 +76,7 @@ class InputProcessor:
         mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
         if len(images) > limit:
-            raise ValueError(f"the prompt has {len(images)} images, more than the limit of {limit} "
+            raise ClientError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
         resolved = self.items.resolve(images, uuids, salt, mm_kwargs, bypass_caches)
@@ -86,7 +87,7 @@ class InputProcessor:
             self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
             if len(token_ids) >= self.max_model_len:
-                raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
+                raise ClientError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
         except BaseException:
             self.items.release(resolved + videos)  # one in-flight table for every modality
@@ -125,11 +126,11 @@ class InputProcessor:
         longest piece) is refused unread; a long text whose prefix alone has too many tokens is
         refused once that prefix is tokenized. Tokenizing is bounded by the limit, not by the input."""
         if len(text) > self.max_prompt_chars:
-            raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len ({self.max_model_len}) "
+            raise ClientError(f"the prompt has {len(text)} characters, more than max_model_len ({self.max_model_len}) "
                              f"tokens can hold ({self.max_prompt_chars} characters at most); it was not tokenized")
         past = tokens_past(self.processor.tokenizer, text, self.max_model_len)
         if past is not None:
-            raise ValueError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
+            raise ClientError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
                              f"tokenized), but max_model_len is {self.max_model_len}")
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -137,14 +138,14 @@ class InputProcessor:
         a structured-output schema the grammar can be built from."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
+            raise ClientError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
                              f"{self.vocab_size})")
         if params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this model's context length "
+            raise ClientError(f"max_tokens ({params.max_tokens}) exceeds this model's context length "
                              f"(max_model_len {self.max_model_len})")
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
+            raise ClientError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
                              f"{self.vocab_size})")
         if params.structured_outputs is not None:
             check_schema(params.structured_outputs)
@@ -154,7 +155,7 @@ class InputProcessor:
         limit = self.max_encoder_tokens
         for index, item in enumerate(resolved):
             if item.num_tokens > limit:
-                raise ValueError(f"image {index} needs {item.num_tokens} embedding tokens, more than the encoder "
+                raise ClientError(f"image {index} needs {item.num_tokens} embedding tokens, more than the encoder "
                                  f"cache and budget hold ({limit}); send a smaller image or lower max_pixels")
 
 
@@ -181,19 +182,19 @@ def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[st
     if isinstance(prompt, str):
         return prompt, [], [], None
     if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
-        raise ValueError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
+        raise ClientError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
     unknown = set(prompt) - _PROMPT_KEYS
     if unknown:
-        raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+        raise ClientError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
     images = _image_list(prompt.get("multi_modal_data"), "multi_modal_data")
     uuids = _image_list(prompt.get("multi_modal_uuids"), "multi_modal_uuids") or [None] * len(images)
     check_uuids(images, uuids, "image")
     kwargs = prompt.get("mm_processor_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise ValueError("mm_processor_kwargs must be an object of processor settings")
+        raise ClientError("mm_processor_kwargs must be an object of processor settings")
     salt = prompt.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError("cache_salt must be a non-empty string")
+        raise ClientError("cache_salt must be a non-empty string")
     return prompt["prompt"], images, uuids, salt
 
 
@@ -201,6 +202,6 @@ def _image_list(mm: Any, name: str) -> list[Any]:
     if mm is None:
         return []
     if not isinstance(mm, dict) or set(mm) - {"image", "video"}:
-        raise ValueError(f"{name} takes only the keys 'image' and 'video' (one value or a list each)")
+        raise ClientError(f"{name} takes only the keys 'image' and 'video' (one value or a list each)")
     value = mm.get("image", [])
     return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmserve.errors import ClientError
 from mmserve.config import EngineConfig
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
@@ -45,9 +46,9 @@ class VideoInputs:
         if not videos:
             return []
         if self.resolver is None or self.video_processor is None:
-            raise ValueError("this model takes no video input")
+            raise ClientError("this model takes no video input")
         if len(videos) > self.max_videos:
-            raise ValueError(f"the prompt has {len(videos)} videos, more than the limit of {self.max_videos} "
+            raise ClientError(f"the prompt has {len(videos)} videos, more than the limit of {self.max_videos} "
                              f"(--limit-mm-per-prompt)")
         self.video_processor.check_video_count(text, len(videos))
         opts = self.resolver.options(mm_kwargs, media_io)
@@ -58,7 +59,7 @@ class VideoInputs:
         budget and cache hold (a whole video never has to fit: groups are encoded one by one)."""
         for index, video in enumerate(videos):
             if video.num_tokens > limit:
-                raise ValueError(f"a temporal group of video {index} needs {video.num_tokens} embedding tokens, more "
+                raise ClientError(f"a temporal group of video {index} needs {video.num_tokens} embedding tokens, more "
                                  f"than the encoder cache and budget hold ({limit}); lower the video's max_pixels "
                                  "(media_io_kwargs.video)")
 
@@ -87,7 +88,7 @@ def _split_videos(prompt: str | dict[str, Any]) -> tuple[list[Any], list[str | N
     check_uuids(videos, uuids, "video")
     media_io = prompt.get("media_io_kwargs")
     if media_io is not None and not isinstance(media_io, dict):
-        raise ValueError("media_io_kwargs must be an object")
+        raise ClientError("media_io_kwargs must be an object")
     return videos, uuids, media_io
 
 
@@ -95,8 +96,8 @@ def check_uuids(sources: list[Any], uuids: list[Any], kind: str) -> None:
     """ValueError unless there is one uuid (a non-empty string or None) per source, and a source
     is None only where its uuid is given."""
     if len(uuids) != len(sources):
-        raise ValueError(f"multi_modal_uuids has {len(uuids)} {kind} uuid(s) for {len(sources)} {kind}(s)")
+        raise ClientError(f"multi_modal_uuids has {len(uuids)} {kind} uuid(s) for {len(sources)} {kind}(s)")
     if not all(u is None or (isinstance(u, str) and u) for u in uuids):
-        raise ValueError(f"each {kind} uuid must be a non-empty string (or None)")
+        raise ClientError(f"each {kind} uuid must be a non-empty string (or None)")
     if any(source is None and u is None for source, u in zip(sources, uuids)):
-        raise ValueError(f"each {kind} may be None only when its uuid is given")
+        raise ClientError(f"each {kind} may be None only when its uuid is given")

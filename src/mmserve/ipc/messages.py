@@ -92,7 +92,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class EngineCoreOutput(msgspec.Struct):
     """New tokens of one completion this step; `finish_reason` set on its last output.
 
-    `error` is set (with finish_reason "abort") when P1 refused or lost the request. `index` is
+    `error` is set (with finish_reason "abort") when P1 refused or lost the request, and
+    `error_kind` says whose fault: "client" (a refusal, a 4xx) or "internal" (the engine failed
+    while serving it, a 500; see mmserve/errors.py). `index` is
     the completion's (0 ≤ index < n); `siblings_running` says, on a finished completion, that
     others of its request still run (P1 keeps the request's items until the last one ends).
     `new_logprobs` has one entry per new token when the request asked for log probabilities.
@@ -108,6 +110,7 @@ class EngineCoreOutput(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     error: str | None = None
+    error_kind: str = "client"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the first output)
     index: int = 0
     siblings_running: bool = False

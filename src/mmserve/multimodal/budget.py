@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmserve.errors import ClientError
+
 
 @dataclass(frozen=True)
 class ItemBudget:
@@ -23,7 +25,7 @@ class ItemBudget:
     def check_image(self, index: int, tokens: int) -> None:
         """ValueError when image `index` would get more tokens than one item or the prompt holds."""
         if self.item_tokens is not None and tokens > self.item_tokens:
-            raise ValueError(f"image {index} needs {tokens} embedding tokens, more than the encoder cache and "
+            raise ClientError(f"image {index} needs {tokens} embedding tokens, more than the encoder cache and "
                              f"budget hold ({self.item_tokens}); send a smaller image or lower max_pixels")
         self._check_prompt(f"image {index}", tokens)
 
@@ -31,13 +33,13 @@ class ItemBudget:
         """ValueError when a temporal group of video `index`, or the whole video, would get more
         tokens than one item or the prompt holds."""
         if self.item_tokens is not None and group_tokens > self.item_tokens:
-            raise ValueError(f"a temporal group of video {index} needs {group_tokens} embedding tokens, more than "
+            raise ClientError(f"a temporal group of video {index} needs {group_tokens} embedding tokens, more than "
                              f"the encoder cache and budget hold ({self.item_tokens}); lower the video's max_pixels "
                              "(media_io_kwargs.video)")
         self._check_prompt(f"video {index}", group_tokens * num_groups)
 
     def _check_prompt(self, what: str, tokens: int) -> None:
         if self.prompt_tokens is not None and tokens > self.prompt_tokens:
-            raise ValueError(f"{what} needs {tokens} placeholder tokens, more than the prompt can hold: "
+            raise ClientError(f"{what} needs {tokens} placeholder tokens, more than the prompt can hold: "
                              f"max_model_len is {self.prompt_tokens + 1}, which must also leave room for one "
                              "output token")

@@ -23,6 +23,7 @@ from typing import Any, Generic, Iterable, TypeVar
 
 import msgspec
 
+from mmserve.errors import ClientError
 from mmserve.ipc.messages import CacheStats
 from mmserve.ipc.items import MultiModalItem
 
@@ -201,7 +202,7 @@ class IpcSenderCache(LruCache):
         with self._lock:
             lost = [item.mm_hash for item in items if item.data is None and item.mm_hash not in self._lru]
             if lost:
-                raise ValueError("an image given by uuid alone was evicted before the request was sent: send the "
+                raise ClientError("an image given by uuid alone was evicted before the request was sent: send the "
                                  "image again together with its uuid")
             return self._update(items)
 

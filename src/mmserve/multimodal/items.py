@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 
 from PIL import Image
 
+from mmserve.errors import ClientError
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.media import FLAG_MAX_PIXELS, MediaLimits, decode_image, header_size, read_image_source
@@ -178,7 +179,7 @@ class ItemPipeline:
         nowhere (a ValueError for a uuid part without its source: there is nothing to process)."""
         if source is None:
             article = "an" if self.modality.kind[0] in "aeiou" else "a"
-            raise ValueError(f"{article} {self.modality.kind} given by uuid alone cannot be processed again")
+            raise ClientError(f"{article} {self.modality.kind} given by uuid alone cannot be processed again")
         raw = self.modality.read(source)
         mm_hash = self._hash(raw, uid, salt, settings)
         data = self.modality.process(raw, settings, self.modality.plan(index, raw, settings), salt)
@@ -231,7 +232,7 @@ class ItemPipeline:
         num_tokens = self.known_tokens(mm_hash)
         if num_tokens is None:
             kind = self.modality.kind
-            raise ValueError(f"the {kind} with uuid {uid!r} is not cached (any more): send the {kind} again "
+            raise ClientError(f"the {kind} with uuid {uid!r} is not cached (any more): send the {kind} again "
                              f"together with its uuid")
         return ResolvedItem(mm_hash, None, num_tokens, fresh=False)
 
@@ -252,7 +253,7 @@ class ImageModality:
         settings = self.processor.check_mm_kwargs(requested)
         for key in ("min_pixels", "max_pixels"):
             if settings.get(key, 0) > self.limits.max_pixels:
-                raise ValueError(f"mm_processor_kwargs.{key} ({settings[key]}) exceeds the server's limit of "
+                raise ClientError(f"mm_processor_kwargs.{key} ({settings[key]}) exceeds the server's limit of "
                                  f"{self.limits.max_pixels} pixels ({FLAG_MAX_PIXELS})")
         return settings
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import pybase64
 from PIL import Image, UnidentifiedImageError
 
+from mmserve.errors import ClientError
+
 # Flag names quoted in error messages; keep in step with the CLI flags made from the config.
 FLAG_MAX_BYTES = "--max-media-bytes"
 FLAG_MAX_PIXELS = "--max-media-pixels"
@@ -29,8 +31,10 @@ SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _WHITE = (255, 255, 255)
 
 
-class MediaError(ValueError):
+class MediaError(ClientError):
     """A media item was refused or could not be read; the message is meant for the client."""
+
+    code = "invalid_media"
 
 
 @dataclass(frozen=True)

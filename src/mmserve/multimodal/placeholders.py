@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmserve.errors import ClientError
 from mmserve.ipc.items import PlaceholderRange
 
 
 def check_image_count(prompt: str, image_token: str, num_images: int) -> None:
     """ValueError unless the prompt has exactly one `image_token` per image."""
     if not isinstance(prompt, str):
-        raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
+        raise ClientError(f"the prompt must be a string, not {type(prompt).__name__}")
     num_tokens = prompt.count(image_token)
     if num_tokens != num_images:
-        raise ValueError(
+        raise ClientError(
             f"the prompt has {num_tokens} {image_token} token(s) but {num_images} "
             f"image(s) were given; each image needs exactly one {image_token} in the prompt"
         )
@@ -35,7 +36,7 @@ def expand(tokenizer: Any, image_token: str, image_token_id: int, prompt: str,
     token_ids = list(tokenizer(prompt)["input_ids"])
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != len(counts):
-        raise ValueError(f"expected {len(counts)} {image_token} tokens in the prompt, the tokenizer "
+        raise ClientError(f"expected {len(counts)} {image_token} tokens in the prompt, the tokenizer "
                          f"produced {len(positions)}")
     expanded: list[int] = []
     ranges: list[PlaceholderRange] = []

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
+from mmserve.errors import ClientError
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import to_rgb
@@ -56,7 +57,7 @@ class MultiModalProcessor:
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
         if mm_kwargs:
-            raise ValueError(f"this model takes no mm_processor_kwargs; got {', '.join(sorted(mm_kwargs))}")
+            raise ClientError(f"this model takes no mm_processor_kwargs; got {', '.join(sorted(mm_kwargs))}")
         return {}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -127,7 +128,7 @@ class MultiModalProcessor:
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):
-            raise ValueError(f"images must be a list, not {type(images).__name__}")
+            raise ClientError(f"images must be a list, not {type(images).__name__}")
         for image in images:
             check_image(image)
         self.check_image_count(prompt, len(images))
@@ -150,7 +151,7 @@ def check_image(image: Any) -> None:
     if not isinstance(image, Image.Image):
         kind = type(image)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise ValueError(f"an image must be a PIL.Image.Image, got {name}")
+        raise ClientError(f"an image must be a PIL.Image.Image, got {name}")
 
 
 def _fill_missing_llava_fields(processor: Any, model_path: str) -> None:

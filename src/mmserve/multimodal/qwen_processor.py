@@ -24,6 +24,7 @@ from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import MediaError, to_rgb
 from mmserve.multimodal.processing import check_image
+from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
 from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
@@ -69,16 +70,16 @@ class QwenVLProcessor:
         mm_kwargs = dict(mm_kwargs or {})
         unknown = sorted(set(mm_kwargs) - set(MM_KWARGS) - set(REQUEST_KEYS))
         if unknown:
-            raise ValueError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; this model takes "
+            raise ClientError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; this model takes "
                              f"{', '.join(MM_KWARGS + REQUEST_KEYS)}")
         mm_kwargs = {k: v for k, v in mm_kwargs.items() if k in MM_KWARGS}
         for key, value in mm_kwargs.items():
             if type(value) is not int or not 0 < value <= _MAX_PIXELS_LIMIT:
-                raise ValueError(f"mm_processor_kwargs.{key} must be an integer in [1, {_MAX_PIXELS_LIMIT}]; "
+                raise ClientError(f"mm_processor_kwargs.{key} must be an integer in [1, {_MAX_PIXELS_LIMIT}]; "
                                  f"got {value!r:.40}")
         budget = {**self.default_pixels, **mm_kwargs}
         if budget["min_pixels"] > budget["max_pixels"]:
-            raise ValueError(f"mm_processor_kwargs: min_pixels ({budget['min_pixels']}) exceeds max_pixels "
+            raise ClientError(f"mm_processor_kwargs: min_pixels ({budget['min_pixels']}) exceeds max_pixels "
                              f"({budget['max_pixels']})")
         return {k: v for k, v in mm_kwargs.items() if v != self.default_pixels[k]}
 
@@ -138,7 +139,7 @@ class QwenVLProcessor:
         """ValueError unless the prompt has exactly one `<|video_pad|>` per video."""
         found = prompt.count(self.video_token)
         if found != num_videos:
-            raise ValueError(f"the prompt has {found} {self.video_token} token(s) but {num_videos} video(s) were "
+            raise ClientError(f"the prompt has {found} {self.video_token} token(s) but {num_videos} video(s) were "
                              f"given; each video needs exactly one {self.video_token} in the prompt")
 
     def video_text(self, video: ProcessedVideo) -> str:
@@ -159,7 +160,7 @@ class QwenVLProcessor:
         wrapped = f"<|vision_start|>{self.video_token}<|vision_end|>"
         pieces = prompt.split(wrapped)
         if len(pieces) - 1 != len(videos):
-            raise ValueError(f"each video needs its {wrapped} in the prompt (as the chat template writes it)")
+            raise ClientError(f"each video needs its {wrapped} in the prompt (as the chat template writes it)")
         return pieces[0] + "".join(self.video_text(v) + piece for v, piece in zip(videos, pieces[1:]))
 
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:

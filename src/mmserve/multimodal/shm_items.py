@@ -78,17 +78,22 @@ class ShmItemReader:
 
     def attach(self, request_id: str, items: Sequence[MultiModalItem]) -> list[str]:
         """Map the request's items in place; the hashes whose handles went stale (then nothing is held)."""
-        leases, missing = [], []
-        for item in items:
-            if item.shm_handle is None:
-                continue
-            lease = self.reader.get(item.shm_handle)
-            if lease is None:
-                missing.append(item.mm_hash)
-            else:
-                leases.append(lease)
-                item.data = lease.data
-        self._leases[request_id] = leases
+        leases: list[ShmLease] = []
+        missing: list[str] = []
+        self._leases[request_id] = leases  # released below (or by the caller) whatever happens next
+        try:
+            for item in items:
+                if item.shm_handle is None:
+                    continue
+                lease = self.reader.get(item.shm_handle)
+                if lease is None:
+                    missing.append(item.mm_hash)
+                else:
+                    leases.append(lease)
+                    item.data = lease.data
+        except BaseException:
+            self.release(request_id)  # a later handle failed: the leases taken so far go back
+            raise
         if missing:
             self.release(request_id)
         return missing

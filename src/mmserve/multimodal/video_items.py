@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmserve.errors import ClientError
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
@@ -97,12 +98,12 @@ class VideoModality:
         if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], np.ndarray):
             frames, fps = source
             if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
-                raise ValueError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
+                raise ClientError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
                                  f"{tuple(frames.shape)}")
             if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
-                raise ValueError(f"a video's fps must be a positive number; got {fps!r:.40}")
+                raise ClientError(f"a video's fps must be a positive number; got {fps!r:.40}")
             return np.ascontiguousarray(frames), None if fps is None else float(fps)
-        raise ValueError("a video is a URL / path string, encoded bytes, or (frames: T x H x W x 3 uint8 array, fps)")
+        raise ClientError("a video is a URL / path string, encoded bytes, or (frames: T x H x W x 3 uint8 array, fps)")
 
     def plan(self, index: int, raw: RawVideo, opts: VideoOptions) -> VideoPlan:
         """The frames to keep and their target size, from the metadata alone; MediaError (or the
@@ -187,7 +188,7 @@ class VideoResolver(ItemPipeline):
         frame count or pixel budget goes beyond."""
         media_io = dict(media_io_kwargs or {})
         if set(media_io) - {"video"}:
-            raise ValueError('media_io_kwargs takes only the key "video"')
+            raise ClientError('media_io_kwargs takes only the key "video"')
         request = {k: v for k, v in (mm_kwargs or {}).items() if k in REQUEST_KEYS}
         opts = resolve(self.base, media_io.get("video"), request)
         for key in ("num_frames", "min_frames"):  # either may become the sampled count
@@ -222,14 +223,14 @@ def group_items(processor: VideoItemProcessor, token_ids: list[int],
         for g, mm_hash in enumerate(hashes):
             run = positions[taken:taken + per_group]
             if len(run) != per_group or run[-1] - run[0] + 1 != per_group:
-                raise ValueError(f"the placeholder tokens of video {video_index} are not where its groups need them")
+                raise ClientError(f"the placeholder tokens of video {video_index} are not where its groups need them")
             taken += per_group
             data = video.group(g)
             place = processor.position_key(data, (g, video.second_per_grid_ts))
             items.append(MultiModalItem("video", mm_hash, data, PlaceholderRange(run[0], per_group),
                                         position_key=place))
     if taken != len(positions):
-        raise ValueError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
+        raise ClientError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
     return items
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve.errors import ClientError
 from mmserve.multimodal.video import VideoMetadata
 
 KEYS = ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "do_sample_frames")
@@ -45,15 +46,15 @@ class VideoOptions:
         for key in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
             value = getattr(self, key)
             if value is not None and (type(value) is not int or not 0 < value <= _MAX_INT):
-                raise ValueError(f"video option {key} must be an integer in [1, {_MAX_INT}]; got {value!r:.40}")
+                raise ClientError(f"video option {key} must be an integer in [1, {_MAX_INT}]; got {value!r:.40}")
         if self.fps is not None and (type(self.fps) not in (int, float) or not 0 < self.fps <= 1000):
-            raise ValueError(f"video option fps must be a number in (0, 1000]; got {self.fps!r:.40}")
+            raise ClientError(f"video option fps must be a number in (0, 1000]; got {self.fps!r:.40}")
         if type(self.do_sample_frames) is not bool:
-            raise ValueError("video option do_sample_frames must be true or false")
+            raise ClientError("video option do_sample_frames must be true or false")
         if self.min_frames > self.max_frames:
-            raise ValueError(f"video option min_frames ({self.min_frames}) exceeds max_frames ({self.max_frames})")
+            raise ClientError(f"video option min_frames ({self.min_frames}) exceeds max_frames ({self.max_frames})")
         if self.min_pixels > self.max_pixels:
-            raise ValueError(f"video option min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+            raise ClientError(f"video option min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,17 +81,17 @@ def resolve(base: VideoOptions, *overrides: dict[str, Any] | None) -> VideoOptio
         if not override:
             continue
         if not isinstance(override, dict):
-            raise ValueError("video options must be an object")
+            raise ClientError("video options must be an object")
         unknown = sorted(set(override) - set(KEYS))
         if unknown:
-            raise ValueError(f"unknown video option(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
+            raise ClientError(f"unknown video option(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
         if "num_frames" in override and "fps" not in override:
             fields["fps"] = None
         if "fps" in override and "num_frames" not in override:
             fields["num_frames"] = None
         fields.update(override)
     if fields["fps"] is not None and fields["num_frames"] is not None:
-        raise ValueError("video options fps and num_frames are exclusive: give one")
+        raise ClientError("video options fps and num_frames are exclusive: give one")
     return VideoOptions(**fields)
 
 
@@ -124,15 +125,15 @@ def _sample_qwen2(meta: VideoMetadata, opts: VideoOptions, temporal_patch: int) 
         num_frames = round(num_frames / temporal_patch) * temporal_patch
     elif opts.fps is not None:
         if meta.fps is None:
-            raise ValueError("sampling by fps needs the video's frame rate; give num_frames instead")
+            raise ClientError("sampling by fps needs the video's frame rate; give num_frames instead")
         max_frames = math.floor(min(opts.max_frames, total) / temporal_patch) * temporal_patch
         count = min(max(total / meta.fps * opts.fps, opts.min_frames), max_frames, total)
         num_frames = math.floor(count / temporal_patch) * temporal_patch
     if num_frames is None:
         return np.arange(total)
     if num_frames > total:
-        raise ValueError(f"the video has {total} frames, fewer than the {num_frames} to sample; lower num_frames "
+        raise ClientError(f"the video has {total} frames, fewer than the {num_frames} to sample; lower num_frames "
                          "or fps")
     if num_frames <= 0:
-        raise ValueError(f"the video has {total} frame(s): too few to sample for this model")
+        raise ClientError(f"the video has {total} frame(s): too few to sample for this model")
     return torch.arange(0, total, total / num_frames).int().numpy().astype(np.int64)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmserve.errors import ClientError
 from mmserve.multimodal.video_options import VideoOptions
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -100,7 +101,7 @@ class QwenVideoProcessor:
                 total_frames: int, opts: VideoOptions) -> ProcessedVideo:
         """frames: [T, H, W, 3] uint8 RGB, the sampled frames at source `indices`."""
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
-            raise ValueError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
+            raise ClientError(f"video frames must be a non-empty T x H x W x 3 uint8 array; got {frames.dtype} "
                              f"{tuple(frames.shape)}")
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W]
         height, width = self.target_size(len(frames), video.shape[-2], video.shape[-1], opts)

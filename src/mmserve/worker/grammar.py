@@ -5,10 +5,12 @@ SGLang's default backend), a compiled grammar is a reusable object keyed by its 
 per-step mask costs microseconds per request on CPU; llguidance would do as well, but it has no
 compact-separator switch for JSON schemas and would add a Lark front end we do not need.
 
-`GrammarCache` compiles each distinct `StructuredOutputsParams.key` once (LRU of
-`max_entries` compiled grammars; the compiler is built on first use, so a runner whose
-requests never ask pays nothing). Each request gets its own `GrammarMatcher` over the shared
-compiled grammar: its state is the request's alone and dies with it. With tensor parallelism
+`GrammarCache` compiles each distinct `StructuredOutputsParams.key` once (LRU bounded by
+`max_entries` compiled grammars and by `max_bytes` of their memory; the compiler is built on first
+use, so a runner whose requests never ask pays nothing). The engine compiles off the step
+(`engine/grammar_gate.py`: `prepare` in its compile thread; `ready` says whether a matcher would
+compile). Each request gets its own `GrammarMatcher` over the shared compiled grammar: its state
+is the request's alone and dies with it. With tensor parallelism
 every rank compiles and advances the same matchers (every rank samples the same tokens).
 
 Tokens whose text holds a raw control character (U+0000..U+001F) are masked for every structured
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -48,34 +51,60 @@ array3 ::= "[" (scalar ("," scalar){0,15})? "]"
 '''
 
 
-class GrammarCache:
-    """Compiled grammars by key, least recently used dropped past `max_entries`."""
+DEFAULT_CACHE_BYTES = 512 << 20
 
-    def __init__(self, model_dir: str, vocab_size: int, max_entries: int = 256) -> None:
+
+class GrammarCache:
+    """Compiled grammars by key, least recently used dropped past `max_entries` or `max_bytes`."""
+
+    def __init__(self, model_dir: str, vocab_size: int, max_entries: int = 256,
+                 max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # the cached grammars' memory
         self._compiler: Any = None
         self.control_tokens: torch.Tensor | None = None  # [C] int64, set with the compiler
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self.num_compiles = 0  # grammars compiled since start (tests)
+        self._lock = threading.Lock()  # the engine's compile thread and the step share the cache
 
     def matcher(self, spec: StructuredOutputsParams, eos_token_id: int | None):
         """A fresh matcher for one request (compiling its grammar on the first sight of its key);
         the grammar ends on `eos_token_id` (the model's, the same for every request)."""
         import xgrammar as xgr
 
-        compiled = self._compiled.get(spec.key)
-        if compiled is None:
-            compiled = self._compile(spec, eos_token_id)
-            self._compiled[spec.key] = compiled
-            if len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(spec.key)
-        return xgr.GrammarMatcher(compiled)
+        return xgr.GrammarMatcher(self._get(spec, eos_token_id))
 
-    def _compile(self, spec: StructuredOutputsParams, eos_token_id: int | None):
-        compiler = self._get_compiler(eos_token_id)
+    def ready(self, spec: StructuredOutputsParams) -> bool:
+        """Whether `spec`'s grammar is compiled (a matcher for it costs no compile)."""
+        with self._lock:
+            return spec.key in self._compiled
+
+    def prepare(self, spec: StructuredOutputsParams, eos_token_id: int | None) -> None:
+        """Compile `spec`'s grammar into the cache (the engine's compile thread calls this)."""
+        self._get(spec, eos_token_id)
+
+    def _get(self, spec: StructuredOutputsParams, eos_token_id: int | None) -> Any:
+        with self._lock:
+            compiled = self._compiled.get(spec.key)
+            if compiled is not None:
+                self._compiled.move_to_end(spec.key)
+                return compiled
+            compiler = self._get_compiler(eos_token_id)
+        compiled = self._compile(compiler, spec)  # outside the lock: a step's matchers need not wait
+        with self._lock:
+            if spec.key not in self._compiled:
+                self._compiled[spec.key] = compiled
+                self.num_bytes += compiled.memory_size_bytes
+            while len(self._compiled) > 1 and (len(self._compiled) > self.max_entries
+                                               or self.num_bytes > self.max_bytes):
+                _, dropped = self._compiled.popitem(last=False)
+                self.num_bytes -= dropped.memory_size_bytes
+        return compiled
+
+    def _compile(self, compiler: Any, spec: StructuredOutputsParams) -> Any:
         self.num_compiles += 1
         if spec.json_object:
             return compiler.compile_grammar(JSON_OBJECT_EBNF)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import torch
 
+from mmserve.errors import RequestFault
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
@@ -173,7 +174,10 @@ class ModelRunner:
         if self.fault is not None and new.num_computed_tokens and len(new.token_ids) == num_prompt:
             self.fault.on_prefix_hit(self.kv_caches, new.block_ids[0])
         if params.structured_outputs is not None:
-            state.grammar = self.grammars.matcher(params.structured_outputs, new.eos_token_id)
+            try:  # the request's own work: a failure here is the request's, not the engine's
+                state.grammar = self.grammars.matcher(params.structured_outputs, new.eos_token_id)
+            except Exception as exc:
+                raise RequestFault(new.request_id, exc) from exc
             for token in state.output_token_ids:  # resumed after preemption: replay its outputs
                 state.grammar.accept_token(token)
         return state
@@ -197,8 +201,11 @@ class ModelRunner:
         datas = [_data(item, self.device) for item in keyed.values()]
         features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
         for (key, item), feats in zip(keyed.items(), features):
-            if feats.shape[0] != item.placeholder.length:
-                raise ValueError(f"image gives {feats.shape[0]} embeddings for {item.placeholder.length} placeholders")
+            if feats.shape[0] != item.placeholder.length:  # the request's item is at fault, not the engine
+                owner = next(rid for rid, idxs in scheduled.items() if any(
+                    self.requests[rid].mm_items[i].mm_hash == key for i in idxs))
+                raise RequestFault(owner, ValueError(f"image gives {feats.shape[0]} embeddings for "
+                                                     f"{item.placeholder.length} placeholders"))
             self.encoder_outputs[key] = feats
         self.num_encoded_items += len(keyed)
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mmserve.config import EngineConfig, engine_args_from_cli
 from mmserve.deployment_defaults import family_tool_parser
+from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
@@ -72,13 +73,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     mm = engine.config.multimodal
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
+    install_error_handlers(app)  # its catch-all middleware around the body limit, inside the access log
     app.add_middleware(AccessLogMiddleware)  # outermost: it sees the 413s too
     app.state.engine = engine
     parallel = engine.config.parallel
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
-    install_error_handlers(app)
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
     responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
@@ -222,7 +223,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
                         int(server_config.responses_store_mb * (1 << 20)))
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                http=read_timeout_protocol(server_config.request_read_timeout_s))
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
         server = uvicorn.Server(config)
         freeze_startup_heap()  # a full collection would stall the event loop: every stream, every admission

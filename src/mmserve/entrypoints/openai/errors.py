@@ -1,12 +1,14 @@
 """Errors as OpenAI error bodies: `{"error": {"message", "type", "code", "param"}}`.
 
-Client faults are 4xx with a message meant for the client; anything unexpected is a 500 whose
-body says only that (the traceback goes to the server log, never into a response).
+Client faults (`mmserve.errors.ClientError` and its family, pydantic's validation errors) are 4xx
+with a message meant for the client; anything else, a plain `ValueError` included, is a 500 whose
+body says only that and names an error id, logged once with the traceback under the same id.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,13 +18,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mmserve.entrypoints.openai.protocol import UNION_TAG, ErrorInfo, ErrorResponse, ParameterError
+from mmserve.entrypoints.openai.protocol import UNION_TAG, ErrorInfo, ErrorResponse
+from mmserve.errors import ClientError, EngineRequestError
 from mmserve.frontend.core_client import EngineDeadError
-from mmserve.multimodal.media import MediaError
 
 logger = logging.getLogger(__name__)
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
@@ -57,16 +62,21 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return _validation_error(exc.errors())
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {exc}", code="engine_dead")
-    if isinstance(exc, ParameterError):
-        return OpenAIError(400, str(exc), code=exc.code, param=exc.param)
-    if isinstance(exc, MediaError):
-        return OpenAIError(400, str(exc), code="invalid_media")
-    if isinstance(exc, ValueError):
-        return OpenAIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, ClientError):
+        return OpenAIError(exc.status, str(exc), code=exc.code, param=exc.param)
     if isinstance(exc, StarletteHTTPException):
         return OpenAIError(exc.status_code, str(exc.detail))
-    logger.error("internal error while serving a request", exc_info=exc)
-    return OpenAIError(500, "internal server error (details are in the server log)", code="internal_error")
+    if isinstance(exc, ClientDisconnect):
+        logger.info("the client closed the connection before its request was read in full")
+        return OpenAIError(CLIENT_CLOSED_REQUEST, "client closed request", code="client_closed_request")
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    if isinstance(exc, EngineRequestError):  # the engine's own words on a request it failed
+        logger.error("request failed in the engine (%s): %s", error_id, exc)
+        return OpenAIError(500, f"{exc} ({error_id})", code="engine_error")
+    logger.error("internal error %s while serving a request: %s: %s", error_id, type(exc).__name__, exc,
+                 exc_info=exc if not isinstance(exc, RecursionError) else None)
+    return OpenAIError(500, f"internal server error {error_id} (details are in the server log)",
+                       code="internal_error")
 
 
 def _validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
@@ -110,5 +120,32 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error the app raises an OpenAI error body with the right status."""
     for exc_class in (OpenAIError, RequestValidationError, ValidationError, StarletteHTTPException,
-                      EngineDeadError, ValueError, Exception):
+                      EngineDeadError, ClientError):
         app.add_exception_handler(exc_class, _handle)
+    app.add_middleware(CatchAllMiddleware)
+
+
+class CatchAllMiddleware:
+    """Any other exception becomes its OpenAI error response here (a 500 logged in one line),
+    before Starlette's outermost handler would log it again and re-raise it to the server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            error = to_openai_error(exc)
+            if not started:
+                await error.to_response()(scope, receive, send)

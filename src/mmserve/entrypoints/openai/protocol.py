@@ -13,17 +13,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
 from mmserve.sampling_params import SamplingParams
 
 
-class ParameterError(ValueError):
+class ParameterError(ClientError):
     """A request parameter mmserve refuses (a 400 whose body names `param`)."""
 
     def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+        super().__init__(message, param=param, code=code)
 
 
 # Union members are picked by a discriminator, so a bad value gets one error naming one member.
@@ -75,7 +74,7 @@ class ImageURLPart(BaseModel):
     @model_validator(mode="after")
     def _url_or_uuid(self) -> ImageURLPart:
         if (self.image_url is None or not self.image_url.url) and not self.uuid:
-            raise ValueError("an image_url part needs image_url.url (or a uuid naming an image sent before)")
+            raise ClientError("an image_url part needs image_url.url (or a uuid naming an image sent before)")
         return self
 
 
@@ -90,7 +89,7 @@ class VideoURLPart(BaseModel):
     @model_validator(mode="after")
     def _url_or_uuid(self) -> VideoURLPart:
         if (self.video_url is None or not self.video_url.url) and not self.uuid:
-            raise ValueError("a video_url part needs video_url.url (or a uuid naming a video sent before)")
+            raise ClientError("a video_url part needs video_url.url (or a uuid naming a video sent before)")
         return self
 
 
@@ -157,7 +156,7 @@ class ChatCompletionRequest(SamplingExtras):
             return value
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-        raise ValueError("stop must be a string or a list of strings")
+        raise ClientError("stop must be a string or a list of strings")
 
     def check_supported(self) -> None:
         """Raise `ParameterError` naming the first parameter mmserve cannot honour."""

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.protocol import ParameterError, StreamOptions, UsageInfo
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
 from mmserve.sampling_params import MAX_N, SamplingParams
@@ -45,7 +46,7 @@ class CompletionRequest(SamplingExtras):
     @classmethod
     def _some_prompts(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and not 1 <= len(value) <= MAX_N:
-            raise ValueError(f"prompt must be a string or a list of 1 to {MAX_N} strings")
+            raise ClientError(f"prompt must be a string or a list of 1 to {MAX_N} strings")
         return value
 
     @property

@@ -39,6 +39,9 @@ class ServerConfig:
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
+    request_read_timeout_s: float = field(default=30.0, metadata={
+        "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
+                "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +57,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_mb must be positive; got {self.max_request_body_mb}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.request_read_timeout_s <= 0:
+            raise ValueError(f"request_read_timeout_s must be positive; got {self.request_read_timeout_s}")
         if self.responses_store_mb < 0:
             raise ValueError(f"responses_store_mb must not be negative; got {self.responses_store_mb}")
         if self.api_key == "":
@@ -80,7 +85,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         if f.name == "port":
             kw["type"] = int
-        if f.name in ("max_request_body_mb", "responses_store_mb"):
+        if f.name in ("max_request_body_mb", "responses_store_mb", "request_read_timeout_s"):
             kw["type"] = float
         if f.metadata.get("action"):
             kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}

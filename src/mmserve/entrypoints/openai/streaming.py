@@ -14,8 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from mmserve.entrypoints.openai.choices import ChoiceStream
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
+from mmserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST
 
 
 class SSEResponse(StreamingResponse):

@@ -143,7 +143,8 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | 
                                  "format, and this model family has none known: start the server with "
                                  "--tool-call-parser NAME, or name a function, or use \"required\" or \"none\"")
         return ToolMode("auto", tools, parser=tool_parser(auto_parser), parallel=parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
         raise ParameterError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
                              '{"type": "function", "function": {"name": ...}}')

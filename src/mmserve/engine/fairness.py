@@ -1,0 +1,64 @@
+"""Fair shares of the running slots: who goes next, and who gives a slot back (pure functions).
+
+A request's completions (n > 1 siblings) count together, by `client_id`, and so do the prompts of
+one completions batch (the endpoint names them `cmpl-…-{p}`: `group_of`). A request's share is
+`max_num_seqs` divided by the number of requests running or waiting (at least 1). While a request
+within its share waits, the next admitted is the first waiting request within its share, and with
+every slot taken, completions of requests over their share are preempted (the last admitted
+first) until it has a slot. Released siblings queue behind the requests that arrived before them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Sequence
+
+from mmserve.engine.request import Request
+
+
+_BATCH = re.compile(r"(cmpl-[0-9a-f]+)-\d+")  # serving_completions.py: a batch's prompt p is `{id}-{p}`
+
+
+def group_of(request: Request) -> str:
+    """What shares one fair share: the client's request (its siblings), or its completions batch."""
+    match = _BATCH.fullmatch(request.client_id)
+    return match.group(1) if match else request.client_id
+
+
+def shares(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> tuple[dict[str, int], int]:
+    """Running slots per request (siblings and batch prompts together), and each one's fair share."""
+    held: dict[str, int] = {}
+    for r in running:
+        held[group_of(r)] = held.get(group_of(r), 0) + 1
+    groups = set(held) | {group_of(r) for r in waiting}
+    return held, max(1, max_num_seqs // max(1, len(groups)))
+
+
+def next_fair(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> int:
+    """The index in `waiting` of the first request within its share (0 when the head is, or none is)."""
+    held, share = shares(running, waiting, max_num_seqs)
+    return next((i for i, r in enumerate(waiting) if held.get(group_of(r), 0) < share), 0)
+
+
+def over_share(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> list[Request]:
+    """The running completions to preempt so that a waiting request within its share gets a slot
+    (none unless every slot is taken and such a request waits); the last admitted first."""
+    if len(running) < max_num_seqs:
+        return []
+    held, share = shares(running, waiting, max_num_seqs)
+    if not any(held.get(group_of(r), 0) < share for r in waiting if not r.shadow):
+        return []
+    for victim in reversed(running):
+        if held[group_of(victim)] > share and not victim.shadow:
+            return [victim]  # one slot: the waiting request takes it
+    return []
+
+
+def insert_in_order(waiting: deque[Request], siblings: Sequence[Request]) -> None:
+    """Queue `siblings` behind the waiting requests that arrived (`order`) before theirs."""
+    if not siblings:
+        return
+    index = next((i for i, r in enumerate(waiting) if r.order > siblings[0].order), len(waiting))
+    for sibling in reversed(siblings):
+        waiting.insert(index, sibling)
