@@ -91,7 +91,7 @@ class RequestFlights:
             served[1] += len(result.prompt_token_ids or [])
             served[2] += sum(len(c.token_ids) for c in result.outputs)
 
-    def pin(self, request_id: str) -> None:
+    def stay(self, request_id: str) -> None:
         """The request can no longer start over (failed or aborted)."""
         if (flight := self._flights.get(request_id)) is not None:
             flight.request = None
