@@ -6,7 +6,7 @@ every step that changes shared state registers how to take itself back in one `U
 exception runs them all in reverse, so nothing of the request stays; after the send nothing is
 undone here: P1 owns the request, and an abort goes through P1. A request resolves in a worker
 thread while others are in flight (the event loop keeps serving them); alone, on the event loop
-(the two thread hand-offs would cost ~0.5 ms of its TTFT, and there is nothing to keep serving),
+(the two thread hand-offs would add to its TTFT, and there is nothing to keep serving),
 unless it has a video (decoding one takes up to seconds: /health must still answer).
 """
 

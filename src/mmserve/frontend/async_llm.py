@@ -31,7 +31,7 @@ from mmserve.frontend.cache_verifier import CacheVerifier
 from mmserve.frontend.chat import check_tools, parse_chat_messages
 from mmserve.frontend.coordinator import RemoteRouter
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
-from mmserve.frontend.dp_router import DPRouter
+from mmserve.frontend.dp_router import DPRouter, Router
 from mmserve.frontend.engine_ranks import EngineRanks
 from mmserve.frontend.failover import RankFailover
 from mmserve.frontend.figures import EngineFigures, SharedFigures
@@ -81,7 +81,7 @@ class AsyncLLM:
         for rank in range(len(self.ranks)):  # a rank on another node cannot map this node's store
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         self.max_model_len = self.ranks.client(0).max_model_len
-        router: DPRouter | RemoteRouter | None = None
+        router: Router | None = None
         if len(self.ranks) > 1:
             router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
                 else DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))])

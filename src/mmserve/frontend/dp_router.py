@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHash, BlockHasher
@@ -88,6 +89,24 @@ class Route:
     rank: int
     reason: str
     block_hashes: list[BlockHash]
+
+
+class Router(Protocol):
+    """The one routing interface: `DPRouter` in this process, or `coordinator.py: RemoteRouter`
+    asking the launcher's coordinator (in-process or remote is a transport detail)."""
+
+    @property
+    def decisions(self) -> Counter[str]: ...
+
+    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route: ...
+
+    def on_sent(self, route: Route, request: EngineCoreRequest) -> None: ...
+
+    def on_finished(self, rank: int) -> None: ...
+
+    def set_load(self, rank: int, running_and_waiting: int, kv_usage: float) -> None: ...
+
+    def forget(self, rank: int) -> None: ...
 
 
 class DPRouter:

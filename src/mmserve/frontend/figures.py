@@ -3,10 +3,10 @@ P0's own cache layers merged in, per rank and summed.
 
 With several API servers (`--api-server-count`) each keeps its own processor cache, IPC senders
 and counts of what each rank served for it; one /metrics must answer for all of them. So every
-server writes its own figures to a file in the launcher's metrics directory (`SharedFigures`,
-~0.4 ms a write on this machine's disk: at most every `SHARE_EVERY_S`, and only after one of its
-requests ended) and sums every other server's last file into its own, so a figure reaches the
-other servers' /metrics within `SHARE_EVERY_S`. The engine cores' figures need no sharing: every rank sends its stats
+server writes its own figures to a file in the launcher's metrics directory (`SharedFigures`:
+at most every `SHARE_EVERY_S`, and only after one of its requests ended) and sums every other
+server's last file into its own, so a figure reaches the other servers' /metrics within
+`SHARE_EVERY_S`. The engine cores' figures need no sharing: every rank sends its stats
 to every server.
 """
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.coordinator import RemoteRouter
-from mmserve.frontend.dp_router import DPRouter
+from mmserve.frontend.dp_router import Router
 from mmserve.frontend.core_client import EngineDeadError
 from mmserve.frontend.engine_ranks import EngineRanks
 from mmserve.frontend.item_transport import ItemTransport
@@ -39,7 +38,7 @@ class Flight:
 
 
 class RequestFlights:
-    def __init__(self, ranks: EngineRanks, router: DPRouter | RemoteRouter | None, transport: ItemTransport) -> None:
+    def __init__(self, ranks: EngineRanks, router: Router | None, transport: ItemTransport) -> None:
         self.ranks = ranks
         self.router = router
         self.transport = transport

@@ -14,7 +14,7 @@ workers (Ray sets CUDA_VISIBLE_DEVICES only for the actor's own GPUs; with tp ==
 
 Liveness: a Ray actor is fate-shared with its owner, so P1 skips the parent-pid check under Ray
 (its parent is not P0); the driver watches the actor's `serve` ObjectRef (a local
-`ray.wait`, ~0.1 ms), which fails with `RayActorError` once the actor dies however it died.
+`ray.wait`), which fails with `RayActorError` once the actor dies however it died.
 """
 
 from __future__ import annotations

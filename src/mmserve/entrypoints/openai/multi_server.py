@@ -37,7 +37,7 @@ from multiprocessing.synchronize import Event
 from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import with_item_transport
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
-from mmserve.gc_tuning import freeze_startup_heap, pause_collection
+from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.attached_engine import Attachment, engine_addresses
 from mmserve.frontend.coordinator import Coordinator
@@ -46,7 +46,7 @@ from mmserve.ipc.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.ipc.shm_store import ShmStore
 from mmserve.models.builtin import resolve_model
-from mmserve.proc_title import set_process_title
+from mmserve.serving_process import ServingProcess
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ SERVER_STOP_S = 10.0  # how long an API server may take to stop after SIGTERM be
 
 def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     configure_logging(server_config.log_level)
-    set_process_title("launcher")
+    process = ServingProcess("launcher", retain_freed=False)
     engine_config = with_item_transport(engine_config)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
-    launcher = Launcher(server_config, engine_config)
+    launcher = Launcher(server_config, engine_config, process)
     try:
         return launcher.run()
     except KeyboardInterrupt:
@@ -83,8 +83,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class Launcher:
-    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
+                 process: ServingProcess | None = None) -> None:
         self.server_config = server_config
+        self.process = process
         self.config = engine_config
         self.servers: list[BaseProcess] = []
         self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
@@ -125,7 +127,8 @@ class Launcher:
         host, port = self.sock.getsockname()[:2]
         print(f"mmserve: serving {config.model.model} on http://{host}:{port} "
               f"({parallel.api_server_count} API servers)", flush=True)
-        freeze_startup_heap()  # the coordinator's thread routes every request
+        if self.process is not None:
+            self.process.serve()  # the coordinator's thread routes every request
         while (code := self._check(model_dir)) is None:
             time.sleep(SUPERVISE_POLL_S)
         return code
@@ -188,7 +191,7 @@ class Launcher:
 
 def _api_server_main(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment,
                      sock: socket.socket, ready: Event) -> None:
-    pause_collection()  # until it serves (`serve_api_server`: freeze_startup_heap)
+    pause_collection()  # until it serves (`serve_api_server`: ServingProcess.serve)
     code = serve_api_server(server_config, engine_config, attachment, sock, ready.set)
     if code:
         raise SystemExit(code)
