@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.coordinator import Coordinator, RemoteRouter
+from mmserve.frontend.coordinator import Coordinator
+from mmserve.frontend.remote_router import RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.launcher_messages import RankStats
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats

@@ -29,7 +29,7 @@ from mmserve.frontend.admission import Admission
 from mmserve.frontend.attached_engine import Attachment
 from mmserve.frontend.cache_verifier import CacheVerifier
 from mmserve.frontend.chat import check_tools, parse_chat_messages
-from mmserve.frontend.coordinator import RemoteRouter
+from mmserve.frontend.remote_router import RemoteRouter
 from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.dp_router import DPRouter, Router
 from mmserve.frontend.engine_ranks import EngineRanks
