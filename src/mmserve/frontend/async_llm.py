@@ -148,7 +148,7 @@ class AsyncLLM:
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
-        start over on another rank until then; `data_parallel_rank` pins it to one rank. While no
+        start over on another rank until then; `data_parallel_rank` forces one rank. While no
         rank serves and one restarts, the request waits for it (`wait_for_live_rank`). `shadow`: the
         cache verifier's re-run, past every cache (`cache_verifier.py`).
         """

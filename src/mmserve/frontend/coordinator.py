@@ -98,7 +98,7 @@ class Coordinator:
             used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
             router.set_load(msg.rank, stats.num_running + stats.num_waiting, used)
         elif isinstance(msg, RouteAsk):
-            route = router.route(msg.request, msg.live, msg.pin)
+            route = router.route(msg.request, msg.live, msg.forced)
             self._pending[msg.request.request_id] = (route, msg.request)
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)

@@ -98,7 +98,7 @@ class Router(Protocol):
     @property
     def decisions(self) -> Counter[str]: ...
 
-    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route: ...
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route: ...
 
     def on_sent(self, route: Route, request: EngineCoreRequest) -> None: ...
 
@@ -122,12 +122,12 @@ class DPRouter:
         self.ranks = [_RankView(blocks, encoder) for blocks in kv_blocks]
         self.decisions: Counter[str] = Counter({reason: 0 for reason in REASONS})
 
-    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route:
-        """The rank for `request` among `live` ones (non-empty); `pin` forces one (it must be live)."""
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route:
+        """The rank for `request` among `live` ones (non-empty); `forced` is one it must take (live)."""
         hashes = self.hasher.new_block_hashes(request.prompt_token_ids, request.mm_items, request.cache_salt, []) \
             if self.cache_aware else []
-        if pin is not None:
-            return self._decide(pin, "pinned", hashes)
+        if forced is not None:
+            return self._decide(forced, "pinned", hashes)  # "pinned": the /metrics label
         views = {r: self.ranks[r] for r in live}
         least = min(views[r].load() for r in live)
         allowed = [r for r in live if views[r].load() <= least + self.slack + least // 2]

@@ -54,7 +54,7 @@ class RequestFlights:
     def ids(self) -> list[str]:
         return sorted(self._flights)
 
-    def send(self, request_id: str, flight: Flight, undo: UndoLog, pin: int | None = None) -> None:
+    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None) -> None:
         """Route and send `flight.request`; registered at once (undone with `undo`)."""
         request = flight.request
         assert request is not None
@@ -63,7 +63,7 @@ class RequestFlights:
         live = self.ranks.live()
         if not live:
             raise EngineDeadError("no engine rank is serving")
-        route = self.router.route(request, live, pin) if self.router is not None else None
+        route = self.router.route(request, live, forced) if self.router is not None else None
         flight.rank = route.rank if route is not None else 0
         self._put(flight, request, undo, resend=False)
         if route is not None and self.router is not None:

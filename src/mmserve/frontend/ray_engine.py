@@ -95,7 +95,7 @@ class RayEngineProcess:
 
     The constructor joins Ray and reserves the placement group (RuntimeError if it is not placed
     within `timeout_s`), so `is_local` (same Ray node as this driver) is known before `start`.
-    `resources`: extra resources for the engine core's bundle (e.g. `{"node_b": 1}` to pin it).
+    `resources`: extra resources for the engine core's bundle (e.g. `{"node_b": 1}` to place it).
     """
 
     def __init__(self, config: EngineConfig, timeout_s: float, resources: Mapping[str, float] | None = None) -> None:

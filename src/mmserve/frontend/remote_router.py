@@ -35,11 +35,11 @@ class RemoteRouter:
         self._decoder = MsgpackDecoder(RouteAnswer)
         self._asked = 0
 
-    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route:
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route:
         """One round trip; RuntimeError if the coordinator does not answer within `_ANSWER_TIMEOUT_S`."""
         bare = msgspec.structs.replace(request, mm_items=[msgspec.structs.replace(item, data=None, shm_handle=None)
                                                           for item in request.mm_items])
-        answer = self._ask(RouteAsk(bare, list(live), pin), request.request_id)
+        answer = self._ask(RouteAsk(bare, list(live), forced), request.request_id)
         return Route(answer.rank, answer.reason, [])
 
     @property

@@ -25,7 +25,7 @@ class RouteAsk(msgspec.Struct, tag="route"):
 
     request: EngineCoreRequest
     live: list[int]
-    pin: int | None = None
+    forced: int | None = None  # the rank the request must take (X-Data-Parallel-Rank)
 
 
 class RouteSent(msgspec.Struct, tag="sent"):
