@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.openai.api_server import build_app
-from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.ipc.messages import CacheStats, SchedulerStats
 from mmserve.multimodal.media import MediaError
 from mmserve.outputs import CompletionOutput, RequestOutput

@@ -12,7 +12,7 @@ import zmq
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.coordinator import Coordinator
-from mmserve.frontend.remote_router import RemoteRouter
+from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.launcher_messages import RankStats
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats

@@ -25,22 +25,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.admission import Admission
-from mmserve.frontend.attached_engine import Attachment
+from mmserve.frontend.request.admission import Admission
+from mmserve.frontend.engine_client.attached_engine import Attachment
 from mmserve.frontend.cache_verifier import CacheVerifier
-from mmserve.frontend.chat import check_tools, parse_chat_messages
-from mmserve.frontend.remote_router import RemoteRouter
-from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
-from mmserve.frontend.dp_router import DPRouter, Router
-from mmserve.frontend.engine_ranks import EngineRanks
-from mmserve.frontend.failover import RankFailover
+from mmserve.frontend.request.chat import check_tools, parse_chat_messages
+from mmserve.frontend.dp.remote_router import RemoteRouter
+from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
+from mmserve.frontend.dp.dp_router import DPRouter, Router
+from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.frontend.engine_client.failover import RankFailover
 from mmserve.frontend.figures import EngineFigures, SharedFigures
-from mmserve.frontend.flights import RequestFlights
+from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.open_requests import OpenRequests
+from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.models.hf_config import eos_token_id
-from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import VerifyFigures, log_stats_periodically
 from mmserve.rank_metrics import DataParallelFigures

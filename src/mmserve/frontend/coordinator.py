@@ -27,7 +27,7 @@ from collections import OrderedDict
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.dp_router import DPRouter, Route
+from mmserve.frontend.dp.dp_router import DPRouter, Route
 from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, RouteAnswer, RouteAsk,
                                            RouteLanded, RouteSent)
 from mmserve.ipc.messages import EngineCoreRequest

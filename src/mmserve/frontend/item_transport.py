@@ -28,8 +28,8 @@ import msgspec
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
-from mmserve.frontend.attached_engine import Attachment
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.engine_client.attached_engine import Attachment
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.ipc.node_store import NodeStoreClient

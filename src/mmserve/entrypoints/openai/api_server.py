@@ -47,7 +47,7 @@ from mmserve.lazy_imports import keep_triton_out
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
-    from mmserve.frontend.attached_engine import Attachment
+    from mmserve.frontend.engine_client.attached_engine import Attachment
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmserve.entrypoints.openai.protocol import UNION_TAG, ErrorInfo, ErrorResponse, ParameterError
-from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.multimodal.media import MediaError
 
 logger = logging.getLogger(__name__)

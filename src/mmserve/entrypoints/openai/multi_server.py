@@ -39,9 +39,9 @@ from mmserve.deployment_defaults import with_item_transport
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
 from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
-from mmserve.frontend.attached_engine import Attachment, engine_addresses
+from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
 from mmserve.frontend.coordinator import Coordinator
-from mmserve.frontend.engine_process import LocalEngineProcess
+from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
 from mmserve.ipc.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.ipc.shm_store import ShmStore

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from mmserve.frontend.ray_session import join_ray, leave_ray  # first: names the extra without Ray
+from mmserve.frontend.engine_client.ray_session import join_ray, leave_ray  # first: names the extra without Ray
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import run_engine_core
-from mmserve.frontend.engine_process import TERM_GRACE_S
+from mmserve.frontend.engine_client.engine_process import TERM_GRACE_S
 from mmserve.ipc.lifecycle import describe_exit, is_running
 
 logger = logging.getLogger(__name__)

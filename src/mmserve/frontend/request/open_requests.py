@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mmserve.frontend.core_client import EngineDeadError
-from mmserve.frontend.flights import RequestFlights
-from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.dp.flights import RequestFlights
+from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

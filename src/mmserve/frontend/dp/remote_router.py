@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from mmserve.frontend.dp_router import Route
+from mmserve.frontend.dp.dp_router import Route
 from mmserve.ipc.launcher_messages import DecisionsAsk, RouteAnswer, RouteAsk, RouteLanded, RouteSent
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder

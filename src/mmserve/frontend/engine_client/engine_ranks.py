@@ -22,8 +22,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
-from mmserve.frontend.core_client import EngineCoreClient
+from mmserve.frontend.engine_client.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
+from mmserve.frontend.engine_client.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.models.builtin import resolve_model
 from mmserve.models.hf_config import eos_token_id
 from mmserve.outputs import RequestOutput

@@ -17,12 +17,12 @@ import logging
 from typing import Any
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.failover import RankFailover
-from mmserve.frontend.flights import Flight, RequestFlights
+from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.open_requests import OpenRequests, OutputQueue
-from mmserve.frontend.output_processor import OutputProcessor
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
+from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import SamplingParams
 

@@ -14,14 +14,14 @@ import asyncio
 import logging
 from typing import Any, Callable, Coroutine
 
-from mmserve.frontend.core_client import EngineDeadError
-from mmserve.frontend.engine_ranks import EngineRanks
+from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.figures import EngineFigures
-from mmserve.frontend.flights import RequestFlights
+from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.open_requests import OpenRequests
-from mmserve.frontend.output_processor import OutputProcessor
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.request.open_requests import OpenRequests
+from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.frontend.request.undo import UndoLog
 
 logger = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ def place_engine(config: EngineConfig, timeout_s: float) -> EngineProcess:
     placement group is reserved within `timeout_s` (RuntimeError if the cluster cannot fit it, an
     ImportError naming `pip install mmserve[ray]` without Ray)."""
     if config.parallel.data_parallel_backend == "ray":
-        from mmserve.frontend.ray_engine import RayEngineProcess
+        from mmserve.frontend.engine_client.ray_engine import RayEngineProcess
 
         return RayEngineProcess(config, timeout_s)
     return LocalEngineProcess()

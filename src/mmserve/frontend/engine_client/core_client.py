@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.engine_process import EngineProcess, LocalEngineProcess, place_engine
+from mmserve.frontend.engine_client.engine_process import EngineProcess, LocalEngineProcess, place_engine
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir, tcp_address
