@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.coordinator import Coordinator
+from mmserve.launcher.coordinator import Coordinator
 from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.launcher_messages import RankStats

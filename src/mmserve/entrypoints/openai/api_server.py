@@ -157,7 +157,7 @@ def run_server(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_cli(args)
     engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
     if engine_config.parallel.api_server_count > 1:
-        from mmserve.entrypoints.openai.multi_server import run_launcher
+        from mmserve.launcher.launcher import run_launcher
 
         return run_launcher(server_config, engine_config)
     return serve_api_server(server_config, engine_config)

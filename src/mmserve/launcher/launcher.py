@@ -40,7 +40,7 @@ from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configu
 from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
-from mmserve.frontend.coordinator import Coordinator
+from mmserve.launcher.coordinator import Coordinator
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
 from mmserve.ipc.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
