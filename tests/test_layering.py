@@ -30,7 +30,7 @@ def test_ipc_imports_only_ipc_and_config():
 
 
 def test_the_frontends_request_path_does_not_import_the_engine_core():
-    code = ("import sys, mmserve.frontend.async_llm, mmserve.frontend.item_transport; "
+    code = ("import sys, mmserve.frontend.async_llm, mmserve.transport.item_transport; "
             "print(sorted(m for m in sys.modules if m.startswith(('mmserve.engine.core', 'mmserve.models.llava', "
             "'mmserve.models.qwen_vl'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

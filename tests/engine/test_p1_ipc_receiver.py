@@ -12,7 +12,7 @@ import pytest
 from mm_prompts import generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
-from mmserve.engine.clients import ApiServerChannels
+from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
 from tiny_models import TINY_VISION_CONFIG, make_checkpoint

@@ -11,7 +11,7 @@ import pytest
 from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.undo import UndoLog
 from core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
 from tiny_models import make_checkpoint

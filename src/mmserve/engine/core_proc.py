@@ -37,7 +37,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.engine.clients import ApiServerChannels
+from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
@@ -46,7 +46,7 @@ from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInp
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.multimodal.shm_items import ShmItemReader
+from mmserve.transport.shm_items import ShmItemReader
 
 if TYPE_CHECKING:
     from mmserve.engine.core import EngineCore

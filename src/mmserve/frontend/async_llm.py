@@ -37,7 +37,7 @@ from mmserve.frontend.engine_client.failover import RankFailover
 from mmserve.frontend.figures import EngineFigures, SharedFigures
 from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output.output_processor import OutputProcessor

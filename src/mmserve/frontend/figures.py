@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from mmserve.frontend.dp.flights import RequestFlights
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.messages import CacheStats, SchedulerStats, sum_scheduler_stats, sum_stats
 from mmserve.rank_metrics import DataParallelFigures

@@ -39,7 +39,7 @@ from mmserve.ipc.queues import QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcastReader
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.multimodal.shm_items import ShmItemReader
+from mmserve.transport.shm_items import ShmItemReader
 from mmserve.ipc.shm_segment import unlink_segment
 
 logger = logging.getLogger(__name__)

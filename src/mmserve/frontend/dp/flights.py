@@ -21,7 +21,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.frontend.dp.dp_router import Router
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput

@@ -18,7 +18,7 @@ from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.figures import EngineFigures
 from mmserve.frontend.dp.flights import RequestFlights
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.frontend.request.undo import UndoLog

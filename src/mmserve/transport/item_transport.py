@@ -34,7 +34,7 @@ from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.ipc.node_store import NodeStoreClient
 from mmserve.ipc.shm_store import ShmStore
-from mmserve.multimodal.shm_items import ShmItemWriter
+from mmserve.transport.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 
 
