@@ -42,9 +42,9 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
 from mmserve.launcher.coordinator import Coordinator
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
-from mmserve.ipc.node_store import NodeStoreServer
+from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.item_store.shm_store import ShmStore
 from mmserve.models.builtin import resolve_model
 from mmserve.serving_process import ServingProcess
 

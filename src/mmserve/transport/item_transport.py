@@ -32,8 +32,8 @@ from mmserve.frontend.engine_client.attached_engine import Attachment
 from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.item_store.node_store import NodeStoreClient
+from mmserve.item_store.shm_store import ShmStore
 from mmserve.transport.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 

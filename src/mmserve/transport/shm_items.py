@@ -16,9 +16,9 @@ import msgspec
 
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient
-from mmserve.ipc.shm_store import ShmStore
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader
+from mmserve.item_store.node_store import NodeStoreClient
+from mmserve.item_store.shm_store import ShmStore
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader
 from mmserve.ipc.items import MultiModalItem
 
 

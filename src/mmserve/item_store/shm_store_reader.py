@@ -12,8 +12,8 @@ import warnings
 import torch
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
-from mmserve.ipc.shm_layout import read_tensors
-from mmserve.ipc.shm_ring import ALIGN, ShmRingReader
+from mmserve.item_store.shm_layout import read_tensors
+from mmserve.item_store.shm_ring import ALIGN, ShmRingReader
 
 _SIGNED = struct.Struct("<QQQ")  # offset, chunk id, nbytes; the key's UTF-8 follows
 

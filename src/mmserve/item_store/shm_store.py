@@ -38,9 +38,9 @@ from collections.abc import Mapping
 import torch
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
-from mmserve.ipc.shm_layout import layout, write_payload
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader, sign
-from mmserve.ipc.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing
+from mmserve.item_store.shm_layout import layout, write_payload
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader, sign
+from mmserve.item_store.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing
 
 
 @dataclasses.dataclass

@@ -39,11 +39,11 @@ from mmserve.ipc.items import ShmHandle, ShmStoreInfo
 from mmserve.ipc.launcher_messages import (StoreAnswer, StoreDiscard, StoreFinish, StoreInput, StoreLookup,
                                            StoreReserve, StoreSeal, StoreStatsAsk)
 from mmserve.ipc.queues import ipc_address
-from mmserve.ipc.shm_layout import layout, write_payload
-from mmserve.ipc.shm_ring import HEADER_BYTES
+from mmserve.item_store.shm_layout import layout, write_payload
+from mmserve.item_store.shm_ring import HEADER_BYTES
 from mmserve.ipc.shm_segment import open_segment, unmap_segment
-from mmserve.ipc.shm_store import ShmStore, ShmStoreStats
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader
+from mmserve.item_store.shm_store import ShmStore, ShmStoreStats
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader
 
 logger = logging.getLogger(__name__)
 

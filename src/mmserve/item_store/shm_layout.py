@@ -12,7 +12,7 @@ import msgspec
 import torch
 
 from mmserve.ipc.serial import tensor_bytes, tensor_from_bytes
-from mmserve.ipc.shm_ring import align
+from mmserve.item_store.shm_ring import align
 
 _U32 = struct.Struct("<I")
 _Specs = list[tuple[str, str, list[int], int, int]]  # name, dtype, shape, offset, nbytes
