@@ -2,7 +2,7 @@
 
 `add_request` / `abort_requests` / `step` are the whole interface; it runs in P1
 (`engine/core_proc.py: EngineCoreProc` drives it behind the sockets) or, for the offline
-single-rank `LLM`, in the caller's process (`frontend/llm_engine.py: LLMEngine`).
+single-rank `LLM`, in the caller's process (`frontend/engine_client/llm_engine.py: LLMEngine`).
 """
 
 from __future__ import annotations

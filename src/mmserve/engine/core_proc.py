@@ -1,7 +1,7 @@
 """P1's entry point: the engine core in its own process, driven by messages from P0.
 
 `run_engine_core` connects to the sockets P0 bound (an input and an output per API server:
-`engine/clients.py`), builds the `EngineCore`, says `EngineCoreReady` to every API server (or
+`transport/api_server_channels.py`), builds the `EngineCore`, says `EngineCoreReady` to every API server (or
 `EngineCoreFailed` and exits 1), then runs the busy loop:
 
 - idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;

@@ -6,7 +6,7 @@ Contract.
   `ShmRing` chunk (`u32 meta length | msgpack [[name, dtype, shape, offset, nbytes], ...] |
   tensor bytes`, each tensor 64-byte aligned) and returns a `ShmHandle`; a present key returns
   its handle without writing (a key names its content: same key, same bytes). With several API
-  servers the store lives in the launcher and the servers write through it (`ipc/node_store.py`):
+  servers the store lives in the launcher and the servers write through it (`item_store/node_store.py`):
   `reserve` allocates a pinned chunk the asking process fills, `seal` makes it an entry.
 - `lookup(key)` is the counted query (`peek`: an uncounted one); a hit gives the entry a CLOCK second chance (up to
   `MAX_HITS`), so entries that keep getting hits outlive cold ones (policy: see shm_ring).
@@ -120,7 +120,7 @@ class ShmStore:
         return self._hand_out(chunk, request_id)
 
     def reserve(self, key: str, nbytes: int, request_id: str) -> tuple[ShmHandle | None, bool]:
-        """`put` for a writer in another process (`ipc/node_store.py`), which fills the payload itself:
+        """`put` for a writer in another process (`item_store/node_store.py`), which fills the payload itself:
         `(handle, True)` for a new chunk of `nbytes` pinned for `request_id`, to write and then
         `seal`; `(handle, False)` for a present key; `(None, False)` when the item is too big, no
         room can be freed, or another writer is filling the key now. Until sealed, lookups miss."""

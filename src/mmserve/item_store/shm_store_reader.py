@@ -1,4 +1,4 @@
-"""The readers of the shared-memory object store (`ipc/shm_store.py`): P1, every TP worker, and
+"""The readers of the shared-memory object store (`item_store/shm_store.py`): P1, every TP worker, and
 with several API servers each server. A reader attaches by `ShmStoreInfo`, verifies a handle's
 tag, and maps the entry's tensors in place under a lease (its read lock keeps the chunk alive)."""
 

@@ -2,7 +2,7 @@
 
 With M > 1 API servers and N > 1 ranks, a request must go where its prefix blocks and images
 are cached whichever server took it, so the `DPRouter` lives once, in the launcher process
-(`entrypoints/openai/multi_server.py`), in a `Coordinator` thread:
+(`launcher/launcher.py`), in a `Coordinator` thread:
 
 - every engine core sends it `RankStats` whenever its stats change (load, KV size);
 - an API server asks with `RouteAsk` (the request with its items' data dropped: hashes,

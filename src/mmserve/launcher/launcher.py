@@ -8,10 +8,10 @@ The launcher (title `mmserve::launcher`):
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
 - with data parallelism, runs the `Coordinator` (one routing picture for every API server);
 - with `--mm-cache-type shm` (the default here: `deployment_defaults.py`), owns the node's item
-  store (`ipc/node_store.py`): every API server writes into it and finds there what the others
+  store (`item_store/node_store.py`): every API server writes into it and finds there what the others
   processed; every engine core reads it;
 - starts the engine cores itself, each connected to every API server
-  (`frontend/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
+  (`frontend/engine_client/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
   by the coordinator and started again while `--engine-restart-limit` allows (each API server
   moves its waiting requests meanwhile and re-admits the rank on its ready message);
 - prints `mmserve: serving ...` once every API server accepts connections.

@@ -8,14 +8,14 @@
   take goes whole. A stale handle (evicted meanwhile) is reported missing, and the resend sends
   every item whole. P1 keeps no IPC receiver then (`MultiModalConfig.ipc_cache_bytes` is 0).
   With several API servers there is one store per node, owned by the launcher and written by
-  every server (`ipc/node_store.py`); a server's processor cache also finds there the items the
+  every server (`item_store/node_store.py`); a server's processor cache also finds there the items the
   other servers processed (`fetch`).
 
 With `--api-server-count M` each API server has its own senders, each mirroring its own
 receiver in each engine core, at `EngineConfig.ipc_cache_bytes_per_server` (a share of the
 budget); every request is stamped with the server's index so its outputs come back to it.
 
-P1's half is `engine/clients.py` (`ApiServerChannels`) and `ShmItemReader`; both halves read the
+P1's half is `transport/api_server_channels.py` (`ApiServerChannels`) and `ShmItemReader`; both halves read the
 same derived config properties (`MultiModalConfig.uses_shm`, `EngineConfig.ipc_cache_bytes_per_server`),
 so they agree.
 """

@@ -1,6 +1,6 @@
 """P0's side of the engine channel: starts P1, sends it requests, receives its outputs.
 
-`EngineCoreClient` places P1 (`frontend/engine_process.py`: a local process under mp, a Ray actor
+`EngineCoreClient` places P1 (`frontend/engine_client/engine_process.py`: a local process under mp, a Ray actor
 in its own placement group under ray), binds two ZMQ sockets — ipc:// in a private temp directory
 (P0 owns the socket files), or tcp:// on this node's IP under Ray, where P1 may run on another
 node — starts P1 (`run_engine_core`) and waits for `EngineCoreReady`. After that:

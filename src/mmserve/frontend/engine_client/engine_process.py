@@ -7,9 +7,9 @@ on P0 tells it P1's pid once ready (`on_ready`), asks `is_alive()` (cheap, every
 `describe_exit()` once it died, and `stop()`s it.
 
 - mp (`LocalEngineProcess`): a spawned child process of P0; sockets are ipc:// files.
-- ray (`frontend/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
+- ray (`frontend/engine_client/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
   on another node; sockets are tcp:// on this node's IP. Ray is imported only then.
-- attached (`frontend/attached_engine.py`): with `--api-server-count` > 1 the launcher starts
+- attached (`frontend/engine_client/attached_engine.py`): with `--api-server-count` > 1 the launcher starts
   the engine cores (as mp processes of its own) and each API server attaches to them.
 """
 

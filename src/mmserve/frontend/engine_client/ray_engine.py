@@ -6,7 +6,7 @@ The actor runs in bundle 0 and serves `run_engine_core` on its main thread until
 tensor-parallel workers stay local child processes of the actor, spawned by P1's multiprocess
 executor exactly as under mp: STRICT_PACK reserved their bundles on the actor's node.
 
-Ray itself is joined or started by `frontend/ray_session.py` (each handle is one user of it).
+Ray itself is joined or started by `frontend/engine_client/ray_session.py` (each handle is one user of it).
 Every node that runs a rank must have mmserve importable.
 
 Not yet: on CUDA with tensor_parallel_size > 1, handing the GPU ids of the rank's bundles to its

@@ -1,5 +1,5 @@
 """An undo log: the steps a request took in P0 before the engine accepted it, taken back in
-reverse order when a later step fails (see `frontend/admission.py: Admission.admit`, the one
+reverse order when a later step fails (see `frontend/request/admission.py: Admission.admit`, the one
 place that uses it)."""
 
 from __future__ import annotations
