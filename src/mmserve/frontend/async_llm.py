@@ -1,5 +1,6 @@
-"""P0's asyncio engine for the server: requests go to the engine-core process (P1) over ZMQ,
-outputs come back on one background task and are routed to each request's queue.
+"""P0's asyncio engine: requests go to the engine cores (P1) over ZMQ, outputs back to each request's queue.
+
+Outputs come back on one background task per rank and are routed to each request's queue.
 
 Input processing (media decoding, the HF image processor, tokenizing) runs in a worker thread
 while other requests are in flight, so the event loop keeps serving them (`admission.py`, which

@@ -1,5 +1,7 @@
-"""The shadow cache verifier (`--cache-verify-rate R`): re-runs a sample of the requests that caches
-served, with every cache bypassed, and checks that the caches changed nothing.
+"""The shadow cache verifier (`--cache-verify-rate R`): cache-served requests re-run past every cache.
+
+It re-runs a sample of the requests that caches served, with every cache bypassed, and checks
+that the caches changed nothing.
 
 Sampling: each single-completion request is a candidate with probability R, decided at admission;
 a candidate asks P1 for its first token's raw logits row (`EngineCoreRequest.return_first_logits`).

@@ -1,5 +1,6 @@
-"""What `AsyncLLM` reports (`/metrics`, the periodic log): the engine cores' latest stats with
-P0's own cache layers merged in, per rank and summed.
+"""What `AsyncLLM` reports (`/metrics`, the periodic log): the ranks' stats with P0's cache layers.
+
+The engine cores' latest stats with P0's own cache layers merged in, per rank and summed.
 
 With several API servers (`--api-server-count`) each keeps its own processor cache, IPC senders
 and counts of what each rank served for it; one /metrics must answer for all of them. So every

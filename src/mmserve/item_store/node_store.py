@@ -1,5 +1,4 @@
-"""One item store per node, written by every API server (`--mm-cache-type shm` with
-`--api-server-count` > 1).
+"""One item store per node, written by every API server (`--mm-cache-type shm`, several API servers).
 
 The `ShmStore` (allocation, index, pins, eviction) lives once, in the launcher, and one
 `NodeStoreServer` thread there applies every change to it, in the order the API servers' messages

@@ -1,4 +1,6 @@
-"""How one entry of the shared-memory store lies in its chunk's payload: `u32 meta length |
+"""How one entry of the shared-memory store lies in its chunk's payload.
+
+`u32 meta length |
 msgpack [[name, dtype, shape, offset, nbytes], ...] | tensor bytes`, each tensor 64-byte aligned
 (offsets counted from the first tensor's byte). The store's owner and, with several API servers,
 each writer lay entries out with `layout` + `write_payload`; readers map them with `read_tensors`."""

@@ -1,5 +1,6 @@
-"""Shared-memory object store: P0 writes each processed item once; P1 and every TP worker read
-it in place by handle (`--mm-cache-type shm`).
+"""Shared-memory item store: P0 writes each item once; P1 and every TP worker read it in place by handle.
+
+`--mm-cache-type shm`.
 
 Contract.
 - `ShmStore` is the single writer (P0). `put(key, item)` lays an absent key's tensors out in one

@@ -1,5 +1,6 @@
-"""The readers of the shared-memory object store (`item_store/shm_store.py`): P1, every TP worker, and
-with several API servers each server. A reader attaches by `ShmStoreInfo`, verifies a handle's
+"""The readers of the shared-memory item store (`item_store/shm_store.py`).
+
+P1, every TP worker, and with several API servers each server. A reader attaches by `ShmStoreInfo`, verifies a handle's
 tag, and maps the entry's tensors in place under a lease (its read lock keeps the chunk alive)."""
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The requests P0 sent to engine cores and that have not ended: where each runs, and which may
-start over.
+"""The requests P0 sent to engine cores that have not ended: where each runs, which may start over.
 
 Contract.
 - `send` routes a request (`DPRouter`, or rank 0 without data parallelism), puts it on the wire

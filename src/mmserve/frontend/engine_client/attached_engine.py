@@ -1,5 +1,6 @@
-"""Engine cores an API server did not start (`--api-server-count` > 1): the launcher starts and
-restarts them; each API server binds its own pair of sockets per rank, at addresses both sides
+"""Engine cores an API server did not start (`--api-server-count` > 1): the launcher's, attached to.
+
+The launcher starts and restarts them; each API server binds its own pair of sockets per rank, at addresses both sides
 derive from the launcher's ipc directory (`engine_addresses`), and attaches.
 
 `AttachedEngineProcess` is the `EngineProcess` for such a rank: `start` and `stop` do nothing

@@ -1,5 +1,4 @@
-"""Where an engine core (P1) runs, seen from P0: one small interface, one backend per
-`--data-parallel-backend`.
+"""Where an engine core (P1) runs, seen from P0: one interface, one backend per `--data-parallel-backend`.
 
 `place_engine(config)` decides where P1 will run (for Ray: reserves its placement group), so P0
 knows `is_local` and the `host` to bind its sockets on before it starts P1 with `start`. From then

@@ -1,5 +1,6 @@
-"""The data-parallel engine cores seen from P0: one `EngineCoreClient` per rank, started
-together, each restartable on its own.
+"""The data-parallel engine cores seen from P0: one `EngineCoreClient` per rank, each restartable.
+
+The ranks start together; each restarts on its own.
 
 Contract.
 - Construction starts every rank at once (one thread each) and returns when all are ready; if

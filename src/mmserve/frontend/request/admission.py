@@ -1,5 +1,4 @@
-"""P0's admission of a request (`AsyncLLM`'s admission part): resolve it, register its output
-state, send it to P1 — all or nothing.
+"""P0's admission of a request: process it, register its output state, send it to P1, all or nothing.
 
 The rule: from the moment P0 starts resolving a request until its message is on the wire to P1,
 every step that changes shared state registers how to take itself back in one `UndoLog`. Any

@@ -1,6 +1,8 @@
-"""An undo log: the steps a request took in P0 before the engine accepted it, taken back in
-reverse order when a later step fails (see `frontend/request/admission.py: Admission.admit`, the one
-place that uses it)."""
+"""An undo log: a request's steps in P0 before the engine accepted it, taken back when one fails.
+
+Taken back in reverse order (see `frontend/request/admission.py: Admission.admit`, the one place
+that uses it).
+"""
 
 from __future__ import annotations
 
