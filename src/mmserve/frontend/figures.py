@@ -83,8 +83,7 @@ class EngineFigures:
         self.latest.pop(rank, None)
 
     def stats(self) -> SchedulerStats | None:
-        """The engine cores' latest stats summed over ranks, with P0's cache layers (processor,
-        ipc, shm) merged in."""
+        """The engine cores' latest stats summed over ranks, with P0's cache layers (processor, ipc, shm) merged in."""
         others = self._others()
         ranks = [self._rank_stats(r, others) for r in self.latest]
         base = sum_scheduler_stats(ranks) if ranks else SchedulerStats(0, 0, 0, 0, 0)

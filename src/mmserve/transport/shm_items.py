@@ -36,8 +36,10 @@ class ShmItemWriter:
 
     def to_wire(self, request: EngineCoreRequest, inline: bool = False,
                 written: list[str] | None = None) -> list[MultiModalItem]:
-        """The request's items as they cross to P1: by handle where the store takes them. The
-        keys of entries written for it are appended to `written` (for `discard`)."""
+        """The request's items as they cross to P1: by handle where the store takes them.
+
+        The keys of entries written for it are appended to `written` (for `discard`).
+        """
         items = []
         for item in request.mm_items:
             handle = None

@@ -112,7 +112,9 @@ class RequestFlights:
 
     def orphans(self, rank: int) -> tuple[list[str], list[str]]:
         """Rank `rank` died: (requests that can start over elsewhere, requests that are lost).
-        Both leave the rank's load."""
+
+        Both leave the rank's load.
+        """
         movable: list[str] = []
         lost: list[str] = []
         for rid, flight in self._flights.items():

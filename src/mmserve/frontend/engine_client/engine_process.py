@@ -33,8 +33,11 @@ TERM_GRACE_S = 5.0  # how long P1 may take to finish its step after SIGTERM befo
 
 
 class EngineProcess(Protocol):
-    """One engine core started by P0. `start` is called at most once; `stop` any number of times
-    (also before `start`, or after P1 died) and releases everything the handle holds."""
+    """One engine core started by P0.
+
+    `start` is called at most once; `stop` any number of times (also before `start`, or after P1
+    died) and releases everything the handle holds.
+    """
 
     @property
     def is_local(self) -> bool:
@@ -68,8 +71,10 @@ class EngineProcess(Protocol):
         ...
 
     def stop(self) -> None:
-        """SIGTERM (P1 finishes its step and exits 0), force after `TERM_GRACE_S`; returns once P1
-        is gone. Idempotent."""
+        """SIGTERM (P1 finishes its step and exits 0), force after `TERM_GRACE_S`; returns once P1 is gone.
+
+        Idempotent.
+        """
         ...
 
 
@@ -95,8 +100,7 @@ class LocalEngineProcess:
 
     def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
               output_addr: str | Sequence[str], shm_info: bytes | None, stats_addr: str | None = None) -> None:
-        """Also (for the launcher of several API servers): an address per server, and the
-        coordinator's `stats_addr`."""
+        """Also (for the launcher of several API servers): an address per server, and the coordinator's `stats_addr`."""
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
             target=_run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),

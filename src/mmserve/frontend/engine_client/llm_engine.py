@@ -30,8 +30,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
-        """Process and queue a request; any fault in it is a ValueError and queues nothing. Its
-        outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer)."""
+        """Process and queue a request; any fault in it is a ValueError and queues nothing.
+
+        Its outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer).
+        """
         report = CacheReport()
         request = self.input_processor.process(request_id, prompt, params, commit=False, report=report)
         try:

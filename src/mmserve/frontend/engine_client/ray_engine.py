@@ -74,8 +74,11 @@ class EngineCoreActor:
 
     def serve(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
               shm_info: bytes | None) -> int:
-        """Run the engine core until SIGTERM / SIGINT or a fatal error; its exit code. Runs on the
-        actor's main thread (an actor without concurrency groups), where P1's signal handlers work."""
+        """Run the engine core until SIGTERM / SIGINT or a fatal error; its exit code.
+
+        Runs on the actor's main thread (an actor without concurrency groups), where P1's signal
+        handlers work.
+        """
         try:
             run_engine_core(config, model_dir, input_addr, output_addr, shm_info)
         except SystemExit as e:
