@@ -133,7 +133,9 @@ class AsyncLLM:
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
+        """OpenAI messages (and function `tools`) -> a prompt dict naming its images.
+
+        OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
         its images (ValueError for bad input); the images are read, hashed and processed by
         `generate`, off the event loop."""
         inputs = parse_chat_messages(messages)

@@ -90,7 +90,9 @@ class EngineFigures:
         return msgspec.structs.replace(base, caches={**base.caches, **self.frontend_stats(others)})
 
     def frontend_stats(self, others: list[ServerShare] | None = None) -> dict[str, CacheStats]:
-        """The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed
+        """The cache layers P0 keeps for every rank, over every API server.
+
+        The layers P0 keeps for every rank: the processor cache, the store, the IPC senders summed
         (over every API server: `others` are the other servers' figures, read here when not given)."""
         others = self._others() if others is None else others
         layers = {"processor": self.processor_cache.stats(), **self.transport.stats()}

@@ -121,7 +121,9 @@ class ShmStore:
         return self._hand_out(chunk, request_id)
 
     def reserve(self, key: str, nbytes: int, request_id: str) -> tuple[ShmHandle | None, bool]:
-        """`put` for a writer in another process (`item_store/node_store.py`), which fills the payload itself:
+        """`put` for a writer in another process.
+
+        `put` for a writer in another process (`item_store/node_store.py`), which fills the payload itself:
         `(handle, True)` for a new chunk of `nbytes` pinned for `request_id`, to write and then
         `seal`; `(handle, False)` for a present key; `(None, False)` when the item is too big, no
         room can be freed, or another writer is filling the key now. Until sealed, lookups miss."""
@@ -134,7 +136,9 @@ class ShmStore:
         return self._hand_out(chunk, request_id), True
 
     def seal(self, key: str, ok: bool = True) -> None:
-        """The reserved `key`'s payload is written (`ok`: it becomes an entry) or abandoned (its
+        """End a reservation: written (an entry) or abandoned (an orphan).
+
+        The reserved `key`'s payload is written (`ok`: it becomes an entry) or abandoned (its
         chunk becomes an orphan). An unknown key is ignored."""
         chunk = self._sealing.pop(key, None)
         if chunk is None:
@@ -147,14 +151,18 @@ class ShmStore:
         self._stats.bytes_written += chunk.nbytes
 
     def discard(self, key: str) -> None:
-        """Drop `key`'s entry (written for a request that then never reached a reader): the chunk
+        """Drop `key`'s entry, written for a request that was never sent.
+
+        Drop `key`'s entry (written for a request that then never reached a reader): the chunk
         becomes an orphan that the hand frees; handles to it no longer resolve."""
         chunk = self._entries.pop(key, None)
         if chunk is not None:
             self._ring.orphan(chunk)
 
     def finish_request(self, request_id: str) -> None:
-        """Unpin what `request_id` pinned, abandoning a chunk it reserved and never sealed (its
+        """Unpin what `request_id` pinned.
+
+        Unpin what `request_id` pinned, abandoning a chunk it reserved and never sealed (its
         writer failed); an unknown id is ignored (finish and abort may both call)."""
         for chunk in self._requests.pop(request_id, ()):
             chunk.pins -= 1

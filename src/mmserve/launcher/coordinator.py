@@ -42,7 +42,9 @@ _UNKNOWN_KV_BLOCKS = 1 << 20  # a rank's KV size before its first stats
 
 
 class Coordinator:
-    """Binds `route_address` (ROUTER: API servers) and `stats_address` (PULL: engine cores) in
+    """The launcher's routing thread: one `DPRouter` for every API server.
+
+    Binds `route_address` (ROUTER: API servers) and `stats_address` (PULL: engine cores) in
     `ipc_dir`; `start()` runs the thread, `close()` stops it and closes the sockets."""
 
     def __init__(self, config: EngineConfig, ipc_dir: str) -> None:

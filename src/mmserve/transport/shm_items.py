@@ -23,7 +23,9 @@ from mmserve.ipc.items import MultiModalItem
 
 
 class ShmItemWriter:
-    """P0's side: writes through `store`, its own (one API server: the single writer) or, with
+    """P0's side of the shm transport: writes items, sends handles.
+
+    P0's side: writes through `store`, its own (one API server: the single writer) or, with
     several API servers, the node's (`NodeStoreClient`: the launcher owns it, every server writes)."""
 
     def __init__(self, store: ShmStore | NodeStoreClient) -> None:
@@ -71,7 +73,9 @@ class ShmItemWriter:
 
 
 class ShmItemReader:
-    """A reader's side (P1, and each tensor-parallel rank): restores items from handles, holding
+    """A reader's side of the shm transport: maps items from handles.
+
+    A reader's side (P1, and each tensor-parallel rank): restores items from handles, holding
     each request's leases until `release`."""
 
     def __init__(self, info: ShmStoreInfo) -> None:

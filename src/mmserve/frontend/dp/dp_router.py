@@ -92,7 +92,9 @@ class Route:
 
 
 class Router(Protocol):
-    """The one routing interface: `DPRouter` in this process, or `coordinator.py: RemoteRouter`
+    """The one routing interface, in-process or remote.
+
+    The one routing interface: `DPRouter` in this process, or `coordinator.py: RemoteRouter`
     asking the launcher's coordinator (in-process or remote is a transport detail)."""
 
     @property

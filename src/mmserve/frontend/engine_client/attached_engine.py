@@ -27,7 +27,9 @@ _JOIN_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Attachment:
-    """What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
+    """What an API server needs from its launcher.
+
+    What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
     the engine cores' sockets, the coordinator's address (None without data parallelism), the
     `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR), and with
     `--mm-cache-type shm` the node store's address and `ShmStoreInfo` (msgpack; holds the secret)."""

@@ -81,7 +81,9 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0,
                  shm_info: bytes | None = None, engine: EngineProcess | None = None,
                  addresses: tuple[str, str] | None = None) -> None:
-        """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
+        """Start (or attach to) P1 and wait for its ready message.
+
+        `shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
         dropped for a P1 on another node. `engine`: where to run P1, already placed (default:
         `place_engine(config)` by `--data-parallel-backend`); the client owns it from here on.
         `addresses`: the (input, output) ipc:// addresses to bind, in a directory someone else
@@ -235,7 +237,9 @@ class EngineCoreClient:
             raise EngineDeadError(self._dead_reason)
 
     def shutdown(self) -> None:
-        """Stop P1 (SIGTERM, then SIGKILL after a grace period; under Ray also its actor and
+        """Stop P1 and release the sockets and their files.
+
+        Stop P1 (SIGTERM, then SIGKILL after a grace period; under Ray also its actor and
         placement group), close the sockets and remove the socket files and their directory.
         Safe to call more than once."""
         atexit.unregister(self._finalizer)

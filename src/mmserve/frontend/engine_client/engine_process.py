@@ -79,7 +79,9 @@ class EngineProcess(Protocol):
 
 
 def place_engine(config: EngineConfig, timeout_s: float) -> EngineProcess:
-    """The handle for `config`'s rank under `config.parallel.data_parallel_backend`; with Ray its
+    """The `EngineProcess` for `config`'s rank under its data-parallel backend.
+
+    The handle for `config`'s rank under `config.parallel.data_parallel_backend`; with Ray its
     placement group is reserved within `timeout_s` (RuntimeError if the cluster cannot fit it, an
     ImportError naming `pip install mmserve[ray]` without Ray)."""
     if config.parallel.data_parallel_backend == "ray":
@@ -160,7 +162,9 @@ def _ended(proc: BaseProcess, timeout_s: float | None) -> bool:
 
 
 def _reap(proc: BaseProcess) -> int | None:
-    """The exit code of `proc`, which has ended; waits out a concurrent reaper (multiprocessing
+    """The exit code of `proc`, which has ended.
+
+    The exit code of `proc`, which has ended; waits out a concurrent reaper (multiprocessing
     itself polls every child whenever this process starts another) until it records the code."""
     with _REAP_LOCK:
         deadline = time.monotonic() + _REAP_WAIT_S

@@ -53,7 +53,9 @@ class RankFailover:
 
     @property
     def is_healthy(self) -> bool:
-        """False once no rank serves and none can come back (a rank whose process just ended and
+        """Whether some rank serves or can come back.
+
+        False once no rank serves and none can come back (a rank whose process just ended and
         that the output loop has not retired yet still counts: it restarts or is marked dead)."""
         return self.requests.dead_error is None and any(s != "dead" for s in self.ranks.status)
 

@@ -48,7 +48,9 @@ _REMOTE_SIGNAL_S = 30.0  # a signal task on another node may first need a new wo
 
 
 def rank_bundles(config: EngineConfig, extra: Mapping[str, float] | None = None) -> list[dict[str, float]]:
-    """The placement group of one rank: the engine core's bundle first (with `extra` resources,
+    """The placement group's bundles of one rank.
+
+    The placement group of one rank: the engine core's bundle first (with `extra` resources,
     e.g. a custom resource naming a node), then one per tensor-parallel worker. With
     tensor_parallel_size 1 the model runs inside the engine core, whose bundle then holds the GPU
     (on CUDA)."""
@@ -164,7 +166,9 @@ class RayEngineProcess:
         return describe_exit(code)
 
     def stop(self) -> None:
-        """SIGTERM the actor's process, `ray.kill` it after `TERM_GRACE_S` (at once if P1 already
+        """Stop the actor and free its placement group; idempotent.
+
+        SIGTERM the actor's process, `ray.kill` it after `TERM_GRACE_S` (at once if P1 already
         exited), remove the placement group, and leave Ray; `describe_exit` keeps how P1 ended
         (this handle makes no Ray call after). Idempotent."""
         if self._exit is None:
@@ -213,7 +217,9 @@ class RayEngineProcess:
 
 
 def _death_cause(error: Exception) -> str:
-    """The one-line cause in a `RayActorError` ("its worker process has died", "it was killed by
+    """The one-line cause of a Ray actor's death.
+
+    The one-line cause in a `RayActorError` ("its worker process has died", "it was killed by
     `ray.kill`"), else the error's first line."""
     text = str(error)
     found = re.search(r"The actor is dead because (.+?)\.(?:\s|$)", text)

@@ -109,7 +109,9 @@ class Admission:
 
 
 def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
-    """A cancelled request's resolution ended: take back what it did (its error, if any, is one
+    """A cancelled request's processing ended: take back what it did.
+
+    A cancelled request's resolution ended: take back what it did (its error, if any, is one
     the client no longer waits for)."""
     if not resolving.cancelled():
         resolving.exception()  # retrieved, so asyncio does not log it
@@ -117,7 +119,9 @@ def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
 
 
 def resolves_on_loop(prompt: str | dict[str, Any], in_flight: int) -> bool:
-    """Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
+    """Whether a request is processed on the event loop.
+
+    Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
     keep serving) and without a video (decoding one takes up to seconds)."""
     mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
     return in_flight == 1 and not (isinstance(mm, dict) and "video" in mm)

@@ -13,7 +13,9 @@ logger = logging.getLogger(__name__)
 
 
 class UndoLog:
-    """`push(fn, *args)` after each step that changed shared state; `run()` undoes them all (last
+    """The undo steps of one request, run last first.
+
+    `push(fn, *args)` after each step that changed shared state; `run()` undoes them all (last
     first, each once; an undo step that raises is logged and the others still run)."""
 
     def __init__(self) -> None:
