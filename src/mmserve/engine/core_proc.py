@@ -114,7 +114,8 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, process.reserve if process else None)
         if process is not None:
             process.serve()  # before the ready message: a full collection would stall every step
-        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid(), core.executor.dtype))
+        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid(), core.executor.dtype,
+                                 config.parallel.engine_restarts))
         if proc.orphaned:
             _remove_socket_files(*addresses)
         return 0

@@ -42,6 +42,7 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
 from mmserve.launcher.coordinator import Coordinator
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
+from mmserve.frontend.engine_client.restarts import RankRestarts
 from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.item_store.shm_store import ShmStore
@@ -90,7 +91,8 @@ class Launcher:
         self.config = engine_config
         self.servers: list[BaseProcess] = []
         self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
-        self.restarts = [0] * engine_config.parallel.data_parallel_size
+        parallel = engine_config.parallel
+        self.restarts = RankRestarts(parallel.data_parallel_size, parallel.engine_restart_limit)  # the one counter
         self.coordinator: Coordinator | None = None
         self.store: NodeStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
@@ -137,7 +139,8 @@ class Launcher:
         servers = range(self.config.parallel.api_server_count)
         addresses = [engine_addresses(self.ipc_dir, server, rank) for server in servers]
         engine = LocalEngineProcess()
-        engine.start(self.config.for_rank(rank), model_dir, [a[0] for a in addresses], [a[1] for a in addresses],
+        engine.start(self.config.for_rank(rank, self.restarts.counts[rank]), model_dir,
+                     [a[0] for a in addresses], [a[1] for a in addresses],
                      self.store.info if self.store else None,
                      self.coordinator.stats_address if self.coordinator else None)
         return engine
@@ -148,7 +151,6 @@ class Launcher:
             if not proc.is_alive():
                 logger.error("API server %d ended (%s); stopping", index, proc.exitcode)
                 return ENGINE_DEAD_EXIT_CODE if proc.exitcode == ENGINE_DEAD_EXIT_CODE else 1
-        limit = self.config.parallel.engine_restart_limit
         for rank, engine in enumerate(self.engines):
             if engine is None or engine.is_alive():
                 continue
@@ -156,9 +158,8 @@ class Launcher:
             self.engines[rank] = None
             if self.coordinator is not None:
                 self.coordinator.forget(rank)
-            if self.restarts[rank] < limit:
-                self.restarts[rank] += 1
-                logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank], limit)
+            if self.restarts.can_restart(rank):
+                self.restarts.count(rank)
                 self.engines[rank] = self._start_engine(rank, model_dir)
         if all(engine is None for engine in self.engines):
             logger.error("no engine rank can serve; stopping")

@@ -98,6 +98,7 @@ class EngineCoreClient:
             raise
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
+        self.restarts = ready.restarts  # the rank's restarts so far, counted by its supervisor
         self.dtype = ready.dtype
 
     @property
