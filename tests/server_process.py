@@ -195,3 +195,34 @@ def scrape(server: Any) -> Any:
     from mmserve.bench.prometheus import MetricsSnapshot
 
     return MetricsSnapshot.parse(server.get("/metrics")[1])
+
+
+def proc_kb(pid: int, key: str) -> int:
+    """A `/proc/<pid>/status` field in KiB (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def paid_for(server: Any, path: str, body: dict) -> tuple[httpx.Response, float, list[int], float]:
+    """POST `body` to `path` while polling /health: (the response, P0's peak RSS growth in MiB
+    during it, the /health statuses seen meanwhile, the slowest /health answer in seconds). P0's
+    peak RSS is reset first (`/proc/<pid>/clear_refs`), so the growth is this request's."""
+    pid = server.proc.pid
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    before = proc_kb(pid, "VmRSS")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.base_url + path, json=body, timeout=600)
+        statuses: list[int] = []
+        slowest = 0.0
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            while not pending.done() or not statuses:
+                start = time.perf_counter()
+                statuses.append(client.get("/health").status_code)
+                slowest = max(slowest, time.perf_counter() - start)
+                time.sleep(0.02)
+        response = pending.result()
+    return response, (proc_kb(pid, "VmHWM") - before) / 1024, statuses, slowest

@@ -119,7 +119,7 @@ def _state(engine: AsyncLLM) -> dict[str, tuple[Any, Any]]:
         "P0 request queues": (sorted(engine.requests.queues), []), "P0 request flights": (engine.flights.ids(), []),
         "P0 output state": (engine.output_processor.has_unfinished_requests(), False),
         "P0 items pending commit": (sorted(processor._pending), []),
-        "P0 items in flight": (sorted(processor.items._inflight), []),
+        "P0 items in flight": (sorted(processor.items.inflight.futures), []),
         "processor cache intact": (_intact(processor.processor_cache), True),
         "IPC sender intact": (_intact(engine.transport.sender), True),
         "cache verifier running": (engine.verifier.busy, False),

@@ -150,6 +150,9 @@ class MultiModalConfig:
     max_video_bytes: int = _opt(256 << 20, "Largest encoded video in bytes.")
     max_video_frames: int = _opt(768, "Most frames a video may keep after sampling.")
     max_video_duration_s: float = _opt(3600.0, "Longest video in seconds.")
+    max_video_pixels: int = _opt(1 << 28, "Most pixels a video's sampled frames may hold together (frames x width "
+                                 "x height at the source size), checked from the container's metadata before "
+                                 "decoding.")
     media_io_kwargs: dict[str, Any] = _opt(
         {}, 'Server-wide media loading options, as JSON: {"video": {"fps": 1, "num_frames": 16, "min_frames": 4, '
         '"max_frames": 64, "min_pixels": 4096, "max_pixels": 65536}} (a request\'s media_io_kwargs and '
@@ -165,8 +168,10 @@ class MultiModalConfig:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
         if self.max_media_bytes < 1 or self.max_media_pixels < 1:
             raise ValueError("max_media_bytes and max_media_pixels must be positive")
-        if self.max_video_bytes < 1 or self.max_video_frames < 1 or self.max_video_duration_s <= 0:
-            raise ValueError("max_video_bytes, max_video_frames and max_video_duration_s must be positive")
+        if (self.max_video_bytes < 1 or self.max_video_frames < 1 or self.max_video_duration_s <= 0
+                or self.max_video_pixels < 1):
+            raise ValueError("max_video_bytes, max_video_frames, max_video_duration_s and max_video_pixels must be "
+                             "positive")
         if not isinstance(self.media_io_kwargs, dict) or set(self.media_io_kwargs) - {"video"}:
             raise ValueError('media_io_kwargs takes only the key "video" (an object of video options)')
         for name in ("mm_processor_cache_gb", "mm_ipc_cache_gb", "mm_shm_cache_gb", "mm_shm_max_object_mb"):
@@ -195,7 +200,7 @@ class MultiModalConfig:
         from mmserve.multimodal.video import VideoLimits
 
         return VideoLimits(max_frames=self.max_video_frames, max_duration_s=self.max_video_duration_s,
-                           max_pixels=self.max_media_pixels)
+                           max_pixels=self.max_media_pixels, max_total_pixels=self.max_video_pixels)
 
     # ---- the item transport, decided once: P0 and P1 both read these ----------------------------
 

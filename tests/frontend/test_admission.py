@@ -36,7 +36,7 @@ def p0_state(engine: AsyncLLM) -> dict:
     return {
         "ipc": (engine.transport.sender.keys(), engine.transport.sender.epoch),
         "processor": engine.input_processor.processor_cache.keys(),
-        "inflight": dict(engine.input_processor.items._inflight),
+        "inflight": dict(engine.input_processor.items.inflight.futures),
         "pending": dict(engine.input_processor._pending),
         "queues": dict(engine.requests.queues), "flights": engine.flights.ids(),
         "outputs": engine.output_processor.has_unfinished_requests(),

@@ -116,8 +116,8 @@ def test_a_burst_of_one_new_image_runs_the_processor_once(path):
     with pytest.raises(ValueError):  # a bad image fails every waiter, and nothing is left in flight
         list(ThreadPoolExecutor(4).map(lambda i: inputs.process(f"b{i}", {
             "prompt": PROMPT, "multi_modal_data": {"image": "data:image/png;base64,aGVsbG8="}}, PARAMS), range(4)))
-    assert inputs.items._inflight == {}
+    assert inputs.items.inflight.futures == {}
     too_long = {"prompt": PROMPT + " word" * 5000, "multi_modal_data": {"image": url(322)}}
     with pytest.raises(ValueError, match="max_model_len"):
         inputs.process("long", too_long, PARAMS)
-    assert inputs.items._inflight == {}  # a rejected request releases what it processed
+    assert inputs.items.inflight.futures == {}  # a rejected request releases what it processed

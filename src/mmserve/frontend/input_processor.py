@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
@@ -19,8 +19,11 @@ from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
+from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.items import ItemResolver, ResolvedItem
+from mmserve.multimodal.placeholders import max_token_chars, tokens_past
 from mmserve.multimodal.processing import create_processor
+from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_outputs import check_schema
 
@@ -31,25 +34,30 @@ _PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt",
 class InputProcessor:
     def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int, eos_token_id: int | None,
                  known_tokens: Callable[[str], int | None] = lambda h: None,
-                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None, processor: Any = None) -> None:
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None,
+                 processor: ItemProcessor | None = None) -> None:
         """`processor`: the checkpoint's (`create_processor(model_dir)`, made here when not given)."""
         self.config = config
-        self.processor = create_processor(model_dir) if processor is None else processor
+        self.processor: ItemProcessor = create_processor(model_dir) if processor is None else processor
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         mm = config.multimodal
         self.media_limits = mm.media_limits()
         self.processor_cache = ProcessorCache(config.processor_cache_bytes_per_server)
+        model_config = load_model_config(model_dir)
+        # the model's largest item at default settings sizes the engine's encoder budgets; a
+        # request's own processor settings may make a larger item, refused before it is processed
+        self.max_encoder_tokens = _encoder_limit(config, model_config.max_item_tokens)
+        budget = ItemBudget(self.max_encoder_tokens, max_model_len - 1)
         self.items = ItemResolver(config.model.model, self.processor, self.processor_cache, self.media_limits,
-                                  config.needs_item_hash, known_tokens, fetch)
-        self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher)
-        self.vocab_size = load_model_config(model_dir).text.vocab_size
+                                  config.needs_item_hash, known_tokens, fetch, budget)
+        self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher, budget,
+                                  self.items.inflight)
+        self.vocab_size = model_config.text.vocab_size
+        self.max_prompt_chars = max_model_len * max_token_chars(self.tokenizer)
         self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)
         self._pending_lock = threading.Lock()
-        # the model's largest item at default settings sizes the engine's encoder budgets; a
-        # request's own processor settings may make a larger item, refused here with a clear error
-        self.max_encoder_tokens = _encoder_limit(config, load_model_config(model_dir).max_item_tokens)
 
     def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
                 commit: bool = True, bypass_caches: bool = False,
@@ -63,6 +71,7 @@ class InputProcessor:
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
         text, images, uuids, salt = _split_prompt(prompt)
+        self.check_prompt_length(text)
         mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
         if len(images) > limit:
@@ -70,6 +79,7 @@ class InputProcessor:
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
         resolved = self.items.resolve(images, uuids, salt, mm_kwargs, bypass_caches)
+        videos: list[ResolvedItem] = []
         try:
             videos = self.videos.resolve(prompt, text, salt, mm_kwargs, bypass_caches)  # [] without videos
             self._check_item_sizes(resolved)
@@ -79,7 +89,7 @@ class InputProcessor:
                 raise ValueError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
         except BaseException:
-            self.items.release(resolved)
+            self.items.release(resolved + videos)  # one in-flight table for every modality
             raise
         resolved += videos
         if commit:
@@ -87,7 +97,8 @@ class InputProcessor:
         else:
             with self._pending_lock:
                 self._pending[request_id] = resolved
-        items = [MultiModalItem("image", r.mm_hash, r.data, rng, position_key=self.processor.position_key(r.data))
+        position_key = self.processor.position_key
+        items = [MultiModalItem("image", r.mm_hash, r.data, rng, position_key=position_key(cast(dict, r.data)))
                  for r, rng in zip(resolved, ranges)]
         items = sorted(items + groups, key=lambda item: item.placeholder.offset)  # prompt order
         if report is not None:
@@ -107,6 +118,19 @@ class InputProcessor:
         with self._pending_lock:
             resolved = self._pending.pop(request_id, [])
         self.items.release(resolved)
+
+    def check_prompt_length(self, text: str) -> None:
+        """ValueError, before the whole text is tokenized, when it cannot fit max_model_len: more
+        characters than max_model_len tokens can spell (no token spells more than the tokenizer's
+        longest piece) is refused unread; a long text whose prefix alone has too many tokens is
+        refused once that prefix is tokenized. Tokenizing is bounded by the limit, not by the input."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len ({self.max_model_len}) "
+                             f"tokens can hold ({self.max_prompt_chars} characters at most); it was not tokenized")
+        past = tokens_past(self.processor.tokenizer, text, self.max_model_len)
+        if past is not None:
+            raise ValueError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
+                             f"tokenized), but max_model_len is {self.max_model_len}")
 
     def _check_params(self, params: SamplingParams) -> None:
         """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length;

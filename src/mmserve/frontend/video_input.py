@@ -15,23 +15,28 @@ from mmserve.config import EngineConfig
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.multimodal.items import ResolvedItem
+from mmserve.multimodal.budget import ItemBudget
+from mmserve.multimodal.items import InFlight, ResolvedItem
+from mmserve.multimodal.processor_api import ItemProcessor, video_support
 from mmserve.multimodal.video_items import VideoResolver, group_items
 
 
 class VideoInputs:
     """Checks, resolves and places a request's videos; without videos, `expand` is the
-    processor's own image expansion."""
+    processor's own image expansion. Video input is what the processor declares
+    (`ItemProcessor.video`); the video pipeline shares the images' in-flight table."""
 
-    def __init__(self, config: EngineConfig, processor: Any, cache: ProcessorCache, hasher: ItemHasher) -> None:
+    def __init__(self, config: EngineConfig, processor: ItemProcessor, cache: ProcessorCache, hasher: ItemHasher,
+                 budget: ItemBudget | None = None, inflight: InFlight | None = None) -> None:
         mm = config.multimodal
         self.processor = processor
         self.max_videos = mm.max_videos
-        self.resolver = None
-        if hasattr(processor, "video"):  # a family with video input
-            self.resolver = VideoResolver(hasher, processor, cache, mm.media_limits(), mm.video_limits(),
+        self.resolver: VideoResolver | None = None
+        self.video_processor = video_support(processor)
+        if self.video_processor is not None:
+            self.resolver = VideoResolver(hasher, self.video_processor, cache, mm.media_limits(), mm.video_limits(),
                                           mm.max_video_bytes, mm.media_io_kwargs.get("video"),
-                                          config.needs_item_hash)
+                                          config.needs_item_hash, budget, inflight)
 
     def resolve(self, prompt: str | dict[str, Any], text: str, salt: str | None,
                 mm_kwargs: dict[str, Any] | None, bypass: bool = False) -> list[ResolvedItem]:
@@ -39,12 +44,12 @@ class VideoInputs:
         videos, uuids, media_io = _split_videos(prompt)
         if not videos:
             return []
-        if self.resolver is None:
+        if self.resolver is None or self.video_processor is None:
             raise ValueError("this model takes no video input")
         if len(videos) > self.max_videos:
             raise ValueError(f"the prompt has {len(videos)} videos, more than the limit of {self.max_videos} "
                              f"(--limit-mm-per-prompt)")
-        self.processor.check_video_count(text, len(videos))
+        self.video_processor.check_video_count(text, len(videos))
         opts = self.resolver.options(mm_kwargs, media_io)
         return self.resolver.resolve(videos, uuids, salt, opts, bypass)
 
@@ -60,13 +65,13 @@ class VideoInputs:
     def expand(self, text: str, image_counts: list[int], videos: list[ResolvedItem]
                ) -> tuple[list[int], list[PlaceholderRange], list[MultiModalItem]]:
         """Token ids, each image's placeholder range, and the videos' group items."""
-        if not videos:
+        if not videos or self.video_processor is None:
             return (*self.processor.expand(text, image_counts), [])
         from mmserve.multimodal.video_items import as_processed
 
-        text = self.processor.expand_videos(text, [as_processed(v.data) for v in videos])
+        text = self.video_processor.expand_videos(text, [as_processed(v.data) for v in videos])
         token_ids, ranges = self.processor.expand(text, image_counts)
-        return token_ids, ranges, group_items(self.processor, token_ids, videos)
+        return token_ids, ranges, group_items(self.video_processor, token_ids, videos)
 
 
 def _split_videos(prompt: str | dict[str, Any]) -> tuple[list[Any], list[str | None], dict[str, Any] | None]:

@@ -1,11 +1,16 @@
-"""P0: each image of a request -> its `mm_hash` and processed tensors, the processor run only
-on processor-cache misses.
+"""P0: each item of a request (an image, a video) -> its `mm_hash` and processed tensors, one
+pipeline for every modality, the processor run only on processor-cache misses.
 
-Order per item: read the source's bytes (no decoding yet), hash them, look the hash up in the
-processor cache (with several API servers, then in the node's store: another server may have
-processed it), and only on a miss decode and run the Hugging Face image processor. A client
-uuid replaces the content hash; a uuid part with no image is served from what P0 still holds
-(the processor cache, else the IPC cache's record of what P1 holds).
+Order per item: read the source's bytes (no decoding yet), hash them with the request's settings,
+look the hash up in the processor cache (with several API servers, then in the node's store:
+another server may have processed it), size it from what is known before the work (an image's
+header size, a video's container metadata: `Modality.check_size` refuses an item over a limit
+before anything is decoded), and only then decode and process it. A client uuid replaces the
+content hash; a uuid part with no source is served from what P0 still holds (the processor cache,
+else the IPC cache's record of what P1 holds).
+
+A `Modality` (`ImageModality` here, `VideoModality` in multimodal/video_items.py) says how its items are read,
+hashed, sized and processed; `ItemPipeline` does the rest the same way for all.
 
 With `bypass` (the cache verifier's shadow run) every item is processed again from its source: the
 cache is neither read nor written, and no in-flight item is shared.
@@ -14,8 +19,9 @@ Nothing is stored while a request is being resolved: `commit` puts the fresh ite
 processor cache once the whole request has been accepted, so a rejected request leaves no entry.
 Requests are resolved in worker threads; an item that another request is processing, or has
 processed but not committed yet, is taken from that request (waited for), not processed twice: a
-burst of requests with one new image runs the processor once. The in-flight entry lives until
-the owner's request is committed or released.
+burst of requests with one new image or video runs the processor once. The in-flight entry lives
+until the owner's request is committed or released; the table is shared by every modality's
+pipeline, so one `commit` / `release` covers a request's images and videos.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import threading
 import uuid as uuid_lib
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from mmserve.multimodal.processor_cache import ProcessorCache
+from PIL import Image
+
+from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
-from mmserve.multimodal.media import MediaLimits, decode_image, read_image_source
-from mmserve.multimodal.processing import MultiModalProcessor
+from mmserve.multimodal.media import FLAG_MAX_PIXELS, MediaLimits, decode_image, header_size, read_image_source
+from mmserve.multimodal.processor_api import ItemProcessor
+from mmserve.multimodal.processor_cache import ProcessorCache
 
 
 @dataclass
@@ -41,8 +50,54 @@ class ResolvedItem:
     hit: bool | None = None  # found in the processor cache (or the node's store); None: not looked up
 
 
-class ItemResolver:
-    """Turns image sources (+ optional uuids, salt) into `ResolvedItem`s.
+class Modality(Protocol):
+    """How one modality's items are read, hashed, sized and processed (no state across requests
+    but counters)."""
+
+    kind: str  # "image" / "video": the hash's modality tag and the word error messages use
+
+    def settings(self, requested: Any) -> Any:
+        """The request's settings for this modality, validated (ValueError) before any item is read."""
+        ...
+
+    def hashed_settings(self, settings: Any) -> dict[str, Any]:
+        """What of `settings` the item hash covers."""
+        ...
+
+    def read(self, source: Any) -> Any:
+        """The item's encoded content (or in-memory pixels), size-checked, not decoded."""
+        ...
+
+    def hash_key(self, raw: Any) -> Any:
+        """What of `raw` the content hash covers."""
+        ...
+
+    def plan(self, index: int, raw: Any, settings: Any) -> Any:
+        """The request's `index`-th item of this modality sized from its header or metadata alone,
+        refused (ValueError / MediaError) when it would break a limit once processed: before
+        anything is decoded. What it returns is handed to `process`."""
+        ...
+
+    def process(self, raw: Any, settings: Any, plan: Any, salt: str | None) -> dict[str, Any]:
+        """Decode and process `raw` as `plan` sized it (ValueError / MediaError for the client);
+        `salt` is the request's cache salt (for hashes the data carries)."""
+        ...
+
+    def num_tokens(self, data: dict[str, Any]) -> int:
+        """Placeholder tokens of one processed item (for a video: of one temporal group)."""
+        ...
+
+
+class InFlight:
+    """Items being processed (or processed, not committed): mm_hash -> the future of its data."""
+
+    def __init__(self) -> None:
+        self.futures: dict[str, Future[dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+
+class ItemPipeline:
+    """Turns one modality's sources (+ optional uuids, salt, settings) into `ResolvedItem`s.
 
     `hashing` False (no cache layer needs the content hash) gives each item a random id instead.
     `known_tokens(mm_hash)` answers the placeholder count of an item P1 holds, else None.
@@ -50,30 +105,29 @@ class ItemResolver:
     it is asked on a processor-cache miss, and a hit there counts as the processor cache's.
     """
 
-    def __init__(self, model_id: str, processor: MultiModalProcessor, cache: ProcessorCache, limits: MediaLimits,
-                 hashing: bool, known_tokens: Callable[[str], int | None] = lambda h: None,
-                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None) -> None:
-        self.processor = processor
+    def __init__(self, modality: Modality, hasher: ItemHasher, cache: ProcessorCache, hashing: bool,
+                 known_tokens: Callable[[str], int | None] = lambda h: None,
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None,
+                 inflight: InFlight | None = None) -> None:
+        self.modality = modality
+        self.hasher = hasher
         self.cache = cache
-        self.limits = limits
         self.hashing = hashing
         self.known_tokens = known_tokens
         self.fetch = fetch
-        self.hasher = ItemHasher(model_id, processor.settings())
-        self.num_processed = 0  # image processor runs since start
-        self._inflight: dict[str, Future[dict[str, Any]]] = {}  # mm_hash -> the thread processing it
-        self._lock = threading.Lock()
+        self.inflight = InFlight() if inflight is None else inflight
+        self.num_processed = 0  # processor runs since start
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
-                mm_kwargs: dict[str, Any] | None = None, bypass: bool = False) -> list[ResolvedItem]:
+                requested: Any = None, bypass: bool = False) -> list[ResolvedItem]:
         """Every item, or an error (and then nothing of this request stays in flight).
-        `mm_kwargs`: the request's processor settings; they are part of every item's hash."""
+        `requested`: the request's settings for the modality; they are part of every item's hash."""
         done: list[ResolvedItem] = []
-        mm_kwargs = self.processor.check_mm_kwargs(mm_kwargs)
+        settings = self.modality.settings(requested)
         try:
-            for source, uid in zip(sources, uuids):
-                done.append(self._reprocess(source, uid, salt, mm_kwargs) if bypass
-                            else self._resolve_one(source, uid, salt, mm_kwargs))
+            for index, (source, uid) in enumerate(zip(sources, uuids)):
+                done.append(self._reprocess(index, source, uid, salt, settings) if bypass
+                            else self._resolve_one(index, source, uid, salt, settings))
         except BaseException:
             self.release(done)
             raise
@@ -89,43 +143,50 @@ class ItemResolver:
     def release(self, items: list[ResolvedItem]) -> None:
         """End the in-flight entries of the request's processed items (commit calls it; call it
         alone for a request that was rejected after `resolve`)."""
-        with self._lock:
+        with self.inflight.lock:
             for item in items:
-                pending = self._inflight.get(item.mm_hash)
+                pending = self.inflight.futures.get(item.mm_hash)
                 if item.fresh and pending is not None and pending.done():
-                    del self._inflight[item.mm_hash]
+                    del self.inflight.futures[item.mm_hash]
 
-    def _resolve_one(self, source: Any, uid: str | None, salt: str | None, mm_kwargs: dict[str, Any]) -> ResolvedItem:
+    def _hash(self, raw: Any, uid: str | None, salt: str | None, settings: Any) -> str:
+        kind, hashed = self.modality.kind, self.modality.hashed_settings(settings)
         if uid is not None:
-            mm_hash = self.hasher.hash_uuid("image", uid, salt, mm_kwargs)
-            if source is None:
-                return self._from_uuid_alone(mm_hash, uid)
-            raw = read_image_source(source, self.limits)
-        else:
-            raw = read_image_source(source, self.limits)
-            mm_hash = (self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing
-                       else uuid_lib.uuid4().hex)
+            return self.hasher.hash_uuid(kind, uid, salt, hashed)
+        if not self.hashing:
+            return uuid_lib.uuid4().hex
+        return self.hasher.hash_item(kind, self.modality.hash_key(raw), salt, hashed)
+
+    def _resolve_one(self, index: int, source: Any, uid: str | None, salt: str | None,
+                     settings: Any) -> ResolvedItem:
+        if uid is not None and source is None:
+            return self._from_uuid_alone(self._hash(None, uid, salt, settings), uid)
+        raw = self.modality.read(source)
+        mm_hash = self._hash(raw, uid, salt, settings)
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False, hit=True)
+            return self._item(mm_hash, data, fresh=False, hit=True)
         data = self._fetch(mm_hash)
         hit = data is not None if self.cache.enabled else None
         if data is None:
-            data = self._process_once(mm_hash, raw, mm_kwargs)
-        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True, hit=hit)
+            data = self._process_once(index, mm_hash, raw, settings, salt)
+        return self._item(mm_hash, data, fresh=True, hit=hit)
 
-    def _reprocess(self, source: Any, uid: str | None, salt: str | None, mm_kwargs: dict[str, Any]) -> ResolvedItem:
+    def _reprocess(self, index: int, source: Any, uid: str | None, salt: str | None,
+                   settings: Any) -> ResolvedItem:
         """The item processed again from `source`, under the hash the cached path gives it; kept
-        nowhere (a ValueError for a uuid part without its image: there is nothing to process)."""
+        nowhere (a ValueError for a uuid part without its source: there is nothing to process)."""
         if source is None:
-            raise ValueError("an image given by uuid alone cannot be processed again")
-        raw = read_image_source(source, self.limits)
-        mm_hash = (self.hasher.hash_uuid("image", uid, salt, mm_kwargs) if uid is not None
-                   else self.hasher.hash_item("image", raw, salt, mm_kwargs) if self.hashing else uuid_lib.uuid4().hex)
-        image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(bytes(raw), self.limits)
-        data = self.processor.process_image(image, mm_kwargs)
+            article = "an" if self.modality.kind[0] in "aeiou" else "a"
+            raise ValueError(f"{article} {self.modality.kind} given by uuid alone cannot be processed again")
+        raw = self.modality.read(source)
+        mm_hash = self._hash(raw, uid, salt, settings)
+        data = self.modality.process(raw, settings, self.modality.plan(index, raw, settings), salt)
         self.num_processed += 1
-        return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False)
+        return self._item(mm_hash, data, fresh=False)
+
+    def _item(self, mm_hash: str, data: dict[str, Any], fresh: bool, hit: bool | None = None) -> ResolvedItem:
+        return ResolvedItem(mm_hash, data, self.modality.num_tokens(data), fresh=fresh, hit=hit)
 
     def _fetch(self, mm_hash: str) -> dict[str, Any] | None:
         """After a processor-cache miss: the item as another API server processed it (kept here on
@@ -135,35 +196,104 @@ class ItemResolver:
             self.cache.count_shared_hit()
         return data
 
-    def _process_once(self, mm_hash: str, raw: Any, mm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Decode and process `raw`, unless another request holds the same item in flight: then
-        wait for its result (or its error: the same content fails the same way)."""
-        with self._lock:
-            pending = self._inflight.get(mm_hash)
-            if pending is None:
-                self._inflight[mm_hash] = future = Future[dict[str, Any]]()
+    def _process_once(self, index: int, mm_hash: str, raw: Any, settings: Any, salt: str | None) -> dict[str, Any]:
+        """Size-check, decode and process `raw`, unless another request holds the same item in
+        flight: then wait for its result (or its error: the same content fails the same way)."""
+        plan = self.modality.plan(index, raw, settings)
+        table = self.inflight
+        with table.lock:
+            pending = table.futures.get(mm_hash)
+            # committed since this request's lookup (commit puts, then ends the in-flight entry)
+            committed = self.cache.peek(mm_hash) if pending is None else None
+            if pending is None and committed is None:
+                table.futures[mm_hash] = future = Future[dict[str, Any]]()
+        if committed is not None:
+            return committed
         if pending is not None:
             return pending.result()
         try:
-            image = raw if not isinstance(raw, (bytes, bytearray)) else decode_image(bytes(raw), self.limits)
-            data = self.processor.process_image(image, mm_kwargs)
+            data = self.modality.process(raw, settings, plan, salt)
             self.num_processed += 1
             future.set_result(data)
             return data
         except BaseException as e:
             future.set_exception(e)
-            with self._lock:
-                del self._inflight[mm_hash]
+            with table.lock:
+                del table.futures[mm_hash]
             raise
 
     def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
         if data is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=False, hit=True)
+            return self._item(mm_hash, data, fresh=False, hit=True)
         if (data := self._fetch(mm_hash)) is not None:
-            return ResolvedItem(mm_hash, data, self.processor.num_placeholder_tokens(data), fresh=True, hit=True)
+            return self._item(mm_hash, data, fresh=True, hit=True)
         num_tokens = self.known_tokens(mm_hash)
         if num_tokens is None:
-            raise ValueError(f"the image with uuid {uid!r} is not cached (any more): send the image again "
-                             "together with its uuid")
+            kind = self.modality.kind
+            raise ValueError(f"the {kind} with uuid {uid!r} is not cached (any more): send the {kind} again "
+                             f"together with its uuid")
         return ResolvedItem(mm_hash, None, num_tokens, fresh=False)
+
+
+class ImageModality:
+    """Images: the encoded bytes (or a PIL image) are hashed; the header's size, under the
+    request's pixel budget, gives the token count before decoding."""
+
+    kind = "image"
+
+    def __init__(self, processor: ItemProcessor, limits: MediaLimits, budget: ItemBudget) -> None:
+        self.processor = processor
+        self.limits = limits
+        self.budget = budget
+
+    def settings(self, requested: Any) -> dict[str, Any]:
+        """The processor's check of `mm_processor_kwargs`, then the server's pixel limit."""
+        settings = self.processor.check_mm_kwargs(requested)
+        for key in ("min_pixels", "max_pixels"):
+            if settings.get(key, 0) > self.limits.max_pixels:
+                raise ValueError(f"mm_processor_kwargs.{key} ({settings[key]}) exceeds the server's limit of "
+                                 f"{self.limits.max_pixels} pixels ({FLAG_MAX_PIXELS})")
+        return settings
+
+    def hashed_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        return settings
+
+    def read(self, source: Any) -> bytes | Image.Image:
+        return read_image_source(source, self.limits)
+
+    def hash_key(self, raw: bytes | Image.Image) -> bytes | Image.Image:
+        return raw
+
+    def plan(self, index: int, raw: bytes | Image.Image, settings: dict[str, Any]) -> None:
+        """ValueError when the image, as its header sizes it under the request's settings, would
+        get more placeholder tokens than the budget holds (an unreadable header is left to the
+        decoder's error)."""
+        size = raw.size if isinstance(raw, Image.Image) else header_size(raw)
+        tokens = None if size is None else self.processor.image_tokens(size[0], size[1], settings)
+        if tokens is not None:
+            self.budget.check_image(index, tokens)
+
+    def process(self, raw: bytes | Image.Image, settings: dict[str, Any], plan: None = None,
+                salt: str | None = None) -> dict[str, Any]:
+        image = raw if isinstance(raw, Image.Image) else decode_image(bytes(raw), self.limits)
+        return self.processor.process_image(image, settings)
+
+    def num_tokens(self, data: dict[str, Any]) -> int:
+        return self.processor.num_placeholder_tokens(data)
+
+
+class ItemResolver(ItemPipeline):
+    """The image pipeline: `ItemPipeline` over `ImageModality` (its `hasher` the one every
+    modality's items are hashed with)."""
+
+    def __init__(self, model_id: str, processor: ItemProcessor, cache: ProcessorCache, limits: MediaLimits,
+                 hashing: bool, known_tokens: Callable[[str], int | None] = lambda h: None,
+                 fetch: Callable[[str], dict[str, Any] | None] = lambda h: None,
+                 budget: ItemBudget | None = None) -> None:
+        super().__init__(ImageModality(processor, limits, budget or ItemBudget()),
+                         ItemHasher(model_id, processor.settings()),
+                         cache, hashing, known_tokens, fetch)
+        self.processor = processor
+        self.limits = limits
+

@@ -131,6 +131,18 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         raise MediaError(f"the image is truncated or corrupt: {exc}") from exc
 
 
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from encoded image bytes' header, no pixel decoded; None when unreadable
+    (`decode_image` then says what is wrong)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as image:
+                return image.size
+    except Exception:  # any unreadable header: the decoder reports it
+        return None
+
+
 def check_bytes(n_bytes: int, limits: MediaLimits) -> None:
     """Refuse an encoded item larger than `limits.max_bytes`."""
     if n_bytes > limits.max_bytes:

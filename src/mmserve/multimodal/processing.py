@@ -12,13 +12,18 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
 
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
+from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import to_rgb
+
+if TYPE_CHECKING:
+    from mmserve.multimodal.processor_api import ItemProcessor
+    from mmserve.multimodal.video_processor import QwenVideoProcessor
 
 
 @dataclass
@@ -30,7 +35,8 @@ class ProcessedPrompt:
 
 
 class MultiModalProcessor:
-    """Wraps a checkpoint's Hugging Face processor (LLaVA-style: one `<image>` token per image).
+    """Wraps a checkpoint's Hugging Face processor (LLaVA-style: one `<image>` token per image);
+    an `ItemProcessor` (multimodal/processor_api.py) with no video input.
 
     Stateless after construction: `process` keeps nothing between calls, so a call that raises
     leaves nothing behind.
@@ -45,6 +51,7 @@ class MultiModalProcessor:
         self.tokenizer = self._hf.tokenizer
         self.image_token: str = self._hf.image_token
         self.image_token_id: int = self._hf.image_token_id
+        self.video: QwenVideoProcessor | None = None  # LLaVA takes no video
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
@@ -54,7 +61,7 @@ class MultiModalProcessor:
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Runs the image processor on one image: `{"pixel_values": Tensor[3, H, W]}` float32."""
-        _check_image(image)
+        check_image(image)
         out = self._hf.image_processor(images=[to_rgb(image)], return_tensors="pt")
         return {"pixel_values": out["pixel_values"][0].to(torch.float32)}
 
@@ -67,7 +74,18 @@ class MultiModalProcessor:
             count -= 1
         return count
 
-    def position_key(self, data: dict[str, torch.Tensor]) -> tuple[int | float, ...]:
+    def image_tokens(self, width: int, height: int, mm_kwargs: dict[str, Any]) -> int | None:
+        """Placeholder tokens of any image: the processor crops every image to one fixed size
+        (None when this checkpoint's processor keeps the image's own size)."""
+        processor = self._hf.image_processor
+        crop = getattr(processor, "crop_size", None)
+        if not getattr(processor, "do_center_crop", False) or not crop:
+            return None
+        shape = torch.empty(0, 0, int(crop["height"]), int(crop["width"]))
+        return self.num_placeholder_tokens({"pixel_values": shape})
+
+    def position_key(self, data: dict[str, torch.Tensor],
+                     group: tuple[int, float] | None = None) -> tuple[int | float, ...]:
         """What the decoder's positions read of an item (`MultiModalItem.position_key`): nothing,
         LLaVA's positions are 1-D and its image features depend on the pixels alone."""
         return ()
@@ -89,37 +107,13 @@ class MultiModalProcessor:
 
     def check_image_count(self, prompt: str, num_images: int) -> None:
         """ValueError unless the prompt has exactly one `<image>` per image."""
-        if not isinstance(prompt, str):
-            raise ValueError(f"the prompt must be a string, not {type(prompt).__name__}")
-        num_tokens = prompt.count(self.image_token)
-        if num_tokens != num_images:
-            raise ValueError(
-                f"the prompt has {num_tokens} {self.image_token} token(s) but {num_images} "
-                f"image(s) were given; each image needs exactly one {self.image_token} in the prompt"
-            )
+        placeholders.check_image_count(prompt, self.image_token, num_images)
 
     def expand(self, prompt: str, counts: list[int]) -> tuple[list[int], list[PlaceholderRange]]:
         """The token ids `LlavaProcessor` gets by tokenizing `prompt` with its i-th `<image>`
-        expanded to `counts[i]` placeholders, and each item's placeholder range.
-
-        Tokenized with one `<image>` per image, then expanded in token space: a tokenizer splits
-        its added tokens out of the text before anything else, so the text between them tokenizes
-        the same either way (tested against the text expansion), and a 576-placeholder image costs
-        no tokenizer time."""
-        token_ids = list(self.tokenizer(prompt)["input_ids"])
-        positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
-        if len(positions) != len(counts):
-            raise ValueError(f"expected {len(counts)} {self.image_token} tokens in the prompt, the tokenizer "
-                             f"produced {len(positions)}")
-        expanded: list[int] = []
-        ranges: list[PlaceholderRange] = []
-        done = 0
-        for position, count in zip(positions, counts):
-            expanded += token_ids[done:position]
-            ranges.append(PlaceholderRange(offset=len(expanded) if count else 0, length=count))
-            expanded += [self.image_token_id] * count
-            done = position + 1
-        return expanded + token_ids[done:], ranges
+        expanded to `counts[i]` placeholders, and each item's placeholder range
+        (`placeholders.expand`)."""
+        return placeholders.expand(self.tokenizer, self.image_token, self.image_token_id, prompt, counts)
 
     def settings(self) -> dict[str, Any]:
         """The image processor's settings (what changes its output), for the item hash."""
@@ -135,11 +129,11 @@ class MultiModalProcessor:
         if not isinstance(images, (list, tuple)):
             raise ValueError(f"images must be a list, not {type(images).__name__}")
         for image in images:
-            _check_image(image)
+            check_image(image)
         self.check_image_count(prompt, len(images))
 
 
-def create_processor(model_path: str) -> Any:
+def create_processor(model_path: str) -> ItemProcessor:
     """The P0 processor for a checkpoint: LLaVA's (this module) or the Qwen-VL families'
     (multimodal/qwen_processor.py), chosen by `config.json`'s architectures."""
     from mmserve.models.hf_config import LlavaModelConfig, load_model_config
@@ -151,7 +145,8 @@ def create_processor(model_path: str) -> Any:
     return QwenVLProcessor(model_path)
 
 
-def _check_image(image: Any) -> None:
+def check_image(image: Any) -> None:
+    """ValueError unless `image` is a PIL image."""
     if not isinstance(image, Image.Image):
         kind = type(image)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

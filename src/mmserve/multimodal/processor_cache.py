@@ -29,6 +29,11 @@ class ProcessorCache(LruCache):
             self._lru.stats.hits += 1
             return self._lru.touch(mm_hash)
 
+    def peek(self, mm_hash: str) -> dict[str, Any] | None:
+        """The held item, or None; counts nothing and refreshes nothing."""
+        with self._lock:
+            return self._lru.peek(mm_hash) if mm_hash in self._lru else None
+
     def put(self, mm_hash: str, data: dict[str, Any]) -> None:
         if self.enabled:
             with self._lock:

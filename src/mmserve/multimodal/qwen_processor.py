@@ -15,12 +15,15 @@ applied by multimodal/video_items.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from PIL import Image
 
-from mmserve.multimodal.processing import MultiModalProcessor, _check_image, to_rgb
+from mmserve.ipc.items import PlaceholderRange
+from mmserve.multimodal import placeholders
+from mmserve.multimodal.media import MediaError, to_rgb
+from mmserve.multimodal.processing import check_image
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
 from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
@@ -29,8 +32,9 @@ MM_KWARGS = ("min_pixels", "max_pixels")
 _MAX_PIXELS_LIMIT = 1 << 31  # beyond any image a server would accept
 
 
-class QwenVLProcessor(MultiModalProcessor):
-    """The checkpoint's tokenizer and chat template, and its image processor settings.
+class QwenVLProcessor:
+    """The checkpoint's tokenizer and chat template, and its image and video processor settings:
+    a `VideoItemProcessor` (multimodal/processor_api.py), a sibling of the LLaVA processor.
 
     Stateless after construction (as the LLaVA processor): a call that raises leaves nothing."""
 
@@ -38,10 +42,10 @@ class QwenVLProcessor(MultiModalProcessor):
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer: Any = cast(Any, AutoTokenizer.from_pretrained(model_path))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
         self.image_token = "<|image_pad|>"
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge_size: int = self.image_processor.merge_size
         size = self.image_processor.size
         self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
@@ -53,9 +57,9 @@ class QwenVLProcessor(MultiModalProcessor):
         if not isinstance(config, QwenVLModelConfig):
             raise ValueError(f"{model_path!r} is not a Qwen-VL checkpoint")
         self.family = config.family
-        self.video = QwenVideoProcessor(model_path, self.family)
+        self.video: QwenVideoProcessor = QwenVideoProcessor(model_path, self.family)
         self.video_token = "<|video_pad|>"
-        self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
+        self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(self.video_token))
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's image pixel budget, validated (a ValueError names the fault) and normalised:
@@ -82,12 +86,26 @@ class QwenVLProcessor(MultiModalProcessor):
         """One image -> `{"pixel_values": Tensor[P, C * Tp * p * p] float32, "image_grid_thw":
         Tensor[3] int64}` (P = t * h * w patches in merge-block order). `mm_kwargs`: the request's
         pixel budget, checked as `check_mm_kwargs` does (ValueError)."""
-        _check_image(image)
+        check_image(image)
         budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
         size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
         out = self.image_processor(images=[to_rgb(image)], return_tensors="pt", size=size)
         return {"pixel_values": out["pixel_values"].to(torch.float32),
                 "image_grid_thw": out["image_grid_thw"][0].to(torch.int64)}
+
+    def image_tokens(self, width: int, height: int, mm_kwargs: dict[str, Any]) -> int:
+        """Placeholder tokens of a width x height image under the request's pixel budget, from the
+        processor's `smart_resize` alone (no pixel touched); MediaError for an aspect ratio the
+        processor refuses."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        budget = {**self.default_pixels, **mm_kwargs}
+        patch = int(self.image_processor.patch_size)
+        try:
+            h, w = smart_resize(height, width, patch * self.merge_size, budget["min_pixels"], budget["max_pixels"])
+        except ValueError as e:
+            raise MediaError(f"the image cannot be sized: {e}") from None
+        return (h // patch) * (w // patch) // self.merge_size**2
 
     def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
         """t * h * w / merge²: one embedding per merged block of patches."""
@@ -107,6 +125,14 @@ class QwenVLProcessor(MultiModalProcessor):
         """The image processor's settings (what changes its output), for the item hash."""
         return {"image_processor": self.image_processor.to_dict(), "merge_size": self.merge_size,
                 "video_processor": self.video.settings()}
+
+    def check_image_count(self, prompt: str, num_images: int) -> None:
+        """ValueError unless the prompt has exactly one `<|image_pad|>` per image."""
+        placeholders.check_image_count(prompt, self.image_token, num_images)
+
+    def expand(self, prompt: str, counts: list[int]) -> tuple[list[int], list[PlaceholderRange]]:
+        """Token ids with the i-th `<|image_pad|>` expanded to `counts[i]` pads, and the ranges."""
+        return placeholders.expand(self.tokenizer, self.image_token, self.image_token_id, prompt, counts)
 
     def check_video_count(self, prompt: str, num_videos: int) -> None:
         """ValueError unless the prompt has exactly one `<|video_pad|>` per video."""

@@ -22,19 +22,23 @@ from mmserve.multimodal.media import MediaError
 
 FLAG_MAX_FRAMES = "--max-video-frames"
 FLAG_MAX_DURATION = "--max-video-duration-s"
+FLAG_MAX_TOTAL_PIXELS = "--max-video-pixels"
 
 
 @dataclass(frozen=True)
 class VideoLimits:
     """`max_frames`: frames kept after sampling; `max_duration_s`: the clip's length in seconds;
-    `max_pixels`: one frame's width * height (the media pixel limit)."""
+    `max_pixels`: one frame's width * height (the media pixel limit); `max_total_pixels`: the
+    sampled frames' pixels together (frames x width x height at the source size: what decoding
+    converts), checked before any frame is decoded."""
 
     max_frames: int = 768
     max_duration_s: float = 3600.0
     max_pixels: int = 40_000_000
+    max_total_pixels: int = 1 << 28
 
     def __post_init__(self) -> None:
-        if self.max_frames < 1 or self.max_duration_s <= 0 or self.max_pixels < 1:
+        if self.max_frames < 1 or self.max_duration_s <= 0 or self.max_pixels < 1 or self.max_total_pixels < 1:
             raise ValueError(f"video limits must be positive; got {self}")
 
 
@@ -73,10 +77,18 @@ def check_video(meta: VideoMetadata, limits: VideoLimits) -> None:
                          f"{limits.max_duration_s:g} s ({FLAG_MAX_DURATION})")
 
 
-def check_sampled(num_frames: int, limits: VideoLimits) -> None:
+def check_sampled(num_frames: int, limits: VideoLimits, meta: VideoMetadata | None = None) -> None:
+    """MediaError when sampling keeps more frames, or (given the metadata) more pixels, than allowed."""
     if num_frames > limits.max_frames:
         raise MediaError(f"sampling keeps {num_frames} frames of the video, more than the limit of "
                          f"{limits.max_frames} ({FLAG_MAX_FRAMES}); lower fps or num_frames")
+    if meta is None:
+        return
+    total = num_frames * meta.width * meta.height
+    if total > limits.max_total_pixels:
+        raise MediaError(f"sampling keeps {num_frames} frames of {meta.width}x{meta.height} = {total} pixels, "
+                         f"more than the limit of {limits.max_total_pixels} ({FLAG_MAX_TOTAL_PIXELS}); lower fps or "
+                         "num_frames, or send a smaller video")
 
 
 def decode_video(data: bytes, sample: Callable[[VideoMetadata], np.ndarray], limits: VideoLimits) -> DecodedVideo:
@@ -91,12 +103,27 @@ def decode_video(data: bytes, sample: Callable[[VideoMetadata], np.ndarray], lim
             check_video(meta, limits)
             indices = np.asarray(sample(meta), dtype=np.int64)
             check_sampled(len(indices), limits)
-            frames = _read_frames(container, stream, indices)
+            frames = np.stack(_read_frames(container, stream, indices))
     except MediaError:
         raise
     except (av.error.FFmpegError, ValueError, IndexError, OSError) as e:
         raise MediaError(f"the video could not be decoded: {_short(e)}") from None
     return DecodedVideo(frames, indices, meta)
+
+
+def decode_frames(data: bytes, indices: np.ndarray, convert: Callable[[np.ndarray], Any]) -> list[Any]:
+    """`convert(frame)` of each frame at `indices` (sorted, repeats allowed; checked by the caller
+    against the limits) in order, a frame [H, W, 3] uint8 RGB converted as soon as it is decoded:
+    only the converted sampled frames are kept. MediaError for anything unreadable or truncated."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            return _read_frames(container, _video_stream(container), indices, convert)
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, ValueError, IndexError, OSError) as e:
+        raise MediaError(f"the video could not be decoded: {_short(e)}") from None
 
 
 def probe_video(data: bytes) -> VideoMetadata:
@@ -129,25 +156,27 @@ def _metadata(container: Any, stream: Any) -> VideoMetadata:
     return VideoMetadata(total, fps, int(stream.codec_context.width), int(stream.codec_context.height))
 
 
-def _read_frames(container: Any, stream: Any, indices: np.ndarray) -> np.ndarray:
-    """Frames at `indices` (decode order = presentation order for the codecs we read), stopping
-    after the last one needed. MediaError when the stream ends before it (a truncated file)."""
+def _read_frames(container: Any, stream: Any, indices: np.ndarray,
+                 convert: Callable[[np.ndarray], Any] = lambda frame: frame) -> list[Any]:
+    """Frames at `indices` (decode order = presentation order for the codecs we read), each
+    converted once, stopping after the last one needed. MediaError when the stream ends before it
+    (a truncated file)."""
     if len(indices) == 0:
         raise MediaError("sampling picked no frames of the video")
     if indices[0] < 0 or np.any(np.diff(indices) < 0):
         raise ValueError("frame indices must be sorted and non-negative")
     wanted, last = set(indices.tolist()), int(indices[-1])
-    kept: dict[int, np.ndarray] = {}
+    kept: dict[int, Any] = {}
     count = 0
     for count, frame in enumerate(container.decode(stream), start=1):
         if count - 1 in wanted:
-            kept[count - 1] = frame.to_ndarray(format="rgb24")
+            kept[count - 1] = convert(frame.to_ndarray(format="rgb24"))
         if count > last:
             break
     if last not in kept:
         raise MediaError(f"the video is truncated: frame {last} was needed but the stream ended after {count} "
                          "frames")
-    return np.stack([kept[int(i)] for i in indices])
+    return [kept[int(i)] for i in indices]
 
 
 def _short(e: BaseException) -> str:

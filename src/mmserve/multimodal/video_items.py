@@ -1,95 +1,89 @@
 """P0: each video of a request -> its hash, its processed groups, and one item per temporal group.
 
-Order per video, as for images (multimodal/items.py): read the source's bytes (no decoding), hash
-them with the video options that change the pixels, look the hash up in the processor cache, and
-only on a miss decode (PyAV) and process. A repeated video is therefore neither decoded nor
-processed again. The processor cache holds the whole processed video (`VideoEntry` tensors);
-the request then carries one `MultiModalItem` per temporal group, keyed by the hash of that
-group's pixels (and grid, model, salt), so the IPC / shm layers, the encoder cache and the
-prefix blocks all work per group: a clip that shares its first frames with an earlier video, or a
-video re-sent with frames appended, reuses every group already seen.
+Videos go through the item pipeline every modality shares (multimodal/items.py): read the source's
+bytes (no decoding), hash them with the video options that change the pixels, look the hash up in
+the processor cache, take a video another request is processing from that request (in-flight
+dedup), and only on a miss size it and decode it (PyAV) and process it. Sizing comes first
+(`VideoModality.plan`): the container's metadata gives the sampled frame indices, the target size
+and so every group's token count, all checked (frames, pixels, encoder budget, max_model_len)
+before a frame is decoded; decoding then keeps each sampled frame only at its target size.
 
-Entries are committed to the processor cache with the request's images (`ItemResolver.commit`),
-so a rejected request leaves none. Unlike images, a video being processed by another request's
-thread is not waited for (a burst of one new video may process it more than once).
+The processor cache holds the whole processed video (`VideoEntry` tensors); the request then
+carries one `MultiModalItem` per temporal group, keyed by the hash of that group's pixels (and
+grid, model, salt), so the IPC / shm layers, the encoder cache and the prefix blocks all work per
+group: a clip that shares its first frames with an earlier video, or a video re-sent with frames
+appended, reuses every group already seen. Entries are committed with the request's images, so a
+rejected request leaves none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid as uuid_lib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from mmserve.multimodal.processor_cache import ProcessorCache
-from mmserve.multimodal.hasher import ItemHasher
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.multimodal.items import ResolvedItem
+from mmserve.multimodal.budget import ItemBudget
+from mmserve.multimodal.hasher import ItemHasher
+from mmserve.multimodal.items import InFlight, ItemPipeline, ResolvedItem
 from mmserve.multimodal.media import MediaError, MediaLimits, read_media_bytes
-from mmserve.multimodal.video import VideoLimits, VideoMetadata, check_sampled, check_video, decode_video
+from mmserve.multimodal.processor_api import VideoItemProcessor
+from mmserve.multimodal.processor_cache import ProcessorCache
+from mmserve.multimodal.video import (FLAG_MAX_FRAMES, FLAG_MAX_TOTAL_PIXELS, VideoLimits, VideoMetadata,
+                                      check_sampled, check_video, decode_frames, probe_video)
 from mmserve.multimodal.video_options import REQUEST_KEYS, VideoOptions, resolve, sample_indices
-from mmserve.multimodal.video_processor import ProcessedVideo
+from mmserve.multimodal.video_processor import ProcessedVideo, resize_like_torchvision
 
 FLAG_MAX_VIDEO_BYTES = "--max-video-bytes"
 
+RawVideo = bytes | tuple[np.ndarray, float | None]  # encoded bytes, or (frames [T, H, W, 3] uint8, fps)
 
-class VideoResolver:
-    """Video sources (+ uuids, salt, the request's options) -> `ResolvedItem`s whose `data` is
-    a `VideoEntry` dict. `processor`: the Qwen P0 processor (its `video` and `expand_videos`)."""
 
-    def __init__(self, hasher: ItemHasher, processor: Any, cache: ProcessorCache, media: MediaLimits,
-                 video_limits: VideoLimits, max_video_bytes: int, server_options: dict[str, Any] | None,
-                 hashing: bool) -> None:
-        self.hasher = hasher
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video sized before decoding: its metadata, the source frames to keep, their target size."""
+
+    meta: VideoMetadata
+    indices: np.ndarray
+    height: int
+    width: int
+
+
+class VideoModality:
+    """Videos for the item pipeline: `settings` are a `VideoOptions`; `data` is a `VideoEntry`
+    dict; `num_tokens` counts one temporal group (the unit budgets and caches count in)."""
+
+    kind = "video"
+
+    def __init__(self, processor: VideoItemProcessor, media: MediaLimits, limits: VideoLimits,
+                 budget: ItemBudget, hasher: ItemHasher, hashing: bool) -> None:
         self.processor = processor
-        self.cache = cache
-        self.media = dataclasses.replace(media, max_bytes=max_video_bytes)
-        self.limits = video_limits
+        self.media = media
+        self.limits = limits
+        self.budget = budget
+        self.hasher = hasher
         self.hashing = hashing
-        self.base = resolve(processor.video.defaults, server_options)
         self.num_decoded = 0  # videos decoded since start
 
-    def options(self, mm_kwargs: dict[str, Any] | None, media_io_kwargs: dict[str, Any] | None) -> VideoOptions:
-        """The request's video options: the server's, then `media_io_kwargs["video"]`, then the
-        video keys of `mm_processor_kwargs` (ValueError names a bad one)."""
-        media_io = dict(media_io_kwargs or {})
-        if set(media_io) - {"video"}:
-            raise ValueError('media_io_kwargs takes only the key "video"')
-        request = {k: v for k, v in (mm_kwargs or {}).items() if k in REQUEST_KEYS}
-        return resolve(self.base, media_io.get("video"), request)
+    def settings(self, requested: Any) -> VideoOptions:
+        assert isinstance(requested, VideoOptions), "videos are resolved with their VideoOptions"
+        return requested
 
-    def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
-                opts: VideoOptions, bypass: bool = False) -> list[ResolvedItem]:
-        """Each video's entry; with `bypass` (a shadow run) decoded and processed again, the
-        processor cache neither read nor written."""
-        return [self._resolve_one(source, uid, salt, opts, bypass) for source, uid in zip(sources, uuids)]
+    def hashed_settings(self, settings: VideoOptions) -> dict[str, Any]:
+        return settings.as_dict()
 
-    def _resolve_one(self, source: Any, uid: str | None, salt: str | None, opts: VideoOptions,
-                     bypass: bool = False) -> ResolvedItem:
-        settings = opts.as_dict()
-        if uid is not None:
-            mm_hash = self.hasher.hash_uuid("video", uid, salt, settings)
-            if source is None and bypass:
-                raise ValueError("a video given by uuid alone cannot be processed again")
-            if source is None:
-                data = self.cache.get(mm_hash) if self.cache.enabled else None
-                if data is None:
-                    raise ValueError(f"the video with uuid {uid!r} is not cached (any more): send the video again "
-                                     "together with its uuid")
-                return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=False, hit=True)
-        raw = self._read(source)
-        if uid is None:
-            key = raw if isinstance(raw, bytes) else [raw[0], raw[1]]
-            mm_hash = self.hasher.hash_item("video", key, salt, settings) if self.hashing else uuid_lib.uuid4().hex
-        looked_up = self.cache.enabled and not bypass
-        cached = self.cache.get(mm_hash) if looked_up else None
-        data = cached if cached is not None else self._process(raw, opts, salt)
-        return ResolvedItem(mm_hash, data, _num_tokens(data, self.processor), fresh=cached is None and not bypass,
-                            hit=cached is not None if looked_up else None)
+    def hash_key(self, raw: RawVideo) -> Any:
+        return raw if isinstance(raw, bytes) else [raw[0], raw[1]]
 
-    def _read(self, source: Any) -> bytes | tuple[np.ndarray, float | None]:
+    def num_tokens(self, data: dict[str, Any]) -> int:
+        _, h, w = (int(v) for v in data["video_grid_thw"].tolist())
+        return h * w // self.processor.merge_size**2
+
+    def read(self, source: Any) -> RawVideo:
         """Encoded bytes (a URL, path or bytes) or (frames [T, H, W, 3] uint8, fps)."""
         if isinstance(source, str):
             return read_media_bytes(source, self.media, kind="video")
@@ -110,29 +104,53 @@ class VideoResolver:
             return np.ascontiguousarray(frames), None if fps is None else float(fps)
         raise ValueError("a video is a URL / path string, encoded bytes, or (frames: T x H x W x 3 uint8 array, fps)")
 
-    def _process(self, raw: bytes | tuple[np.ndarray, float | None], opts: VideoOptions,
-                 salt: str | None) -> dict[str, torch.Tensor]:
-        family, tp = self.processor.family, self.processor.video.temporal_patch_size
+    def plan(self, index: int, raw: RawVideo, opts: VideoOptions) -> VideoPlan:
+        """The frames to keep and their target size, from the metadata alone; MediaError (or the
+        budget's ValueError) for a video over a limit, before any frame is decoded."""
+        if isinstance(raw, bytes):
+            meta = probe_video(raw)
+        else:
+            meta = VideoMetadata(len(raw[0]), raw[1], raw[0].shape[2], raw[0].shape[1])
+        check_video(meta, self.limits)
+        video = self.processor.video
         try:
-            if isinstance(raw, bytes):
-                decoded = decode_video(raw, lambda meta: sample_indices(meta, opts, family, tp), self.limits)
-                self.num_decoded += 1
-                frames, indices, meta = decoded.frames, decoded.indices, decoded.metadata
-            else:
-                all_frames, fps = raw
-                meta = VideoMetadata(len(all_frames), fps, all_frames.shape[2], all_frames.shape[1])
-                check_video(meta, self.limits)
-                indices = sample_indices(meta, opts, family, tp)
-                check_sampled(len(indices), self.limits)
-                frames = all_frames[indices]
-            video = self.processor.video.process(frames, indices, meta.fps, meta.total_num_frames, opts)
+            indices = sample_indices(meta, opts, self.processor.family, video.temporal_patch_size)
+            check_sampled(len(indices), self.limits, meta)
+            height, width = video.target_size(len(indices), meta.height, meta.width, opts)
         except MediaError:
             raise
+        except ValueError as e:
+            raise MediaError(f"the video cannot be sampled or sized: {e}") from None
+        patch, tp = video.patch_size, video.temporal_patch_size
+        groups = -(-len(indices) // tp)
+        self.budget.check_video(index, (height // patch) * (width // patch) // video.merge_size**2, groups)
+        return VideoPlan(meta, np.asarray(indices, dtype=np.int64), height, width)
+
+    def process(self, raw: RawVideo, opts: VideoOptions, plan: VideoPlan, salt: str | None) -> dict[str, Any]:
+        """Decode the planned frames, each resized to the target size as it is decoded, then
+        normalize and patchify them; the cache entry with its groups' (salted) hashes."""
+        height, width = plan.height, plan.width
+
+        def shrink(frame: np.ndarray) -> torch.Tensor:  # [H, W, 3] -> [3, height, width] uint8
+            chw = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1).contiguous()
+            return resize_like_torchvision(chw.unsqueeze(0), height, width)[0]
+
+        if isinstance(raw, bytes):
+            frames = decode_frames(raw, plan.indices, shrink)
+            self.num_decoded += 1
+        else:
+            done: dict[int, torch.Tensor] = {}
+            frames = [done.setdefault(int(i), shrink(raw[0][int(i)])) if int(i) not in done else done[int(i)]
+                      for i in plan.indices]
+        try:
+            video = self.processor.video.process_resized(torch.stack(frames), plan.indices, plan.meta.fps,
+                                                         plan.meta.total_num_frames)
         except ValueError as e:
             raise MediaError(f"the video cannot be sampled or sized: {e}") from None
         return self._entry(video, salt)
 
     def _entry(self, video: ProcessedVideo, salt: str | None) -> dict[str, torch.Tensor]:
+        """The processor-cache entry: the video's tensors and each group's content hash."""
         groups = [video.group(g) for g in range(video.grid[0])]
         if self.hashing:
             hashes = [self.hasher.hash_item("video_group", g["pixel_values"], salt,
@@ -145,6 +163,44 @@ class VideoResolver:
                 "group_hashes": torch.tensor([list(bytes.fromhex(h)) for h in hashes], dtype=torch.uint8)}
 
 
+class VideoResolver(ItemPipeline):
+    """The video pipeline: `ItemPipeline` over `VideoModality`, with the request's options
+    merged over the checkpoint's and the server's, and clamped to the server's limits."""
+
+    def __init__(self, hasher: ItemHasher, processor: VideoItemProcessor, cache: ProcessorCache, media: MediaLimits,
+                 video_limits: VideoLimits, max_video_bytes: int, server_options: dict[str, Any] | None,
+                 hashing: bool, budget: ItemBudget | None = None, inflight: InFlight | None = None) -> None:
+        media = dataclasses.replace(media, max_bytes=max_video_bytes)
+        self.video_modality = VideoModality(processor, media, video_limits, budget or ItemBudget(), hasher, hashing)
+        super().__init__(self.video_modality, hasher, cache, hashing, inflight=inflight)
+        self.limits = video_limits
+        self.base = resolve(processor.video.defaults, server_options)
+
+    @property
+    def num_decoded(self) -> int:
+        """Videos decoded since start."""
+        return self.video_modality.num_decoded
+
+    def options(self, mm_kwargs: dict[str, Any] | None, media_io_kwargs: dict[str, Any] | None) -> VideoOptions:
+        """The request's video options: the server's, then `media_io_kwargs["video"]`, then the
+        video keys of `mm_processor_kwargs`; ValueError names a bad one, or the server limit a
+        frame count or pixel budget goes beyond."""
+        media_io = dict(media_io_kwargs or {})
+        if set(media_io) - {"video"}:
+            raise ValueError('media_io_kwargs takes only the key "video"')
+        request = {k: v for k, v in (mm_kwargs or {}).items() if k in REQUEST_KEYS}
+        opts = resolve(self.base, media_io.get("video"), request)
+        for key in ("num_frames", "min_frames"):  # either may become the sampled count
+            value = getattr(opts, key)
+            if value is not None and value > self.limits.max_frames:
+                raise MediaError(f"video option {key} ({value}) exceeds the server's limit of "
+                                 f"{self.limits.max_frames} frames ({FLAG_MAX_FRAMES})")
+        if opts.min_pixels > self.limits.max_total_pixels:
+            raise MediaError(f"video option min_pixels ({opts.min_pixels}) exceeds the server's limit of "
+                             f"{self.limits.max_total_pixels} pixels ({FLAG_MAX_TOTAL_PIXELS})")
+        return opts
+
+
 def as_processed(entry: dict[str, Any] | None) -> ProcessedVideo:
     """A processor-cache entry back as the processed video (a resolved video always has one)."""
     assert entry is not None, "a video item without its processed data"
@@ -153,7 +209,8 @@ def as_processed(entry: dict[str, Any] | None) -> ProcessedVideo:
                           float(entry["second_per_grid_ts"][0]))
 
 
-def group_items(processor: Any, token_ids: list[int], videos: list[ResolvedItem]) -> list[MultiModalItem]:
+def group_items(processor: VideoItemProcessor, token_ids: list[int],
+                videos: list[ResolvedItem]) -> list[MultiModalItem]:
     """One item per temporal group of each video, at its run of `<|video_pad|>` tokens in order."""
     positions = [i for i, token in enumerate(token_ids) if token == processor.video_token_id]
     items: list[MultiModalItem] = []
@@ -174,12 +231,6 @@ def group_items(processor: Any, token_ids: list[int], videos: list[ResolvedItem]
     if taken != len(positions):
         raise ValueError(f"the prompt has {len(positions) - taken} {processor.video_token} token(s) no video fills")
     return items
-
-
-def _num_tokens(entry: dict[str, torch.Tensor], processor: Any) -> int:
-    """Placeholder tokens of one temporal group (the unit budgets and caches count in)."""
-    _, h, w = (int(v) for v in entry["video_grid_thw"].tolist())
-    return h * w // processor.merge_size**2
 
 
 def video_data(resolved: ResolvedItem) -> dict[str, Any]:

@@ -104,7 +104,12 @@ class QwenVideoProcessor:
                              f"{tuple(frames.shape)}")
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # [T, C, H, W]
         height, width = self.target_size(len(frames), video.shape[-2], video.shape[-1], opts)
-        video = resize_like_torchvision(video, height, width)
+        return self.process_resized(resize_like_torchvision(video, height, width), indices, source_fps, total_frames)
+
+    def process_resized(self, video: torch.Tensor, indices: np.ndarray, source_fps: float | None,
+                        total_frames: int) -> ProcessedVideo:
+        """video: [T, C, H, W] uint8, the sampled frames already at `target_size` (the serving
+        path resizes each frame as it is decoded: multimodal/video_items.py)."""
         pixels = self._normalize(video)
         patches, grid = self._patchify(pixels)
         fps = source_fps if source_fps else 24.0
