@@ -22,9 +22,9 @@ import msgspec
 import torch
 
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient, NodeStoreServer
+from mmserve.item_store.node_store import NodeStoreClient, NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.item_store.shm_store import ShmStore
 
 SHAPES = {1: (3, 296, 296), 3: (3, 512, 512), 12: (3, 1024, 1024)}  # MB -> float32 pixel_values
 CAPACITY = 256 << 20

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir  # noqa: E402
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder  # noqa: E402
-from mmserve.ipc.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader  # noqa: E402
+from mmserve.item_store.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader  # noqa: E402
 
 SHAPES = {1: (3, 296, 296), 3: (3, 512, 512), 12: (3, 1024, 1024)}  # MB -> float32 pixel_values
 CAPACITY = 256 << 20

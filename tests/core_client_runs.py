@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from mmserve import LLM, SamplingParams
-from mmserve.frontend.core_client import EngineCoreClient
+from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from tiny_models import make_image
 

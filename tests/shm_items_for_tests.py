@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.ipc.shm_ring import HEADER_BYTES
+from mmserve.item_store.shm_ring import HEADER_BYTES
 
 ITEM_BYTES = 3 * 32 * 32 * 4  # one `item(i)`: 12 KiB of float32 pixels
 CHUNK = HEADER_BYTES + 64 + ITEM_BYTES  # header, meta, pixels: the chunk one item takes

@@ -1,6 +1,12 @@
-"""The package's import layering (issue: the codebase carries its own map): `ipc/` is the bottom
-for the types that travel between processes and imports no other mmserve layer; P0's server
-modules do not pull in the engine core or the model code."""
+"""The package's import layering: each folder is one process's part or one shared layer.
+
+- `ipc/` (the types and channels that travel between processes) is the bottom: it imports no other
+  mmserve layer; `item_store/` (the shared-memory item store) sits on it alone.
+- P1 and its workers (`engine/`, `worker/`, `models/`) never load P0's code (`frontend/`,
+  `entrypoints/`) or the launcher's (`launcher/`); P0's `frontend/` never imports the server or the
+  launcher; nothing but the launcher (and the server's hand-over to it) imports `launcher/`.
+- P0's request path does not pull in the engine core or the model code.
+"""
 
 from __future__ import annotations
 
@@ -22,17 +28,57 @@ def mmserve_imports(path: Path) -> set[str]:
     return names
 
 
+def imports_of(folder: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(SRC)): mmserve_imports(p) for p in (SRC / folder).rglob("*.py")}
+
+
+def offending(folder: str, allowed: tuple[str, ...] = (), banned: tuple[str, ...] = ()) -> list[str]:
+    return sorted(f"{path}: {m}" for path, names in imports_of(folder).items() for m in names
+                  if (allowed and not m.startswith(allowed)) or (banned and m.startswith(banned)))
+
+
+def loaded_by(*modules: str) -> list[str]:
+    """The mmserve modules that importing `modules` loads (in a fresh interpreter)."""
+    code = f"import sys, {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('mmserve.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return eval(out)  # a list of module names
+
+
 def test_ipc_imports_only_ipc_and_config():
     allowed = ("mmserve.ipc.", "mmserve.config", "mmserve.sampling_params")  # the last two: plain data
-    bad = {f"{p.name}: {m}" for p in (SRC / "ipc").glob("*.py") for m in mmserve_imports(p)
-           if not m.startswith(allowed)}
-    assert not bad, sorted(bad)
+    bad = offending("ipc", allowed=allowed)
+    assert not bad, bad
+
+
+def test_the_item_store_sits_on_ipc_alone():
+    bad = offending("item_store", allowed=("mmserve.item_store.", "mmserve.ipc."))
+    assert not bad, bad
+
+
+def test_p1_and_its_workers_do_not_import_p0_or_the_launcher():
+    p0 = ("mmserve.frontend", "mmserve.entrypoints", "mmserve.launcher")
+    bad = [*offending("engine", banned=p0), *offending("worker", banned=p0), *offending("models", banned=p0)]
+    assert not bad, bad
+    loaded = loaded_by("mmserve.engine.core_proc", "mmserve.worker.worker_proc")
+    assert not [m for m in loaded if m.startswith(p0)], loaded
+
+
+def test_p0s_frontend_does_not_import_the_server_or_the_launcher():
+    bad = offending("frontend", banned=("mmserve.entrypoints", "mmserve.launcher"))
+    assert not bad, bad
+    bad = offending("transport", banned=("mmserve.entrypoints", "mmserve.launcher"))
+    assert not bad, bad
+
+
+def test_only_the_launcher_and_the_servers_hand_over_import_the_launcher():
+    users = {path for folder in ("frontend", "engine", "worker", "models", "multimodal", "transport", "ipc",
+                                 "item_store", "entrypoints")
+             for path, names in imports_of(folder).items() if any(m.startswith("mmserve.launcher") for m in names)}
+    assert users <= {"entrypoints/openai/api_server.py"}, users
 
 
 def test_the_frontends_request_path_does_not_import_the_engine_core():
-    code = ("import sys, mmserve.frontend.async_llm, mmserve.frontend.item_transport; "
-            "print(sorted(m for m in sys.modules if m.startswith(('mmserve.engine.core', 'mmserve.models.llava', "
-            "'mmserve.models.qwen_vl'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = loaded_by("mmserve.frontend.async_llm", "mmserve.transport.item_transport")
     # P1's target (`engine_process.py: _run_engine_core`) imports the engine core in P1 only
-    assert out.strip() == "[]", out
+    assert not [m for m in loaded if m.startswith(("mmserve.engine.core", "mmserve.models.llava",
+                                                   "mmserve.models.qwen_vl"))], loaded

@@ -19,12 +19,14 @@ def test_retain_freed_memory_sets_glibc_thresholds_unless_told_not_to(env, expec
 
 
 def test_the_serving_processes_apply_it():
-    """P0 (each API server), P1 and every tensor-parallel worker call it at start."""
+    """P0 (each API server), P1 and every tensor-parallel worker call it at start (through their
+    one set-up helper, `serving_process.py: ServingProcess`)."""
     from pathlib import Path
 
     src = Path(__file__).resolve().parents[1] / "src" / "mmserve"
+    assert "retain_freed_memory()" in (src / "serving_process.py").read_text()
     for path in ("entrypoints/openai/api_server.py", "engine/core_proc.py", "worker/worker_proc.py"):
-        assert "retain_freed_memory()" in (src / path).read_text(), path
+        assert "ServingProcess(" in (src / path).read_text(), path
 
 
 RESERVE_CODE = """

@@ -48,7 +48,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    pause_collection()  # until the server serves (`run_server`: freeze_startup_heap); else it exits
+    pause_collection()  # until the server serves (`ServingProcess.serve`); else it exits
     from mmserve.entrypoints.openai.api_server import run_server
 
     if args.model_tag is not None:

@@ -252,6 +252,8 @@ class ParallelConfig:
         "processor and IPC caches' budgets are split between them (one budget in all, not one each).")
     data_parallel_rank: int = _opt(0, "This engine core's rank (set per process, not a flag).", cli=False)
     api_server_index: int = _opt(0, "This API server's index (set per process, not a flag).", cli=False)
+    engine_restarts: int = _opt(0, "How often this rank's engine core was restarted (set per process, not a flag).",
+                                cli=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -274,9 +276,9 @@ class ParallelConfig:
         if self.api_server_count > 1 and self.data_parallel_backend == "ray":
             raise ValueError("--api-server-count > 1 runs with --data-parallel-backend mp only, for now")
 
-    def for_rank(self, rank: int) -> ParallelConfig:
-        """This config as the engine core of `rank` gets it."""
-        return dataclasses.replace(self, data_parallel_rank=rank)
+    def for_rank(self, rank: int, restarts: int = 0) -> ParallelConfig:
+        """This config as the engine core of `rank` gets it (its `restarts` so far)."""
+        return dataclasses.replace(self, data_parallel_rank=rank, engine_restarts=restarts)
 
 
 def _graph_sizes(text: str) -> list[int]:
@@ -339,9 +341,9 @@ class EngineConfig:
         return (mm.mm_processor_cache_gb > 0 or mm.ipc_cache_bytes > 0 or mm.uses_shm
                 or self.cache.enable_prefix_caching or self.scheduler.encoder_cache_tokens != 0)
 
-    def for_rank(self, rank: int) -> EngineConfig:
+    def for_rank(self, rank: int, restarts: int = 0) -> EngineConfig:
         """The config the engine core of data-parallel `rank` (and its workers) runs with."""
-        return dataclasses.replace(self, parallel=self.parallel.for_rank(rank))
+        return dataclasses.replace(self, parallel=self.parallel.for_rank(rank, restarts))
 
     def for_api_server(self, index: int) -> EngineConfig:
         """The config API server `index` runs with."""

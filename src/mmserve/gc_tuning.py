@@ -4,16 +4,17 @@ Once set up, a serving process holds a few hundred thousand container objects th
 as it does: imported modules (torch, transformers, the HTTP stack), the tokenizer and processor,
 the model's modules, the KV block pool. CPython's full (generation 2) collection traverses every
 one of them, and the process does nothing else meanwhile: an API server's event loop stalls every
-stream and every admission, an engine core's step loop every running request. On the 2-core VM a
-full collection of an engine core's heap (~430k objects) takes ~280 ms; under load they come every
-few hundred requests (`benchmarks/gc_pause.py` measures both).
+stream and every admission, an engine core's step loop every running request; under load full
+collections come every few hundred requests (`benchmarks/gc_pause.py` measures both; figures in
+the README).
 
 Start-up itself pays the same cost over and over: imports and model loading make objects that live
-as long as the process, and as the old generation grows CPython collects it again and again (six
-full collections, ~1 s in all, of an API server's start-up on 2 cores; ~0.3 s of an engine core's),
-to find a few hundred objects of garbage.
+as long as the process, and as the old generation grows CPython collects it again and again (several full
+collections of an API server's or an engine core's start-up), to find a few hundred objects of
+garbage.
 
-So a serving process calls `pause_collection()` first thing, and `freeze_startup_heap()` once it is
+So a serving process (`serving_process.py: ServingProcess`) calls `pause_collection()` first
+thing, and `freeze_startup_heap()` once it is
 set up and before it serves: every object then alive moves to the permanent generation, which no
 collection traverses (`gc.freeze`), and collection resumes. Garbage made while serving is freed as
 before; the few cycles start-up left behind stay for good. `MMSERVE_GC_FREEZE=0` makes both calls

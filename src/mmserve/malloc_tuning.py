@@ -4,8 +4,7 @@ By default glibc serves a large allocation (a request body, the string of a data
 payload, an image's pixels) with a fresh `mmap` past a threshold that adapts, and hands freed
 memory at the heap's top back to the OS past a trim threshold. The next request of the same size
 then page-faults every 4 KiB page in again, and in a virtual machine each fault costs
-microseconds: on a 2-core VM a repeated 1344 px image (a 5.6 MB body) spent 21 ms of a 34 ms warm
-TTFT receiving and parsing its body; with the thresholds raised, 7 ms.
+microseconds (README, "Measurements behind the design": a repeated large image's body).
 
 `retain_freed_memory` raises both, so that such buffers come from the heap and go back to it. The
 price: memory a process freed stays in it (its RSS stays near its peak), as with jemalloc or
@@ -13,8 +12,8 @@ tcmalloc. `MMSERVE_MALLOC=default` keeps glibc's defaults (a debugging knob, rea
 
 `HeapReserve` goes one step further for memory that is kept, not freed: P1's IPC receiver cache
 holds every item it receives, so each new item lands in memory the process never touched, and
-each of its 4 KiB pages faults while the item crosses from P0 (a 1.35 MB item: ~1 ms of a 2 ms
-transfer on a 2-core VM, measured with ZMQ alone). The reserve keeps a pad of free memory at the
+each of its 4 KiB pages faults while the item crosses from P0 (about half of the transfer's time,
+measured with ZMQ alone: README). The reserve keeps a pad of free memory at the
 top of the heap populated in advance, a few MiB at a time while the process is idle, so that the
 next items are received into pages that are already there.
 """

@@ -12,7 +12,7 @@ import pytest
 from mm_prompts import generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
-from mmserve.engine.clients import ApiServerChannels
+from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
 from tiny_models import TINY_VISION_CONFIG, make_checkpoint
@@ -48,7 +48,7 @@ def test_each_api_server_gets_its_own_receiver_and_a_share_of_the_budget():
 
 async def settled(engine: AsyncLLM, want: bool, timeout_s: float = 10.0) -> dict:
     """P1's latest stats once the receiver layer is (or is not) there and its digest matches P0's."""
-    engine._ensure_output_task()
+    engine.start()
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         caches = engine.stats().caches

@@ -38,7 +38,7 @@ def p0_state(engine: AsyncLLM) -> dict:
         "processor": engine.input_processor.processor_cache.keys(),
         "inflight": dict(engine.input_processor.items.inflight.futures),
         "pending": dict(engine.input_processor._pending),
-        "queues": dict(engine._queues), "flights": engine.flights.ids(),
+        "queues": dict(engine.requests.queues), "flights": engine.flights.ids(),
         "outputs": engine.output_processor.has_unfinished_requests(),
         "pins": None if store is None else {k: c.pins for k, c in store._entries.items()},
         "pinned_requests": None if store is None else dict(store._requests),

@@ -33,7 +33,7 @@ def engine(request, tmp_path_factory):
 def p0_leftovers(engine: AsyncLLM) -> dict:
     processor = engine.input_processor
     return {"pending": dict(processor._pending), "inflight": dict(processor.items.inflight.futures),
-            "queues": dict(engine._queues), "outputs": engine.output_processor.has_unfinished_requests()}
+            "queues": dict(engine.requests.queues), "outputs": engine.output_processor.has_unfinished_requests()}
 
 
 def test_cancelled_while_resolving_leaves_nothing(engine):

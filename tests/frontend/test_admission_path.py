@@ -3,7 +3,7 @@ thread hand-off there costs ~0.5 ms of TTFT; a video's decode would hold /health
 
 from __future__ import annotations
 
-from mmserve.frontend.admission import resolves_on_loop
+from mmserve.frontend.request.admission import resolves_on_loop
 
 IMAGE = {"prompt": "USER: <image>\nWhat? ASSISTANT:", "multi_modal_data": {"image": "data:image/png;base64,"}}
 VIDEO = {"prompt": "<|vision_start|><|video_pad|><|vision_end|>", "multi_modal_data": {"video": "file:///v.mov"}}

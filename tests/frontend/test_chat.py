@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmserve.frontend.chat import parse_chat_messages
+from mmserve.frontend.request.chat import parse_chat_messages
 from mmserve.multimodal.media import MediaError, MediaLimits, load_image
 
 

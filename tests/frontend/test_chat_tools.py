@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.frontend.chat import check_tools, parse_chat_messages
+from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.multimodal.processing import create_processor
 from tiny_models import make_image, make_qwen_checkpoint
 

@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.coordinator import Coordinator, RemoteRouter
+from mmserve.launcher.coordinator import Coordinator
+from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.launcher_messages import RankStats
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
@@ -68,7 +69,7 @@ def test_load_comes_from_the_engine_cores_stats(coordinator):
         time.sleep(0.3)  # the coordinator's thread takes it
         routes = {router.route(request(f"r{i}", f"new-{i}"), [0, 1]).rank for i in range(3)}
         assert routes == {1}  # rank 0 is busy: new images go to rank 1
-        assert router.route(request("pinned", "x"), [0, 1], pin=0).reason == "pinned"
+        assert router.route(request("pinned", "x"), [0, 1], forced=0).reason == "pinned"
     finally:
         router.close()
         stats_out.close()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mmserve.frontend.detokenizer import IncrementalDetokenizer
+from mmserve.frontend.output.detokenizer import IncrementalDetokenizer
 from mmserve.sampling_params import SamplingParams
 
 CORPUS = ["hello world, the café is open", "日本語 を 話します 🙂 🙂", "naïve façade über straße",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.dp_router import DPRouter
+from mmserve.frontend.dp.dp_router import DPRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import SamplingParams

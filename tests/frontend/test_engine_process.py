@@ -8,7 +8,7 @@ import multiprocessing
 import threading
 import time
 
-from mmserve.frontend.engine_process import LocalEngineProcess
+from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
 
 
 def spawn(seconds: float, code: int) -> multiprocessing.process.BaseProcess:

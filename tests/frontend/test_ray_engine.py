@@ -14,8 +14,8 @@ import pytest
 
 from mmserve import LLM
 from mmserve.config import EngineConfig
-from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
-from mmserve.frontend.engine_process import place_engine
+from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
+from mmserve.frontend.engine_client.engine_process import place_engine
 from mmserve.ipc.lifecycle import is_running
 from core_client_runs import ENGINE_ARGS, collect, request
 from tiny_models import make_checkpoint
@@ -141,8 +141,8 @@ def test_an_unplaceable_rank_is_a_clear_error_and_leaves_no_placement_group(path
 
 def test_without_ray_the_backend_names_the_extra(path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails
-    monkeypatch.delitem(sys.modules, "mmserve.frontend.ray_engine")
-    monkeypatch.delitem(sys.modules, "mmserve.frontend.ray_session")
+    monkeypatch.delitem(sys.modules, "mmserve.frontend.engine_client.ray_engine")
+    monkeypatch.delitem(sys.modules, "mmserve.frontend.engine_client.ray_session")
     with pytest.raises(ImportError, match=r"pip install mmserve\[ray\]"):
         place_engine(EngineConfig.from_kwargs(model=path, **RAY_ARGS), timeout_s=1.0)
 

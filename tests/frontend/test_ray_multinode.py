@@ -10,9 +10,9 @@ import pytest
 
 from mmserve import LLM
 from mmserve.config import EngineConfig
-from mmserve.frontend.core_client import EngineCoreClient
-from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.engine_client.core_client import EngineCoreClient
+from mmserve.transport.item_transport import ItemTransport
+from mmserve.frontend.request.undo import UndoLog
 from core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
 from tiny_models import make_checkpoint
 
@@ -46,7 +46,7 @@ def shm_listing() -> set[str]:
 
 def start_ranks(config: EngineConfig, path: str, shm_info: bytes | None, clients: list[EngineCoreClient]) -> None:
     """Rank 0 on the driver's node (node_a), rank 1 on the other (node_b)."""
-    from mmserve.frontend.ray_engine import RayEngineProcess
+    from mmserve.frontend.engine_client.ray_engine import RayEngineProcess
 
     for rank, node in enumerate(["node_a", "node_b"]):
         rank_config = config.for_rank(rank)

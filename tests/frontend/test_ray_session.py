@@ -13,7 +13,7 @@ import pytest
 
 from mmserve import LLM
 from mmserve.config import EngineConfig
-from mmserve.frontend.core_client import EngineCoreClient
+from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.ipc.lifecycle import is_running
 from core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
 from tiny_models import make_checkpoint
@@ -28,7 +28,7 @@ def child_titles(pid: int) -> list[str]:
 
 
 def test_ranks_start_a_local_ray_and_the_last_ones_shutdown_stops_it(tmp_path):
-    from mmserve.frontend.ray_engine import RayEngineProcess
+    from mmserve.frontend.engine_client.ray_engine import RayEngineProcess
 
     path = make_checkpoint(tmp_path)
     llm = LLM(model=path, **ENGINE_ARGS)

@@ -10,8 +10,8 @@ from mm_prompts import one
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.undo import UndoLog
+from mmserve.transport.item_transport import ItemTransport
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.sampling_params import SamplingParams
 from tiny_models import make_checkpoint
 

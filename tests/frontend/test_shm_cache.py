@@ -8,8 +8,8 @@ import pytest
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from mmserve.multimodal.shm_items import ShmItemReader, ShmItemWriter
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.transport.shm_items import ShmItemReader, ShmItemWriter
+from mmserve.item_store.shm_store import ShmStore
 from mm_prompts import PARAMS, TWO, generate, one, url
 from tiny_models import make_checkpoint
 

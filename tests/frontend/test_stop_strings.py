@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mmserve.errors import ClientError
-from mmserve.frontend.stop_matcher import StopMatcher
+from mmserve.frontend.output.stop_matcher import StopMatcher
 from mmserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient, NodeStoreServer
+from mmserve.item_store.node_store import NodeStoreClient, NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.item_store.shm_store import ShmStore
 from shm_items_for_tests import CHUNK, item, same
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')

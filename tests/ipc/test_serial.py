@@ -233,7 +233,8 @@ def test_corrupt_frames_are_clear_errors():
 
 
 def test_no_pickle_on_the_wire():
-    files = [*(SRC / "ipc").glob("*.py"), SRC / "engine" / "core_proc.py", SRC / "frontend" / "core_client.py"]
+    files = [*(SRC / "ipc").glob("*.py"), *(SRC / "item_store").glob("*.py"), *(SRC / "transport").glob("*.py"),
+             SRC / "engine" / "core_proc.py", SRC / "frontend" / "engine_client" / "core_client.py"]
     imports = re.compile(r"^\s*(import|from)\s+[\w.]*(pickle|dill)", re.MULTILINE)
     for path in files:
         assert not imports.search(path.read_text()), f"{path} imports a pickler"

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import mmserve
 from mmserve.ipc import shm_segment
-from mmserve.ipc.shm_ring import HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader
+from mmserve.item_store.shm_ring import HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader
 from mmserve.ipc.shm_segment import ShmSpaceError, check_shm_space, remove_stale_segments
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -244,7 +244,7 @@ def test_stale_segments_are_removed_live_ones_kept():
 
 _CHILD = """
 import signal, sys, time
-from mmserve.ipc.shm_ring import ShmRing
+from mmserve.item_store.shm_ring import ShmRing
 if {own_handler}:
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
 ring = ShmRing(1 << 20, lambda c: bytes(16), lambda c: None)

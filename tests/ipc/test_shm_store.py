@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import torch
 
-from mmserve.ipc.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader
-from mmserve.ipc.shm_store_reader import ShmHandleError
+from mmserve.item_store.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader
+from mmserve.item_store.shm_store_reader import ShmHandleError
 from shm_items_for_tests import CHUNK, ITEM_BYTES, item, same
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')

@@ -59,7 +59,7 @@ def test_disabled_processor_cache_keeps_nothing():
 
 class Link:
     """P0's sender and P1's receiver joined as the frontend joins them: send, and on a miss start
-    a new epoch and resend (async_llm's `_resend`)."""
+    a new epoch and resend (`Admission.resend`)."""
 
     def __init__(self, sender_bytes: int, receiver_bytes: int) -> None:
         self.sender = IpcSenderCache(sender_bytes)

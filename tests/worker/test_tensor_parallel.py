@@ -17,7 +17,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.ipc.messages import SchedulerOutput
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import TensorParallel, check_shardable

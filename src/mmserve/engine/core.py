@@ -1,7 +1,8 @@
 """The engine core (P1): a scheduler, a KV cache manager and an executor, driven step by step.
 
-`add_request` / `abort_requests` / `step` are the whole interface; the same object runs in
-the caller's process today and behind a socket once the frontend / engine-core split lands.
+`add_request` / `abort_requests` / `step` are the whole interface; it runs in P1
+(`engine/core_proc.py: EngineCoreProc` drives it behind the sockets) or, for the offline
+single-rank `LLM`, in the caller's process (`frontend/engine_client/llm_engine.py: LLMEngine`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """P1's entry point: the engine core in its own process, driven by messages from P0.
 
 `run_engine_core` connects to the sockets P0 bound (an input and an output per API server:
-`engine/clients.py`), builds the `EngineCore`, says `EngineCoreReady` to every API server (or
+`transport/api_server_channels.py`), builds the `EngineCore`, says `EngineCoreReady` to every API server (or
 `EngineCoreFailed` and exits 1), then runs the busy loop:
 
 - idle: block on the input socket (and the signal wake-up fd) for up to `_IDLE_POLL_MS`;
@@ -38,17 +38,16 @@ import zmq
 
 from mmserve.errors import CLIENT, INTERNAL, ClientError
 from mmserve.config import EngineConfig
-from mmserve.gc_tuning import freeze_startup_heap, pause_collection
-from mmserve.engine.clients import ApiServerChannels
-from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
-from mmserve.proc_title import set_process_title
+from mmserve.transport.api_server_channels import ApiServerChannels
+from mmserve.malloc_tuning import HeapReserve
+from mmserve.serving_process import ServingProcess
 from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
                                   EngineCoreReady, EngineCoreRequest, FinishReason,
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.multimodal.shm_items import ShmItemReader
+from mmserve.transport.shm_items import ShmItemReader
 
 if TYPE_CHECKING:
     from mmserve.engine.core import EngineCore
@@ -67,12 +66,10 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
     each or one per API server (in server index order), until told to stop; `stats_addr` also
     gets the stats (the data-parallel coordinator). Exit code 0 after SIGTERM / SIGINT, 1 after a
     startup or fatal error."""
-    pause_collection()  # until the engine core serves: freeze_startup_heap
     parallel = config.parallel
-    set_process_title(f"engine_dp{parallel.data_parallel_rank}")
-    retain_freed_memory()
     # before any other thread starts: ZMQ's I/O thread must allocate in the reserve's heap
-    reserve = HeapReserve(min(_HEAP_PAD_BYTES, config.multimodal.ipc_cache_bytes))
+    process = ServingProcess(f"engine_dp{parallel.data_parallel_rank}",
+                             min(_HEAP_PAD_BYTES, config.multimodal.ipc_cache_bytes))
     if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size == 1:  # ranks share the cores
         import torch
 
@@ -91,7 +88,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
         QueueSender(ctx, stats_addr, encoder, bind=False) if stats_addr is not None else None)
     exit_code = 0
     try:
-        exit_code = _serve(config, model_dir, inputs, channels, shm_info, input_addrs + output_addrs, reserve)
+        exit_code = _serve(config, model_dir, inputs, channels, shm_info, input_addrs + output_addrs, process)
     finally:
         inputs.close()
         channels.close()
@@ -102,7 +99,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str | Sequ
 
 def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCoreInput],
            channels: ApiServerChannels, shm_info: bytes | None, addresses: list[str],
-           reserve: HeapReserve | None = None) -> int:
+           process: ServingProcess | None = None) -> int:
     from mmserve.engine.core import EngineCore  # torch and the model load here, in P1 only
 
     parent_pid = _parent_pid(config)
@@ -115,9 +112,11 @@ def _serve(config: EngineConfig, model_dir: str, inputs: QueueReceiver[EngineCor
         return 1
     try:
         shm = ShmItemReader(msgspec.msgpack.decode(shm_info, type=ShmStoreInfo)) if shm_info else None
-        proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, reserve)
-        freeze_startup_heap()  # before the ready message: a full collection would stall every step
-        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid(), core.executor.dtype))
+        proc = EngineCoreProc(core, inputs, channels, parent_pid, shm, process.reserve if process else None)
+        if process is not None:
+            process.serve()  # before the ready message: a full collection would stall every step
+        proc.run(EngineCoreReady(core.max_model_len, core.kv_cache.pool.num_blocks, os.getpid(), core.executor.dtype,
+                                 config.parallel.engine_restarts))
         if proc.orphaned:
             _remove_socket_files(*addresses)
         return 0

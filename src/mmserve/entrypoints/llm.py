@@ -6,9 +6,9 @@ import itertools
 from typing import Any, Sequence, cast
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.chat import check_tools, parse_chat_messages
+from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.entrypoints.llm_dp import DataParallelRunner
-from mmserve.frontend.llm_engine import LLMEngine
+from mmserve.frontend.engine_client.llm_engine import LLMEngine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 

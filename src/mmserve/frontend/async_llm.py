@@ -1,5 +1,6 @@
-"""P0's asyncio engine for the server: requests go to the engine-core process (P1) over ZMQ,
-outputs come back on one background task and are routed to each request's queue.
+"""P0's asyncio engine: requests go to the engine cores (P1) over ZMQ, outputs back to each request's queue.
+
+Outputs come back on one background task per rank and are routed to each request's queue.
 
 Input processing (media decoding, the HF image processor, tokenizing) runs in a worker thread
 while other requests are in flight, so the event loop keeps serving them (`admission.py`, which
@@ -26,22 +27,25 @@ from typing import Any, AsyncGenerator
 
 from mmserve.errors import ClientError, engine_error
 from mmserve.config import EngineConfig
-from mmserve.frontend.admission import Admission
-from mmserve.frontend.attached_engine import Attachment
+from mmserve.frontend.request.admission import Admission
+from mmserve.frontend.engine_client.attached_engine import Attachment
 from mmserve.frontend.cache_verifier import CacheVerifier
-from mmserve.frontend.chat import check_tools, parse_chat_messages
-from mmserve.frontend.coordinator import RemoteRouter
-from mmserve.frontend.core_client import EngineCoreClient, EngineDeadError
-from mmserve.frontend.dp_router import DPRouter
-from mmserve.frontend.engine_ranks import EngineRanks
+from mmserve.frontend.request.chat import check_tools, parse_chat_messages
+from mmserve.frontend.dp.remote_router import RemoteRouter
+from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
+from mmserve.frontend.dp.dp_router import DPRouter, Router
+from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.frontend.engine_client.failover import RankFailover
 from mmserve.frontend.figures import EngineFigures, SharedFigures
-from mmserve.frontend.flights import RequestFlights
+from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.item_transport import ItemTransport
+from mmserve.transport.item_transport import ItemTransport
+from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.models.hf_config import eos_token_id
-from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import VerifyFigures, log_stats_periodically
+from mmserve.rank_metrics import DataParallelFigures
 from mmserve.multimodal.processing import create_processor
 from mmserve.models.builtin import resolve_model
 from mmserve.outputs import RequestOutput
@@ -50,9 +54,11 @@ from mmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM(Admission, EngineFigures):
-    """Starts the engine cores on construction (blocking until they are ready; RuntimeError if
-    one cannot start)."""
+class AsyncLLM:
+    """P0's engine: admission, failover and figures composed over the ranks and the open requests.
+
+    Starts the engine cores on construction (blocking until they are ready; RuntimeError if one
+    cannot start)."""
 
     def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
         self.config = config
@@ -77,7 +83,7 @@ class AsyncLLM(Admission, EngineFigures):
         for rank in range(len(self.ranks)):  # a rank on another node cannot map this node's store
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         self.max_model_len = self.ranks.client(0).max_model_len
-        router: DPRouter | RemoteRouter | None = None
+        router: Router | None = None
         if len(self.ranks) > 1:
             router = RemoteRouter(attachment.coordinator) if attachment is not None and attachment.coordinator \
                 else DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))])
@@ -87,14 +93,15 @@ class AsyncLLM(Admission, EngineFigures):
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self.requests = OpenRequests(self.output_processor, self.flights)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
-        self._parked: list[str] = []  # requests to move, waiting for a rank to come back
-        self._dead_error: str | None = None
-        self._stats: dict[int, SchedulerStats] = {}
-        self.figures_changed = False
-        self.shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
+        shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
+        self.figures = EngineFigures(self.input_processor.processor_cache, self.transport, self.flights, shared)
+        self.failover = RankFailover(self.ranks, self.flights, self.transport, self.output_processor, self.requests,
+                                     self.figures, self._ensure_task, self._ensure_output_task)
+        self.admission = Admission(self.input_processor, self.output_processor, self.flights, self.requests,
+                                   self.failover)
         self.verifier = CacheVerifier(config.cache.cache_verify_rate, self.ranks.client(0).dtype, self._run_shadow)
 
     @property
@@ -105,21 +112,31 @@ class AsyncLLM(Admission, EngineFigures):
     @property
     def num_requests(self) -> int:
         """Requests in flight: admitted (being resolved) or running, not yet ended."""
-        return len(self._queues)
+        return len(self.requests)
 
     @property
     def is_healthy(self) -> bool:
-        """False once no rank serves and none can come back (a rank whose process just ended and
-        that the output loop has not retired yet still counts: it restarts or is marked dead)."""
-        return self._dead_error is None and any(s != "dead" for s in self.ranks.status)
+        """False once no rank serves and none can come back (`RankFailover.is_healthy`)."""
+        return self.failover.is_healthy
 
     @property
     def dead_error(self) -> str | None:
-        return self._dead_error
+        """Why P0 is dead (None while some rank serves or can come back)."""
+        return self.requests.dead_error
+
+    def stats(self) -> SchedulerStats | None:
+        """The ranks' latest stats summed, P0's cache layers merged in (`EngineFigures.stats`)."""
+        return self.figures.stats()
+
+    def dp_figures(self) -> DataParallelFigures:
+        """Per rank: up, restarts, stats, what it served; the routing decisions (for /metrics)."""
+        return self.figures.dp_figures()
 
     async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
                            tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
+        """OpenAI messages (and function `tools`) -> a prompt dict naming its images.
+
+        OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
         its images (ValueError for bad input); the images are read, hashed and processed by
         `generate`, off the event loop."""
         inputs = parse_chat_messages(messages)
@@ -135,20 +152,20 @@ class AsyncLLM(Admission, EngineFigures):
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
-        start over on another rank until then; `data_parallel_rank` pins it to one rank. While no
+        start over on another rank until then; `data_parallel_rank` forces one rank. While no
         rank serves and one restarts, the request waits for it (`wait_for_live_rank`). `shadow`: the
         cache verifier's re-run, past every cache (`cache_verifier.py`).
         """
         self._ensure_output_task()
         if not self.is_healthy:
-            raise EngineDeadError(self._dead_error or "the engine core process is not running")
+            raise EngineDeadError(self.requests.dead_error or "the engine core process is not running")
         if data_parallel_rank is None and not self.ranks.live():
-            await self.wait_for_live_rank()  # one is restarting
+            await self.failover.wait_for_live_rank()  # one is restarting
         if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
             raise ClientError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
                              f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
         candidate = not shadow and self.verifier.wants(params)
-        queue = await self._admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
+        queue = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
         finished = False
         last: RequestOutput | None = None
         try:
@@ -161,14 +178,14 @@ class AsyncLLM(Admission, EngineFigures):
                 last = item
                 yield item
         finally:
-            self._queues.pop(request_id, None)
+            self.requests.close(request_id)
             if not finished:
                 self._abort_now([request_id])
             if candidate and (flight := self.flights.get(request_id)) is not None:
                 self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
             self.flights.land(request_id)
             self.transport.finish(request_id)
-            self.figures_changed = True  # several API servers: shared with the others within SHARE_EVERY_S
+            self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
     def _run_shadow(self, request_id: str, prompt: Any, params: SamplingParams,
                     rank: int) -> AsyncGenerator[RequestOutput, None]:
@@ -196,8 +213,8 @@ class AsyncLLM(Admission, EngineFigures):
             if client is not None:  # a dead one's loop retires it at once
                 self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
         self._ensure_task("log", lambda: log_stats_periodically(self.stats))
-        if self.shared is not None:
-            self._ensure_task("share", self.share_figures_periodically)
+        if self.figures.shared is not None:
+            self._ensure_task("share", self.figures.share_periodically)
 
     def _ensure_task(self, name: str, make: Any) -> None:
         task = self._tasks.get(name)
@@ -211,21 +228,21 @@ class AsyncLLM(Admission, EngineFigures):
                 self._dispatch(rank, await client.get_output_async())
                 await asyncio.sleep(0)  # the requests' generators run first, then the receive is re-armed
         except EngineDeadError as e:
-            self._rank_died(rank, str(e))
+            self.failover.rank_died(rank, str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output loop failed")
-            self._fail_all(f"the frontend's output loop failed: {e}")
+            self.requests.fail_all(f"the frontend's output loop failed: {e}")
 
     def _dispatch(self, rank: int, batch: EngineCoreOutputs) -> None:
         if batch.stats is not None:
-            self._stats[rank] = stats = batch.stats
+            self.figures.record(rank, stats := batch.stats)
             if (router := self.flights.router) is not None:
                 used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
                 router.set_load(rank, stats.num_running + stats.num_waiting, used)
         for request_id, missing in batch.resend.items():
-            self._resend(request_id, missing)
+            self.admission.resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
             if out.first_logits is not None:
@@ -233,29 +250,13 @@ class AsyncLLM(Admission, EngineFigures):
             if out.error is None:
                 ok.append(out)
             else:
-                self._fail(out.request_id, engine_error(out.error, out.error_kind))
+                self.requests.fail(out.request_id, engine_error(out.error, out.error_kind))
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
             self._abort_now(processed.to_abort)
         for result in processed.outputs:
             self.flights.shown(result)
-            queue = self._queues.get(result.request_id)
-            if queue is not None:
-                queue.put_nowait(result)
-
-    def _fail(self, request_id: str, error: Exception) -> None:
-        self.output_processor.abort_requests([request_id])
-        self.flights.pin(request_id)
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
-
-    def _fail_all(self, message: str) -> None:
-        self._dead_error = message
-        logger.error("engine core is dead: %s", message)
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(message))
-        self.output_processor.abort_requests(list(self._queues))
+            self.requests.put(result)
 
     def shutdown(self) -> None:
         self.verifier.close()

@@ -1,5 +1,7 @@
-"""The shadow cache verifier (`--cache-verify-rate R`): re-runs a sample of the requests that caches
-served, with every cache bypassed, and checks that the caches changed nothing.
+"""The shadow cache verifier (`--cache-verify-rate R`): cache-served requests re-run past every cache.
+
+It re-runs a sample of the requests that caches served, with every cache bypassed, and checks
+that the caches changed nothing.
 
 Sampling: each single-completion request is a candidate with probability R, decided at admission;
 a candidate asks P1 for its first token's raw logits row (`EngineCoreRequest.return_first_logits`).
@@ -69,7 +71,9 @@ class Verdict:
 
 
 class CacheVerifier:
-    """Chooses candidates (`wants`), keeps their first logits (`keep_logits`) and verifies the ones
+    """Picks, runs and judges shadow re-runs of cache-served requests.
+
+    Chooses candidates (`wants`), keeps their first logits (`keep_logits`) and verifies the ones
     that caches served once they finish (`finished`); `run(id, prompt, params, rank)` generates a
     shadow request on that engine rank."""
 
@@ -96,7 +100,9 @@ class CacheVerifier:
 
     def finished(self, request_id: str, prompt: Any, params: SamplingParams, final: RequestOutput | None,
                  rank: int) -> None:
-        """A candidate ended (`final` None: it failed or was aborted): verify it when caches served
+        """A candidate ended: verify it if caches served it.
+
+        A candidate ended (`final` None: it failed or was aborted): verify it when caches served
         it and no other shadow runs."""
         logits = self._logits.pop(request_id, None)
         report = final.cache_report if final is not None else None
@@ -142,7 +148,9 @@ class CacheVerifier:
 
 
 def shadow_params(params: SamplingParams, num_tokens: int) -> SamplingParams:
-    """The real request's parameters for its shadow: as many tokens when greedy (else one, for the
+    """The real request's parameters for its shadow run.
+
+    The real request's parameters for its shadow: as many tokens when greedy (else one, for the
     logits), no stop strings (P0 cut the real output at one: its tokens end there), no logprobs."""
     max_tokens = max(num_tokens, 1) if params.greedy else 1
     return msgspec.structs.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),

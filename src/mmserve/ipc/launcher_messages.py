@@ -1,6 +1,6 @@
 """What crosses between the API servers (and engine cores) and the launcher's services with
-`--api-server-count` > 1: the data-parallel coordinator (`frontend/coordinator.py`) and the node's
-item store (`ipc/node_store.py`). The rest of the messages are in `ipc/messages.py`."""
+`--api-server-count` > 1: the data-parallel coordinator (`launcher/coordinator.py`) and the node's
+item store (`item_store/node_store.py`). The rest of the messages are in `ipc/messages.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mmserve.ipc.items import ShmHandle
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 
 
-# ---- engine cores and API servers -> the data-parallel coordinator (frontend/coordinator.py) -------
+# ---- engine cores and API servers -> the data-parallel coordinator (launcher/coordinator.py) -------
 
 
 class RankStats(msgspec.Struct, tag="rank_stats"):
@@ -25,7 +25,7 @@ class RouteAsk(msgspec.Struct, tag="route"):
 
     request: EngineCoreRequest
     live: list[int]
-    pin: int | None = None
+    forced: int | None = None  # the rank the request must take (X-Data-Parallel-Rank)
 
 
 class RouteSent(msgspec.Struct, tag="sent"):
@@ -59,7 +59,7 @@ class RouteAnswer(msgspec.Struct, tag="answer"):
 CoordinatorInput = RankStats | RouteAsk | RouteSent | RouteLanded | DecisionsAsk
 
 
-# ---- API servers <-> the node's item store (--mm-cache-type shm, ipc/node_store.py) ----------
+# ---- API servers <-> the node's item store (--mm-cache-type shm, item_store/node_store.py) ----------
 
 
 class StoreLookup(msgspec.Struct, tag="store_lookup"):

@@ -70,6 +70,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     pid: int = 0  # P1's process id (an API server that did not start P1 watches it by pid)
     dtype: str = "float32"  # the weights' and activations' dtype, "auto" resolved on the rank's device
+    restarts: int = 0  # the rank's restarts so far, as its supervisor counted them (`restarts.py`)
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed"):

@@ -32,7 +32,7 @@ class EmbeddingTable(nn.Module):
     """A learned table read whole (`weight` [rows, dim], the parameter name `nn.Embedding` has).
     Unlike `nn.Embedding` it is not randomly initialised: its values always come from the
     checkpoint, and `normal_` on the meta device (where models are built) imports
-    torch._dynamo, 1.8 s of every engine core's start."""
+    torch._dynamo, seconds of every engine core's start (README, "Measurements behind the design")."""
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """LLaVA as transformers' `LlavaForConditionalGeneration` defines it: a CLIP vision tower, the
 feature-layer / select-strategy choice, a two-layer projector, and a Llama decoder.
 
-The runner calls three things: `encode_images` (pixels -> embedding rows for the placeholders),
+The runner calls three things: `encode_items` (processed images -> embedding rows for the placeholders),
 `embed_tokens` + `forward` (the decoder over one step's flattened tokens), `compute_logits`.
 With a `TensorParallel` of size N the model is this rank's shard (models/parallel.py): every
 call must run on all N ranks with the same inputs, and returns the same full result on each.

@@ -79,7 +79,7 @@ def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str) -> None:
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give each parameter of a model built on the meta device uninitialised memory on `device`
     (floating ones in `dtype`), tied ones staying tied: what `Module.to_empty` does, without its
-    `empty_like` of a meta tensor, which imports sympy (0.5 s of every engine core's start)."""
+    `empty_like` of a meta tensor, which imports sympy (part of every engine core's start)."""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

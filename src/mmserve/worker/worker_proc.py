@@ -2,7 +2,7 @@
 
 `run_worker` is the process's main (spawned by `MultiprocExecutor` in P1):
 
-1. join the torch.distributed group (gloo on CPU, nccl once the runner runs on CUDA) through a
+1. join the torch.distributed group (gloo on CPU, nccl on CUDA, each rank on its GPU) through a
    file store in P1's private directory, with `COLLECTIVE_TIMEOUT_S` on every collective;
 2. load this rank's shard of the model and say `WorkerReady` on the result queue;
 3. loop on the broadcast: `InitializeKVCache` (every rank answers `WorkerDone`), `ExecuteModel`
@@ -31,16 +31,15 @@ import torch
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.gc_tuning import freeze_startup_heap, pause_collection
-from mmserve.malloc_tuning import retain_freed_memory
-from mmserve.proc_title import set_process_title
+from mmserve.gc_tuning import pause_collection
+from mmserve.serving_process import ServingProcess
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
                                   WorkerDone, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.queues import QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcastReader
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.multimodal.shm_items import ShmItemReader
+from mmserve.transport.shm_items import ShmItemReader
 from mmserve.ipc.shm_segment import unlink_segment
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class WorkerArgs:
 
 
 def run_worker(args: WorkerArgs) -> None:
-    pause_collection()  # until the worker serves: freeze_startup_heap
+    pause_collection()  # until the worker serves (`ServingProcess.serve`)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     results: QueueSender = QueueSender(ctx, args.result_address, MsgpackEncoder(), bind=False, linger_ms=_LINGER_MS)
@@ -89,15 +88,14 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     from mmserve.worker.model_runner import ModelRunner
 
     dp = args.config.parallel
-    set_process_title(f"worker_dp{dp.data_parallel_rank}_tp{args.rank}")
-    retain_freed_memory()
+    process = ServingProcess(f"worker_dp{dp.data_parallel_rank}_tp{args.rank}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.world_size * dp.data_parallel_size)))
     _init_distributed(args)
     runner = ModelRunner(args.config, args.model_dir, TensorParallel(args.rank, args.world_size))
     info = msgspec.msgpack.decode(args.broadcast, type=ShmBroadcastInfo)
     reader: ShmBroadcastReader[WorkerInput] = ShmBroadcastReader(info, args.rank, MsgpackDecoder(WorkerInput), ctx)
     items = RankItems(args.shm_store)
-    freeze_startup_heap()
+    process.serve()
     try:
         results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes(),
                                  runner.dtype_name))

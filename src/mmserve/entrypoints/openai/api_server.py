@@ -42,14 +42,13 @@ from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompleti
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.response_store import ResponseStore
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
-from mmserve.malloc_tuning import HeapReserve, retain_freed_memory
-from mmserve.gc_tuning import freeze_startup_heap
+from mmserve.malloc_tuning import HeapReserve
+from mmserve.serving_process import ServingProcess
 from mmserve.lazy_imports import keep_triton_out
-from mmserve.proc_title import set_process_title
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
-    from mmserve.frontend.attached_engine import Attachment
+    from mmserve.frontend.engine_client.attached_engine import Attachment
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ def run_server(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_cli(args)
     engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
     if engine_config.parallel.api_server_count > 1:
-        from mmserve.entrypoints.openai.multi_server import run_launcher
+        from mmserve.launcher.launcher import run_launcher
 
         return run_launcher(server_config, engine_config)
     return serve_api_server(server_config, engine_config)
@@ -171,15 +170,14 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     API server `engine_config.parallel.api_server_index` of a launcher's several: it serves on the
     launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
     configure_logging(server_config.log_level)
-    set_process_title(f"api_server_{engine_config.parallel.api_server_index}")
-    keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
-    retain_freed_memory()
     # before any other thread starts; the processor cache keeps each new item's pixels
-    reserve = HeapReserve(min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
+    process = ServingProcess(f"api_server_{engine_config.parallel.api_server_index}",
+                             min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
+    keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(_serve(server_config, engine_config, attachment, sock, started, reserve))
+            return runner.run(_serve(server_config, engine_config, attachment, sock, started, process))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -210,8 +208,10 @@ def _loop_factory() -> Any:
 
 
 async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None,
-                 sock: socket.socket | None, started: Callable[[], None] | None, reserve: HeapReserve) -> int:
+                 sock: socket.socket | None, started: Callable[[], None] | None, process: ServingProcess) -> int:
     from mmserve.frontend.async_llm import AsyncLLM
+
+    reserve = process.reserve
 
     engine = AsyncLLM(engine_config, attachment)
     keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
@@ -227,7 +227,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                                 http=read_timeout_protocol(server_config.request_read_timeout_s))
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
         server = uvicorn.Server(config)
-        freeze_startup_heap()  # a full collection would stall the event loop: every stream, every admission
+        process.serve()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
         supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
         try:

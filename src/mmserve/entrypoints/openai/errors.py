@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mmserve.entrypoints.openai.protocol import UNION_TAG, ErrorInfo, ErrorResponse
 from mmserve.errors import ClientError, EngineRequestError
-from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_client.core_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -109,7 +109,7 @@ MessageContent = Annotated[
 class ChatMessage(BaseModel):
     """One message; the role's allowed values are checked when the prompt is built."""
 
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name: checked in frontend/chat.py
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name: checked in frontend/request/chat.py
     role: str
     content: MessageContent | None = None  # None: an assistant turn that only calls tools
 

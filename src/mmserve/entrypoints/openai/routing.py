@@ -11,7 +11,7 @@ from mmserve.entrypoints.openai.protocol import ParameterError
 
 def routing(raw_request: Request, stream: bool) -> dict[str, Any]:
     """How the engine may place the request: `stream` (a whole answer can start over on another
-    rank until its end) and the rank an `X-Data-Parallel-Rank` header pins it to."""
+    rank until its end) and the rank an `X-Data-Parallel-Rank` header forces."""
     header = raw_request.headers.get("x-data-parallel-rank")
     if header is None:
         return {"stream": stream}

@@ -21,7 +21,7 @@ from typing import Any
 
 from mmserve.entrypoints.openai.protocol import ParameterError
 from mmserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser, ToolStream, tool_parser
-from mmserve.frontend.chat import check_tools
+from mmserve.frontend.request.chat import check_tools
 from mmserve.structured_outputs import StructuredOutputsParams
 
 

@@ -8,10 +8,10 @@ The launcher (title `mmserve::launcher`):
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
 - with data parallelism, runs the `Coordinator` (one routing picture for every API server);
 - with `--mm-cache-type shm` (the default here: `deployment_defaults.py`), owns the node's item
-  store (`ipc/node_store.py`): every API server writes into it and finds there what the others
+  store (`item_store/node_store.py`): every API server writes into it and finds there what the others
   processed; every engine core reads it;
 - starts the engine cores itself, each connected to every API server
-  (`frontend/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
+  (`frontend/engine_client/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
   by the coordinator and started again while `--engine-restart-limit` allows (each API server
   moves its waiting requests meanwhile and re-admits the rank on its ready message);
 - prints `mmserve: serving ...` once every API server accepts connections.
@@ -37,16 +37,17 @@ from multiprocessing.synchronize import Event
 from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import with_item_transport
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
-from mmserve.gc_tuning import freeze_startup_heap, pause_collection
+from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
-from mmserve.frontend.attached_engine import Attachment, engine_addresses
-from mmserve.frontend.coordinator import Coordinator
-from mmserve.frontend.engine_process import LocalEngineProcess
-from mmserve.ipc.node_store import NodeStoreServer
+from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
+from mmserve.launcher.coordinator import Coordinator
+from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
+from mmserve.frontend.engine_client.restarts import RankRestarts
+from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
-from mmserve.ipc.shm_store import ShmStore
+from mmserve.item_store.shm_store import ShmStore
 from mmserve.models.builtin import resolve_model
-from mmserve.proc_title import set_process_title
+from mmserve.serving_process import ServingProcess
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ SERVER_STOP_S = 10.0  # how long an API server may take to stop after SIGTERM be
 
 def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     configure_logging(server_config.log_level)
-    set_process_title("launcher")
+    process = ServingProcess("launcher", retain_freed=False)
     engine_config = with_item_transport(engine_config)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
-    launcher = Launcher(server_config, engine_config)
+    launcher = Launcher(server_config, engine_config, process)
     try:
         return launcher.run()
     except KeyboardInterrupt:
@@ -83,12 +84,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class Launcher:
-    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
+                 process: ServingProcess | None = None) -> None:
         self.server_config = server_config
+        self.process = process
         self.config = engine_config
         self.servers: list[BaseProcess] = []
         self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
-        self.restarts = [0] * engine_config.parallel.data_parallel_size
+        parallel = engine_config.parallel
+        self.restarts = RankRestarts(parallel.data_parallel_size, parallel.engine_restart_limit)  # the one counter
         self.coordinator: Coordinator | None = None
         self.store: NodeStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
@@ -125,7 +129,8 @@ class Launcher:
         host, port = self.sock.getsockname()[:2]
         print(f"mmserve: serving {config.model.model} on http://{host}:{port} "
               f"({parallel.api_server_count} API servers)", flush=True)
-        freeze_startup_heap()  # the coordinator's thread routes every request
+        if self.process is not None:
+            self.process.serve()  # the coordinator's thread routes every request
         while (code := self._check(model_dir)) is None:
             time.sleep(SUPERVISE_POLL_S)
         return code
@@ -134,7 +139,8 @@ class Launcher:
         servers = range(self.config.parallel.api_server_count)
         addresses = [engine_addresses(self.ipc_dir, server, rank) for server in servers]
         engine = LocalEngineProcess()
-        engine.start(self.config.for_rank(rank), model_dir, [a[0] for a in addresses], [a[1] for a in addresses],
+        engine.start(self.config.for_rank(rank, self.restarts.counts[rank]), model_dir,
+                     [a[0] for a in addresses], [a[1] for a in addresses],
                      self.store.info if self.store else None,
                      self.coordinator.stats_address if self.coordinator else None)
         return engine
@@ -145,7 +151,6 @@ class Launcher:
             if not proc.is_alive():
                 logger.error("API server %d ended (%s); stopping", index, proc.exitcode)
                 return ENGINE_DEAD_EXIT_CODE if proc.exitcode == ENGINE_DEAD_EXIT_CODE else 1
-        limit = self.config.parallel.engine_restart_limit
         for rank, engine in enumerate(self.engines):
             if engine is None or engine.is_alive():
                 continue
@@ -153,9 +158,8 @@ class Launcher:
             self.engines[rank] = None
             if self.coordinator is not None:
                 self.coordinator.forget(rank)
-            if self.restarts[rank] < limit:
-                self.restarts[rank] += 1
-                logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank], limit)
+            if self.restarts.can_restart(rank):
+                self.restarts.count(rank)
                 self.engines[rank] = self._start_engine(rank, model_dir)
         if all(engine is None for engine in self.engines):
             logger.error("no engine rank can serve; stopping")
@@ -188,7 +192,7 @@ class Launcher:
 
 def _api_server_main(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment,
                      sock: socket.socket, ready: Event) -> None:
-    pause_collection()  # until it serves (`serve_api_server`: freeze_startup_heap)
+    pause_collection()  # until it serves (`serve_api_server`: ServingProcess.serve)
     code = serve_api_server(server_config, engine_config, attachment, sock, ready.set)
     if code:
         raise SystemExit(code)

@@ -1,5 +1,4 @@
-"""One item store per node, written by every API server (`--mm-cache-type shm` with
-`--api-server-count` > 1).
+"""One item store per node, written by every API server (`--mm-cache-type shm`, several API servers).
 
 The `ShmStore` (allocation, index, pins, eviction) lives once, in the launcher, and one
 `NodeStoreServer` thread there applies every change to it, in the order the API servers' messages
@@ -39,11 +38,11 @@ from mmserve.ipc.items import ShmHandle, ShmStoreInfo
 from mmserve.ipc.launcher_messages import (StoreAnswer, StoreDiscard, StoreFinish, StoreInput, StoreLookup,
                                            StoreReserve, StoreSeal, StoreStatsAsk)
 from mmserve.ipc.queues import ipc_address
-from mmserve.ipc.shm_layout import layout, write_payload
-from mmserve.ipc.shm_ring import HEADER_BYTES
+from mmserve.item_store.shm_layout import layout, write_payload
+from mmserve.item_store.shm_ring import HEADER_BYTES
 from mmserve.ipc.shm_segment import open_segment, unmap_segment
-from mmserve.ipc.shm_store import ShmStore, ShmStoreStats
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader
+from mmserve.item_store.shm_store import ShmStore, ShmStoreStats
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,9 @@ _ANSWER_TIMEOUT_S = 10.0
 
 
 class NodeStoreServer:
-    """The store's owner (in the launcher): binds `address` in `ipc_dir`; `start()` runs the
+    """The node store's owner, a thread in the launcher.
+
+    The store's owner (in the launcher): binds `address` in `ipc_dir`; `start()` runs the
     thread, `close()` stops it and unlinks the segment."""
 
     def __init__(self, store: ShmStore, ipc_dir: str) -> None:
@@ -117,7 +118,9 @@ class NodeStoreServer:
 
 
 class NodeStoreClient:
-    """An API server's side: the `ShmStore` interface `ShmItemWriter` uses, answered by the owner
+    """An API server's writer and reader of the node's store.
+
+    An API server's side: the `ShmStore` interface `ShmItemWriter` uses, answered by the owner
     at `address`, plus `fetch` for the processor cache. Thread-safe (one lock around the socket
     and the reader: worker threads fetch while the event loop looks up and puts)."""
 
@@ -140,7 +143,9 @@ class NodeStoreClient:
         return self._ask(lambda seq: StoreLookup(seq, key, self._pin(request_id))).handle
 
     def put(self, key: str, item: Mapping[str, torch.Tensor], request_id: str) -> ShmHandle | None:
-        """Write `item` under `key` unless some server did: its handle, or None (too big, no room,
+        """Write `item` under `key` unless some server did.
+
+        Write `item` under `key` unless some server did: its handle, or None (too big, no room,
         or another server is writing it now)."""
         meta, placements, nbytes = layout(item)
         answer = self._ask(lambda seq: StoreReserve(seq, key, nbytes, self._prefix + request_id))

@@ -1,5 +1,4 @@
-"""The requests P0 sent to engine cores and that have not ended: where each runs, and which may
-start over.
+"""The requests P0 sent to engine cores that have not ended: where each runs, which may start over.
 
 Contract.
 - `send` routes a request (`DPRouter`, or rank 0 without data parallelism), puts it on the wire
@@ -18,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.coordinator import RemoteRouter
-from mmserve.frontend.dp_router import DPRouter
-from mmserve.frontend.core_client import EngineDeadError
-from mmserve.frontend.engine_ranks import EngineRanks
-from mmserve.frontend.item_transport import ItemTransport
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.dp.dp_router import Router
+from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.transport.item_transport import ItemTransport
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures, RankFigures
@@ -39,7 +37,7 @@ class Flight:
 
 
 class RequestFlights:
-    def __init__(self, ranks: EngineRanks, router: DPRouter | RemoteRouter | None, transport: ItemTransport) -> None:
+    def __init__(self, ranks: EngineRanks, router: Router | None, transport: ItemTransport) -> None:
         self.ranks = ranks
         self.router = router
         self.transport = transport
@@ -55,7 +53,7 @@ class RequestFlights:
     def ids(self) -> list[str]:
         return sorted(self._flights)
 
-    def send(self, request_id: str, flight: Flight, undo: UndoLog, pin: int | None = None) -> None:
+    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None) -> None:
         """Route and send `flight.request`; registered at once (undone with `undo`)."""
         request = flight.request
         assert request is not None
@@ -64,7 +62,7 @@ class RequestFlights:
         live = self.ranks.live()
         if not live:
             raise EngineDeadError("no engine rank is serving")
-        route = self.router.route(request, live, pin) if self.router is not None else None
+        route = self.router.route(request, live, forced) if self.router is not None else None
         flight.rank = route.rank if route is not None else 0
         self._put(flight, request, undo, resend=False)
         if route is not None and self.router is not None:
@@ -91,7 +89,7 @@ class RequestFlights:
             served[1] += len(result.prompt_token_ids or [])
             served[2] += sum(len(c.token_ids) for c in result.outputs)
 
-    def pin(self, request_id: str) -> None:
+    def stay(self, request_id: str) -> None:
         """The request can no longer start over (failed or aborted)."""
         if (flight := self._flights.get(request_id)) is not None:
             flight.request = None
@@ -114,7 +112,9 @@ class RequestFlights:
 
     def orphans(self, rank: int) -> tuple[list[str], list[str]]:
         """Rank `rank` died: (requests that can start over elsewhere, requests that are lost).
-        Both leave the rank's load."""
+
+        Both leave the rank's load.
+        """
         movable: list[str] = []
         lost: list[str] = []
         for rid, flight in self._flights.items():

@@ -1,12 +1,13 @@
-"""Shared-memory object store: P0 writes each processed item once; P1 and every TP worker read
-it in place by handle (`--mm-cache-type shm`).
+"""Shared-memory item store: P0 writes each item once; P1 and every TP worker read it in place by handle.
+
+`--mm-cache-type shm`.
 
 Contract.
 - `ShmStore` is the single writer (P0). `put(key, item)` lays an absent key's tensors out in one
   `ShmRing` chunk (`u32 meta length | msgpack [[name, dtype, shape, offset, nbytes], ...] |
   tensor bytes`, each tensor 64-byte aligned) and returns a `ShmHandle`; a present key returns
   its handle without writing (a key names its content: same key, same bytes). With several API
-  servers the store lives in the launcher and the servers write through it (`ipc/node_store.py`):
+  servers the store lives in the launcher and the servers write through it (`item_store/node_store.py`):
   `reserve` allocates a pinned chunk the asking process fills, `seal` makes it an entry.
 - `lookup(key)` is the counted query (`peek`: an uncounted one); a hit gives the entry a CLOCK second chance (up to
   `MAX_HITS`), so entries that keep getting hits outlive cold ones (policy: see shm_ring).
@@ -38,9 +39,9 @@ from collections.abc import Mapping
 import torch
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
-from mmserve.ipc.shm_layout import layout, write_payload
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader, sign
-from mmserve.ipc.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing
+from mmserve.item_store.shm_layout import layout, write_payload
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader, sign
+from mmserve.item_store.shm_ring import ALIGN, HEADER_BYTES, MAX_HITS, Chunk, ShmRing
 
 
 @dataclasses.dataclass
@@ -120,7 +121,9 @@ class ShmStore:
         return self._hand_out(chunk, request_id)
 
     def reserve(self, key: str, nbytes: int, request_id: str) -> tuple[ShmHandle | None, bool]:
-        """`put` for a writer in another process (`ipc/node_store.py`), which fills the payload itself:
+        """`put` for a writer in another process.
+
+        `put` for a writer in another process (`item_store/node_store.py`), which fills the payload itself:
         `(handle, True)` for a new chunk of `nbytes` pinned for `request_id`, to write and then
         `seal`; `(handle, False)` for a present key; `(None, False)` when the item is too big, no
         room can be freed, or another writer is filling the key now. Until sealed, lookups miss."""
@@ -133,7 +136,9 @@ class ShmStore:
         return self._hand_out(chunk, request_id), True
 
     def seal(self, key: str, ok: bool = True) -> None:
-        """The reserved `key`'s payload is written (`ok`: it becomes an entry) or abandoned (its
+        """End a reservation: written (an entry) or abandoned (an orphan).
+
+        The reserved `key`'s payload is written (`ok`: it becomes an entry) or abandoned (its
         chunk becomes an orphan). An unknown key is ignored."""
         chunk = self._sealing.pop(key, None)
         if chunk is None:
@@ -146,14 +151,18 @@ class ShmStore:
         self._stats.bytes_written += chunk.nbytes
 
     def discard(self, key: str) -> None:
-        """Drop `key`'s entry (written for a request that then never reached a reader): the chunk
+        """Drop `key`'s entry, written for a request that was never sent.
+
+        Drop `key`'s entry (written for a request that then never reached a reader): the chunk
         becomes an orphan that the hand frees; handles to it no longer resolve."""
         chunk = self._entries.pop(key, None)
         if chunk is not None:
             self._ring.orphan(chunk)
 
     def finish_request(self, request_id: str) -> None:
-        """Unpin what `request_id` pinned, abandoning a chunk it reserved and never sealed (its
+        """Unpin what `request_id` pinned.
+
+        Unpin what `request_id` pinned, abandoning a chunk it reserved and never sealed (its
         writer failed); an unknown id is ignored (finish and abort may both call)."""
         for chunk in self._requests.pop(request_id, ()):
             chunk.pins -= 1

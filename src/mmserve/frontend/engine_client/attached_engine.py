@@ -1,5 +1,6 @@
-"""Engine cores an API server did not start (`--api-server-count` > 1): the launcher starts and
-restarts them; each API server binds its own pair of sockets per rank, at addresses both sides
+"""Engine cores an API server did not start (`--api-server-count` > 1): the launcher's, attached to.
+
+The launcher starts and restarts them; each API server binds its own pair of sockets per rank, at addresses both sides
 derive from the launcher's ipc directory (`engine_addresses`), and attaches.
 
 `AttachedEngineProcess` is the `EngineProcess` for such a rank: `start` and `stop` do nothing
@@ -26,7 +27,9 @@ _JOIN_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Attachment:
-    """What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
+    """What an API server needs from its launcher.
+
+    What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
     the engine cores' sockets, the coordinator's address (None without data parallelism), the
     `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR), and with
     `--mm-cache-type shm` the node store's address and `ShmStoreInfo` (msgpack; holds the secret)."""

@@ -1,5 +1,6 @@
-"""The data-parallel engine cores seen from P0: one `EngineCoreClient` per rank, started
-together, each restartable on its own.
+"""The data-parallel engine cores seen from P0: one `EngineCoreClient` per rank, each restartable.
+
+The ranks start together; each restarts on its own.
 
 Contract.
 - Construction starts every rank at once (one thread each) and returns when all are ready; if
@@ -7,11 +8,12 @@ Contract.
 - A rank is "ready" (serving), "restarting" (its engine died; a new one is being started) or
   "dead" (it died and its restarts, `--engine-restart-limit`, are used up). `mark_dead` retires a
   rank's client (shut down: no process, socket or shm mapping of it is left); `restart` starts a
-  new one in a worker thread and counts the attempt.
+  new one in a worker thread and counts the attempt (`restarts.py: RankRestarts`).
 - `live()` lists the ready ranks whose process still runs, in rank order.
 - With an `Attachment` (`--api-server-count` > 1) the launcher starts and restarts the engine
   cores: a rank's client then binds this API server's own sockets for it and waits for the
-  engine core's ready message, and `restart` waits for the launcher's new engine core.
+  engine core's ready message, and `restart` waits for the launcher's new engine core; the rank's
+  restart count is then the launcher's, read from that message (one counter per rank).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
-from mmserve.frontend.core_client import EngineCoreClient
+from mmserve.frontend.engine_client.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
+from mmserve.frontend.engine_client.core_client import EngineCoreClient
+from mmserve.frontend.engine_client.restarts import RankRestarts
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,8 @@ class EngineRanks:
         n = config.parallel.data_parallel_size
         self.clients: list[EngineCoreClient | None] = [None] * n
         self.status = ["restarting"] * n
-        self.restarts = [0] * n
+        self._restarts = RankRestarts(n, config.parallel.engine_restart_limit)
+        self.restarts = self._restarts.counts  # per rank; the launcher's with an attachment
         self.last_error: list[str | None] = [None] * n
         self._retired: list[EngineCoreClient] = []
         with ThreadPoolExecutor(n, thread_name_prefix="mmserve-start") as pool:
@@ -58,11 +62,13 @@ class EngineRanks:
     def _start(self, rank: int) -> EngineCoreClient:
         att = self.attachment
         if att is None:
-            client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, shm_info=self.shm_info)
+            client = EngineCoreClient(self.config.for_rank(rank, self.restarts[rank]), self.model_dir,
+                                      shm_info=self.shm_info)
         else:
             client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, engine=AttachedEngineProcess(),
                                       addresses=engine_addresses(att.ipc_dir, self.config.parallel.api_server_index,
                                                                  rank))
+            self.restarts[rank] = client.restarts  # the launcher counts this rank's restarts
         self.clients[rank], self.status[rank] = client, "ready"
         return client
 
@@ -79,7 +85,7 @@ class EngineRanks:
         return [r for r, c in enumerate(self.clients) if self.status[r] == "ready" and c is not None and c.is_alive()]
 
     def can_restart(self, rank: int) -> bool:
-        return self.restarts[rank] < self.config.parallel.engine_restart_limit
+        return self._restarts.can_restart(rank)
 
     def mark_dead(self, rank: int, reason: str) -> None:
         """Retire rank `rank`'s engine core (it died, or failed): "restarting" while restarts remain."""
@@ -94,9 +100,7 @@ class EngineRanks:
 
     async def restart(self, rank: int) -> EngineCoreClient:
         """Start a new engine core for `rank` (counted); the exception if it cannot start."""
-        self.restarts[rank] += 1
-        logger.warning("restarting engine rank %d (restart %d of %d)", rank, self.restarts[rank],
-                       self.config.parallel.engine_restart_limit)
+        self._restarts.count(rank)
         try:
             return await asyncio.to_thread(self._start, rank)
         except BaseException as e:

@@ -1,12 +1,11 @@
-"""P0's admission of a request (`AsyncLLM`'s part for it): resolve it, register its output state,
-send it to P1 — all or nothing.
+"""P0's admission of a request: process it, register its output state, send it to P1, all or nothing.
 
 The rule: from the moment P0 starts resolving a request until its message is on the wire to P1,
 every step that changes shared state registers how to take itself back in one `UndoLog`. Any
 exception runs them all in reverse, so nothing of the request stays; after the send nothing is
 undone here: P1 owns the request, and an abort goes through P1. A request resolves in a worker
 thread while others are in flight (the event loop keeps serving them); alone, on the event loop
-(the two thread hand-offs would cost ~0.5 ms of its TTFT, and there is nothing to keep serving),
+(the two thread hand-offs would add to its TTFT, and there is nothing to keep serving),
 unless it has a video (decoding one takes up to seconds: /health must still answer).
 """
 
@@ -18,26 +17,32 @@ from typing import Any
 
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.failover import RankFailover
-from mmserve.frontend.flights import Flight
+from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
+from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest
-from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class Admission(RankFailover):
-    """Mixed into `AsyncLLM`, whose state it uses (declared here and by `RankFailover`, whose
-    `wait_for_live_rank` it needs)."""
+class Admission:
+    """Admits requests into `requests` (and resends their items); `failover` says when a rank serves."""
 
-    input_processor: InputProcessor
+    def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor, flights: RequestFlights,
+                 requests: OpenRequests, failover: RankFailover) -> None:
+        self.input_processor = input_processor
+        self.output_processor = output_processor
+        self.flights = flights
+        self.requests = requests
+        self.failover = failover
 
-    async def _admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
-                     stream: bool, pin: int | None, shadow: bool = False,
-                     return_first_logits: bool = False) -> asyncio.Queue[RequestOutput | Exception]:
+    async def admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                    stream: bool, rank: int | None, shadow: bool = False,
+                    return_first_logits: bool = False) -> OutputQueue:
         """Resolve the request, register it and send it to P1: the one place that owns the undo.
 
         What registers itself in the `UndoLog`: processor-cache in-flight entries
@@ -47,27 +52,24 @@ class Admission(RankFailover):
         resolves (the client left) runs the undo once that thread has ended, since it goes on
         regardless. A `shadow` request (the cache verifier's) resolves in a worker thread, its items
         processed again; `return_first_logits` asks P1 for the first token's logits row."""
-        if request_id in self._queues:
-            raise ClientError(f"request id {request_id!r} is already in use")
+        queue = self.requests.open(request_id)  # reserves the id before anything else is done for it
         undo = UndoLog()
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue  # reserves the id before anything else is done for it
-        undo.push(self._queues.pop, request_id, None)
+        undo.push(self.requests.close, request_id)
         undo.push(self.input_processor.reject, request_id)
         resolving: asyncio.Future[EngineCoreRequest] | None = None
         report = CacheReport()
         try:
-            if resolves_on_loop(prompt, len(self._queues)) and not shadow:
+            if resolves_on_loop(prompt, len(self.requests)) and not shadow:
                 request = self.input_processor.process(request_id, prompt, params, False, False, report)
             else:
                 resolving = asyncio.ensure_future(asyncio.to_thread(
                     self.input_processor.process, request_id, prompt, params, False, shadow, report))
                 request = await asyncio.shield(resolving)
             request.return_first_logits = return_first_logits or shadow
-            if pin is None and not self.ranks.live():
-                await self.wait_for_live_rank()  # the rank died while the request was resolved
+            if rank is None and not self.failover.ranks.live():
+                await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
             flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
-            self._register(flight, undo, pin)
+            self._register(flight, undo, rank)
         except asyncio.CancelledError:
             if resolving is None:
                 undo.run()
@@ -80,35 +82,37 @@ class Admission(RankFailover):
         self.input_processor.accept(request_id)
         return queue
 
-    def _register(self, flight: Flight, undo: UndoLog, pin: int | None) -> None:
+    def _register(self, flight: Flight, undo: UndoLog, rank: int | None) -> None:
         """The request's output state, then its route and send; each step registered in `undo`."""
         assert flight.request is not None
         rid = flight.request.request_id
         self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
         undo.push(self.output_processor.abort_requests, [rid])
-        self.flights.send(rid, flight, undo, pin)
+        self.flights.send(rid, flight, undo, rank)
 
-    def _resend(self, request_id: str, missing: list[str]) -> None:
+    def resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
         flight = self.flights.get(request_id)
-        if flight is None or flight.request is None or request_id not in self._queues:
+        if flight is None or flight.request is None or request_id not in self.requests:
             return  # aborted meanwhile
         logger.warning("P1 lacked %d item(s) of %s (IPC cache drift or a stale shm handle); resending",
                        len(missing), request_id)
         if any(item.data is None for item in flight.request.mm_items):
-            self._fail(request_id, ClientError("an image given by uuid alone is no longer cached: send the image "
-                                              "again together with its uuid"))
+            self.requests.fail(request_id, ClientError("an image given by uuid alone is no longer cached: send the "
+                                                      "image again together with its uuid"))
             return
         undo = UndoLog()
         try:
             self.flights.resend(flight, undo)
         except Exception as e:
             undo.run()
-            self._fail(request_id, e)
+            self.requests.fail(request_id, e)
 
 
 def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
-    """A cancelled request's resolution ended: take back what it did (its error, if any, is one
+    """A cancelled request's processing ended: take back what it did.
+
+    A cancelled request's resolution ended: take back what it did (its error, if any, is one
     the client no longer waits for)."""
     if not resolving.cancelled():
         resolving.exception()  # retrieved, so asyncio does not log it
@@ -116,7 +120,9 @@ def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
 
 
 def resolves_on_loop(prompt: str | dict[str, Any], in_flight: int) -> bool:
-    """Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
+    """Whether a request is processed on the event loop.
+
+    Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
     keep serving) and without a video (decoding one takes up to seconds)."""
     mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
     return in_flight == 1 and not (isinstance(mm, dict) and "video" in mm)

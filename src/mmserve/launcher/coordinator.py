@@ -2,14 +2,14 @@
 
 With M > 1 API servers and N > 1 ranks, a request must go where its prefix blocks and images
 are cached whichever server took it, so the `DPRouter` lives once, in the launcher process
-(`entrypoints/openai/multi_server.py`), in a `Coordinator` thread:
+(`launcher/launcher.py`), in a `Coordinator` thread:
 
 - every engine core sends it `RankStats` whenever its stats change (load, KV size);
 - an API server asks with `RouteAsk` (the request with its items' data dropped: hashes,
   placeholders, tokens and salt are what routing reads) and waits for the `RouteAnswer` — one
   ZMQ round trip over ipc:// on the request path; `RouteSent` then commits the route (the
   blocks and items it leaves on that rank, its in-flight count) and `RouteLanded` ends it.
-  An API server uses it through `RemoteRouter`, which has `DPRouter`'s interface; its
+  An API server uses it through `remote_router.py: RemoteRouter` (the `Router` interface); its
   `decisions` (for /metrics) are asked for at scrape time (`DecisionsAsk`), so every server
   reports them all.
 - the launcher calls `forget(rank)` when it restarts a rank (its caches start empty).
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict
 
-import msgspec
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.dp_router import DPRouter, Route
+from mmserve.frontend.dp.dp_router import DPRouter, Route
 from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, RouteAnswer, RouteAsk,
                                            RouteLanded, RouteSent)
 from mmserve.ipc.messages import EngineCoreRequest
@@ -40,12 +38,13 @@ logger = logging.getLogger(__name__)
 
 _MAX_PENDING = 4096
 _POLL_MS = 200  # how often the thread checks that it should stop
-_ANSWER_TIMEOUT_S = 10.0  # an API server waits this long for a route before failing the request
 _UNKNOWN_KV_BLOCKS = 1 << 20  # a rank's KV size before its first stats
 
 
 class Coordinator:
-    """Binds `route_address` (ROUTER: API servers) and `stats_address` (PULL: engine cores) in
+    """The launcher's routing thread: one `DPRouter` for every API server.
+
+    Binds `route_address` (ROUTER: API servers) and `stats_address` (PULL: engine cores) in
     `ipc_dir`; `start()` runs the thread, `close()` stops it and closes the sockets."""
 
     def __init__(self, config: EngineConfig, ipc_dir: str) -> None:
@@ -101,7 +100,7 @@ class Coordinator:
             used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
             router.set_load(msg.rank, stats.num_running + stats.num_waiting, used)
         elif isinstance(msg, RouteAsk):
-            route = router.route(msg.request, msg.live, msg.pin)
+            route = router.route(msg.request, msg.live, msg.forced)
             self._pending[msg.request.request_id] = (route, msg.request)
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
@@ -119,56 +118,4 @@ class Coordinator:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        self._ctx.destroy(linger=0)
-
-
-class RemoteRouter:
-    """`DPRouter`'s interface for an API server, answered by the coordinator at `address`.
-
-    Load and restarts reach the coordinator without the API servers (`set_load` and `forget`
-    do nothing here). Single-threaded (the API server's event loop)."""
-
-    def __init__(self, address: str) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self._encoder = MsgpackEncoder()
-        self._decoder = MsgpackDecoder(RouteAnswer)
-        self._asked = 0
-
-    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route:
-        """One round trip; RuntimeError if the coordinator does not answer within `_ANSWER_TIMEOUT_S`."""
-        bare = msgspec.structs.replace(request, mm_items=[msgspec.structs.replace(item, data=None, shm_handle=None)
-                                                          for item in request.mm_items])
-        answer = self._ask(RouteAsk(bare, list(live), pin), request.request_id)
-        return Route(answer.rank, answer.reason, [])
-
-    @property
-    def decisions(self) -> Counter[str]:
-        """Every API server's routing decisions so far, by reason (one round trip)."""
-        self._asked += 1
-        return Counter(self._ask(DecisionsAsk(f"decisions-{self._asked}"), f"decisions-{self._asked}").decisions)
-
-    def _ask(self, msg: RouteAsk | DecisionsAsk, request_id: str) -> RouteAnswer:
-        self._sock.send_multipart(self._encoder.encode(msg), copy=False)
-        while self._sock.poll(int(_ANSWER_TIMEOUT_S * 1000), zmq.POLLIN):
-            answer: RouteAnswer = self._decoder.decode(self._sock.recv_multipart())
-            if answer.request_id == request_id:  # an answer that came too late is dropped
-                return answer
-        raise RuntimeError(f"the data-parallel coordinator did not answer within {_ANSWER_TIMEOUT_S:g} s")
-
-    def on_sent(self, route: Route, request: EngineCoreRequest) -> None:
-        self._sock.send_multipart(self._encoder.encode(RouteSent(request.request_id)), copy=False)
-
-    def on_finished(self, rank: int) -> None:
-        self._sock.send_multipart(self._encoder.encode(RouteLanded(rank)), copy=False)
-
-    def set_load(self, rank: int, running_and_waiting: int, kv_usage: float) -> None:
-        pass
-
-    def forget(self, rank: int) -> None:
-        pass
-
-    def close(self) -> None:
         self._ctx.destroy(linger=0)

@@ -1,6 +1,6 @@
 """P0's side of the engine channel: starts P1, sends it requests, receives its outputs.
 
-`EngineCoreClient` places P1 (`frontend/engine_process.py`: a local process under mp, a Ray actor
+`EngineCoreClient` places P1 (`frontend/engine_client/engine_process.py`: a local process under mp, a Ray actor
 in its own placement group under ray), binds two ZMQ sockets — ipc:// in a private temp directory
 (P0 owns the socket files), or tcp:// on this node's IP under Ray, where P1 may run on another
 node — starts P1 (`run_engine_core`) and waits for `EngineCoreReady`. After that:
@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.frontend.engine_process import EngineProcess, LocalEngineProcess, place_engine
+from mmserve.frontend.engine_client.engine_process import EngineProcess, LocalEngineProcess, place_engine
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir, tcp_address
@@ -81,7 +81,9 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, model_dir: str, startup_timeout_s: float = 300.0,
                  shm_info: bytes | None = None, engine: EngineProcess | None = None,
                  addresses: tuple[str, str] | None = None) -> None:
-        """`shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
+        """Start (or attach to) P1 and wait for its ready message.
+
+        `shm_info`: the msgpack-encoded `ShmStoreInfo` P1 attaches to (with --mm-cache-type shm),
         dropped for a P1 on another node. `engine`: where to run P1, already placed (default:
         `place_engine(config)` by `--data-parallel-backend`); the client owns it from here on.
         `addresses`: the (input, output) ipc:// addresses to bind, in a directory someone else
@@ -96,6 +98,7 @@ class EngineCoreClient:
             raise
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
+        self.restarts = ready.restarts  # the rank's restarts so far, counted by its supervisor
         self.dtype = ready.dtype
 
     @property
@@ -235,7 +238,9 @@ class EngineCoreClient:
             raise EngineDeadError(self._dead_reason)
 
     def shutdown(self) -> None:
-        """Stop P1 (SIGTERM, then SIGKILL after a grace period; under Ray also its actor and
+        """Stop P1 and release the sockets and their files.
+
+        Stop P1 (SIGTERM, then SIGKILL after a grace period; under Ray also its actor and
         placement group), close the sockets and remove the socket files and their directory.
         Safe to call more than once."""
         atexit.unregister(self._finalizer)

@@ -12,7 +12,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
 from mmserve.frontend.input_processor import InputProcessor
-from mmserve.frontend.output_processor import OutputProcessor
+from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.models.builtin import resolve_model
 from mmserve.models.hf_config import eos_token_id
 from mmserve.outputs import RequestOutput
@@ -30,8 +30,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
-        """Process and queue a request; any fault in it is a ValueError and queues nothing. Its
-        outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer)."""
+        """Process and queue a request; any fault in it is a ValueError and queues nothing.
+
+        Its outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer).
+        """
         report = CacheReport()
         request = self.input_processor.process(request_id, prompt, params, commit=False, report=report)
         try:

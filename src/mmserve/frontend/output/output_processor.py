@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.detokenizer import IncrementalDetokenizer
+from mmserve.frontend.output.detokenizer import IncrementalDetokenizer
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 

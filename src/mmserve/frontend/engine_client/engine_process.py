@@ -1,5 +1,4 @@
-"""Where an engine core (P1) runs, seen from P0: one small interface, one backend per
-`--data-parallel-backend`.
+"""Where an engine core (P1) runs, seen from P0: one interface, one backend per `--data-parallel-backend`.
 
 `place_engine(config)` decides where P1 will run (for Ray: reserves its placement group), so P0
 knows `is_local` and the `host` to bind its sockets on before it starts P1 with `start`. From then
@@ -7,9 +6,9 @@ on P0 tells it P1's pid once ready (`on_ready`), asks `is_alive()` (cheap, every
 `describe_exit()` once it died, and `stop()`s it.
 
 - mp (`LocalEngineProcess`): a spawned child process of P0; sockets are ipc:// files.
-- ray (`frontend/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
+- ray (`frontend/engine_client/ray_engine.py: RayEngineProcess`): an actor in the rank's placement group, maybe
   on another node; sockets are tcp:// on this node's IP. Ray is imported only then.
-- attached (`frontend/attached_engine.py`): with `--api-server-count` > 1 the launcher starts
+- attached (`frontend/engine_client/attached_engine.py`): with `--api-server-count` > 1 the launcher starts
   the engine cores (as mp processes of its own) and each API server attaches to them.
 """
 
@@ -34,8 +33,11 @@ TERM_GRACE_S = 5.0  # how long P1 may take to finish its step after SIGTERM befo
 
 
 class EngineProcess(Protocol):
-    """One engine core started by P0. `start` is called at most once; `stop` any number of times
-    (also before `start`, or after P1 died) and releases everything the handle holds."""
+    """One engine core started by P0.
+
+    `start` is called at most once; `stop` any number of times (also before `start`, or after P1
+    died) and releases everything the handle holds.
+    """
 
     @property
     def is_local(self) -> bool:
@@ -69,17 +71,21 @@ class EngineProcess(Protocol):
         ...
 
     def stop(self) -> None:
-        """SIGTERM (P1 finishes its step and exits 0), force after `TERM_GRACE_S`; returns once P1
-        is gone. Idempotent."""
+        """SIGTERM (P1 finishes its step and exits 0), force after `TERM_GRACE_S`; returns once P1 is gone.
+
+        Idempotent.
+        """
         ...
 
 
 def place_engine(config: EngineConfig, timeout_s: float) -> EngineProcess:
-    """The handle for `config`'s rank under `config.parallel.data_parallel_backend`; with Ray its
+    """The `EngineProcess` for `config`'s rank under its data-parallel backend.
+
+    The handle for `config`'s rank under `config.parallel.data_parallel_backend`; with Ray its
     placement group is reserved within `timeout_s` (RuntimeError if the cluster cannot fit it, an
     ImportError naming `pip install mmserve[ray]` without Ray)."""
     if config.parallel.data_parallel_backend == "ray":
-        from mmserve.frontend.ray_engine import RayEngineProcess
+        from mmserve.frontend.engine_client.ray_engine import RayEngineProcess
 
         return RayEngineProcess(config, timeout_s)
     return LocalEngineProcess()
@@ -96,8 +102,7 @@ class LocalEngineProcess:
 
     def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
               output_addr: str | Sequence[str], shm_info: bytes | None, stats_addr: str | None = None) -> None:
-        """Also (for the launcher of several API servers): an address per server, and the
-        coordinator's `stats_addr`."""
+        """Also (for the launcher of several API servers): an address per server, and the coordinator's `stats_addr`."""
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
             target=_run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),
@@ -157,7 +162,9 @@ def _ended(proc: BaseProcess, timeout_s: float | None) -> bool:
 
 
 def _reap(proc: BaseProcess) -> int | None:
-    """The exit code of `proc`, which has ended; waits out a concurrent reaper (multiprocessing
+    """The exit code of `proc`, which has ended.
+
+    The exit code of `proc`, which has ended; waits out a concurrent reaper (multiprocessing
     itself polls every child whenever this process starts another) until it records the code."""
     with _REAP_LOCK:
         deadline = time.monotonic() + _REAP_WAIT_S

@@ -8,14 +8,14 @@
   take goes whole. A stale handle (evicted meanwhile) is reported missing, and the resend sends
   every item whole. P1 keeps no IPC receiver then (`MultiModalConfig.ipc_cache_bytes` is 0).
   With several API servers there is one store per node, owned by the launcher and written by
-  every server (`ipc/node_store.py`); a server's processor cache also finds there the items the
+  every server (`item_store/node_store.py`); a server's processor cache also finds there the items the
   other servers processed (`fetch`).
 
 With `--api-server-count M` each API server has its own senders, each mirroring its own
 receiver in each engine core, at `EngineConfig.ipc_cache_bytes_per_server` (a share of the
 budget); every request is stamped with the server's index so its outputs come back to it.
 
-P1's half is `engine/clients.py` (`ApiServerChannels`) and `ShmItemReader`; both halves read the
+P1's half is `transport/api_server_channels.py` (`ApiServerChannels`) and `ShmItemReader`; both halves read the
 same derived config properties (`MultiModalConfig.uses_shm`, `EngineConfig.ipc_cache_bytes_per_server`),
 so they agree.
 """
@@ -28,18 +28,20 @@ import msgspec
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
-from mmserve.frontend.attached_engine import Attachment
-from mmserve.frontend.undo import UndoLog
+from mmserve.frontend.engine_client.attached_engine import Attachment
+from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient
-from mmserve.ipc.shm_store import ShmStore
-from mmserve.multimodal.shm_items import ShmItemWriter
+from mmserve.item_store.node_store import NodeStoreClient
+from mmserve.item_store.shm_store import ShmStore
+from mmserve.transport.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
 
 
 class ItemTransport:
-    """P0's side, for every data-parallel rank: one IPC sender per rank (each mirrors its own
+    """P0's item transport for every data-parallel rank.
+
+    P0's side, for every data-parallel rank: one IPC sender per rank (each mirrors its own
     rank's receiver), one store shared by all of them. `to_wire` registers in `undo` how to take
     back each change it makes (IPC sender keys, shm entries and pins); `finish` ends a request's
     hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
@@ -64,7 +66,9 @@ class ItemTransport:
         return self.shm.info if self.shm is not None else None
 
     def fetch(self, mm_hash: str) -> dict[str, Any] | None:
-        """The processed item another API server put in the node's store, copied out; else None
+        """The processed item another API server put in the node's store.
+
+        The processed item another API server put in the node's store, copied out; else None
         (always None without a node store)."""
         store = self.shm.store if self.shm is not None else None
         return store.fetch(mm_hash) if isinstance(store, NodeStoreClient) else None
@@ -78,7 +82,9 @@ class ItemTransport:
 
     def to_wire(self, request: EngineCoreRequest, undo: UndoLog, resend: bool = False,
                 rank: int = 0, report: CacheReport | None = None) -> tuple[EngineCoreRequest, bool]:
-        """(the message for `rank`'s P1, whether some item crosses by reference — a hash or a
+        """The request as it crosses to `rank`'s P1.
+
+        (the message for `rank`'s P1, whether some item crosses by reference — a hash or a
         handle — so P1 may report it missing). `resend`: P1 lacked an item of this request last time.
         A shadow request (`bypass_caches`) sends every item whole and touches no cache; `report`
         gets the lookups of the layer the items went through (`ipc` or `shm`)."""
@@ -105,7 +111,9 @@ class ItemTransport:
                                         client_index=self.client_index), any(cached))
 
     def restarted(self, rank: int, remote: bool = False) -> None:
-        """`rank`'s engine core is new (empty caches), on this node or not: its IPC mirror starts
+        """`rank`'s engine core is new: its IPC mirror starts from empty.
+
+        `rank`'s engine core is new (empty caches), on this node or not: its IPC mirror starts
         a new epoch from empty."""
         self.senders[rank].reset()
         self.remote.discard(rank)
@@ -118,7 +126,9 @@ class ItemTransport:
             self.shm.finish(request_id)
 
     def stats(self, rank: int | None = None) -> dict[str, CacheStats]:
-        """The layers of `rank` (its IPC sender), or with None the node's: the store, and the IPC
+        """The transport's cache layers, of one rank or of the node.
+
+        The layers of `rank` (its IPC sender), or with None the node's: the store, and the IPC
         senders summed over ranks."""
         if rank is not None:
             return {"ipc": self.senders[rank].stats()}

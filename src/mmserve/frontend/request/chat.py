@@ -83,7 +83,9 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
 
 
 def check_tools(tools: object) -> list[dict[str, Any]]:
-    """OpenAI `tools` (function tools), as the chat template takes them; ValueError naming the
+    """OpenAI function `tools`, checked, as the chat template takes them.
+
+    OpenAI `tools` (function tools), as the chat template takes them; ValueError naming the
     offending field otherwise."""
     if not isinstance(tools, list) or not tools:
         raise ClientError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
@@ -101,7 +103,9 @@ def check_tools(tools: object) -> list[dict[str, Any]]:
 
 
 def _tool_calls(calls: object, where: str, call_ids: set[str]) -> list[dict[str, Any]]:
-    """An assistant turn's calls for the template: arguments as an object (templates render it
+    """An assistant turn's tool calls as the chat template takes them.
+
+    An assistant turn's calls for the template: arguments as an object (templates render it
     with `tojson`), the way transformers' templates expect them."""
     if not isinstance(calls, list):
         raise ClientError(f"{where} must be a list")

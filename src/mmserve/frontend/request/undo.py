@@ -1,6 +1,8 @@
-"""An undo log: the steps a request took in P0 before the engine accepted it, taken back in
-reverse order when a later step fails (see `frontend/admission.py: Admission._admit`, the one
-place that uses it)."""
+"""An undo log: a request's steps in P0 before the engine accepted it, taken back when one fails.
+
+Taken back in reverse order (see `frontend/request/admission.py: Admission.admit`, the one place
+that uses it).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ logger = logging.getLogger(__name__)
 
 
 class UndoLog:
-    """`push(fn, *args)` after each step that changed shared state; `run()` undoes them all (last
+    """The undo steps of one request, run last first.
+
+    `push(fn, *args)` after each step that changed shared state; `run()` undoes them all (last
     first, each once; an undo step that raises is logged and the others still run)."""
 
     def __init__(self) -> None:

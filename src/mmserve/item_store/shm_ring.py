@@ -145,7 +145,9 @@ class ShmRing:
                 chunk.pins = 0
 
     def orphan(self, chunk: Chunk) -> None:
-        """Invalidate a live chunk now: its header reads dead, so no handle resolves to it any more
+        """Invalidate a live chunk now.
+
+        Invalidate a live chunk now: its header reads dead, so no handle resolves to it any more
         (readers that hold it keep their views); the hand frees it once nobody pins or holds it."""
         self._buf[chunk.offset:chunk.offset + HEADER.size] = _DEAD_HEADER
         chunk.key, chunk.hits = None, 0
@@ -184,7 +186,9 @@ class ShmRing:
         assert end == self.capacity and 0 <= self._hand < self.capacity
 
     def _fold(self, chunk: Chunk, start: int) -> int | None:
-        """Fold `chunk` (popped at the run's end) into the free run [start, chunk.offset): the
+        """Fold a chunk into the free run before it.
+
+        Fold `chunk` (popped at the run's end) into the free run [start, chunk.offset): the
         run's new start, or None when the chunk is pinned and must stay."""
         if not chunk.live:
             return start

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmserve.frontend.stop_matcher import StopMatcher
+from mmserve.frontend.output.stop_matcher import StopMatcher
 from mmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -1,4 +1,6 @@
-"""How one entry of the shared-memory store lies in its chunk's payload: `u32 meta length |
+"""How one entry of the shared-memory store lies in its chunk's payload.
+
+`u32 meta length |
 msgpack [[name, dtype, shape, offset, nbytes], ...] | tensor bytes`, each tensor 64-byte aligned
 (offsets counted from the first tensor's byte). The store's owner and, with several API servers,
 each writer lay entries out with `layout` + `write_payload`; readers map them with `read_tensors`."""
@@ -12,7 +14,7 @@ import msgspec
 import torch
 
 from mmserve.ipc.serial import tensor_bytes, tensor_from_bytes
-from mmserve.ipc.shm_ring import align
+from mmserve.item_store.shm_ring import align
 
 _U32 = struct.Struct("<I")
 _Specs = list[tuple[str, str, list[int], int, int]]  # name, dtype, shape, offset, nbytes

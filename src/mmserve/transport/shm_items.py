@@ -16,14 +16,16 @@ import msgspec
 
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest
 from mmserve.ipc.items import ShmStoreInfo
-from mmserve.ipc.node_store import NodeStoreClient
-from mmserve.ipc.shm_store import ShmStore
-from mmserve.ipc.shm_store_reader import ShmLease, ShmStoreReader
+from mmserve.item_store.node_store import NodeStoreClient
+from mmserve.item_store.shm_store import ShmStore
+from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader
 from mmserve.ipc.items import MultiModalItem
 
 
 class ShmItemWriter:
-    """P0's side: writes through `store`, its own (one API server: the single writer) or, with
+    """P0's side of the shm transport: writes items, sends handles.
+
+    P0's side: writes through `store`, its own (one API server: the single writer) or, with
     several API servers, the node's (`NodeStoreClient`: the launcher owns it, every server writes)."""
 
     def __init__(self, store: ShmStore | NodeStoreClient) -> None:
@@ -36,8 +38,10 @@ class ShmItemWriter:
 
     def to_wire(self, request: EngineCoreRequest, inline: bool = False,
                 written: list[str] | None = None) -> list[MultiModalItem]:
-        """The request's items as they cross to P1: by handle where the store takes them. The
-        keys of entries written for it are appended to `written` (for `discard`)."""
+        """The request's items as they cross to P1: by handle where the store takes them.
+
+        The keys of entries written for it are appended to `written` (for `discard`).
+        """
         items = []
         for item in request.mm_items:
             handle = None
@@ -69,7 +73,9 @@ class ShmItemWriter:
 
 
 class ShmItemReader:
-    """A reader's side (P1, and each tensor-parallel rank): restores items from handles, holding
+    """A reader's side of the shm transport: maps items from handles.
+
+    A reader's side (P1, and each tensor-parallel rank): restores items from handles, holding
     each request's leases until `release`."""
 
     def __init__(self, info: ShmStoreInfo) -> None:

@@ -6,7 +6,7 @@ The actor runs in bundle 0 and serves `run_engine_core` on its main thread until
 tensor-parallel workers stay local child processes of the actor, spawned by P1's multiprocess
 executor exactly as under mp: STRICT_PACK reserved their bundles on the actor's node.
 
-Ray itself is joined or started by `frontend/ray_session.py` (each handle is one user of it).
+Ray itself is joined or started by `frontend/engine_client/ray_session.py` (each handle is one user of it).
 Every node that runs a rank must have mmserve importable.
 
 Not yet: on CUDA with tensor_parallel_size > 1, handing the GPU ids of the rank's bundles to its
@@ -14,7 +14,7 @@ workers (Ray sets CUDA_VISIBLE_DEVICES only for the actor's own GPUs; with tp ==
 
 Liveness: a Ray actor is fate-shared with its owner, so P1 skips the parent-pid check under Ray
 (its parent is not P0); the driver watches the actor's `serve` ObjectRef (a local
-`ray.wait`, ~0.1 ms), which fails with `RayActorError` once the actor dies however it died.
+`ray.wait`), which fails with `RayActorError` once the actor dies however it died.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from mmserve.frontend.ray_session import join_ray, leave_ray  # first: names the extra without Ray
+from mmserve.frontend.engine_client.ray_session import join_ray, leave_ray  # first: names the extra without Ray
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import run_engine_core
-from mmserve.frontend.engine_process import TERM_GRACE_S
+from mmserve.frontend.engine_client.engine_process import TERM_GRACE_S
 from mmserve.ipc.lifecycle import describe_exit, is_running
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ _REMOTE_SIGNAL_S = 30.0  # a signal task on another node may first need a new wo
 
 
 def rank_bundles(config: EngineConfig, extra: Mapping[str, float] | None = None) -> list[dict[str, float]]:
-    """The placement group of one rank: the engine core's bundle first (with `extra` resources,
+    """The placement group's bundles of one rank.
+
+    The placement group of one rank: the engine core's bundle first (with `extra` resources,
     e.g. a custom resource naming a node), then one per tensor-parallel worker. With
     tensor_parallel_size 1 the model runs inside the engine core, whose bundle then holds the GPU
     (on CUDA)."""
@@ -74,8 +76,11 @@ class EngineCoreActor:
 
     def serve(self, config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
               shm_info: bytes | None) -> int:
-        """Run the engine core until SIGTERM / SIGINT or a fatal error; its exit code. Runs on the
-        actor's main thread (an actor without concurrency groups), where P1's signal handlers work."""
+        """Run the engine core until SIGTERM / SIGINT or a fatal error; its exit code.
+
+        Runs on the actor's main thread (an actor without concurrency groups), where P1's signal
+        handlers work.
+        """
         try:
             run_engine_core(config, model_dir, input_addr, output_addr, shm_info)
         except SystemExit as e:
@@ -95,7 +100,7 @@ class RayEngineProcess:
 
     The constructor joins Ray and reserves the placement group (RuntimeError if it is not placed
     within `timeout_s`), so `is_local` (same Ray node as this driver) is known before `start`.
-    `resources`: extra resources for the engine core's bundle (e.g. `{"node_b": 1}` to pin it).
+    `resources`: extra resources for the engine core's bundle (e.g. `{"node_b": 1}` to place it).
     """
 
     def __init__(self, config: EngineConfig, timeout_s: float, resources: Mapping[str, float] | None = None) -> None:
@@ -161,7 +166,9 @@ class RayEngineProcess:
         return describe_exit(code)
 
     def stop(self) -> None:
-        """SIGTERM the actor's process, `ray.kill` it after `TERM_GRACE_S` (at once if P1 already
+        """Stop the actor and free its placement group; idempotent.
+
+        SIGTERM the actor's process, `ray.kill` it after `TERM_GRACE_S` (at once if P1 already
         exited), remove the placement group, and leave Ray; `describe_exit` keeps how P1 ended
         (this handle makes no Ray call after). Idempotent."""
         if self._exit is None:
@@ -210,7 +217,9 @@ class RayEngineProcess:
 
 
 def _death_cause(error: Exception) -> str:
-    """The one-line cause in a `RayActorError` ("its worker process has died", "it was killed by
+    """The one-line cause of a Ray actor's death.
+
+    The one-line cause in a `RayActorError` ("its worker process has died", "it was killed by
     `ray.kill`"), else the error's first line."""
     text = str(error)
     found = re.search(r"The actor is dead because (.+?)\.(?:\s|$)", text)

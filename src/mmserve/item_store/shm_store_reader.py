@@ -1,5 +1,6 @@
-"""The readers of the shared-memory object store (`ipc/shm_store.py`): P1, every TP worker, and
-with several API servers each server. A reader attaches by `ShmStoreInfo`, verifies a handle's
+"""The readers of the shared-memory item store (`item_store/shm_store.py`).
+
+P1, every TP worker, and with several API servers each server. A reader attaches by `ShmStoreInfo`, verifies a handle's
 tag, and maps the entry's tensors in place under a lease (its read lock keeps the chunk alive)."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import warnings
 import torch
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
-from mmserve.ipc.shm_layout import read_tensors
-from mmserve.ipc.shm_ring import ALIGN, ShmRingReader
+from mmserve.item_store.shm_layout import read_tensors
+from mmserve.item_store.shm_ring import ALIGN, ShmRingReader
 
 _SIGNED = struct.Struct("<QQQ")  # offset, chunk id, nbytes; the key's UTF-8 follows
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHash, BlockHasher
@@ -90,6 +91,26 @@ class Route:
     block_hashes: list[BlockHash]
 
 
+class Router(Protocol):
+    """The one routing interface, in-process or remote.
+
+    The one routing interface: `DPRouter` in this process, or `coordinator.py: RemoteRouter`
+    asking the launcher's coordinator (in-process or remote is a transport detail)."""
+
+    @property
+    def decisions(self) -> Counter[str]: ...
+
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route: ...
+
+    def on_sent(self, route: Route, request: EngineCoreRequest) -> None: ...
+
+    def on_finished(self, rank: int) -> None: ...
+
+    def set_load(self, rank: int, running_and_waiting: int, kv_usage: float) -> None: ...
+
+    def forget(self, rank: int) -> None: ...
+
+
 class DPRouter:
     """Routes requests over `num_ranks` ranks; `kv_blocks[r]` is rank r's KV cache size."""
 
@@ -103,12 +124,12 @@ class DPRouter:
         self.ranks = [_RankView(blocks, encoder) for blocks in kv_blocks]
         self.decisions: Counter[str] = Counter({reason: 0 for reason in REASONS})
 
-    def route(self, request: EngineCoreRequest, live: Sequence[int], pin: int | None = None) -> Route:
-        """The rank for `request` among `live` ones (non-empty); `pin` forces one (it must be live)."""
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route:
+        """The rank for `request` among `live` ones (non-empty); `forced` is one it must take (live)."""
         hashes = self.hasher.new_block_hashes(request.prompt_token_ids, request.mm_items, request.cache_salt, []) \
             if self.cache_aware else []
-        if pin is not None:
-            return self._decide(pin, "pinned", hashes)
+        if forced is not None:
+            return self._decide(forced, "pinned", hashes)  # "pinned": the /metrics label
         views = {r: self.ranks[r] for r in live}
         least = min(views[r].load() for r in live)
         allowed = [r for r in live if views[r].load() <= least + self.slack + least // 2]

@@ -1,0 +1,72 @@
+"""An API server's `Router` when the launcher's coordinator routes (`coordinator.py`).
+
+The request crosses without its items' data (hashes, placeholders, tokens and salt are what
+routing reads); one ZMQ round trip over ipc:// per route, and `decisions` asked at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from mmserve.frontend.dp.dp_router import Route
+from mmserve.ipc.launcher_messages import DecisionsAsk, RouteAnswer, RouteAsk, RouteLanded, RouteSent
+from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
+
+_ANSWER_TIMEOUT_S = 10.0  # an API server waits this long for a route before failing the request
+
+
+class RemoteRouter:
+    """`DPRouter`'s interface for an API server, answered by the coordinator at `address`.
+
+    Load and restarts reach the coordinator without the API servers (`set_load` and `forget`
+    do nothing here). Single-threaded (the API server's event loop)."""
+
+    def __init__(self, address: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(RouteAnswer)
+        self._asked = 0
+
+    def route(self, request: EngineCoreRequest, live: Sequence[int], forced: int | None = None) -> Route:
+        """One round trip; RuntimeError if the coordinator does not answer within `_ANSWER_TIMEOUT_S`."""
+        bare = msgspec.structs.replace(request, mm_items=[msgspec.structs.replace(item, data=None, shm_handle=None)
+                                                          for item in request.mm_items])
+        answer = self._ask(RouteAsk(bare, list(live), forced), request.request_id)
+        return Route(answer.rank, answer.reason, [])
+
+    @property
+    def decisions(self) -> Counter[str]:
+        """Every API server's routing decisions so far, by reason (one round trip)."""
+        self._asked += 1
+        return Counter(self._ask(DecisionsAsk(f"decisions-{self._asked}"), f"decisions-{self._asked}").decisions)
+
+    def _ask(self, msg: RouteAsk | DecisionsAsk, request_id: str) -> RouteAnswer:
+        self._sock.send_multipart(self._encoder.encode(msg), copy=False)
+        while self._sock.poll(int(_ANSWER_TIMEOUT_S * 1000), zmq.POLLIN):
+            answer: RouteAnswer = self._decoder.decode(self._sock.recv_multipart())
+            if answer.request_id == request_id:  # an answer that came too late is dropped
+                return answer
+        raise RuntimeError(f"the data-parallel coordinator did not answer within {_ANSWER_TIMEOUT_S:g} s")
+
+    def on_sent(self, route: Route, request: EngineCoreRequest) -> None:
+        self._sock.send_multipart(self._encoder.encode(RouteSent(request.request_id)), copy=False)
+
+    def on_finished(self, rank: int) -> None:
+        self._sock.send_multipart(self._encoder.encode(RouteLanded(rank)), copy=False)
+
+    def set_load(self, rank: int, running_and_waiting: int, kv_usage: float) -> None:
+        pass
+
+    def forget(self, rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
