@@ -34,15 +34,13 @@ from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
 from mmserve.worker.step_inputs import StepInputs, prepare_inputs
+from mmserve.worker.threads import SMALL_STEP_TOKENS, small_step_threads
 
 
 logger = logging.getLogger(__name__)
 
 
-# A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
-# second thread costs more than it saves on a small matmul (a repeated image's uncached tail, a
-# small decode batch), the more so while P0 holds the other core.
-SMALL_STEP_TOKENS = 32
+__all__ = ["ModelRunner", "SMALL_STEP_TOKENS"]
 
 
 class ModelRunner:
@@ -57,7 +55,8 @@ class ModelRunner:
         logger.info("rank %d: model on %s in %s, %s attention", tp.rank, self.device,
                     str(self.dtype).removeprefix("torch."), self.model.attention.name)
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
-        self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
+        # a step of fewer than SMALL_STEP_TOKENS tokens: one thread or all, measured for this model
+        self.small_step_threads = small_step_threads(self.model, self.threads, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_scratch_block: int | None = None
         self.decode_graphs: DecodeGraphs | None = None

@@ -52,6 +52,14 @@ class RunnerRequest:
         rest = torch.arange(max(start, known_end), max(end, known_end)) + delta  # generated tokens
         return torch.cat([known, rest.expand(3, -1)], dim=1)
 
+    def scalar_position(self, index: int) -> int | None:
+        """The position of token `index` when it is one number on every row (no M-RoPE, or past
+        the M-RoPE table: index + delta); None inside the table."""
+        if self.mrope is None:
+            return index
+        table, delta = self.mrope
+        return index + delta if index >= table.shape[1] else None
+
     def stop_token_ids(self) -> list[int]:
         """The tokens `min_tokens` holds back: EOS (unless ignored) and the stop token ids."""
         eos = [] if self.eos_token_id is None or self.params.ignore_eos else [self.eos_token_id]
