@@ -25,7 +25,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
-from mmserve.models.parallel import SINGLE, TensorParallel
+from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
@@ -54,6 +54,8 @@ class ModelRunner:
         self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend)
         logger.info("rank %d: model on %s in %s, %s attention", tp.rank, self.device,
                     str(self.dtype).removeprefix("torch."), self.model.attention.name)
+        if self.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
         # a step of fewer than SMALL_STEP_TOKENS tokens: one thread or all, measured for this model
         self.small_step_threads = small_step_threads(self.model, self.threads, self.device)

@@ -15,7 +15,8 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
+
+from mmserve.models.parallel import linear
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +35,17 @@ def small_step_threads(model: torch.nn.Module, threads: int, device: torch.devic
     weight = _largest_matrix(model)
     if weight is None:
         return 1
-    x = torch.randn(tokens, weight.shape[1], dtype=weight.dtype)
+    x = torch.randn(tokens, weight.shape[1], dtype=weight.dtype)  # the weight may be packed (`pack_linears`)
     best = {1: float("inf"), threads: float("inf")}
     try:
         with torch.inference_mode():
             for _ in range(rounds):
                 for n in best:
                     torch.set_num_threads(n)
-                    F.linear(x, weight)  # a first call after the switch wakes (or parks) the pool
+                    linear(x, weight)  # a first call after the switch wakes (or parks) the pool
                     start = time.perf_counter()
                     for _ in range(3):
-                        F.linear(x, weight)
+                        linear(x, weight)
                     best[n] = min(best[n], time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)

@@ -3,7 +3,10 @@
 A decoding request's blocks fall into runs of consecutive block ids: its prompt's blocks, handed
 out together, are usually one long run; the blocks it gets one at a time while decoding are
 short runs. Each long run (`MIN_RUN_BLOCKS` or more) is attended in place: a view of the cache
-(no copy) passed to the CPU flash kernel, per request. The short runs and the request's last
+(no copy) passed to the CPU flash kernel, per request, on one thread: one request's run at one
+layer is too little work to wake OpenMP's other threads for, each wake-up costing a time slice
+when another process holds their core (those calls are the loop's hundreds per step; the batched
+call below wakes them once a layer). The short runs and the request's last
 block (the one this step writes) are gathered for the whole batch into one small padded copy and
 attended in one batched call under a mask. The parts are merged by their log-sum-exps (softmax
 over all keys = each part's softmax weighted by its share of the total mass), as
@@ -130,15 +133,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     values = v_cache.index_select(0, plan.gathered.view(-1)).view(Bd, F * S, Hkv, Dh).transpose(1, 2)
     out, lse = _flash_attention(queries, keys, values, attn_mask=plan.mask.to(q.dtype), scale=scale)
     if plan.rounds:  # out, lse: [Bd, Hkv, group, Dh], [Bd, Hkv, group]
-        flat_k, flat_v = k_cache.view(N * S, Hkv, Dh), v_cache.view(N * S, Hkv, Dh)
-        out, lse = out.float(), lse.clone()
-        for index, members in plan.rounds:
-            parts = [_flash_attention(queries[b:b + 1], flat_k[first:first + n].transpose(0, 1)[None],
-                                      flat_v[first:first + n].transpose(0, 1)[None], scale=scale)
-                     for b, first, n in members]  # each run a view of the cache: no copy
-            o, m = torch.cat([o for o, _ in parts]).float(), torch.cat([m for _, m in parts])
-            before = lse[index]
-            share = torch.sigmoid(m - before)[..., None]  # the run's share of the mass seen so far and its own
-            out[index] = torch.lerp(out[index], o, share)
-            lse[index] = torch.logaddexp(before, m)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one request's run is too little work to wake other threads for
+        try:
+            out, lse = _attend_runs(queries, k_cache, v_cache, plan, scale, out.float(), lse.clone())
+        finally:
+            torch.set_num_threads(threads)
     return out.to(q.dtype).reshape(Bd, H, Dh)
+
+
+def _attend_runs(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                 scale: float, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the runs read in place into `out` [Bd, Hkv, group, Dh] (float32) and `lse` [Bd, Hkv, group]."""
+    N, S, Hkv, Dh = k_cache.shape
+    flat_k, flat_v = k_cache.view(N * S, Hkv, Dh), v_cache.view(N * S, Hkv, Dh)
+    for index, members in plan.rounds:
+        parts = [_flash_attention(queries[b:b + 1], flat_k[first:first + n].transpose(0, 1)[None],
+                                  flat_v[first:first + n].transpose(0, 1)[None], scale=scale)
+                 for b, first, n in members]  # each run a view of the cache: no copy
+        o, m = torch.cat([o for o, _ in parts]).float(), torch.cat([m for _, m in parts])
+        before = lse[index]
+        share = torch.sigmoid(m - before)[..., None]  # the run's share of the mass seen so far and its own
+        out[index] = torch.lerp(out[index], o, share)
+        lse[index] = torch.logaddexp(before, m)
+    return out, lse
