@@ -43,7 +43,7 @@ def sample_requests(logits: torch.Tensor, states: list[RunnerRequest], default_g
     packed = tokens.double() if block is None else torch.cat([tokens.double(), block.reshape(-1)])
     host = to_host(packed).tolist()
     token_ids = [int(t) for t in host[:len(states)]]
-    record_sampled(states, tokens)
+    record_sampled(states, token_ids)
     for state, token in zip(states, token_ids):
         if state.grammar is not None and not state.grammar.is_terminated():
             state.grammar.accept_token(token)
