@@ -34,13 +34,10 @@ from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
 from mmserve.worker.step_inputs import StepInputs, prepare_inputs
-from mmserve.worker.threads import SMALL_STEP_TOKENS, small_step_threads
+from mmserve.worker.threads import one_thread_below
 
 
 logger = logging.getLogger(__name__)
-
-
-__all__ = ["ModelRunner", "SMALL_STEP_TOKENS"]
 
 
 class ModelRunner:
@@ -57,8 +54,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
-        # a step of fewer than SMALL_STEP_TOKENS tokens: one thread or all, measured for this model
-        self.small_step_threads = small_step_threads(self.model, self.threads, self.device)
+        # a step of fewer tokens (and no encoder work) runs on one thread: measured for this model
+        self.one_thread_below = one_thread_below(self.model, self.threads, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_scratch_block: int | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -123,8 +120,8 @@ class ModelRunner:
         self._copy_blocks(so.kv_copies)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
-        small = sum(so.num_scheduled_tokens.values()) < SMALL_STEP_TOKENS and not so.scheduled_encoder_inputs
-        torch.set_num_threads(self.small_step_threads if small else self.threads)
+        small = sum(so.num_scheduled_tokens.values()) < self.one_thread_below and not so.scheduled_encoder_inputs
+        torch.set_num_threads(1 if small else self.threads)
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)

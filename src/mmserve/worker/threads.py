@@ -1,12 +1,12 @@
-"""How many threads a small CPU step runs on, measured once per model (`small_step_threads`).
+"""From how many tokens a CPU step runs on every thread, measured once per model (`one_thread_below`).
 
-A step of fewer than `SMALL_STEP_TOKENS` tokens (a small decode batch, a repeated image's uncached
-tail) is a handful of skinny matmuls. On a small model, waking OpenMP's other threads for each
-costs more than they save, the more so when another process holds the other cores; on a larger
-one (a decoder layer of tens of MB) the other threads bring their share of memory bandwidth and
-arithmetic. Which holds depends on the model's size and the machine, so it is measured at start:
-the decoder's largest weight multiplied by a small step's activations on one thread and on all,
-each timed several times in turns (best of each).
+A small step (a decode batch, a repeated image's uncached tail) is a handful of skinny matmuls.
+On a small model, waking OpenMP's other threads for each costs more than they save, the more so
+when other processes hold the other cores; on a larger one the other threads bring their share
+of arithmetic and memory bandwidth from a few rows on. Where the crossover lies depends on the
+model's size and the machine, so it is measured at start: the decoder's largest weight multiplied
+by 1, 8, 32 and 128 rows, on one thread and on all, each timed several times in turns (best
+of each); steps of fewer tokens than the first size where all threads win run on one thread.
 """
 
 from __future__ import annotations
@@ -20,40 +20,48 @@ from mmserve.models.parallel import linear
 
 logger = logging.getLogger(__name__)
 
-# Below this many tokens (and without encoder work) a CPU step runs on `small_step_threads`.
-SMALL_STEP_TOKENS = 32
+ROWS = (1, 8, 32, 128)
 # All threads must beat one by this factor to be used (a tie goes to one thread: fewer wake-ups).
 _MARGIN = 0.8
 
 
-def small_step_threads(model: torch.nn.Module, threads: int, device: torch.device, tokens: int = 8,
-                       rounds: int = 5) -> int:
-    """`threads` when the model's largest decoder matmul at `tokens` rows runs faster on them than
-    on one thread, else 1; `threads` off the CPU. Leaves the process's setting at `threads`."""
+def one_thread_below(model: torch.nn.Module, threads: int, device: torch.device, rounds: int = 3) -> int:
+    """The step size (tokens) from which a step without encoder work runs on all `threads`; below
+    it, on one. 0 (always all) off the CPU or with one thread; twice the largest size measured
+    when one thread wins at every size. Leaves the process's setting at `threads`."""
     if device.type != "cpu" or threads <= 1:
-        return threads
+        return 0
     weight = _largest_matrix(model)
     if weight is None:
-        return 1
-    x = torch.randn(tokens, weight.shape[1], dtype=weight.dtype)  # the weight may be packed (`pack_linears`)
-    best = {1: float("inf"), threads: float("inf")}
+        return 2 * ROWS[-1]
     try:
         with torch.inference_mode():
-            for _ in range(rounds):
-                for n in best:
-                    torch.set_num_threads(n)
-                    linear(x, weight)  # a first call after the switch wakes (or parks) the pool
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        linear(x, weight)
-                    best[n] = min(best[n], time.perf_counter() - start)
+            for rows in ROWS:
+                best = _best_times(weight, rows, threads, rounds)
+                if best[threads] < _MARGIN * best[1]:
+                    logger.info("CPU steps of %d+ tokens on %d threads, fewer on one: a %dx%d matmul of %d rows "
+                                "took %.3f ms on one, %.3f ms on %d", rows, threads, *weight.shape, rows,
+                                best[1] * 1e3, best[threads] * 1e3, threads)
+                    return rows
     finally:
         torch.set_num_threads(threads)
-    chosen = threads if best[threads] < _MARGIN * best[1] else 1
-    logger.info("small steps (< %d tokens) on %d thread(s): a %dx%d matmul of %d rows took %.3f ms on 1, "
-                "%.3f ms on %d", SMALL_STEP_TOKENS, chosen, *weight.shape, tokens, best[1] / 3 * 1e3,
-                best[threads] / 3 * 1e3, threads)
-    return chosen
+    logger.info("CPU steps under %d tokens on one thread (it won at every size measured)", 2 * ROWS[-1])
+    return 2 * ROWS[-1]
+
+
+def _best_times(weight: torch.Tensor, rows: int, threads: int, rounds: int) -> dict[int, float]:
+    """Best seconds of one `linear` of `rows` rows on one thread and on `threads`, taking turns."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)  # the weight may be packed (`pack_linears`)
+    best = {1: float("inf"), threads: float("inf")}
+    for _ in range(rounds):
+        for n in best:
+            torch.set_num_threads(n)
+            linear(x, weight)  # a first call after the switch wakes (or parks) the pool
+            start = time.perf_counter()
+            for _ in range(3):
+                linear(x, weight)
+            best[n] = min(best[n], (time.perf_counter() - start) / 3)
+    return best
 
 
 def _largest_matrix(model: torch.nn.Module) -> torch.Tensor | None:
