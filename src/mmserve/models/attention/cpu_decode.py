@@ -3,10 +3,10 @@
 A decoding request's blocks fall into runs of consecutive block ids: its prompt's blocks, handed
 out together, are usually one long run; the blocks it gets one at a time while decoding are
 short runs. Each long run (`MIN_RUN_BLOCKS` or more) is attended in place: a view of the cache
-(no copy) passed to the CPU flash kernel, per request, on one thread: one request's run at one
-layer is too little work to wake OpenMP's other threads for, each wake-up costing a time slice
-when another process holds their core (those calls are the loop's hundreds per step; the batched
-call below wakes them once a layer). The short runs and the request's last
+(no copy) passed to the CPU flash kernel, per request. All of it runs on one thread, whatever
+the step's: one request's run at one layer is too little work to wake OpenMP's other threads for
+(measured slower on two threads at every batch and context of `benchmarks/decode_step.py`, and
+far slower when another process holds the other core). The short runs and the request's last
 block (the one this step writes) are gathered for the whole batch into one small padded copy and
 attended in one batched call under a mask. The parts are merged by their log-sum-exps (softmax
 over all keys = each part's softmax weighted by its share of the total mass), as
@@ -124,7 +124,18 @@ class RunSplits:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
                      scale: float) -> torch.Tensor:
     """q: [T, H, Dh] (the step's); k_cache, v_cache: [N, S, Hkv, Dh] holding this step's K/V
-    already. Returns [Bd, H, Dh]: each decoding request's attention over its context."""
+    already. Returns [Bd, H, Dh]: each decoding request's attention over its context. On one
+    thread whatever the step's: each call is too little work to wake other threads for."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _decode_attention(q, k_cache, v_cache, plan, scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                      scale: float) -> torch.Tensor:
     N, S, Hkv, Dh = k_cache.shape
     Bd, H = plan.rows.shape[0], q.shape[1]
     queries = q.index_select(0, plan.rows).view(Bd, Hkv, H // Hkv, Dh)  # query heads grouped by K/V head
@@ -133,12 +144,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     values = v_cache.index_select(0, plan.gathered.view(-1)).view(Bd, F * S, Hkv, Dh).transpose(1, 2)
     out, lse = _flash_attention(queries, keys, values, attn_mask=plan.mask.to(q.dtype), scale=scale)
     if plan.rounds:  # out, lse: [Bd, Hkv, group, Dh], [Bd, Hkv, group]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one request's run is too little work to wake other threads for
-        try:
-            out, lse = _attend_runs(queries, k_cache, v_cache, plan, scale, out.float(), lse.clone())
-        finally:
-            torch.set_num_threads(threads)
+        out, lse = _attend_runs(queries, k_cache, v_cache, plan, scale, out.float(), lse.clone())
     return out.to(q.dtype).reshape(Bd, H, Dh)
 
 
