@@ -100,6 +100,32 @@ def check_decoder_shardable(t: TextConfig, tp: TensorParallel) -> None:
     tp.split(t.intermediate_size, "the decoder's intermediate_size")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or oneDNN's matmul when `pack_linears` packed the weight (an mkldnn tensor)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Each float32 CPU weight of the column- and row-parallel layers (the decoder's projections
+    and MLPs, projectors) replaced by oneDNN's packed copy of it, which `linear` multiplies by:
+    `F.linear` (MKL's sgemm) is several times slower on a decode step's skinny matmuls, and slower
+    on prefill's too, where it was measured (`benchmarks/decode_step.py`). The dense weight is
+    freed; the loader must have loaded it first. Returns the number of layers packed."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weight = module.weight
+            if weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_mkldnn:
+                module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                                             requires_grad=False)
+                packed += 1
+    return packed
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split: x [.., in] -> [.., out / size].
 
@@ -117,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_shards = {"weight": Shard(0, start, length), "bias": Shard(0, start, length)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -134,8 +160,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # the fused bias add, bit for bit nn.Linear
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

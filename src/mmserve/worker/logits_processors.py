@@ -6,9 +6,11 @@ whose requests ask for none of it costs one pass over the batch's flags. Order: 
 grammar decides when it may end), `logit_bias`, the penalties (vLLM's meaning, see
 `SamplingParams`), then the structured-output masks. Each kind is one indexed op over its rows.
 
-Penalty state lives on the logits' device and is kept incrementally: a penalised request's
-output-token counts ([V]) and prompt mask ([V] bool) are built on its first processed step and
-its counts updated with each sampled token (`record_sampled`), never rebuilt from its tokens.
+Penalty state lives on the logits' device and is kept incrementally: a penalised request's seen
+tokens (its prompt's, then its outputs') with their output counts (`PenaltyState`, not [V]
+tensors) are built on its first processed step and updated with each sampled token
+(`record_sampled`), never rebuilt from its tokens; a step gathers, penalises and writes back only
+those entries.
 """
 
 from __future__ import annotations
@@ -67,25 +69,28 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRe
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
-    """Repetition, frequency and presence penalties on `rows` of logits [R, V], in place."""
+    """Repetition, frequency and presence penalties on `rows` of logits [R, V], in place, on each
+    row's seen tokens only (`PenaltyState`): on any other token every penalty is the identity."""
     V, device = logits.shape[-1], logits.device
+    seen = [s.penalty_state(V, device) for s in states]
+    lengths = [p.ids.shape[0] for p in seen]
     weights = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
-                            for s in states], dtype=logits.dtype)  # [P, 3]
-    index, weights = to_device((torch.tensor(rows, dtype=torch.int64), weights), device)
-    rep, freq, pres = weights[:, 0:1], weights[:, 1:2], weights[:, 2:3]  # each [P, 1]
-    sub = logits[index]  # [P, V]
-    counts = torch.stack([s.penalty_counts(V, device) for s in states]).to(sub.dtype)  # [P, V] output counts
+                            for s in states], dtype=logits.dtype).repeat_interleave(torch.tensor(lengths), 0)
+    row_index = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(lengths))  # [M]
+    row_index, weights = to_device((row_index, weights), device)
+    rep, freq, pres = weights[:, 0], weights[:, 1], weights[:, 2]  # each [M]
+    ids = torch.cat([p.ids for p in seen])  # [M]
+    counts = torch.cat([p.counts for p in seen]).to(logits.dtype)
+    values = logits[row_index, ids]  # [M]
     present = counts > 0
     if any(s.params.repetition_penalty != 1.0 for s in states):
-        seen = present | torch.stack([s.penalty_prompt_mask(V, device) for s in states])
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * counts - pres * present.to(sub.dtype)
-    logits[index] = sub
+        touched = present | torch.cat([p.in_prompt for p in seen])
+        values = torch.where(touched, torch.where(values > 0, values / rep, values * rep), values)
+    logits[row_index, ids] = values - freq * counts - pres * present.to(values.dtype)
 
 
-def record_sampled(states: list[RunnerRequest], tokens: torch.Tensor) -> None:
-    """Count each penalised request's sampled token (tokens: [R] on the device, row i of `states[i]`)."""
-    for i, state in enumerate(states):
-        if state.output_counts is not None:
-            state.output_counts.index_add_(0, tokens[i:i + 1], torch.ones(1, dtype=state.output_counts.dtype,
-                                                                         device=tokens.device))
+def record_sampled(states: list[RunnerRequest], tokens: list[int]) -> None:
+    """Count each penalised request's sampled token (row i of `states[i]`; host ids)."""
+    for state, token in zip(states, tokens):
+        if state.penalty is not None:
+            state.penalty.add(token)

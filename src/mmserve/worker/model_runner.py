@@ -26,7 +26,7 @@ from mmserve.errors import RequestFault
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
-from mmserve.models.parallel import SINGLE, TensorParallel
+from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
@@ -36,15 +36,10 @@ from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import sample_requests
 from mmserve.worker.step_inputs import StepInputs, prepare_inputs
+from mmserve.worker.threads import one_thread_below
 
 
 logger = logging.getLogger(__name__)
-
-
-# A CPU step of fewer tokens than this (and no encoder work) runs on one thread: waking OpenMP's
-# second thread costs more than it saves on a small matmul (a repeated image's uncached tail, a
-# small decode batch), the more so while P0 holds the other core.
-SMALL_STEP_TOKENS = 32
 
 
 class ModelRunner:
@@ -58,8 +53,11 @@ class ModelRunner:
         self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend)
         logger.info("rank %d: model on %s in %s, %s attention", tp.rank, self.device,
                     str(self.dtype).removeprefix("torch."), self.model.attention.name)
+        if self.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
-        self.small_step_threads = 1 if self.device.type == "cpu" else self.threads
+        # a step of fewer tokens (and no encoder work) runs on one thread: measured for this model
+        self.one_thread_below = one_thread_below(self.model, self.threads, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_scratch_block: int | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -131,8 +129,8 @@ class ModelRunner:
         self._copy_blocks(so.kv_copies)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput({})
-        small = sum(so.num_scheduled_tokens.values()) < SMALL_STEP_TOKENS and not so.scheduled_encoder_inputs
-        torch.set_num_threads(self.small_step_threads if small else self.threads)
+        small = sum(so.num_scheduled_tokens.values()) < self.one_thread_below and not so.scheduled_encoder_inputs
+        torch.set_num_threads(1 if small else self.threads)
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)

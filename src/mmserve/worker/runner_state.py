@@ -19,9 +19,9 @@ class RunnerRequest:
     `token_ids[:num_prompt_tokens]` is the prompt; the rest are outputs (a request resumed after
     preemption arrives with its outputs so far). `grammar` is its structured-output matcher, which
     has accepted every output token. Penalty and bias state on the sampling device, built on the
-    first step that needs it and kept: `output_counts` ([V] int64, each token's count among the
-    outputs; `record_sampled` adds each new one), `prompt_mask` ([V] bool, tokens present in the
-    prompt), `logit_bias` (ids [n] int64, values [n] float32).
+    first step that needs it and kept: `penalty` (the tokens seen so far and their counts among the
+    outputs, `PenaltyState`; `record_sampled` adds each new one), `logit_bias` (ids [n] int64,
+    values [n] float32).
     """
 
     token_ids: list[int]
@@ -34,8 +34,7 @@ class RunnerRequest:
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher, or None
-    prompt_mask: torch.Tensor | None = None
-    output_counts: torch.Tensor | None = None
+    penalty: PenaltyState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
 
@@ -53,27 +52,25 @@ class RunnerRequest:
         rest = torch.arange(max(start, known_end), max(end, known_end)) + delta  # generated tokens
         return torch.cat([known, rest.expand(3, -1)], dim=1)
 
+    def scalar_position(self, index: int) -> int | None:
+        """The position of token `index` when it is one number on every row (no M-RoPE, or past
+        the M-RoPE table: index + delta); None inside the table."""
+        if self.mrope is None:
+            return index
+        table, delta = self.mrope
+        return index + delta if index >= table.shape[1] else None
+
     def stop_token_ids(self) -> list[int]:
         """The tokens `min_tokens` holds back: EOS (unless ignored) and the stop token ids."""
         eos = [] if self.eos_token_id is None or self.params.ignore_eos else [self.eos_token_id]
         return eos + list(self.params.stop_token_ids)
 
-    def penalty_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] int64: each token's count among the outputs so far (built once, then kept current)."""
-        if self.output_counts is None:
-            outputs = torch.tensor(self.output_token_ids, dtype=torch.int64)
-            counts = torch.bincount(outputs[outputs < vocab_size], minlength=vocab_size)
-            self.output_counts = to_device(counts, device)
-        return self.output_counts
-
-    def penalty_prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] bool: the tokens of the prompt (built once)."""
-        if self.prompt_mask is None:
-            prompt = torch.tensor(self.token_ids[:self.num_prompt_tokens], dtype=torch.int64)
-            prompt = prompt[prompt < vocab_size]
-            mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, prompt, True)
-            self.prompt_mask = to_device(mask, device)
-        return self.prompt_mask
+    def penalty_state(self, vocab_size: int, device: torch.device) -> PenaltyState:
+        """The request's seen tokens (built once, from its prompt and outputs so far, then kept)."""
+        if self.penalty is None:
+            self.penalty = PenaltyState.build(self.token_ids[:self.num_prompt_tokens], self.output_token_ids,
+                                              vocab_size, device)
+        return self.penalty
 
     def logit_bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's `logit_bias` as (ids [n] int64, values [n] float32) on `device` (built once)."""
@@ -82,3 +79,41 @@ class RunnerRequest:
             self.logit_bias = to_device((torch.tensor(list(bias), dtype=torch.int64),
                                          torch.tensor(list(bias.values()), dtype=torch.float32)), device)
         return self.logit_bias
+
+
+class PenaltyState:
+    """A penalised request's seen tokens, the only ones penalties change, kept as it samples:
+    `ids` [n] int64 (the prompt's distinct tokens, then each new output token), `counts` [n]
+    float32 (each one's count among the outputs), `in_prompt` [n] bool; on the sampling device.
+    The token -> position map stays on the host, so adding a token costs no device sync."""
+
+    def __init__(self, ids: list[int], counts: list[float], in_prompt: list[bool], vocab_size: int,
+                 device: torch.device) -> None:
+        self.position = {token: i for i, token in enumerate(ids)}
+        self.vocab_size = vocab_size
+        self.ids, self.counts, self.in_prompt = to_device(
+            (torch.tensor(ids, dtype=torch.int64), torch.tensor(counts, dtype=torch.float32),
+             torch.tensor(in_prompt, dtype=torch.bool)), device)
+
+    @classmethod
+    def build(cls, prompt: list[int], outputs: list[int], vocab_size: int, device: torch.device) -> PenaltyState:
+        counts: dict[int, float] = dict.fromkeys((t for t in prompt if t < vocab_size), 0.0)
+        in_prompt = set(counts)
+        for token in outputs:
+            if token < vocab_size:
+                counts[token] = counts.get(token, 0.0) + 1
+        return cls(list(counts), list(counts.values()), [t in in_prompt for t in counts], vocab_size, device)
+
+    def add(self, token: int) -> None:
+        """Count one more output `token` (a new one appended to the seen tokens)."""
+        if token >= self.vocab_size:
+            return
+        i = self.position.get(token)
+        if i is not None:
+            self.counts[i] += 1
+            return
+        self.position[token] = len(self.position)
+        device = self.ids.device
+        self.ids = torch.cat([self.ids, torch.tensor([token], dtype=torch.int64, device=device)])
+        self.counts = torch.cat([self.counts, torch.ones(1, device=device)])
+        self.in_prompt = torch.cat([self.in_prompt, torch.zeros(1, dtype=torch.bool, device=device)])

@@ -43,7 +43,7 @@ def sample_requests(logits: torch.Tensor, states: list[RunnerRequest], default_g
     packed = tokens.double() if block is None else torch.cat([tokens.double(), block.reshape(-1)])
     host = to_host(packed).tolist()
     token_ids = [int(t) for t in host[:len(states)]]
-    record_sampled(states, tokens)
+    record_sampled(states, token_ids)
     for state, token in zip(states, token_ids):
         if state.grammar is not None and not state.grammar.is_terminated():
             state.grammar.accept_token(token)
@@ -130,16 +130,46 @@ def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.
     if rows.max_k:
         logits.masked_fill_(logits < _kth_largest(logits, rows), float("-inf"))
     if rows.any_top_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix reaching top_p (rows asking no top-p keep everything)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p) & (rows.top_p < 1.0)
-        logits.masked_fill_(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        top_p_cut(logits, rows.top_p)
     probs = logits.softmax(-1)
     q = torch.empty_like(probs)
     for row, generator in zip(q, generators):  # one draw per request, from its own generator
         row.exponential_(generator=generator)
     return (probs / q).argmax(dim=-1)
+
+
+# top-p looks at this many most likely tokens first: a row whose nucleus lies within them needs
+# no sort of the vocabulary
+TOP_P_CANDIDATES = 1024
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Mask to -inf, in place, every token of logits [n, V] outside its row's nucleus: the
+    smallest set of most likely tokens whose probability reaches top_p [n, 1] (rows at 1: no cut).
+    From the `TOP_P_CANDIDATES` most likely tokens when every cut row's nucleus lies within them
+    (their mass reaches top_p), else by a sort of the whole vocabulary (`top_p_cut_sorted`); off
+    the CPU always by the sort (deciding would cost a device-to-host sync)."""
+    k = min(TOP_P_CANDIDATES, logits.shape[-1])
+    if logits.device.type != "cpu" or k == logits.shape[-1]:
+        return top_p_cut_sorted(logits, top_p)
+    probs = logits.softmax(-1)
+    top = probs.topk(k, dim=-1)  # [n, k] descending
+    cut = top_p < 1.0
+    if not bool(((top.values.sum(-1, keepdim=True) >= top_p) | ~cut).all()):
+        return top_p_cut_sorted(logits, top_p)
+    # keep the smallest prefix reaching top_p; every token past the candidates is past it too
+    keep = (top.values.cumsum(-1) - top.values < top_p) | ~cut  # [n, k]
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top.indices, keep)
+    logits.masked_fill_(~kept & cut, float("-inf"))
+
+
+def top_p_cut_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """`top_p_cut` by one sort of each row's whole vocabulary."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    # keep the smallest prefix reaching top_p (rows asking no top-p keep everything)
+    drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+    logits.masked_fill_(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
 def _kth_largest(logits: torch.Tensor, rows: _RowParams) -> torch.Tensor:

@@ -37,20 +37,47 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
     for rid in req_ids:
         state, n = requests[rid], num_sched[rid]
         start = state.num_computed_tokens
-        input_ids.extend(state.token_ids[start:start + n])
+        if n == 1:
+            input_ids.append(state.token_ids[start])
+        else:
+            input_ids.extend(state.token_ids[start:start + n])
         query_lens.append(n)
         seq_lens.append(start + n)
         tables.append(state.block_ids)
         if start + n == len(state.token_ids):  # reaches the end of its tokens: samples one
             logits_rows.append(len(input_ids) - 1)
             sampling.append(rid)
-    positions = torch.cat([requests[rid].positions(s - q, s)
-                           for rid, q, s in zip(req_ids, query_lens, seq_lens)], dim=-1)  # [T] or [3, T]
+    positions = _positions([requests[rid] for rid in req_ids], query_lens, seq_lens)
     ids, rows = torch.tensor(input_ids, dtype=torch.int64), torch.tensor(logits_rows, dtype=torch.int64)
     if graphs is not None and _plain_decode(requests, req_ids, query_lens, graphs):
         return StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size))
     meta = build_metadata(query_lens, seq_lens, tables, block_size)
     return StepInputs(ids, positions, meta, rows, sampling)
+
+
+def _positions(states: list[RunnerRequest], query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """[T] or [3, T] (M-RoPE) int64: a decoding token's position is one number (its index, or past
+    its M-RoPE table index + delta on every row), made one tensor with its neighbours' without a
+    tensor op per request; a chunk's come from `RunnerRequest.positions`."""
+    mrope = states[0].mrope is not None
+    pieces: list[torch.Tensor] = []
+    single: list[int] = []
+    for state, q, s in zip(states, query_lens, seq_lens):
+        position = state.scalar_position(s - 1) if q == 1 else None
+        if position is not None:
+            single.append(position)
+            continue
+        if single:
+            pieces.append(_expand(torch.tensor(single, dtype=torch.int64), mrope))
+            single = []
+        pieces.append(state.positions(s - q, s))
+    if single:
+        pieces.append(_expand(torch.tensor(single, dtype=torch.int64), mrope))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
+def _expand(positions: torch.Tensor, mrope: bool) -> torch.Tensor:
+    return positions.expand(3, -1).contiguous() if mrope else positions
 
 
 def _plain_decode(requests: dict[str, RunnerRequest], req_ids: list[str], query_lens: list[int],

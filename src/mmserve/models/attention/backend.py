@@ -66,12 +66,12 @@ def missing_package(name: str) -> str | None:
 
 def attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend `name` computes with on `device`: "auto" is triton on CUDA, torch elsewhere."""
-    from mmserve.models.attention.torch_sdpa import TORCH
+    from mmserve.models.attention.torch_sdpa import TORCH, TorchBackend
 
     if name == "auto":
         name = "triton" if device.type == "cuda" and missing_package("triton") is None else "torch"
-    if name == "torch":
-        return TORCH
+    if name == "torch":  # decodes read K/V in place with the CPU's flash kernel, padded copies elsewhere
+        return TORCH if device.type == "cpu" else TorchBackend(in_place=False)
     missing = missing_package(name)
     if missing is not None:
         raise ValueError(f"--attention-backend {name} needs the {missing!r} package, which is not installed")

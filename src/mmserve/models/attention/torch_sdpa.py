@@ -9,10 +9,13 @@ cache, P = rows of a vision tower call.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mmserve.models.attention.cpu_decode import DecodePlan, RunSplits, decode_attention
 
 
 @dataclass
@@ -32,8 +35,9 @@ class PrefillSpan:
 class AttentionMetadata:
     """Where one step's tokens read and write K/V.
 
-    Tokens are laid out request after request. Decoding requests (one query each) attend
-    together, padded to the longest context (`decode_mask` marks real keys). Each prefill chunk
+    Tokens are laid out request after request. Decoding requests (one query each) attend on the
+    CPU by `decode_plan` (`cpu_decode.py`: K/V read where they lie); elsewhere (or in the decode
+    graphs' metadata) together, padded to the longest context (`decode_mask` marks real keys). Each prefill chunk
     attends on its own: a chunk that starts the request needs only its own K/V (causal); a later
     chunk also reads its earlier tokens from the cache: a small one after a short context under
     a causal mask built here once for every layer (`masked_prefill_attention`), any other in two
@@ -45,27 +49,34 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * S] bool: True on the request's context
     prefills: list[PrefillSpan]
+    decode_plan: DecodePlan | None = None  # the decodes' in-place plan (then the three fields above are empty)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int) -> AttentionMetadata:
-        """`query_lens[b]` new tokens of request b end its `seq_lens[b]` tokens of context."""
-        tables = [torch.tensor(t, dtype=torch.int64) for t in block_tables]
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
-        q_lens = torch.tensor(query_lens)
-        rows = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # [B, max_blocks]
-        token_rows = rows.repeat_interleave(q_lens, dim=0)  # [T, max_blocks]
-        slots = token_rows.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
-        ends = torch.cumsum(q_lens, 0).tolist()
+              block_size: int, in_place: bool = True, splits: RunSplits | None = None) -> AttentionMetadata:
+        """`query_lens[b]` new tokens of request b end its `seq_lens[b]` tokens of context; with
+        `in_place` (the CPU's flash kernel) decodes read K/V where they lie (`DecodePlan`, their
+        tables' run splits kept in `splits` between steps). Only prefill chunks make tensors of
+        their tables; a decode's slot is one lookup."""
+        ends = list(itertools.accumulate(query_lens))
+        tables = {b: torch.tensor(block_tables[b], dtype=torch.int64) for b, q in enumerate(query_lens) if q > 1}
+        slots = _slot_mapping(query_lens, seq_lens, block_tables, tables, block_size)
         decode = [b for b, q in enumerate(query_lens) if q == 1]
+        plan = None
+        if in_place and decode:
+            plan = DecodePlan.build([ends[b] - 1 for b in decode], [seq_lens[b] for b in decode],
+                                    [block_tables[b] for b in decode], block_size, splits)
+            decode = []
+        width = max((len(block_tables[b]) for b in decode), default=0)
         d_index = torch.tensor([ends[b] - 1 for b in decode], dtype=torch.int64)
-        d_tables = rows[decode][:, : max((len(block_tables[b]) for b in decode), default=0)]
-        d_lens = torch.tensor([seq_lens[b] for b in decode])
-        d_mask = torch.arange(d_tables.shape[1] * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
-        prefills = [PrefillSpan(ends[b] - q, ends[b], seq_lens[b] - q, tables[b],
-                                _small_chunk_mask(seq_lens[b] - q, q))
-                    for b, q in enumerate(query_lens) if q > 1]
-        return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills)
+        d_tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in decode],
+                                dtype=torch.int64).view(len(decode), width)
+        d_lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.int64)
+        d_mask = torch.arange(width * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
+        prefills = [PrefillSpan(ends[b] - query_lens[b], ends[b], seq_lens[b] - query_lens[b], table,
+                                _small_chunk_mask(seq_lens[b] - query_lens[b], query_lens[b]))
+                    for b, table in tables.items()]
+        return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills, plan)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -76,6 +87,25 @@ class AttentionMetadata:
 # below both, one masked attention over all keys costs less than two and a merge (measured on CPU:
 # the split loses up to ~0.06 ms a layer there, and gains 10-40% from ~900 cached keys or 256 new)
 SPLIT_FROM_CACHED, SPLIT_FROM_NEW = 512, 128
+
+
+def _slot_mapping(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  tables: dict[int, torch.Tensor], block_size: int) -> torch.Tensor:
+    """[T] int64: each token's cache slot; a decode's looked up on the host, a chunk's by a gather."""
+    pieces: list[torch.Tensor] = []
+    single: list[int] = []  # the slots of consecutive decodes, made one tensor
+    for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        if q == 1:
+            single.append(block_tables[b][(s - 1) // block_size] * block_size + (s - 1) % block_size)
+            continue
+        if single:
+            pieces.append(torch.tensor(single, dtype=torch.int64))
+            single = []
+        positions = torch.arange(s - q, s)
+        pieces.append(tables[b][positions // block_size] * block_size + positions % block_size)
+    if single or not pieces:
+        pieces.append(torch.tensor(single, dtype=torch.int64))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _small_chunk_mask(start: int, n: int) -> torch.Tensor | None:
@@ -97,6 +127,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != Hkv
     out = torch.empty_like(q)
+    if meta.decode_plan is not None:
+        out[meta.decode_plan.rows] = decode_attention(q, k_cache, v_cache, meta.decode_plan, scale)
     if meta.decode_index.numel():
         Bd = meta.decode_index.shape[0]
         rows = meta.decode_block_tables.reshape(-1)
@@ -209,13 +241,19 @@ class Segments:
 
 class TorchBackend:
     """PyTorch's SDPA (`models/attention/backend.py`'s interface). CPU-bound for now: its step
-    metadata is built on the CPU and `prefill_attention` calls the CPU flash kernel."""
+    metadata is built on the CPU and `prefill_attention` calls the CPU flash kernel. `in_place`:
+    decodes read K/V where they lie (the CPU's flash kernel; off on other devices)."""
 
     name = "torch"
 
+    def __init__(self, in_place: bool = True) -> None:
+        self.in_place = in_place
+        self.splits = RunSplits()  # the decoding requests' block runs, kept between steps
+
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size)
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, self.in_place,
+                                       self.splits)
 
     def segments(self, cu: list[int], device: torch.device) -> Segments:
         return Segments.from_cu(cu, device)

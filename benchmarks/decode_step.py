@@ -1,0 +1,220 @@
+"""Decode steps against the memory-bandwidth limit: each step's time beside the time its bytes take.
+
+A random-weight Qwen3-VL (written by the built-in writer; default text model: hidden 1024, 12
+layers, 8/4 heads of 128, MLP 3072, float32: the model of issue 42) runs on an in-process engine
+core (scheduler, runner, sampler: the whole step). For each batch (1, 8, 32) and context (512,
+4,096) the batch's prompts are prefilled with the model's forward stubbed out (the KV cache holds
+random values written beforehand: the step reads real memory, and no minutes go to prefill), then
+greedy decode steps are timed one by one.
+
+Per configuration it prints the median step time, the bytes a step must read (the text decoder's
+weights and LM head, and every request's cached K/V), the bound: those bytes at the bandwidth a
+large copy achieves in the same run (read + write bytes per second, measured before each
+configuration), the ratio step / bound, and each phase's mean share of a step: scheduling
+(`Scheduler.schedule`), inputs (the runner's step inputs and attention metadata), model (the
+forward and LM head, attention excluded), attention (`attend` of every layer, cache write
+included), sampling (the sampler), output (`Scheduler.update_from_output`), other (the rest).
+Target: step / bound <= 1.5 at batch 8 and 32.
+
+Run: `python benchmarks/decode_step.py [--quick] [--steps N] [--batches 1,8,32] [--contexts 512,4096]
+[--text-config '{"hidden_size": 2048}'] [--model-dir DIR]`. The full grid needs ~7 GiB for the KV
+cache of 32 x 4,096 tokens; `--quick` is batches 1 and 8 at contexts 128 and 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, as the engine's processes have it)
+import torch
+
+TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+            intermediate_size=3072, max_position_embeddings=8192)
+PHASES = ("scheduling", "inputs", "model", "attention", "sampling", "output", "other")
+
+
+class PhaseClock:
+    """Exclusive time per phase: a timed call nested in another counts only for its own phase."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append([0.0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                self.totals[phase] += took - self._stack.pop()[0]
+                if self._stack:
+                    self._stack[-1][0] += took
+        return wrapper
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Bytes per second (read + written) of a large float32 copy, median of `repeats`."""
+    src = torch.rand(megabytes << 18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    took = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        took.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(took)
+
+
+def write_model(text_config: dict[str, Any], model_dir: str | None) -> str:
+    """The checkpoint directory (written once into `model_dir` or a temporary one)."""
+    from mmserve.models.builtin_qwen_vl import write_tiny_qwen_vl
+
+    path = Path(model_dir or tempfile.mkdtemp(prefix="decode-step-"))
+    if not (path / "config.json").exists():
+        write_tiny_qwen_vl(path, text_config=text_config)
+    return str(path)
+
+
+class Bench:
+    """One engine core, its runner's KV cache filled with random values, and the phase clock."""
+
+    def __init__(self, model_dir: str, max_batch: int, max_context: int, steps: int) -> None:
+        from mmserve.config import EngineConfig
+        from mmserve.engine.core import EngineCore
+
+        # the batch's first requests decode while the last ones prefill (4,096 tokens a step)
+        longest = max_context + steps + max_batch * max_context // 4096 + 64
+        self.max_model_len = longest
+        blocks = max_batch * (-(-longest // 16) + 1) + 8
+        config = EngineConfig.from_kwargs(model=model_dir, num_kv_blocks=blocks, max_num_seqs=max_batch,
+                                          max_model_len=longest, enable_prefix_caching=False)
+        self.core = EngineCore(config, model_dir)
+        self.runner = self.core.executor.runner
+        for k, v in self.runner.kv_caches:
+            k.uniform_(-1, 1)
+            v.uniform_(-1, 1)
+        self.clock = PhaseClock()
+        self._instrument()
+        self._ids = 0
+
+    def _instrument(self) -> None:
+        import mmserve.worker.model_runner as mr
+
+        core, runner, clock = self.core, self.runner, self.clock
+        core.scheduler.schedule = clock.timed("scheduling", core.scheduler.schedule)
+        core.scheduler.update_from_output = clock.timed("output", core.scheduler.update_from_output)
+        for name in ("prepare_inputs", "to_device"):
+            setattr(mr, name, clock.timed("inputs", getattr(mr, name)))
+        runner._sample = clock.timed("sampling", runner._sample)
+        runner._embed = clock.timed("model", runner._embed)
+        runner.model.compute_logits = clock.timed("model", runner.model.compute_logits)
+        forward = clock.timed("model", runner.model.forward)
+        self.real_forward = forward
+        wrapped: set[type] = set()
+
+        def first_sees_meta(*args: Any, **kwargs: Any) -> Any:
+            meta_type = type(args[3])
+            if meta_type not in wrapped:  # every layer's attention, timed where the models call it
+                wrapped.add(meta_type)
+                meta_type.attend = clock.timed("attention", meta_type.attend)  # type: ignore[method-assign]
+            return forward(*args, **kwargs)
+        self.timed_forward = first_sees_meta
+
+    def weight_bytes(self) -> int:
+        """The text decoder's weights and the LM head (the embedding table is read a row a token)."""
+        return sum(p.numel() * p.element_size() for name, p in self.runner.model.named_parameters()
+                   if "visual" not in name and "embed_tokens" not in name)
+
+    def kv_bytes_per_token(self) -> int:
+        k, _ = self.runner.kv_caches[0]
+        return 2 * len(self.runner.kv_caches) * k[0, 0].numel() * k.element_size()
+
+    def run(self, batch: int, context: int, steps: int, warmup: int = 2) -> tuple[list[float], dict[str, float]]:
+        """Seconds of each timed decode step, and each phase's seconds over them."""
+        from mmserve.ipc.messages import EngineCoreRequest
+        from mmserve.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_model_len - context - 1, ignore_eos=True)
+        g = torch.Generator().manual_seed(batch * 100003 + context)
+        vocab = self.runner.model.config.text.vocab_size
+        ids = []
+        for _ in range(batch):
+            self._ids += 1
+            ids.append(f"r{self._ids}")
+            prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+            self.core.add_request(EngineCoreRequest(ids[-1], prompt, [], params, None, time.time()))
+        hidden = self.runner.model.config.text.hidden_size
+        self.runner.model.forward = lambda embeds, *rest: embeds.new_zeros(embeds.shape[0], hidden)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.core.scheduler.running) \
+                or self.core.scheduler.waiting:
+            self.core.step()  # prefill: no forward, the cache keeps its random values
+        self.runner.model.forward = self.timed_forward
+        for _ in range(warmup):
+            self.core.step()
+        self.clock.totals.clear()
+        took = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            outputs = self.core.step().outputs
+            took.append(time.perf_counter() - t)
+            if sum(len(o.new_token_ids) for o in outputs) != batch:
+                raise RuntimeError(f"a step decoded {len(outputs)} requests of {batch}")
+        self.core.abort_requests(ids)
+        self.core.step()
+        phases = dict(self.clock.totals)
+        phases["other"] = sum(took) - sum(phases.values())
+        return took, phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--contexts", default="512,4096")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 8 at contexts 128 and 512, 6 steps")
+    parser.add_argument("--text-config", default="{}", help="JSON overriding the text model's config")
+    parser.add_argument("--model-dir", help="write the checkpoint here (reused when it exists)")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.contexts, args.steps = "1,8", "128,512", 6
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model_dir = write_model({**TEXT, **json.loads(args.text_config)}, args.model_dir)
+    bench = Bench(model_dir, max(batches), max(contexts), args.steps)
+    weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weights read per step "
+          f"{weights / 1e6:.0f} MB, K/V {per_token / 1024:.0f} KiB per cached token")
+    print(f"{'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s copy':>9} {'bound ms':>8} {'ratio':>6}"
+          f" {'tok/s':>7}  " + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
+    worst = 0.0
+    for batch in batches:
+        for context in contexts:
+            bandwidth = copy_bandwidth()
+            took, phases = bench.run(batch, context, args.steps)
+            step = statistics.median(took)
+            read = weights + per_token * batch * (context + 2 + args.steps // 2)
+            bound = read / bandwidth
+            ratio = step / bound
+            if batch >= 8:
+                worst = max(worst, ratio)
+            print(f"{batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:9.1f} "
+                  f"{bound * 1e3:8.1f} {ratio:6.2f} {batch / step:7.1f}  "
+                  + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
+    if worst:
+        print(f"worst step / bound ratio at batch >= 8: {worst:.2f} (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()

