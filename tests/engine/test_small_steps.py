@@ -7,7 +7,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.worker.model_runner import SMALL_STEP_TOKENS
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

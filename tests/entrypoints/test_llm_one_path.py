@@ -10,7 +10,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns engine-core processes (deselect with -m 'not slow')
 
