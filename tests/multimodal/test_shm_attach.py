@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.multimodal.shm_items import ShmItemReader
+from mmserve.transport.shm_items import ShmItemReader
 
 
 class Lease:
