@@ -80,3 +80,37 @@ def test_a_killed_rank_is_restarted_before_the_next_call(llms):
     victim.join(10)
     assert [o.outputs[0].token_ids for o in llm.generate([image_prompt(5), image_prompt(6)], PARAMS)] == want
     assert [r.restarts for r in llm.engine.dp_figures().ranks] == [1, 0]
+
+
+def lost_device(scheduled: object) -> None:
+    raise RuntimeError("device lost")
+
+
+def test_an_engine_core_that_fails_fails_the_call_alike_and_the_next_call_serves(llms, monkeypatch):
+    """One rank: the model's step raises (as a lost device would); two ranks: both engine-core
+    processes are killed mid-call. Either way the call raises, nothing of it stays, and the next
+    call gets the same answers as before."""
+    prompts = [image_prompt(7), image_prompt(8)]
+    want = [o.outputs[0].token_ids for o in llms[1].generate(prompts, PARAMS)]
+    for ranks, llm in llms.items():
+        client = llm.engine.client
+        real = client.get_outputs
+
+        def fail_once(ranks=ranks, client=client, real=real):
+            monkeypatch.setattr(client, "get_outputs", real)
+            if ranks == 1:
+                monkeypatch.setattr(client.core.executor, "execute_model", lost_device)
+            else:
+                for rank in range(2):
+                    os.kill(client.ranks.client(rank).proc.pid, signal.SIGKILL)
+                    client.ranks.client(rank).proc.join(10)
+            return real()
+
+        monkeypatch.setattr(client, "get_outputs", fail_once)
+        with pytest.raises(RuntimeError):  # EngineDeadError, with processes
+            llm.generate(prompts, PARAMS)
+        monkeypatch.undo()
+        assert nothing_open(llm) == {"outputs": False, "in flight": 0, **({"flights": []} if ranks == 2 else {})}
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == want
+    core = llms[1].engine.core
+    assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
