@@ -59,7 +59,7 @@ Pauses = dict[str, dict[str, list[float]]]  # process -> phase ("start-up", "ser
 
 def through_server(freeze: bool, num_prompts: int) -> tuple[float, Pauses]:
     """Seconds until /health, and per process the pauses of its full collections by phase."""
-    from server_process import ServerProcess
+    from helpers.server_process import ServerProcess
 
     with tempfile.TemporaryDirectory() as probe_dir:
         env = {"PYTHONPATH": os.pathsep.join([str(TESTS / "gc_probe"), os.environ.get("PYTHONPATH", "")]),

@@ -52,7 +52,7 @@ def interleaved_ttfts(model: str, urls: list[str], *server_flags: str) -> dict[s
     rotating each round: this VM's speed drifts by tens of percent over a minute, and taking turns
     puts the same drift into every list. Round 0 is a warm-up (not returned)."""
     from mmserve import LLM, SamplingParams
-    from server_process import ServerProcess
+    from helpers.server_process import ServerProcess
 
     llm = LLM(model=model)
     params = SamplingParams(temperature=0.0, max_tokens=1)

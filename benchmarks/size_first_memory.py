@@ -25,7 +25,7 @@ from PIL import Image
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from server_process import ServerProcess, paid_for  # noqa: E402
+from helpers.server_process import ServerProcess, paid_for  # noqa: E402
 from video_warm_path import make_clip  # noqa: E402
 
 MODEL = "builtin:tiny-qwen3-vl"

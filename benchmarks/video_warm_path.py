@@ -95,7 +95,7 @@ def stages(clip: bytes) -> dict[str, float]:
 
 
 def server_ttft(clip: bytes) -> tuple[float, float]:
-    from server_process import ServerProcess
+    from helpers.server_process import ServerProcess
 
     url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
     server = ServerProcess(MODEL, "--served-model-name", "m", *FLAGS, timeout_s=300)

@@ -126,7 +126,7 @@ def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What
 
 
 def server(model: str, *flags: str):
-    from server_process import ServerProcess
+    from helpers.server_process import ServerProcess
 
     return ServerProcess(model, "--served-model-name", "m", "--max-model-len", "4096",
                          "--max-media-bytes", str(64 << 20), "--limit-mm-per-prompt", '{"image": 8}', *flags)

@@ -1,15 +1,15 @@
 """Shared pytest setup: `pyproject.toml` puts `tests/` on `sys.path` (`pythonpath`), so test
-files import helpers with `from tiny_models import ...`.
+files import helpers with `from helpers.tiny_models import ...`.
 
 Triton's interpreter is set up here, before any test module is collected: `triton` may be
 imported by any of them (through torch or xgrammar), and a kernel decorated before
-`TRITON_INTERPRET=1` is in the environment is compiled for a GPU (tests/triton_device.py)."""
+`TRITON_INTERPRET=1` is in the environment is compiled for a GPU (tests/helpers/triton_device.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-import triton_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
+from helpers import triton_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from PIL import Image
 
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 TEXTS = ("What is this?", "Describe the picture.")
 MAX_TOKENS = (1, 8)

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from helpers.server_process import ServerProcess
 
 PROBE = Path(__file__).resolve().parent / "gc_probe"
 

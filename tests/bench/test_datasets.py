@@ -10,7 +10,7 @@ import pytest
 from mmserve.bench.dataset_files import image_dir_requests, jsonl_requests
 from mmserve.bench.datasets import (parse_image_size, random_mm_requests, repeat_count, repeat_rate,
                                     synthetic_image)
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 SMALL = (8, 8)
 

@@ -12,8 +12,8 @@ import pytest
 from mmserve.bench import launch
 from mmserve.cli import main
 from mmserve.metrics import CACHE_LAYERS
-from server_process import ServerProcess, child_pids, pid_alive
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import ServerProcess, child_pids, pid_alive
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

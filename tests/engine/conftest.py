@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 
 @pytest.fixture(scope="module")

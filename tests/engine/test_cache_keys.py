@@ -16,12 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_reference import hf_qwen_greedy
+from helpers.hf_reference import hf_qwen_greedy
 from mmserve import LLM, SamplingParams
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.ipc.messages import EngineCoreRequest
-from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
-from tiny_videos import make_frames
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_videos import make_frames
 
 BS = 4  # small blocks: many block boundaries fall inside and between items
 FRAMES = make_frames(7, 4, (56, 56))  # one clip; sent at several frame rates below

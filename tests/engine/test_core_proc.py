@@ -19,8 +19,8 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
 from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from core_client_runs import ENGINE_ARGS, PROMPT, collect, request
-from tiny_models import make_checkpoint, make_image
+from helpers.core_client_runs import ENGINE_ARGS, PROMPT, collect, request
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

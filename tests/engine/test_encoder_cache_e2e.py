@@ -11,7 +11,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmserve import LLM, SamplingParams
 from mmserve.metrics import ServerMetrics
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 MAX_NEW = 8
 FIRST = "USER: <image>\nWhat is this? ASSISTANT:"

@@ -13,7 +13,7 @@ from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.messages import SchedulerOutput
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
-from scheduler_sim import fake_step
+from helpers.scheduler_sim import fake_step
 
 
 def make_scheduler(max_tokens=64, num_blocks=64, max_item_tokens=8, **config) -> Scheduler:

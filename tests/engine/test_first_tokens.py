@@ -9,7 +9,7 @@ import pytest
 
 from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.sampling_params import StructuredOutputsParams
-from scheduler_sim import fake_step, make_request, make_scheduler, run
+from helpers.scheduler_sim import fake_step, make_request, make_scheduler, run
 
 PROMPT = range(100, 119)  # 19 tokens: 4 full blocks of 4, 3 tokens in the last
 

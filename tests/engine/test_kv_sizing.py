@@ -11,7 +11,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.core import kv_cache_blocks, resolve_max_model_len
 from mmserve.models.hf_config import load_model_config
 from mmserve.worker.memory import available_kv_cache_bytes, profile_largest_step
-from tiny_models import make_checkpoint, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint
 
 BLOCK_BYTES = 1 << 20
 

@@ -10,7 +10,7 @@ from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.block_pool import BlockPool
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from scheduler_sim import BS, fake_step, make_request, make_scheduler, run
+from helpers.scheduler_sim import BS, fake_step, make_request, make_scheduler, run
 
 
 

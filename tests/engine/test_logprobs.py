@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from hf_logits import hf_output_logits
-from tiny_models import make_image
+from helpers.hf_logits import hf_output_logits
+from helpers.tiny_models import make_image
 
 K = 5
 

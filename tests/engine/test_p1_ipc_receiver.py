@@ -9,13 +9,13 @@ import asyncio
 
 import pytest
 
-from mm_prompts import generate, one
+from helpers.mm_prompts import generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
-from tiny_models import TINY_VISION_CONFIG, make_checkpoint
+from helpers.tiny_models import TINY_VISION_CONFIG, make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

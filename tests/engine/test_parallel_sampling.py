@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 4)
 BS = 4

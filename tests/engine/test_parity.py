@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM
-from parity_runs import run_greedy
-from hf_reference import hf_greedy
-from tiny_models import make_checkpoint, make_image
+from helpers.parity_runs import run_greedy
+from helpers.hf_reference import hf_greedy
+from helpers.tiny_models import make_checkpoint, make_image
 
 MAX_NEW = 10
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmserve import SamplingParams
-from hf_logits import hf_output_logits
+from helpers.hf_logits import hf_output_logits
 from mmserve.models.hf_config import eos_token_id
 
 

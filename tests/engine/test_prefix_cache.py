@@ -13,7 +13,7 @@ from mmserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.prefix_hits import back_off_from_placeholders
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from scheduler_sim import BS, fake_step, make_request, make_scheduler, run
+from helpers.scheduler_sim import BS, fake_step, make_request, make_scheduler, run
 
 
 

@@ -17,7 +17,7 @@ from transformers import LlavaForConditionalGeneration
 from mmserve import LLM, SamplingParams
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.outputs import RequestOutput
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 BS = 4
 MAX_NEW = 8

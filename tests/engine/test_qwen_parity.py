@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
-from parity_runs import run_greedy
-from hf_reference import hf_qwen_greedy
-from tiny_models import make_image, make_qwen_checkpoint, make_tied_copy
+from helpers.parity_runs import run_greedy
+from helpers.hf_reference import hf_qwen_greedy
+from helpers.tiny_models import make_image, make_qwen_checkpoint, make_tied_copy
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import hf_qwen_greedy
+from helpers.hf_reference import hf_qwen_greedy
 from mmserve import LLM, SamplingParams
-from tiny_models import make_image, make_qwen_checkpoint
-from tiny_videos import encode_video, make_frames
+from helpers.tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_videos import encode_video, make_frames
 
 MAX_NEW = 8
 FAST = {"fps": 4}  # sampled at 4 fps: Qwen2.5-VL's temporal step is 1 position per group

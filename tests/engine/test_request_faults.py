@@ -74,7 +74,7 @@ def test_an_unowned_failure_in_a_batch_still_propagates(path, monkeypatch):
 
 
 def test_an_item_that_does_not_fill_its_placeholders_fails_its_request_alone(path):
-    from mm_prompts import PARAMS, one
+    from helpers.mm_prompts import PARAMS, one
 
     llm = LLM(model=path, num_kv_blocks=64)
     core = llm.engine.core

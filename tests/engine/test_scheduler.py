@@ -8,7 +8,7 @@ from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
-from scheduler_sim import fake_step
+from helpers.scheduler_sim import fake_step
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_tokens=64, max_seqs=8, max_len=256, max_item_tokens=16,

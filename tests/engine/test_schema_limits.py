@@ -68,7 +68,7 @@ def test_schema_errors_are_client_errors_and_value_errors():
 
 
 def test_the_grammar_cache_is_bounded_by_bytes(tmp_path):
-    from tiny_models import make_qwen_checkpoint
+    from helpers.tiny_models import make_qwen_checkpoint
     from mmserve.worker.grammar import GrammarCache
 
     model_dir = make_qwen_checkpoint(tmp_path)

@@ -4,7 +4,7 @@ its generator restarted from the seed when the runner rebuilt its state after pr
 from __future__ import annotations
 
 from mmserve import LLM, SamplingParams
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

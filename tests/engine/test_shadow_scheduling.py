@@ -9,8 +9,8 @@ from mmserve.engine.request import Request
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
-from mm_prompts import one
-from scheduler_sim import BS, IMG, fake_step, make_request, make_scheduler, run
+from helpers.mm_prompts import one
+from helpers.scheduler_sim import BS, IMG, fake_step, make_request, make_scheduler, run
 
 PROMPT = list(range(100, 100 + 4 * BS + 2))  # four full blocks and two tokens
 

@@ -4,7 +4,7 @@ request holds more than its share of the running slots (`max_num_seqs`) while ot
 from __future__ import annotations
 
 from mmserve.engine.fairness import insert_in_order
-from scheduler_sim import fake_step, make_request, make_scheduler
+from helpers.scheduler_sim import fake_step, make_request, make_scheduler
 
 
 def running_ids(s) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.worker.threads import ROWS, one_thread_below
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

@@ -13,7 +13,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.structured_outputs import MAX_SAFE_INTEGER, StructuredOutputsParams
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 RECEIPT = {"type": "object", "properties": {
     "store": {"type": "string", "maxLength": 16},

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from server_process import ServerProcess
-from tiny_models import make_qwen_checkpoint
+from helpers.server_process import ServerProcess
+from helpers.tiny_models import make_qwen_checkpoint
 
 agents = pytest.importorskip("agents")
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')

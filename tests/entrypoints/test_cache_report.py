@@ -9,8 +9,8 @@ import time
 import pytest
 
 from mmserve.cache_report import HEADER
-from server_process import ServerProcess, data_url, messages
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import ServerProcess, data_url, messages
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from mmserve.worker.cache_fault import ENV
-from server_process import ServerProcess, data_url
-from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
-from tiny_videos import encode_video, make_frames
+from helpers.server_process import ServerProcess, data_url
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_videos import encode_video, make_frames
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

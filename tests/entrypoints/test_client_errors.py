@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.errors import CLIENT, INTERNAL, ClientError, engine_error
-from fake_engine import GOOD, MODEL, FakeEngine, post
+from helpers.fake_engine import GOOD, MODEL, FakeEngine, post
 
 
 class QuirkyEngine(FakeEngine):

@@ -9,7 +9,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.cli import main as cli_main
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

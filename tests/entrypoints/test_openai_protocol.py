@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from fake_engine import CACHED, GOOD, MODEL, PIECES, FakeEngine, messages, post
+from helpers.fake_engine import CACHED, GOOD, MODEL, PIECES, FakeEngine, messages, post
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.ipc.messages import CacheStats, SchedulerStats
 

@@ -19,8 +19,8 @@ from PIL import Image
 
 from mmserve import LLM, SamplingParams
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE
-from server_process import ServerProcess, child_pids, data_url, labelled, messages, pid_alive
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import ServerProcess, child_pids, data_url, labelled, messages, pid_alive
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

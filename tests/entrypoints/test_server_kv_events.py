@@ -17,8 +17,8 @@ import zmq
 
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.processing import create_processor
-from server_process import ServerProcess, data_url
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import ServerProcess, data_url
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

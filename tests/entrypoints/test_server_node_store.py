@@ -13,8 +13,9 @@ import time
 import pytest
 
 from mmserve import LLM
-from server_process import ServerProcess, answers_through_a_kill, children_titled, data_url, expected, post, scrape
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import (ServerProcess, answers_through_a_kill, children_titled, data_url, expected,
+                                    post, scrape)
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

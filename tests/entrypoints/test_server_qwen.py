@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from server_process import ServerProcess, data_url, labelled, messages
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.server_process import ServerProcess, data_url, labelled, messages
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from server_process import ServerProcess, labelled
-from tiny_models import make_qwen_checkpoint
-from tiny_videos import audio_only_file, encode_video, make_frames
+from helpers.server_process import ServerProcess, labelled
+from helpers.tiny_models import make_qwen_checkpoint
+from helpers.tiny_videos import audio_only_file, encode_video, make_frames
 
 MAX_TOKENS = 4
 FRAMES = make_frames(40, 8, (128, 96))  # 8 frames at 4 fps, sampled at 4 fps: 4 groups

@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from server_process import ServerProcess, data_url, labelled
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.server_process import ServerProcess, data_url, labelled
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

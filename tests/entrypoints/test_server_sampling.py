@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
-from server_process import ServerProcess, data_url, messages
-from tiny_models import make_checkpoint, make_image
+from helpers.server_process import ServerProcess, data_url, messages
+from helpers.tiny_models import make_checkpoint, make_image
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "count": {"type": "integer"},
                                            "note": {"type": "string", "maxLength": 10}},

@@ -11,8 +11,8 @@ import io
 import pytest
 from PIL import Image
 
-from server_process import ServerProcess, paid_for
-from tiny_models import make_qwen_checkpoint
+from helpers.server_process import ServerProcess, paid_for
+from helpers.tiny_models import make_qwen_checkpoint
 
 MAX_GROWTH_MIB = 200  # before the fix each row made P0 hold 0.4 to 2.5 GiB
 TEN_MIB = "word " * (2 << 20)

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import ServerProcess, child_pids
-from tiny_models import make_checkpoint
+from helpers.server_process import ServerProcess, child_pids
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

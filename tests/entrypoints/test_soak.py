@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from soak import run_soak
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from mm_prompts import PARAMS, generate, one
+from helpers.mm_prompts import PARAMS, generate, one
 from mmserve import SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -13,7 +13,7 @@ import pytest
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

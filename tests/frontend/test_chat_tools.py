@@ -10,7 +10,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.multimodal.processing import create_processor
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 CLICK_PARAMETERS = {"type": "object", "properties": {"x": {"type": "integer"}}}
 TOOLS = [{"type": "function", "function": {"name": "click", "description": "Click at a point.",

@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from mm_prompts import generate, one
+from helpers.mm_prompts import generate, one
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from mm_prompts import PARAMS, PROMPT, TWO, generate, one, url
+from helpers.mm_prompts import PARAMS, PROMPT, TWO, generate, one, url
 from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -17,8 +17,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.engine_client.engine_process import place_engine
 from mmserve.ipc.lifecycle import is_running
-from core_client_runs import ENGINE_ARGS, collect, request
-from tiny_models import make_checkpoint
+from helpers.core_client_runs import ENGINE_ARGS, collect, request
+from helpers.tiny_models import make_checkpoint
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # starts a Ray cluster and engine-core actors
@@ -150,7 +150,7 @@ def test_without_ray_the_backend_names_the_extra(path, monkeypatch):
 def test_data_parallel_on_ray_equals_one_engine(path, llm):
     """DP=2 with every rank a Ray actor: the same greedy tokens as one local engine, both ranks used."""
     from mmserve.sampling_params import SamplingParams
-    from tiny_models import make_image
+    from helpers.tiny_models import make_image
 
     prompts = [{"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(600 + i)}}
                for i in range(4)]

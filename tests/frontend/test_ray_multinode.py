@@ -13,8 +13,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.undo import UndoLog
-from core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
-from tiny_models import make_checkpoint
+from helpers.core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
+from helpers.tiny_models import make_checkpoint
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")

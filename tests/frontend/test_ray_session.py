@@ -15,8 +15,8 @@ from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.ipc.lifecycle import is_running
-from core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
-from tiny_models import make_checkpoint
+from helpers.core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
+from helpers.tiny_models import make_checkpoint
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # starts a Ray cluster, an engine-core actor and its TP workers

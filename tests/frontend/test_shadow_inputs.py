@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from mm_prompts import one
+from helpers.mm_prompts import one
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.undo import UndoLog
 from mmserve.sampling_params import SamplingParams
-from tiny_models import make_checkpoint
+from helpers.tiny_models import make_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2)
 

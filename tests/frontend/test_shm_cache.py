@@ -10,8 +10,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.transport.shm_items import ShmItemReader, ShmItemWriter
 from mmserve.item_store.shm_store import ShmStore
-from mm_prompts import PARAMS, TWO, generate, one, url
-from tiny_models import make_checkpoint
+from helpers.mm_prompts import PARAMS, TWO, generate, one, url
+from helpers.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

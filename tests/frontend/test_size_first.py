@@ -16,8 +16,8 @@ from mmserve.frontend.input_processor import InputProcessor
 from mmserve.multimodal.video import decode_video
 from mmserve.multimodal.video_options import VideoOptions, sample_indices
 from mmserve.sampling_params import SamplingParams
-from tiny_models import make_qwen_checkpoint
-from tiny_videos import encode_video, make_frames
+from helpers.tiny_models import make_qwen_checkpoint
+from helpers.tiny_videos import encode_video, make_frames
 
 IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
 VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"

@@ -8,8 +8,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.multimodal.media import MediaError
 from mmserve.sampling_params import SamplingParams
-from tiny_models import make_qwen_checkpoint
-from tiny_videos import encode_video, make_frames
+from helpers.tiny_models import make_qwen_checkpoint
+from helpers.tiny_videos import encode_video, make_frames
 
 PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
 CLIP = encode_video(make_frames(50, 12, (64, 64)), fps=4)  # 12 frames, 3 s
@@ -59,7 +59,7 @@ def test_uuid_alone_needs_a_cached_video(path):
 
 
 def test_video_on_a_model_without_video_and_too_many_videos(path, tmp_path):
-    from tiny_models import make_checkpoint
+    from helpers.tiny_models import make_checkpoint
 
     llava = processor(make_checkpoint(tmp_path))
     with pytest.raises(ValueError, match="no video"):

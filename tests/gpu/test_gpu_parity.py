@@ -9,8 +9,8 @@ import torch
 
 from mmserve.worker import model_runner
 from mmserve.worker.cuda_graphs import torch_decode_metadata
-from gpu_cases import CHECKPOINTS, checkpoint, hf_tokens, prompts
-from parity_runs import run_greedy
+from helpers.gpu_cases import CHECKPOINTS, checkpoint, hf_tokens, prompts
+from helpers.parity_runs import run_greedy
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 12

@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gpu_cases import checkpoint
-from server_process import ServerProcess, data_url, messages
-from tiny_models import make_image
+from helpers.gpu_cases import checkpoint
+from helpers.server_process import ServerProcess, data_url, messages
+from helpers.tiny_models import make_image
 
 pytestmark = pytest.mark.gpu
 

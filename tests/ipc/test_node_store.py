@@ -15,7 +15,7 @@ from mmserve.ipc.items import ShmStoreInfo
 from mmserve.item_store.node_store import NodeStoreClient, NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.item_store.shm_store import ShmStore
-from shm_items_for_tests import CHUNK, item, same
+from helpers.shm_items_for_tests import CHUNK, item, same
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

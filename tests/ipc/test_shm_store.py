@@ -15,7 +15,7 @@ import torch
 
 from mmserve.item_store.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmStoreReader
 from mmserve.item_store.shm_store_reader import ShmHandleError
-from shm_items_for_tests import CHUNK, ITEM_BYTES, item, same
+from helpers.shm_items_for_tests import CHUNK, ITEM_BYTES, item, same
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from triton_device import DEVICE
+from helpers.triton_device import DEVICE
 from mmserve.models.attention.torch_sdpa import TORCH
 
 pytest.importorskip("triton")

@@ -13,7 +13,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import ModelConfig
 from mmserve.models.attention.backend import attention_backend
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 QWEN = ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>")

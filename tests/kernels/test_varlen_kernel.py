@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_device import DEVICE
+from helpers.triton_device import DEVICE
 from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.qwen2_5_vision import window_order
 from mmserve.models.qwen_config import QwenVisionConfig

@@ -13,7 +13,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmserve.models import builtin
 from mmserve.models.builtin import BUILTIN_PREFIX, resolve_model, write_tiny_llava
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

@@ -14,7 +14,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from mmserve.models.builtin import resolve_model
 from mmserve.models.builtin_qwen_vl import SPECIAL_TOKENS, write_tiny_qwen_vl
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 HF_CLASS = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
 ARCHITECTURE = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmserve.models.loader import load_model
-from tiny_models import make_checkpoint, make_qwen_checkpoint, make_tied_copy
+from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint, make_tied_copy
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmserve.models.loader import load_model
-from tiny_models import make_qwen_checkpoint
+from helpers.tiny_models import make_qwen_checkpoint
 
 OLD_NAMES = (("model.visual.", "visual."), ("model.language_model.", "model."))
 

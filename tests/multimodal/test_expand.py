@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mmserve.multimodal.processing import MultiModalProcessor
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
-from tiny_models import make_checkpoint, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint
 
 TEXT = st.lists(st.sampled_from(list("ab Z\n\t.,!?é漢<>|_-") + [" the", "image", "<image", "pad|>", "  "]),
                 max_size=12).map("".join)

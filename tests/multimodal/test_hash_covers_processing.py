@@ -14,7 +14,7 @@ from PIL import Image
 
 from mmserve.multimodal.hasher import HASHED_INFO_KEYS, ItemHasher
 from mmserve.multimodal.processing import create_processor
-from tiny_models import make_checkpoint, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint
 
 MODES = ("RGB", "RGBA", "P", "L", "LA", "1", "I;16", "I", "F", "CMYK", "PA", "RGBa", "YCbCr")
 INFO = {"transparency": 3, "background": 7, "gamma": 0.45, "dpi": (72, 72), "icc_profile": b"x", "duration": 5}

@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from mmserve.multimodal.processing import MultiModalProcessor, ProcessedPrompt
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 
 @pytest.fixture(scope="module", params=["default-p14", "full-p8"])

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
-from tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_image, make_qwen_checkpoint
 
 # 4 to 64 merged tokens per image: factor 32 (patch 16) for Qwen3-VL, 28 (patch 14) for Qwen2.5-VL
 FAMILIES = {

@@ -2,7 +2,7 @@
 
 The reference is transformers' own `Qwen3VLVideoProcessor` / `Qwen2VLVideoProcessor` (sampling,
 sizing, fused rescale, odd-count padding, patchify), run with torchvision's two kernels given as
-torchvision defines them (tests/hf_reference.py: `hf_video_processor`).
+torchvision defines them (tests/helpers/hf_reference.py: `hf_video_processor`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from hf_reference import hf_video_inputs, hf_video_processor
+from helpers.hf_reference import hf_video_inputs, hf_video_processor
 from mmserve.multimodal.media import MediaError
 from mmserve.multimodal.video import VideoLimits, decode_video, probe_video
 from mmserve.multimodal.video_options import VideoOptions, resolve, sample_indices
 from mmserve.multimodal.video_processor import QwenVideoProcessor
-from tiny_models import make_qwen_checkpoint
-from tiny_videos import audio_only_file, encode_video, make_frames
+from helpers.tiny_models import make_qwen_checkpoint
+from helpers.tiny_videos import audio_only_file, encode_video, make_frames
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 CASES = [  # (frames, fps, (width, height), request options)

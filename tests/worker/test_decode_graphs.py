@@ -9,7 +9,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.config import DeviceConfig
 from mmserve.worker.cuda_graphs import torch_decode_metadata
-from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 LLAVA = "USER: <image>\nWhat is this? {}ASSISTANT:"
 QWEN = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this? {}<|im_end|>\n"

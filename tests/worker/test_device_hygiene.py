@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from mmserve import LLM, SamplingParams
 from mmserve.worker.cuda_graphs import torch_decode_metadata
-from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 LLAVA_PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 QWEN_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"

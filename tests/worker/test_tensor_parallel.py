@@ -23,9 +23,9 @@ from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import TensorParallel, check_shardable
 from mmserve.worker.executor import InProcessExecutor
 from mmserve.worker.multiproc_executor import WorkerFailedError
-from hf_reference import hf_greedy
-from mm_prompts import PARAMS, generate, one
-from tiny_models import make_checkpoint, make_image
+from helpers.hf_reference import hf_greedy
+from helpers.mm_prompts import PARAMS, generate, one
+from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 

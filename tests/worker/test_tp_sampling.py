@@ -7,7 +7,7 @@ import json
 
 from mmserve import LLM, SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
-from tiny_models import make_checkpoint, make_image
+from helpers.tiny_models import make_checkpoint, make_image
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"]}

@@ -7,7 +7,6 @@ from typing import Any, Sequence, cast
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
-from mmserve.entrypoints.llm_dp import DataParallelRunner
 from mmserve.frontend.engine_client.llm_engine import LLMEngine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -27,8 +26,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         if config.parallel.api_server_count != 1:
             raise ValueError("api_server_count is a flag of mmserve serve; LLM has no API server")
-        self._dp = DataParallelRunner(config) if config.parallel.data_parallel_size > 1 else None
-        self.engine: Any = self._dp.engine if self._dp is not None else LLMEngine(config)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -38,21 +36,20 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run all prompts together; outputs come back in the prompts' order.
 
-        Every prompt is checked before any runs: one bad prompt raises ValueError and none run.
+        Every prompt is checked before any is sent: one bad prompt raises ValueError and none run.
+        A request the engine fails alone finishes with finish_reason "abort"; an engine core that
+        fails as a whole raises, and every prompt of the call is aborted. One rank or N alike.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
-        if self._dp is not None:  # data parallel: the engine cores run in their own processes
-            return self._dp.generate(ids, prompts, params)
+        self.engine.add_requests(ids, prompts, params)
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
-        except Exception:
+            return self._run(ids)
+        except BaseException:
             self.engine.abort_requests(ids)
             raise
-        return self._run(ids)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -71,10 +68,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine (its processes, with tensor or data parallelism); the LLM is unusable after."""
-        if self._dp is not None:
-            self._dp.shutdown()
-        else:
-            self.engine.core.shutdown()
+        self.engine.shutdown()
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

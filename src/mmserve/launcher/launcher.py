@@ -11,9 +11,11 @@ The launcher (title `mmserve::launcher`):
   store (`item_store/node_store.py`): every API server writes into it and finds there what the others
   processed; every engine core reads it;
 - starts the engine cores itself, each connected to every API server
-  (`frontend/engine_client/attached_engine.py`), and supervises them: a rank whose process ends is forgotten
-  by the coordinator and started again while `--engine-restart-limit` allows (each API server
-  moves its waiting requests meanwhile and re-admits the rank on its ready message);
+  (`frontend/engine_client/attached_engine.py`), and supervises them with the one supervisor class
+  (`frontend/engine_client/supervisor.py: EngineSupervisor`, which an API server alone uses for its
+  own engine cores): a rank whose process ends is forgotten by the coordinator and started again
+  while `--engine-restart-limit` allows (each API server moves its waiting requests meanwhile and
+  re-admits the rank on its ready message);
 - prints `mmserve: serving ...` once every API server accepts connections.
 
 It exits 0 after SIGTERM / Ctrl-C (API servers first, then engine cores), `ENGINE_DEAD_EXIT_CODE`
@@ -42,7 +44,7 @@ from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
 from mmserve.launcher.coordinator import Coordinator
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
-from mmserve.frontend.engine_client.restarts import RankRestarts
+from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.item_store.shm_store import ShmStore
@@ -90,9 +92,9 @@ class Launcher:
         self.process = process
         self.config = engine_config
         self.servers: list[BaseProcess] = []
-        self.engines: list[LocalEngineProcess | None] = []  # None: the rank died and cannot restart
         parallel = engine_config.parallel
-        self.restarts = RankRestarts(parallel.data_parallel_size, parallel.engine_restart_limit)  # the one counter
+        self.engines = EngineSupervisor(parallel.data_parallel_size, parallel.engine_restart_limit, self._launch)
+        self.model_dir = ""
         self.coordinator: Coordinator | None = None
         self.store: NodeStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
@@ -101,7 +103,7 @@ class Launcher:
 
     def run(self) -> int:
         config, parallel = self.config, self.config.parallel
-        model_dir = resolve_model(config.model.model)
+        self.model_dir = resolve_model(config.model.model)
         self.sock = listen_socket(self.server_config.host, self.server_config.port)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # the API servers inherit it
         if parallel.data_parallel_size > 1:
@@ -111,7 +113,8 @@ class Launcher:
             mm = config.multimodal
             self.store = NodeStoreServer(ShmStore.from_flags(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb), self.ipc_dir)
             self.store.start()
-        self.engines = [self._start_engine(rank, model_dir) for rank in range(parallel.data_parallel_size)]
+        for rank in range(parallel.data_parallel_size):
+            self.engines.start(rank)
         attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None,
                                 self.metrics_dir, self.store.address if self.store else None,
                                 self.store.info if self.store else None)
@@ -123,7 +126,7 @@ class Launcher:
             proc.start()
             self.servers.append(proc)
         while not all(event.is_set() for event in ready):
-            if (code := self._check(model_dir)) is not None:
+            if (code := self._check()) is not None:
                 return code
             time.sleep(0.05)
         host, port = self.sock.getsockname()[:2]
@@ -131,37 +134,36 @@ class Launcher:
               f"({parallel.api_server_count} API servers)", flush=True)
         if self.process is not None:
             self.process.serve()  # the coordinator's thread routes every request
-        while (code := self._check(model_dir)) is None:
+        while (code := self._check()) is None:
             time.sleep(SUPERVISE_POLL_S)
         return code
 
-    def _start_engine(self, rank: int, model_dir: str) -> LocalEngineProcess:
+    def _launch(self, rank: int, restarts: int) -> LocalEngineProcess:
+        """Start rank `rank`'s engine core, connected to every API server (the supervisor's `launch`)."""
         servers = range(self.config.parallel.api_server_count)
         addresses = [engine_addresses(self.ipc_dir, server, rank) for server in servers]
         engine = LocalEngineProcess()
-        engine.start(self.config.for_rank(rank, self.restarts.counts[rank]), model_dir,
+        engine.start(self.config.for_rank(rank, restarts), self.model_dir,
                      [a[0] for a in addresses], [a[1] for a in addresses],
                      self.store.info if self.store else None,
                      self.coordinator.stats_address if self.coordinator else None)
         return engine
 
-    def _check(self, model_dir: str) -> int | None:
+    def _check(self) -> int | None:
         """One supervision turn: the exit code when the launcher must stop, else None."""
         for index, proc in enumerate(self.servers):
             if not proc.is_alive():
                 logger.error("API server %d ended (%s); stopping", index, proc.exitcode)
                 return ENGINE_DEAD_EXIT_CODE if proc.exitcode == ENGINE_DEAD_EXIT_CODE else 1
-        for rank, engine in enumerate(self.engines):
-            if engine is None or engine.is_alive():
-                continue
+        for rank in self.engines.dead():
+            engine = self.engines.retire(rank)
+            assert engine is not None
             logger.error("engine rank %d ended (%s)", rank, engine.describe_exit())
-            self.engines[rank] = None
             if self.coordinator is not None:
                 self.coordinator.forget(rank)
-            if self.restarts.can_restart(rank):
-                self.restarts.count(rank)
-                self.engines[rank] = self._start_engine(rank, model_dir)
-        if all(engine is None for engine in self.engines):
+            if self.engines.can_restart(rank):
+                self.engines.restart(rank)
+        if all(engine is None for engine in self.engines.engines):
             logger.error("no engine rank can serve; stopping")
             return ENGINE_DEAD_EXIT_CODE
         return None
@@ -177,9 +179,8 @@ class Launcher:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for engine in self.engines:
-            if engine is not None:
-                engine.stop()
+        for engine in self.engines.retire_all():
+            engine.stop()
         if self.coordinator is not None:
             self.coordinator.close()
         if self.store is not None:

@@ -8,7 +8,8 @@ Contract.
 - A rank is "ready" (serving), "restarting" (its engine died; a new one is being started) or
   "dead" (it died and its restarts, `--engine-restart-limit`, are used up). `mark_dead` retires a
   rank's client (shut down: no process, socket or shm mapping of it is left); `restart` starts a
-  new one in a worker thread and counts the attempt (`restarts.py: RankRestarts`).
+  new one in a worker thread. Starting, restarting and counting are the `EngineSupervisor`'s
+  (`supervisor.py`, the same class the launcher supervises its engine cores with).
 - `live()` lists the ready ranks whose process still runs, in rank order.
 - With an `Attachment` (`--api-server-count` > 1) the launcher starts and restarts the engine
   cores: a rank's client then binds this API server's own sockets for it and waits for the
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.attached_engine import AttachedEngineProcess, Attachment, engine_addresses
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
-from mmserve.frontend.engine_client.restarts import RankRestarts
+from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,10 @@ class EngineRanks:
         self.model_dir = model_dir
         self.shm_info = shm_info
         n = config.parallel.data_parallel_size
-        self.clients: list[EngineCoreClient | None] = [None] * n
+        self.supervisor = EngineSupervisor(n, config.parallel.engine_restart_limit, self._launch)
+        self.clients = self.supervisor.engines  # None while a rank has no engine core
         self.status = ["restarting"] * n
-        self._restarts = RankRestarts(n, config.parallel.engine_restart_limit)
-        self.restarts = self._restarts.counts  # per rank; the launcher's with an attachment
+        self.restarts = self.supervisor.restarts.counts  # per rank; the launcher's with an attachment
         self.last_error: list[str | None] = [None] * n
         self._retired: list[EngineCoreClient] = []
         with ThreadPoolExecutor(n, thread_name_prefix="mmserve-start") as pool:
@@ -59,17 +60,19 @@ class EngineRanks:
             self.shutdown()
             raise errors[0]  # type: ignore[misc]
 
-    def _start(self, rank: int) -> EngineCoreClient:
+    def _launch(self, rank: int, restarts: int) -> EngineCoreClient:
+        """Start rank `rank`'s engine core (or, attached, wait for the launcher's) and its client."""
         att = self.attachment
         if att is None:
-            client = EngineCoreClient(self.config.for_rank(rank, self.restarts[rank]), self.model_dir,
-                                      shm_info=self.shm_info)
-        else:
-            client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, engine=AttachedEngineProcess(),
-                                      addresses=engine_addresses(att.ipc_dir, self.config.parallel.api_server_index,
-                                                                 rank))
-            self.restarts[rank] = client.restarts  # the launcher counts this rank's restarts
-        self.clients[rank], self.status[rank] = client, "ready"
+            return EngineCoreClient(self.config.for_rank(rank, restarts), self.model_dir, shm_info=self.shm_info)
+        client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, engine=AttachedEngineProcess(),
+                                  addresses=engine_addresses(att.ipc_dir, self.config.parallel.api_server_index, rank))
+        self.restarts[rank] = client.restarts  # the launcher's supervisor counts this rank's restarts
+        return client
+
+    def _start(self, rank: int) -> EngineCoreClient:
+        client = self.supervisor.start(rank)
+        self.status[rank] = "ready"
         return client
 
     def __len__(self) -> int:
@@ -85,13 +88,13 @@ class EngineRanks:
         return [r for r, c in enumerate(self.clients) if self.status[r] == "ready" and c is not None and c.is_alive()]
 
     def can_restart(self, rank: int) -> bool:
-        return self._restarts.can_restart(rank)
+        return self.supervisor.can_restart(rank)
 
     def mark_dead(self, rank: int, reason: str) -> None:
         """Retire rank `rank`'s engine core (it died, or failed): "restarting" while restarts remain."""
         self.last_error[rank] = reason
         self.status[rank] = "restarting" if self.can_restart(rank) else "dead"
-        client, self.clients[rank] = self.clients[rank], None
+        client = self.supervisor.retire(rank)
         if client is not None and self.attachment is not None:
             client.shutdown()  # at once: its socket files must be gone before the next client binds them
         elif client is not None:  # off the event loop: a failed engine core exits by itself first
@@ -100,13 +103,14 @@ class EngineRanks:
 
     async def restart(self, rank: int) -> EngineCoreClient:
         """Start a new engine core for `rank` (counted); the exception if it cannot start."""
-        self._restarts.count(rank)
         try:
-            return await asyncio.to_thread(self._start, rank)
+            client = await asyncio.to_thread(self.supervisor.restart, rank)
         except BaseException as e:
             self.last_error[rank] = f"restart failed: {e}"
             self.status[rank] = "restarting" if self.can_restart(rank) else "dead"
             raise
+        self.status[rank] = "ready"
+        return client
 
     def health(self) -> list[dict[str, object]]:
         """Per rank: its status, restarts so far, and why it last died (if it did)."""
@@ -117,7 +121,5 @@ class EngineRanks:
     def shutdown(self) -> None:
         for retired in self._retired:
             retired.shutdown()
-        for rank, client in enumerate(self.clients):
-            if client is not None:
-                client.shutdown()
-            self.clients[rank] = None
+        for client in self.supervisor.retire_all():
+            client.shutdown()

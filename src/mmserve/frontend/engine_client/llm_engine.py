@@ -1,58 +1,112 @@
-"""P0's engine: input processing -> engine core -> output processing.
+"""The offline engine: input processing -> an engine client -> output processing, for any number of ranks.
 
-The engine core runs in this process for now; it is reached only through `EngineCoreRequest`s,
-`abort_requests` and `step()`'s `EngineCoreOutputs`, the messages that will cross to P1.
+One driver for every deployment shape: one rank steps its `EngineCore` in this process
+(`InProcessClient`; `core` is that engine core), N data-parallel ranks run in their own
+processes (`RankProcesses`). Either way a request is validated by the same `InputProcessor`,
+aborted by the same rule and its outputs made by the same `OutputProcessor`:
+- `add_requests` processes every prompt before it sends any: one bad prompt raises its
+  ValueError (a `ClientError`) and nothing of any of them stays;
+- a request the engine fails alone (an error output) finishes with finish_reason "abort" and the
+  others go on; a failure of a whole engine core raises from `step`, and the caller aborts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
+from mmserve.frontend.engine_client.offline_client import InProcessClient, OfflineClient
+from mmserve.frontend.engine_client.rank_processes import RankProcesses
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.builtin import resolve_model
 from mmserve.models.hf_config import eos_token_id
 from mmserve.outputs import RequestOutput
+from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
 
 
 class LLMEngine:
+    """The offline engine over an `OfflineClient` (`client`), chosen by `--data-parallel-size`."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model.model)
-        self.core = EngineCore(config, self.model_dir)
-        eos = eos_token_id(self.model_dir)
-        self.input_processor = InputProcessor(config, self.model_dir, self.core.max_model_len, eos)
+        self.client: OfflineClient = InProcessClient(EngineCore(config, self.model_dir)) \
+            if config.parallel.data_parallel_size == 1 else RankProcesses(config, self.model_dir)
+        self.input_processor = InputProcessor(config, self.model_dir, self.client.max_model_len,
+                                              eos_token_id(self.model_dir), known_tokens=self.client.known_tokens,
+                                              fetch=self.client.fetch)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
-    def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> None:
-        """Process and queue a request; any fault in it is a ValueError and queues nothing.
+    @property
+    def core(self) -> EngineCore:
+        """The in-process engine core (one rank only)."""
+        if not isinstance(self.client, InProcessClient):
+            raise AttributeError("with data parallelism the engine cores run in their own processes")
+        return self.client.core
 
-        Its outputs carry a `CacheReport` (items pass by reference here: no IPC or shm layer).
-        """
-        report = CacheReport()
-        request = self.input_processor.process(request_id, prompt, params, commit=False, report=report)
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Process and queue one request; any fault in it is a ValueError and queues nothing."""
+        self.add_requests([request_id], [prompt], [params])
+
+    def add_requests(self, request_ids: Sequence[str], prompts: Sequence[Prompt],
+                     params: Sequence[SamplingParams]) -> None:
+        """Process every request, then queue them all; a fault in any raises and none stays.
+
+        Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes)."""
+        processed: list[tuple[EngineCoreRequest, Prompt, CacheReport]] = []
         try:
-            self.core.add_request(request)
+            for rid, prompt, p in zip(request_ids, prompts, params):
+                report = CacheReport()
+                processed.append((self.input_processor.process(rid, prompt, p, commit=False, report=report),
+                                  prompt, report))
         except BaseException:
-            self.input_processor.reject(request_id)
+            for request, _, _ in processed:
+                self.input_processor.reject(request.request_id)
             raise
-        self.input_processor.accept(request_id)
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"), report)
+        sent: list[str] = []
+        try:
+            for request, prompt, report in processed:
+                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"),
+                                                  report)
+                self.client.add_request(request, report)
+                sent.append(request.request_id)
+        except BaseException:
+            for request, _, _ in processed[len(sent):]:
+                self.input_processor.reject(request.request_id)
+            self.abort_requests(list(request_ids))
+            raise
+        for request, _, _ in processed:
+            self.input_processor.accept(request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)
-        self.core.abort_requests(request_ids)
+        self.client.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        batch = self.output_processor.process_outputs(self.core.step().outputs)
+        """One round of engine outputs, processed; raises if an engine core failed as a whole."""
+        batch = self.output_processor.process_outputs(self.client.get_outputs())
         if batch.to_abort:
-            self.core.abort_requests(batch.to_abort)
+            self.client.abort_requests(batch.to_abort)
+        self.client.finished([out for out in batch.outputs if out.finished])
         return batch.outputs
+
+    def dp_figures(self) -> DataParallelFigures:
+        """Per rank: up, restarts, stats, what it served; the routing decisions (data parallelism only)."""
+        if not isinstance(self.client, RankProcesses):
+            raise AttributeError("one rank: no data-parallel figures")
+        return self.client.dp_figures()
+
+    def shutdown(self) -> None:
+        """Stop the engine cores (their processes, with data or tensor parallelism)."""
+        self.client.shutdown()

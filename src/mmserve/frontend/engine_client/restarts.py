@@ -1,10 +1,11 @@
 """One restart counter per rank, kept by the one process that starts the rank's engine cores.
 
-That process is the supervisor: `EngineRanks` with one API server, the launcher with several. It
-counts each restart against `--engine-restart-limit` here and starts every engine core with the
-count so far (`ParallelConfig.engine_restarts`); the engine core reports it back in
-`EngineCoreReady.restarts`, so an API server attached to the launcher's engine cores reads the
-launcher's count (`EngineCoreClient.restarts`) instead of keeping one of its own.
+That process holds the one `EngineSupervisor` (`supervisor.py`): the API server with one API
+server, the launcher with several. It counts each restart against `--engine-restart-limit` here
+and starts every engine core with the count so far (`ParallelConfig.engine_restarts`); the
+engine core reports it back in `EngineCoreReady.restarts`, so an API server attached to the
+launcher's engine cores reads the launcher's count (`EngineCoreClient.restarts`) instead of
+keeping one of its own.
 """
 
 from __future__ import annotations

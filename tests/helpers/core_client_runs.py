@@ -9,7 +9,7 @@ from typing import Any
 from mmserve import LLM, SamplingParams
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 ENGINE_ARGS: dict[str, Any] = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"

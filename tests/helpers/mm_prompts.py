@@ -7,7 +7,7 @@ import base64
 import io
 
 from mmserve import SamplingParams
-from tiny_models import make_image
+from helpers.tiny_models import make_image
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 TWO = "USER: <image> and <image>? ASSISTANT:"

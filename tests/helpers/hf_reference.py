@@ -125,7 +125,7 @@ def _frames_of(video) -> tuple:
     """(frames, fps) of a test video: given so, or PyAV's decoding of its bytes."""
     if isinstance(video, tuple):
         return video
-    from tiny_videos import decoded_frames
+    from helpers.tiny_videos import decoded_frames
 
     return decoded_frames(video)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mmserve.models.builtin import resolve_model
-from tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 LLAVA_TEXT = "USER: {image}\n{question} ASSISTANT:"
 QWEN_TEXT = "<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n"
@@ -50,7 +50,7 @@ def prompts(name: str) -> list[dict[str, Any]]:
 def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, dtype: torch.dtype,
               device: str = "cuda") -> list[list[int]]:
     """transformers' greedy tokens for each prompt, on `device` in `dtype`."""
-    from hf_reference import hf_greedy, hf_qwen_greedy
+    from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 
     reference = hf_qwen_greedy if is_qwen(name) else hf_greedy
     return reference(path, items, max_new, dtype=dtype, device=device)[0]

@@ -1,0 +1,161 @@
+"""N engine-core processes (one per data-parallel rank) behind the offline `OfflineClient` interface.
+
+The server's parts, driven synchronously: `EngineRanks` starts and restarts the engine cores,
+`RequestFlights` routes each request (`DPRouter`) and puts it on the wire through the
+`ItemTransport` (IPC sender cache or shm store), and each rank's outputs are polled in turn.
+A rank that dies raises `EngineDeadError` from `get_outputs` (its requests are lost, as when an
+in-process engine core raises from its step); it is restarted before the next request is sent,
+while its restarts (`--engine-restart-limit`) last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from mmserve.cache_report import CacheReport
+from mmserve.config import EngineConfig
+from mmserve.errors import ClientError
+from mmserve.frontend.dp.dp_router import DPRouter
+from mmserve.frontend.dp.flights import Flight, RequestFlights
+from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.frontend.request.undo import UndoLog
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from mmserve.outputs import RequestOutput
+from mmserve.rank_metrics import DataParallelFigures
+from mmserve.transport.item_transport import ItemTransport
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.002  # how long one poll waits on a rank when no rank had outputs
+
+
+class RankProcesses:
+    """The data-parallel ranks' engine cores, each in its own process, as one `OfflineClient`."""
+
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.transport = ItemTransport(config)
+        try:
+            self.ranks = EngineRanks(config, model_dir, self.transport.shm_info)
+        except BaseException:
+            self.transport.close()
+            raise
+        for rank in range(len(self.ranks)):
+            self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
+        router = DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))]) \
+            if len(self.ranks) > 1 else None
+        self.flights = RequestFlights(self.ranks, router, self.transport)
+        self.max_model_len = self.ranks.client(0).max_model_len
+        self._stats: dict[int, SchedulerStats] = {}
+        self._failed: list[EngineCoreOutput] = []  # error outputs made here (an item lost by P1)
+        self._next = 0  # the rank polled first, in turn
+
+    def known_tokens(self, mm_hash: str) -> int | None:
+        return self.transport.known_tokens(mm_hash)
+
+    def fetch(self, mm_hash: str) -> dict[str, Any] | None:
+        return self.transport.fetch(mm_hash)
+
+    def add_request(self, request: Any, report: CacheReport) -> None:
+        """Route and send; nothing of the request stays if that raises."""
+        self._revive()
+        undo = UndoLog()
+        try:
+            self.flights.send(request.request_id, Flight(0, request, None, False, report), undo)
+        except BaseException:
+            undo.run()
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.flights.abort(request_ids)
+        self._end(request_ids)
+
+    def finished(self, outputs: list[RequestOutput]) -> None:
+        for result in outputs:
+            self.flights.shown(result)
+        self._end([result.request_id for result in outputs])
+
+    def _end(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.flights.land(rid)
+            self.transport.finish(rid)
+
+    def get_outputs(self) -> list[EngineCoreOutput]:
+        """The next outputs of some rank (polled in turn); EngineDeadError if a rank died."""
+        failed, self._failed = self._failed, []
+        if failed:
+            return failed
+        live = [rank for rank, client in enumerate(self.ranks.clients) if client is not None]  # dead ones raise
+        if not live:
+            raise EngineDeadError("no engine rank is serving")
+        for wait in (0.0, _IDLE_WAIT_S):
+            for i in range(len(live)):
+                rank = live[(self._next + i) % len(live)]
+                batch = self._poll(rank, wait)
+                if batch is not None:
+                    self._next = (self._next + i + 1) % len(live)
+                    return self._dispatch(rank, batch)
+        return []
+
+    def _poll(self, rank: int, wait: float) -> EngineCoreOutputs | None:
+        try:
+            return self.ranks.client(rank).get_output(timeout_s=wait)
+        except EngineDeadError as e:
+            self._retire(rank, str(e))
+            raise
+
+    def _retire(self, rank: int, reason: str) -> None:
+        """Rank `rank`'s engine core died: retire it (restarted by `_revive`); its requests are lost."""
+        logger.error("engine rank %d died: %s", rank, reason)
+        self.ranks.mark_dead(rank, reason)
+        self.flights.orphans(rank)  # they leave the rank's load; the caller aborts them
+
+    def _dispatch(self, rank: int, batch: EngineCoreOutputs) -> list[EngineCoreOutput]:
+        """A rank's batch: stats to the router, items P1 lacked sent again, the outputs returned."""
+        if (stats := batch.stats) is not None:
+            self._stats[rank] = stats
+            if (router := self.flights.router) is not None:
+                used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+                router.set_load(rank, stats.num_running + stats.num_waiting, used)
+        for request_id in batch.resend:
+            self._resend(request_id)
+        return batch.outputs
+
+    def _resend(self, request_id: str) -> None:
+        """P1 lacked items it was sent by hash: send the request again, whole (a new IPC epoch)."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.request is None:
+            return  # aborted meanwhile
+        undo = UndoLog()
+        try:
+            if any(item.data is None for item in flight.request.mm_items):
+                raise ClientError("an image given by uuid alone is no longer cached: send it again with its uuid")
+            self.flights.resend(flight, undo)
+        except Exception as e:
+            undo.run()
+            self._failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(e),
+                                                 error_kind="client"))
+
+    def _revive(self) -> None:
+        """Restart the ranks that died (while their restarts last) before a request is sent."""
+        for rank, client in enumerate(self.ranks.clients):
+            if client is not None and not client.is_alive():
+                self._retire(rank, "the engine core process exited unexpectedly")
+            while self.ranks.status[rank] == "restarting" and self.ranks.can_restart(rank):
+                try:
+                    client = asyncio.run(self.ranks.restart(rank))
+                except Exception as e:
+                    logger.error("engine rank %d did not restart: %s", rank, e)
+                    continue
+                self.transport.restarted(rank, remote=not client.is_local)
+                break
+
+    def dp_figures(self) -> DataParallelFigures:
+        """Per rank: up, restarts, latest stats, what it served; the routing decisions."""
+        return self.flights.figures(self._stats)
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+        self.transport.close()
