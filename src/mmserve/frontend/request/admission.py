@@ -3,10 +3,9 @@
 The rule: from the moment P0 starts resolving a request until its message is on the wire to P1,
 every step that changes shared state registers how to take itself back in one `UndoLog`. Any
 exception runs them all in reverse, so nothing of the request stays; after the send nothing is
-undone here: P1 owns the request, and an abort goes through P1. A request resolves in a worker
-thread while others are in flight (the event loop keeps serving them); alone, on the event loop
-(the two thread hand-offs would add to its TTFT, and there is nothing to keep serving),
-unless it has a video (decoding one takes up to seconds: /health must still answer).
+undone here: P1 owns the request, and an abort goes through P1. Every request resolves in a
+worker thread (fetch, decode, the HF processor, tokenizing): the event loop only routes, so
+/health and the other requests' streams never wait behind one request's resolution.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ class Admission:
         checkpoint) or shm pins and fresh entries, the resend record. A client fault is a
         ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while a worker thread
         resolves (the client left) runs the undo once that thread has ended, since it goes on
-        regardless. A `shadow` request (the cache verifier's) resolves in a worker thread, its items
-        processed again; `return_first_logits` asks P1 for the first token's logits row."""
+        regardless. A `shadow` request (the cache verifier's) has its items processed again;
+        `return_first_logits` asks P1 for the first token's logits row."""
         queue = self.requests.open(request_id)  # reserves the id before anything else is done for it
         undo = UndoLog()
         undo.push(self.requests.close, request_id)
@@ -59,12 +58,9 @@ class Admission:
         resolving: asyncio.Future[EngineCoreRequest] | None = None
         report = CacheReport()
         try:
-            if resolves_on_loop(prompt, len(self.requests)) and not shadow:
-                request = self.input_processor.process(request_id, prompt, params, False, False, report)
-            else:
-                resolving = asyncio.ensure_future(asyncio.to_thread(
-                    self.input_processor.process, request_id, prompt, params, False, shadow, report))
-                request = await asyncio.shield(resolving)
+            resolving = asyncio.ensure_future(asyncio.to_thread(
+                self.input_processor.process, request_id, prompt, params, False, shadow, report))
+            request = await asyncio.shield(resolving)
             request.return_first_logits = return_first_logits or shadow
             if rank is None and not self.failover.ranks.live():
                 await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
@@ -118,11 +114,3 @@ def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
         resolving.exception()  # retrieved, so asyncio does not log it
     undo.run()
 
-
-def resolves_on_loop(prompt: str | dict[str, Any], in_flight: int) -> bool:
-    """Whether a request is processed on the event loop.
-
-    Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
-    keep serving) and without a video (decoding one takes up to seconds)."""
-    mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-    return in_flight == 1 and not (isinstance(mm, dict) and "video" in mm)
