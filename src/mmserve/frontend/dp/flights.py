@@ -7,7 +7,7 @@ Contract.
   lacked an item it got by reference).
 - A flight keeps the whole request while it may still be sent again: until its first output
   reaches a streaming caller, until its last output for a caller that shows only the end
-  (`shown`). Only such a flight can move when its rank dies (`orphans`).
+  (`shown`). Only such a flight can move when its rank dies (`orphans`), and only once (`moves`).
 - `land` ends a flight (finished, failed or aborted) and frees its place on its rank; it also
   counts what the rank served. `abort` tells each rank to stop its requests.
 """
@@ -34,6 +34,7 @@ class Flight:
     prompt_text: str | None
     stream: bool
     report: CacheReport | None = None  # what the caches did for it (the transport counts its layer)
+    moves: int = 0  # times it was sent again because its rank died (`RankFailover`: at most once)
 
 
 class RequestFlights:
