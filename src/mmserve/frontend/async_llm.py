@@ -93,7 +93,7 @@ class AsyncLLM:
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests = OpenRequests(self.output_processor, self.flights)
+        self.requests = OpenRequests(self.output_processor, self.flights, config.scheduler.stalled_stream_abort_s)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
         shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
