@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from mmserve.config import EngineConfig
 from mmserve.errors import ClientError
-from mmserve.frontend.core_client import EngineDeadError
+from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.ipc.messages import SchedulerStats
 from mmserve.multimodal.media import MediaError
 from mmserve.outputs import CompletionOutput, RequestOutput

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.dp.dp_router import Router
+from mmserve.frontend.dp.dp_router import Route, Router
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.transport.item_transport import ItemTransport
@@ -54,8 +54,20 @@ class RequestFlights:
     def ids(self) -> list[str]:
         return sorted(self._flights)
 
-    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None) -> None:
-        """Route and send `flight.request`; registered at once (undone with `undo`)."""
+    async def pick(self, request: EngineCoreRequest, forced: int | None = None) -> Route | None:
+        """The request's route decided ahead of `send`, awaited where the router is remote (None:
+        decided in `send`). Nothing is registered: a route asked for but never sent is dropped."""
+        route_async = getattr(self.router, "route_async", None)
+        live = self.ranks.live()
+        if route_async is None or not live:
+            return None
+        route: Route = await route_async(request, live, forced)
+        return route
+
+    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None,
+             picked: Route | None = None) -> None:
+        """Route (or take `picked`, if its rank still serves) and send `flight.request`; registered
+        at once (undone with `undo`)."""
         request = flight.request
         assert request is not None
         self._flights[request_id] = flight
@@ -63,7 +75,8 @@ class RequestFlights:
         live = self.ranks.live()
         if not live:
             raise EngineDeadError("no engine rank is serving")
-        route = self.router.route(request, live, forced) if self.router is not None else None
+        route = picked if picked is not None and picked.rank in live else \
+            self.router.route(request, live, forced) if self.router is not None else None
         flight.rank = route.rank if route is not None else 0
         self._put(flight, request, undo, resend=False)
         if route is not None and self.router is not None:

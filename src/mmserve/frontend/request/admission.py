@@ -17,6 +17,7 @@ from typing import Any
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.dp.dp_router import Route
 from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
@@ -64,8 +65,9 @@ class Admission:
             request.return_first_logits = return_first_logits or shadow
             if rank is None and not self.failover.ranks.live():
                 await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
+            picked = await self.flights.pick(request, rank)  # a remote router's round trip, awaited
             flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
-            self._register(flight, undo, rank)
+            self._register(flight, undo, rank, picked)
         except asyncio.CancelledError:
             if resolving is None:
                 undo.run()
@@ -78,13 +80,13 @@ class Admission:
         self.input_processor.accept(request_id)
         return queue
 
-    def _register(self, flight: Flight, undo: UndoLog, rank: int | None) -> None:
+    def _register(self, flight: Flight, undo: UndoLog, rank: int | None, picked: Route | None) -> None:
         """The request's output state, then its route and send; each step registered in `undo`."""
         assert flight.request is not None
         rid = flight.request.request_id
         self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
         undo.push(self.output_processor.abort_requests, [rid])
-        self.flights.send(rid, flight, undo, rank)
+        self.flights.send(rid, flight, undo, rank, picked)
 
     def resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
