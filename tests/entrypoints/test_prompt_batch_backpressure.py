@@ -28,7 +28,8 @@ def test_a_caller_that_stops_reading_pauses_the_prompts():
         for _ in range(50):  # the caller reads nothing while the prompts could run to the end
             await asyncio.sleep(0)
         paused_at = sum(produced)
-        text = first.outputs[0].delta_text + "".join([o.outputs[0].delta_text async for o in merged if o.outputs])
+        rest = [c.delta_text async for o in merged for c in o.outputs]
+        text = "".join(c.delta_text for c in first.outputs) + "".join(rest)
         return paused_at, text
 
     paused_at, text = asyncio.run(run())
