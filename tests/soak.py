@@ -256,11 +256,11 @@ def _poison(report: SoakReport, server: LoopbackServer, pool: Pool, good: Spec) 
     report.count(spec, str(r.status_code))
     if r.status_code != 500 or "not sent again" not in r.text:
         report.failures.append(f"poison: {r.status_code} {r.text[:300]}")
+    report.requests += 2
+    _judge(report, good, *asyncio.run(_send_one(server.base_url, good)))  # waits for the restart
     spent = [after - before for before, after in zip(restarts, server.engine.ranks.restarts)]
     if spent != [2]:
         report.failures.append(f"poison: it spent {spent} restarts (expected [2]: its rank's death and one resend)")
-    report.requests += 2
-    _judge(report, good, *asyncio.run(_send_one(server.base_url, good)))
 
 
 async def _send_one(base_url: str, spec: Spec) -> tuple[str, str | None]:

@@ -76,3 +76,42 @@ def test_a_request_alone_resolves_off_the_event_loop(tmp_path_factory):
         engine.shutdown()
     print(f"longest event-loop stall while a large image resolved: {worst * 1000:.1f} ms")
     assert worst < 1.0  # generous (2 shared cores); the thread identities above are the real check
+
+
+def test_the_node_stores_round_trips_run_off_the_event_loop(tmp_path_factory):
+    """With several API servers each store lookup and put is a round trip to the launcher: they run
+    in the resolving thread (`ItemTransport.prepare`), not at the send on the event loop."""
+    path = make_checkpoint(tmp_path_factory.mktemp("store"))
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=path, mm_cache_type="shm", mm_shm_cache_gb=0.01))
+    assert engine.transport.shm is not None
+    store = engine.transport.shm.store
+    engine.transport.store_round_trips = True  # as a `NodeStoreClient` is: a round trip per call
+    asked_on: list[int] = []
+    real_lookup, real_put = store.lookup, store.put
+
+    def lookup(*args, **kwargs):
+        asked_on.append(threading.get_ident())
+        return real_lookup(*args, **kwargs)
+
+    def put(*args, **kwargs):
+        asked_on.append(threading.get_ident())
+        return real_put(*args, **kwargs)
+
+    store.lookup, store.put = lookup, put  # type: ignore[method-assign]
+    prompt = {"prompt": "USER: <image>\nWhat? ASSISTANT:", "multi_modal_data": {"image": big_image_url(64)}}
+
+    async def run() -> int:
+        final = None
+        for rid in ("first", "again"):  # a put, then a hit
+            async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True)):
+                final = out
+        assert final is not None and len(final.outputs[0].token_ids) == 2
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(run())
+        assert asked_on and loop_thread not in asked_on
+        assert engine.figures.stats() is not None
+        assert not store.pinned_requests()
+    finally:
+        engine.shutdown()

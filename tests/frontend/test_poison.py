@@ -34,15 +34,20 @@ def test_a_poison_request_is_sent_again_once_then_fails_alone(tmp_path_factory, 
     monkeypatch.setenv(ENV, str(POISON_SEED))  # read by the engine cores, which inherit it
     path = make_checkpoint(tmp_path_factory.mktemp("poison"))
     engine = AsyncLLM(EngineConfig.from_kwargs(model=path, engine_restart_limit=3))
-    try:
-        want = generate(engine, one(1), "before")
-        poison = SamplingParams(temperature=0.0, max_tokens=4, seed=POISON_SEED)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    poison = SamplingParams(temperature=0.0, max_tokens=4, seed=POISON_SEED)
+
+    async def scenario() -> None:  # one event loop: the restarts run as its tasks
+        want = await run_to_end(engine, "before", one(1), greedy)
         with pytest.raises(EngineRequestError, match="died with it") as failed:
-            asyncio.run(run_to_end(engine, "poison", one(2), poison))
+            await run_to_end(engine, "poison", one(2), poison)
         assert "not sent again" in str(failed.value)
-        assert engine.ranks.restarts == [2]  # the first death and the one resend; the third is kept
         assert engine.is_healthy
-        assert generate(engine, one(1), "after") == want
+        assert await run_to_end(engine, "after", one(1), greedy) == want  # waits for the restart
+        assert engine.ranks.restarts == [2]  # the first death and the one resend; the third is kept
+
+    try:
+        asyncio.run(scenario())
     finally:
         engine.shutdown()
 

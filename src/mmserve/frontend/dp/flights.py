@@ -65,9 +65,10 @@ class RequestFlights:
         return route
 
     def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None,
-             picked: Route | None = None) -> None:
-        """Route (or take `picked`, if its rank still serves) and send `flight.request`; registered
-        at once (undone with `undo`)."""
+             picked: Route | None = None, wire: EngineCoreRequest | None = None) -> None:
+        """Route (or take `picked`, if its rank still serves) and send `flight.request` (as `wire`,
+        its message made ahead by `ItemTransport.prepare`, unless the rank is on another node);
+        registered at once (undone with `undo`)."""
         request = flight.request
         assert request is not None
         self._flights[request_id] = flight
@@ -78,7 +79,7 @@ class RequestFlights:
         route = picked if picked is not None and picked.rank in live else \
             self.router.route(request, live, forced) if self.router is not None else None
         flight.rank = route.rank if route is not None else 0
-        self._put(flight, request, undo, resend=False)
+        self._put(flight, request, undo, resend=False, wire=wire)
         if route is not None and self.router is not None:
             self.router.on_sent(route, request)
 
@@ -86,8 +87,12 @@ class RequestFlights:
         assert flight.request is not None
         self._put(flight, flight.request, undo, resend=True)
 
-    def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool) -> None:
-        message, _ = self.transport.to_wire(request, undo, resend, flight.rank, flight.report)
+    def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool,
+             wire: EngineCoreRequest | None = None) -> None:
+        if wire is not None and flight.rank not in self.transport.remote:
+            message = wire
+        else:
+            message, _ = self.transport.to_wire(request, undo, resend, flight.rank, flight.report)
         self.ranks.client(flight.rank).add_request(message)
 
     def shown(self, result: RequestOutput) -> None:

@@ -56,18 +56,17 @@ class Admission:
         undo = UndoLog()
         undo.push(self.requests.close, request_id)
         undo.push(self.input_processor.reject, request_id)
-        resolving: asyncio.Future[EngineCoreRequest] | None = None
+        resolving: asyncio.Future[tuple[EngineCoreRequest, EngineCoreRequest | None]] | None = None
         report = CacheReport()
         try:
             resolving = asyncio.ensure_future(asyncio.to_thread(
-                self.input_processor.process, request_id, prompt, params, False, shadow, report))
-            request = await asyncio.shield(resolving)
-            request.return_first_logits = return_first_logits or shadow
+                self._resolve, request_id, prompt, params, shadow, return_first_logits or shadow, report, undo))
+            request, wire = await asyncio.shield(resolving)
             if rank is None and not self.failover.ranks.live():
                 await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
             picked = await self.flights.pick(request, rank)  # a remote router's round trip, awaited
             flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
-            self._register(flight, undo, rank, picked)
+            self._register(flight, undo, rank, picked, wire)
         except asyncio.CancelledError:
             if resolving is None:
                 undo.run()
@@ -80,13 +79,23 @@ class Admission:
         self.input_processor.accept(request_id)
         return queue
 
-    def _register(self, flight: Flight, undo: UndoLog, rank: int | None, picked: Route | None) -> None:
+    def _resolve(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams, shadow: bool,
+                 first_logits: bool, report: CacheReport, undo: UndoLog,
+                 ) -> tuple[EngineCoreRequest, EngineCoreRequest | None]:
+        """In the worker thread: the processed request, and its message through the node's store
+        where that store is another process's (`ItemTransport.prepare`; else None)."""
+        request = self.input_processor.process(request_id, prompt, params, False, shadow, report)
+        request.return_first_logits = first_logits
+        return request, self.flights.transport.prepare(request, undo, report)
+
+    def _register(self, flight: Flight, undo: UndoLog, rank: int | None, picked: Route | None,
+                  wire: EngineCoreRequest | None) -> None:
         """The request's output state, then its route and send; each step registered in `undo`."""
         assert flight.request is not None
         rid = flight.request.request_id
         self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
         undo.push(self.output_processor.abort_requests, [rid])
-        self.flights.send(rid, flight, undo, rank, picked)
+        self.flights.send(rid, flight, undo, rank, picked, wire)
 
     def resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
