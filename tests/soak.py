@@ -3,7 +3,11 @@ and uuid-only requests at concurrency, with caches small enough to evict all the
 the checks that every failure path left nothing behind:
 
 - no response is a 5xx, and every request ends (good ones 200, hostile and costly ones 4xx: a
-  huge enum schema, a schema nested 330 deep or satisfied by nothing, a stop-string flood...);
+  huge enum schema, a schema nested 330 deep or satisfied by nothing, a stop-string flood...;
+  a stream its client stops reading is aborted or ends whole);
+- a poison request (one that crashes its engine core, `MMSERVE_DEBUG_POISON_SEED`), sent after
+  the load, is sent again once and then fails alone with the one 500 allowed, naming the cause;
+  it spends two restarts, and the server serves on;
 - the engine is idle: nothing running or waiting, every KV block free; P0 holds no queue,
   output state, resend record, pending processor-cache entry or shm pin; caches are intact;
 - P0's IPC sender and P1's receiver hold the same keys (their key digests and sizes agree);
@@ -23,7 +27,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -34,10 +40,14 @@ from typing import Any, Iterator
 
 import httpx
 
+from mmserve.engine.poison import ENV as POISON_ENV
 from mmserve.entrypoints.openai.body_limit import default_body_limit
 from mmserve.models.builtin import resolve_model
-from soak_requests import Spec, draw, make_pool, with_costly  # tests/ is on sys.path: pytest's, or this script's own
+from soak_requests import (Pool, Spec, chat_body, draw, make_pool, with_costly,  # tests/ is on sys.path
+                           with_stalled)
 from soak_server import LoopbackServer, idle_state, soak_engine_args
+
+POISON_SEED = 7_777_777  # no other soak request carries a seed the server accepts
 
 
 @dataclass
@@ -72,6 +82,8 @@ async def _send(client: httpx.AsyncClient, spec: Spec) -> tuple[str, str | None]
     content = spec.body if isinstance(spec.body, bytes) else json.dumps(
         {**spec.body, **({"stream": True} if spec.stream else {})}).encode()
     headers = {"Content-Type": "application/json"}
+    if spec.stall_s is not None:
+        return await _send_stalled(str(client.base_url), content, spec.stall_s)
     try:
         if not spec.stream:
             timeout = spec.cancel_after_s or 120.0
@@ -88,6 +100,31 @@ async def _send(client: httpx.AsyncClient, spec: Spec) -> tuple[str, str | None]
         return ("cancelled", None) if spec.cancel_after_s is not None else ("error: timeout", None)
     except httpx.TransportError as e:  # the server may close a refused oversized upload early
         return ("413" if spec.name == "body over the limit" else f"error: {e!r}"), None
+
+
+async def _send_stalled(base_url: str, content: bytes, stall_s: float) -> tuple[str, str | None]:
+    """A stream whose client reads its status line, then nothing for `stall_s` (a small receive
+    buffer, so the server's sends back up), then the rest: (outcome, None)."""
+    host, port = base_url.split("//", 1)[1].rstrip("/").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(content) + content)
+    try:
+        await writer.drain()
+        status = (await asyncio.wait_for(reader.readline(), 120.0)).split()[1].decode()
+        await asyncio.sleep(stall_s)
+        rest = await asyncio.wait_for(reader.read(), 120.0)
+    except (OSError, asyncio.TimeoutError, IndexError) as e:
+        return f"error: {e!r}", None
+    finally:
+        writer.close()
+    if status != "200" or b"stream_stalled" in rest:
+        return (status if status != "200" else "stream error stream_stalled"), None
+    return ("200" if b"[DONE]" in rest else "error: the stream ended early"), None
 
 
 async def _read_stream(r: httpx.Response, cancel: bool) -> tuple[str, str | None]:
@@ -109,7 +146,8 @@ async def _read_stream(r: httpx.Response, cancel: bool) -> tuple[str, str | None
 
 def _judge(report: SoakReport, spec: Spec, outcome: str, answer: str | None) -> None:
     report.count(spec, outcome)
-    allowed = {"good": {"200"}, "cancel": {"cancelled", "200"}, "uuid_only": {"200", "400"}}.get(spec.kind)
+    allowed = {"good": {"200"}, "cancel": {"cancelled", "200"}, "uuid_only": {"200", "400"},
+               "stalled": {"200", "stream error stream_stalled"}}.get(spec.kind)
     ok = outcome in allowed if allowed is not None else outcome.isdigit() and 400 <= int(outcome) < 500
     if not ok:
         report.failures.append(f"{spec.kind} ({spec.name}): {outcome}")
@@ -170,13 +208,14 @@ def run_soak(model: str, cache_types: list[str], requests: int, seconds: float, 
     """Soak one server per cache type (lru, shm) and check everything above; one report each."""
     model_dir = resolve_model(model)
     reports = [SoakReport(cache_type) for cache_type in cache_types]
-    with tempfile.TemporaryDirectory(prefix="mmserve-soak-") as media:
+    with tempfile.TemporaryDirectory(prefix="mmserve-soak-") as media, _poison_env():
         for report in reports:
             engine_args = soak_engine_args(model_dir, report.cache_type, Path(media), cache_items, verify_rate)
             _soak(report, LoopbackServer(model_dir, engine_args), Path(media), requests, seconds, concurrency, seed)
         off = {**engine_args, "mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "mm_cache_type": "lru",
                "enable_prefix_caching": False, "encoder_cache_tokens": 0, "cache_verify_rate": 0.0}
         start = time.monotonic()
+        os.environ.pop(POISON_ENV, None)  # the reference server's engine core carries no poison
         with LoopbackServer(model_dir, off) as reference:
             _check_answers(reports, reference, concurrency)
         for report in reports:
@@ -193,10 +232,12 @@ def _soak(report: SoakReport, server: LoopbackServer, media: Path, requests: int
         mm = server.engine.config.multimodal
         pool = make_pool(media, server.served_name, server.engine.max_model_len,
                          default_body_limit(mm.max_media_bytes, mm.max_images))
-        specs = with_costly(draw(random.Random(seed), pool, requests), pool)
+        specs = with_stalled(with_costly(draw(random.Random(seed), pool, requests), pool), pool)
         with _timed(report, "load"):
             asyncio.run(_load(server.base_url, specs, concurrency, seconds, report))
         report.seconds = report.phases["load"]
+        with _timed(report, "poison"):
+            _poison(report, server, pool, next(s for s in specs if s.kind == "good"))
         with _timed(report, "settle"):
             _check_idle(report, server.call(idle_state, timeout_s=60.0))
         _check_verified(report, server)
@@ -205,6 +246,39 @@ def _soak(report: SoakReport, server: LoopbackServer, media: Path, requests: int
     if after != before or len(store) != (report.cache_type == "shm"):  # the store's one segment
         report.failures.append(f"/dev/shm: {sorted(before)} before, {sorted(serving)} while serving, "
                                f"{sorted(after)} after")
+
+
+def _poison(report: SoakReport, server: LoopbackServer, pool: Pool, good: Spec) -> None:
+    """The poison request alone: a 500 that names the cause, two restarts, then `good` served."""
+    spec = Spec("poison", "crashes its engine core", chat_body(pool, "x", max_tokens=4, seed=POISON_SEED))
+    restarts = list(server.engine.ranks.restarts)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=spec.body, timeout=300.0)
+    report.count(spec, str(r.status_code))
+    if r.status_code != 500 or "not sent again" not in r.text:
+        report.failures.append(f"poison: {r.status_code} {r.text[:300]}")
+    report.requests += 2
+    _judge(report, good, *asyncio.run(_send_one(server.base_url, good)))  # waits for the restart
+    spent = [after - before for before, after in zip(restarts, server.engine.ranks.restarts)]
+    if spent != [2]:
+        report.failures.append(f"poison: it spent {spent} restarts (expected [2]: its rank's death and one resend)")
+
+
+async def _send_one(base_url: str, spec: Spec) -> tuple[str, str | None]:
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        return await _send(client, spec)
+
+
+@contextlib.contextmanager
+def _poison_env() -> Iterator[None]:
+    """`MMSERVE_DEBUG_POISON_SEED` set for the soaked servers' engine cores (they inherit it)."""
+    old = os.environ.get(POISON_ENV)
+    os.environ[POISON_ENV] = str(POISON_SEED)
+    try:
+        yield
+    finally:
+        os.environ.pop(POISON_ENV, None)
+        if old is not None:
+            os.environ[POISON_ENV] = old
 
 
 def _check_verified(report: SoakReport, server: LoopbackServer) -> None:

@@ -23,7 +23,8 @@ from helpers.tiny_models import make_image
 TEXTS = ("What is this?", "Describe the picture.")
 MAX_TOKENS = (1, 8)
 KINDS = (("good", 45), ("hostile", 25), ("cancel", 15), ("uuid_only", 15))  # (kind, weight)
-# and "costly" (`with_costly`): requests whose cost must be bounded before it is paid
+# and "costly" (`with_costly`): requests whose cost must be bounded before it is paid, and
+# "stalled" (`with_stalled`): streams whose client stops reading for `stall_s`
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Spec:
     body: dict[str, Any] | bytes
     stream: bool = False
     cancel_after_s: float | None = None
+    stall_s: float | None = None  # a stalled stream: the client reads nothing for this long
     key: str | None = None  # good requests: what decides the answer
     reference: dict[str, Any] | None = None  # good requests: the body a fresh server answers alike
 
@@ -84,6 +86,11 @@ def draw(rng: random.Random, pool: Pool, n: int) -> list[Spec]:
     kinds, weights = zip(*KINDS)
     makers = {"good": _good, "hostile": _hostile, "cancel": _cancel, "uuid_only": _uuid_only}
     return [makers[kind](rng, pool) for kind in rng.choices(kinds, weights, k=n)]
+
+
+def chat_body(pool: Pool, text: str, **extra: Any) -> dict[str, Any]:
+    """A text-only chat body (greedy) for `pool`'s model."""
+    return _chat(pool, [], text, **extra)
 
 
 def _chat(pool: Pool, parts: list[dict[str, Any]], text: str, **extra: Any) -> dict[str, Any]:
@@ -175,6 +182,20 @@ def with_costly(specs: list[Spec], pool: Pool, every: int = 10) -> list[Spec]:
             out.append(costly.pop(0))
         out.append(spec)
     return out + costly
+
+
+def with_stalled(specs: list[Spec], pool: Pool, count: int = 2, stall_s: float = 3.0) -> list[Spec]:
+    """`specs` with `count` stalled streams spread among them: `n` 8, logprobs 20, as long as the
+    model allows, read by nobody for `stall_s` (longer than the soak's `--stalled-stream-abort-s`).
+    On the tiny soak models such a stream may end before the abort: either way is allowed, and
+    the end checks must hold (tests/frontend/test_backpressure.py shows the abort itself)."""
+    body = _chat(pool, [], "Tell me a story.", n=8, logprobs=True, top_logprobs=20, ignore_eos=True,
+                 max_tokens=pool.max_model_len - 32, temperature=1.0)
+    out = list(specs)
+    for i in range(count):
+        out.insert((i + 1) * len(out) // (count + 1), Spec("stalled", "stream never read", body, stream=True,
+                                                          stall_s=stall_s))
+    return out
 
 
 def costly_bodies(pool: Pool) -> dict[str, dict[str, Any]]:

@@ -28,8 +28,8 @@ SHM_DIR = "/dev/shm"
 def soak_engine_args(model_dir: str, cache_type: str, media_dir: Path, cache_items: int,
                      verify_rate: float = 0.0) -> dict[str, Any]:
     """Engine arguments for a soak: every cache a few items big, KV for a few requests (so they
-    wait and get preempted), two images per prompt, local files from `media_dir` only, and the
-    shadow cache verifier at `verify_rate`."""
+    wait and get preempted), two images per prompt, local files from `media_dir` only, the
+    shadow cache verifier at `verify_rate`, and a stream unread for a second aborted."""
     vision = json.loads((Path(model_dir) / "config.json").read_text())["vision_config"]
     side, patch = vision["image_size"], vision["patch_size"]
     item_bytes = 3 * side * side * 4 + ENTRY_OVERHEAD_BYTES  # float32 pixel values, one crop
@@ -41,7 +41,8 @@ def soak_engine_args(model_dir: str, cache_type: str, media_dir: Path, cache_ite
                 encoder_cache_tokens=cache_items * image_tokens, max_model_len=2 * image_tokens + 128,
                 block_size=block_size, num_kv_blocks=4 * (2 * image_tokens + 128) // block_size,
                 limit_mm_per_prompt={"image": 2}, max_media_bytes=300_000,
-                allowed_local_media_path=str(media_dir), cache_verify_rate=verify_rate)
+                allowed_local_media_path=str(media_dir), cache_verify_rate=verify_rate,
+                stalled_stream_abort_s=1.0, engine_restart_limit=3)
 
 
 class LoopbackServer:

@@ -114,8 +114,13 @@ class SchedulerConfig:
     max_grammar_compile_s: float = _opt(
         10.0, "Longest a structured-output grammar may take to compile (off the engine step); a request "
         "whose grammar takes longer is refused.")
+    stalled_stream_abort_s: float = _opt(
+        60.0, "A request whose caller has read none of its outputs for this long while new ones arrive (a "
+        "stream nobody reads) is aborted with one log line; until then its unread outputs are merged into one.")
 
     def __post_init__(self) -> None:
+        if not self.stalled_stream_abort_s > 0:
+            raise ValueError(f"stalled_stream_abort_s must be positive; got {self.stalled_stream_abort_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

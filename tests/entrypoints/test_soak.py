@@ -1,8 +1,9 @@
 """A short soak (tests/soak.py; `make soak` runs the long one): mixed good, hostile, cancelled
-and uuid-only requests at concurrency against a real server with tiny caches, lru and shm; then
-no 5xx, an idle engine with every block free, P0 and P1 IPC keys equal, /dev/shm as before,
-the answers of a fresh server with every cache off, and the shadow cache verifier (on at the
-soak's rate) re-ran some cache-served requests and found no mismatch."""
+and uuid-only requests and streams nobody reads, at concurrency against a real server with tiny
+caches, lru and shm, then a poison request (its own 500, two restarts); then no other 5xx, an
+idle engine with every block free, P0 and P1 IPC keys equal, /dev/shm as before, the answers
+of a fresh server with every cache off, and the shadow cache verifier (on at the soak's rate)
+re-ran some cache-served requests and found no mismatch."""
 
 from __future__ import annotations
 
@@ -28,5 +29,5 @@ def test_short_soak(model_path):
         f"{report.cache_type}: {f}" for report in reports for f in report.failures)
     for report in reports:
         assert report.requests >= 30 and report.answers
-        assert {"good", "hostile", "cancel", "uuid_only", "costly"} <= set(report.outcomes)
+        assert {"good", "hostile", "cancel", "uuid_only", "costly", "stalled", "poison"} <= set(report.outcomes)
         assert report.verified >= 1

@@ -4,7 +4,9 @@ from the engine cores' `RankStats`, and a restarted rank is forgotten."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import threading
 import time
 
 import pytest
@@ -92,3 +94,34 @@ def test_offline_llm_refuses_api_servers():
 
     with pytest.raises(ValueError, match="api_server_count"):
         LLM(model="builtin:tiny-llava", api_server_count=2)
+
+
+def test_a_route_is_awaited_off_the_loop_and_a_coordinator_failure_answers_at_once(coordinator):
+    """Issue 40: the round trip ran on the event loop, and an exception in the coordinator left the
+    asker waiting out its 10 s timeout before a 500."""
+    router = RemoteRouter(coordinator.route_address)
+    asked_on: list[int] = []
+    real = router._ask
+
+    def ask(*args):
+        asked_on.append(threading.get_ident())
+        return real(*args)
+
+    router._ask = ask  # type: ignore[method-assign]
+
+    def broken(*args):
+        raise KeyError("a bug in the router")
+
+    try:
+        async def run() -> None:
+            route = await router.route_async(request("fine", "img-a"), [0, 1])
+            assert route.rank in (0, 1)
+            assert asked_on and threading.get_ident() not in asked_on
+        asyncio.run(run())
+        coordinator.router.route = broken  # type: ignore[method-assign]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="coordinator failed: KeyError"):
+            router.route(request("doomed", "img-b"), [0, 1])
+        assert time.monotonic() - start < 5.0  # an answer, not the 10 s timeout
+    finally:
+        router.close()

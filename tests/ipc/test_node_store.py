@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import multiprocessing
 import shutil
+import time
 
 import msgspec
+
 import pytest
 
 from mmserve.ipc.items import ShmStoreInfo
@@ -140,3 +142,20 @@ def test_writer_processes_racing_under_eviction_leave_a_consistent_store(server)
         if (handle := server.store.peek(f"k{key}")) is not None:
             with server.store.get(handle) as lease:
                 assert same(lease.data, item(key))
+
+
+def test_an_owner_failure_answers_the_asker_at_once(server):
+    """Issue 40: an exception in the owner sent no reply; the asker waited 10 s, then failed."""
+    c = client(server, 0)
+
+    def broken(*args):
+        raise KeyError("a bug in the store")
+
+    server.store.lookup = broken  # type: ignore[method-assign]
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="item store failed: KeyError"):
+            c.lookup("some-key", "r1")
+        assert time.monotonic() - start < 5.0  # an answer, not the 10 s timeout
+    finally:
+        c.close()

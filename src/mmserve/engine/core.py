@@ -16,6 +16,7 @@ from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.kv_events import KVEvents, make_kv_events
+from mmserve.engine.poison import Poison
 from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
@@ -57,6 +58,7 @@ class EngineCore:
                                    self.model_config.max_item_tokens,
                                    FirstTokenCache(num_blocks, enabled=cache.enable_first_token_caching))
         runner = getattr(self.executor, "runner", None)  # in-process only: TP workers compile their own
+        self.poison = Poison.from_env()  # a debugging hook: unset, None
         self.grammar_gate = GrammarGate(None if runner is None else runner.grammars,
                                         config.scheduler.max_grammar_compile_s)
         logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
@@ -119,6 +121,9 @@ class EngineCore:
         `RequestFault`, or any error in a step of one request) fails that request alone; any
         other failure propagates (the rank is restarted)."""
         scheduler_output = self.scheduler.schedule()
+        if self.poison is not None:
+            self.poison.check(self.scheduler.requests[rid] for rid in scheduler_output.num_scheduled_tokens
+                              if rid in self.scheduler.requests)
         try:
             result = self.executor.execute_model(scheduler_output)
         except Exception as exc:

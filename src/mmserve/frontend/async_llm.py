@@ -2,9 +2,9 @@
 
 Outputs come back on one background task per rank and are routed to each request's queue.
 
-Input processing (media decoding, the HF image processor, tokenizing) runs in a worker thread
-while other requests are in flight, so the event loop keeps serving them (`admission.py`, which
-also owns the request path's undo rule). The IPC sender cache is updated on the event loop,
+Input processing (the chat template, media decoding, the HF image processor, tokenizing) always
+runs in a worker thread, so the event loop only routes (`admission.py`, which also owns the
+request path's undo rule). The IPC sender cache is updated on the event loop,
 right before each send, so its updates happen in send order — the order P1 applies them in.
 Until P1 produces a request's first output, P0 keeps the request's processed items: if P1 lacked
 an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
@@ -93,7 +93,7 @@ class AsyncLLM:
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests = OpenRequests(self.output_processor, self.flights)
+        self.requests = OpenRequests(self.output_processor, self.flights, config.scheduler.stalled_stream_abort_s)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
         shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
@@ -137,11 +137,15 @@ class AsyncLLM:
         """OpenAI messages (and function `tools`) -> a prompt dict naming its images.
 
         OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
-        its images (ValueError for bad input); the images are read, hashed and processed by
-        `generate`, off the event loop."""
+        its images (ValueError for bad input); the template renders in a worker thread and the
+        images are read, hashed and processed by `generate`, also off the event loop."""
+        return await asyncio.to_thread(self._render_prompt, messages, cache_salt, tools)
+
+    def _render_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None,
+                       tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         inputs = parse_chat_messages(messages)
-        tools = check_tools(tools) if tools is not None else None
-        text = self.input_processor.processor.apply_chat_template(inputs.conversation, tools)
+        checked = check_tools(tools) if tools is not None else None
+        text = self.input_processor.processor.apply_chat_template(inputs.conversation, checked)
         return inputs.prompt(text, cache_salt)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
@@ -179,13 +183,15 @@ class AsyncLLM:
                 yield item
         finally:
             self.requests.close(request_id)
-            if not finished:
-                self._abort_now([request_id])
-            if candidate and (flight := self.flights.get(request_id)) is not None:
-                self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
-            self.flights.land(request_id)
-            self.transport.finish(request_id)
-            self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
+            self.transport.finish(request_id)  # unpinned first: an abort that raises leaks no pins
+            try:
+                if not finished:
+                    self._abort_now([request_id])
+                if candidate and (flight := self.flights.get(request_id)) is not None:
+                    self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
+            finally:
+                self.flights.land(request_id)
+                self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
     def _run_shadow(self, request_id: str, prompt: Any, params: SamplingParams,
                     rank: int) -> AsyncGenerator[RequestOutput, None]:

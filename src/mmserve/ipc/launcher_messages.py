@@ -54,6 +54,7 @@ class RouteAnswer(msgspec.Struct, tag="answer"):
     rank: int
     reason: str
     decisions: dict[str, int]
+    error: str | None = None  # the coordinator failed on this ask (the asker raises at once)
 
 
 CoordinatorInput = RankStats | RouteAsk | RouteSent | RouteLanded | DecisionsAsk
@@ -116,6 +117,7 @@ class StoreAnswer(msgspec.Struct, tag="store_answer"):
     handle: ShmHandle | None = None
     fresh: bool = False
     stats: list[int] | None = None
+    error: str | None = None  # the owner failed on this ask (the asker raises at once)
 
 
 StoreInput = StoreLookup | StoreReserve | StoreSeal | StoreDiscard | StoreFinish | StoreStatsAsk

@@ -18,8 +18,10 @@ The processor cache, shared. `fetch(key)` copies out an entry some server wrote 
 `peek`: the asking server's processor cache counts it), so a repeat that lands on another API
 server skips the image processor. One budget for the node: `--mm-shm-cache-gb`, not × M.
 
-Failure. A server that dies between reserve and seal leaves that chunk pinned; the launcher stops
-every process once an API server dies, so the leak never outlives the store.
+Failure. An ask the owner fails on is answered with the error (`StoreAnswer.error`): the asker
+raises at once instead of waiting out `_ANSWER_TIMEOUT_S`. A server that dies between reserve
+and seal leaves that chunk pinned; the launcher stops every process once an API server dies, so
+the leak never outlives the store.
 """
 
 from __future__ import annotations
@@ -87,11 +89,16 @@ class NodeStoreServer:
             if not self._sock.poll(_POLL_MS, zmq.POLLIN):
                 continue
             identity, frame = self._sock.recv_multipart()
+            msg: StoreInput | None = None
             try:
-                answer = self.handle(self._decoder.decode(frame))
-            except Exception:  # one bad message must not stop the store for everyone
+                msg = self._decoder.decode(frame)
+                answer = self.handle(msg)
+            except Exception as e:  # one bad message must not stop the store for everyone
                 logger.exception("the node store could not handle a message")
-                continue
+                seq = getattr(msg, "seq", 0)
+                if not seq:  # no ask to answer (a one-way message, or one that did not decode)
+                    continue
+                answer = StoreAnswer(seq, error=f"{type(e).__name__}: {e}")  # the asker fails at once
             if answer is not None:
                 self._sock.send_multipart([identity, msgspec.msgpack.encode(answer)])
 
@@ -212,6 +219,8 @@ class NodeStoreClient:
             self._sock.send(msgspec.msgpack.encode(make(seq)))
             while self._sock.poll(int(_ANSWER_TIMEOUT_S * 1000), zmq.POLLIN):
                 answer = self._decoder.decode(self._sock.recv())
+                if answer.seq == seq and answer.error is not None:
+                    raise RuntimeError(f"the node's item store failed: {answer.error}")
                 if answer.seq == seq:  # an answer that came too late is dropped
                     return answer
         raise RuntimeError(f"the node's item store did not answer within {_ANSWER_TIMEOUT_S:g} s")

@@ -14,8 +14,10 @@ are cached whichever server took it, so the `DPRouter` lives once, in the launch
   reports them all.
 - the launcher calls `forget(rank)` when it restarts a rank (its caches start empty).
 
-Routes asked for but never sent (the request failed before its send) are dropped oldest first
-beyond `_MAX_PENDING`. The router is used under one lock (the thread and `forget`).
+An ask the coordinator fails on is answered with the error (`RouteAnswer.error`), so the API
+server fails the request at once instead of waiting out its timeout. Routes asked for but never
+sent (the request failed before its send) are dropped oldest first beyond `_MAX_PENDING`. The
+router is used under one lock (the thread and `forget`).
 """
 
 from __future__ import annotations
@@ -87,8 +89,15 @@ class Coordinator:
         frames = sock.recv_multipart()
         identity, frames = (frames[0], frames[1:]) if sock is self._routes else (None, frames)
         msg = self._decoder.decode(frames)
-        with self._lock:
-            answer = self._handle(msg)
+        try:
+            with self._lock:
+                answer = self._handle(msg)
+        except Exception as e:  # the asker gets a reply at once, not a timeout
+            if not isinstance(msg, (RouteAsk, DecisionsAsk)) or identity is None:
+                raise
+            logger.exception("the coordinator failed on an ask")
+            rid = msg.request.request_id if isinstance(msg, RouteAsk) else msg.request_id
+            answer = RouteAnswer(rid, -1, "", {}, error=f"{type(e).__name__}: {e}")
         if answer is not None and identity is not None:
             self._routes.send_multipart([identity, *self._encoder.encode(answer)], copy=False)
 

@@ -54,6 +54,9 @@ class ItemTransport:
                         for _ in range(config.parallel.data_parallel_size)]
         self.shm = ShmItemWriter(_item_store(config, attachment)) if mm.uses_shm else None
         self.remote: set[int] = set()
+        # the node's store is another process's (several API servers): each lookup and put is a
+        # round trip, so `prepare` does them off the event loop, while the request resolves
+        self.store_round_trips = self.shm is not None and isinstance(self.shm.store, NodeStoreClient)
 
     @property
     def sender(self) -> IpcSenderCache:
@@ -91,14 +94,7 @@ class ItemTransport:
         if request.bypass_caches:
             return msgspec.structs.replace(request, client_index=self.client_index), False
         if self.shm is not None and rank not in self.remote:
-            written: list[str] = []
-            undo.push(self.shm.finish, request.request_id)
-            undo.push(self.shm.discard, written)
-            items = self.shm.to_wire(request, resend, written)  # a resend goes inline
-            by_handle = sum(item.shm_handle is not None for item in items)
-            if report is not None and items:
-                report.count("shm", by_handle - len(written), len(items))
-            return (msgspec.structs.replace(request, mm_items=items, client_index=self.client_index), by_handle > 0)
+            return self._through_store(request, undo, resend, report)
         sender = self.senders[rank]
         if resend:
             sender.reset()
@@ -109,6 +105,27 @@ class ItemTransport:
         items = [msgspec.structs.replace(i, data=None) if hit else i for i, hit in zip(request.mm_items, cached)]
         return (msgspec.structs.replace(request, mm_items=items, ipc_epoch=sender.epoch,
                                         client_index=self.client_index), any(cached))
+
+    def prepare(self, request: EngineCoreRequest, undo: UndoLog,
+                report: CacheReport | None = None) -> EngineCoreRequest | None:
+        """The request's message through the node's store, made ahead (in the resolving worker
+        thread) where the store's lookups and puts are round trips; None elsewhere, or for a
+        shadow request (`to_wire` makes the message at the send). Registers its undo like `to_wire`."""
+        if not self.store_round_trips or request.bypass_caches:
+            return None
+        return self._through_store(request, undo, False, report)[0]
+
+    def _through_store(self, request: EngineCoreRequest, undo: UndoLog, resend: bool,
+                       report: CacheReport | None) -> tuple[EngineCoreRequest, bool]:
+        assert self.shm is not None
+        written: list[str] = []
+        undo.push(self.shm.finish, request.request_id)
+        undo.push(self.shm.discard, written)
+        items = self.shm.to_wire(request, resend, written)  # a resend goes inline
+        by_handle = sum(item.shm_handle is not None for item in items)
+        if report is not None and items:
+            report.count("shm", by_handle - len(written), len(items))
+        return (msgspec.structs.replace(request, mm_items=items, client_index=self.client_index), by_handle > 0)
 
     def restarted(self, rank: int, remote: bool = False) -> None:
         """`rank`'s engine core is new: its IPC mirror starts from empty.

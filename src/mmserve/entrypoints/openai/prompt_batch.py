@@ -5,7 +5,9 @@ Each prompt runs as its own engine request; `merged_outputs` turns their outputs
 choice `p * n + i`, `prompt_token_ids` is every prompt's tokens (so usage counts them all) and
 `num_cached_tokens` their sum (`cache_report` each layer's sums). Each merged output holds every
 choice known so far with only the prompt that just advanced carrying new `delta_text`, so a
-choice's text is given out once. Closing
+choice's text is given out once. The prompts' outputs wait in a queue of one slot per prompt: a
+caller that stops reading pauses every prompt's pump, so their outputs merge in each request's own
+queue (`frontend/request/output_queue.py`) instead of piling up here. Closing
 the merged generator (or an error in any prompt) closes every prompt's generator, which aborts
 those still running.
 """
@@ -23,7 +25,7 @@ from mmserve.outputs import RequestOutput
 async def merged_outputs(request_id: str, outputs: list[AsyncGenerator[RequestOutput, None]],
                          n: int) -> AsyncGenerator[RequestOutput, None]:
     latest: list[RequestOutput | None] = [None] * len(outputs)
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(len(outputs))
     pumps = [asyncio.ensure_future(_pump(p, gen, queue)) for p, gen in enumerate(outputs)]
     try:
         running = len(outputs)
@@ -48,12 +50,12 @@ async def _pump(p: int, gen: AsyncGenerator[RequestOutput, None],
                 queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]) -> None:
     try:
         async for out in gen:
-            queue.put_nowait((p, out))
-        queue.put_nowait((p, None))
+            await queue.put((p, out))  # waits while the caller is not reading
+        await queue.put((p, None))
     except asyncio.CancelledError:
         raise
     except BaseException as e:  # the merged generator raises it
-        queue.put_nowait((p, e))
+        await queue.put((p, e))
 
 
 def _merge(request_id: str, latest: list[RequestOutput | None], fresh: int, n: int) -> RequestOutput:

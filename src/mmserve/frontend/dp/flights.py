@@ -7,7 +7,7 @@ Contract.
   lacked an item it got by reference).
 - A flight keeps the whole request while it may still be sent again: until its first output
   reaches a streaming caller, until its last output for a caller that shows only the end
-  (`shown`). Only such a flight can move when its rank dies (`orphans`).
+  (`shown`). Only such a flight can move when its rank dies (`orphans`), and only once (`moves`).
 - `land` ends a flight (finished, failed or aborted) and frees its place on its rank; it also
   counts what the rank served. `abort` tells each rank to stop its requests.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmserve.cache_report import CacheReport
-from mmserve.frontend.dp.dp_router import Router
+from mmserve.frontend.dp.dp_router import Route, Router
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.transport.item_transport import ItemTransport
@@ -34,6 +34,7 @@ class Flight:
     prompt_text: str | None
     stream: bool
     report: CacheReport | None = None  # what the caches did for it (the transport counts its layer)
+    moves: int = 0  # times it was sent again because its rank died (`RankFailover`: at most once)
 
 
 class RequestFlights:
@@ -53,8 +54,21 @@ class RequestFlights:
     def ids(self) -> list[str]:
         return sorted(self._flights)
 
-    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None) -> None:
-        """Route and send `flight.request`; registered at once (undone with `undo`)."""
+    async def pick(self, request: EngineCoreRequest, forced: int | None = None) -> Route | None:
+        """The request's route decided ahead of `send`, awaited where the router is remote (None:
+        decided in `send`). Nothing is registered: a route asked for but never sent is dropped."""
+        route_async = getattr(self.router, "route_async", None)
+        live = self.ranks.live()
+        if route_async is None or not live:
+            return None
+        route: Route = await route_async(request, live, forced)
+        return route
+
+    def send(self, request_id: str, flight: Flight, undo: UndoLog, forced: int | None = None,
+             picked: Route | None = None, wire: EngineCoreRequest | None = None) -> None:
+        """Route (or take `picked`, if its rank still serves) and send `flight.request` (as `wire`,
+        its message made ahead by `ItemTransport.prepare`, unless the rank is on another node);
+        registered at once (undone with `undo`)."""
         request = flight.request
         assert request is not None
         self._flights[request_id] = flight
@@ -62,9 +76,10 @@ class RequestFlights:
         live = self.ranks.live()
         if not live:
             raise EngineDeadError("no engine rank is serving")
-        route = self.router.route(request, live, forced) if self.router is not None else None
+        route = picked if picked is not None and picked.rank in live else \
+            self.router.route(request, live, forced) if self.router is not None else None
         flight.rank = route.rank if route is not None else 0
-        self._put(flight, request, undo, resend=False)
+        self._put(flight, request, undo, resend=False, wire=wire)
         if route is not None and self.router is not None:
             self.router.on_sent(route, request)
 
@@ -72,8 +87,12 @@ class RequestFlights:
         assert flight.request is not None
         self._put(flight, flight.request, undo, resend=True)
 
-    def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool) -> None:
-        message, _ = self.transport.to_wire(request, undo, resend, flight.rank, flight.report)
+    def _put(self, flight: Flight, request: EngineCoreRequest, undo: UndoLog, resend: bool,
+             wire: EngineCoreRequest | None = None) -> None:
+        if wire is not None and flight.rank not in self.transport.remote:
+            message = wire
+        else:
+            message, _ = self.transport.to_wire(request, undo, resend, flight.rank, flight.report)
         self.ranks.client(flight.rank).add_request(message)
 
     def shown(self, result: RequestOutput) -> None:

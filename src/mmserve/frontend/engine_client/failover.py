@@ -2,7 +2,10 @@
 
 The rank is retired (`EngineRanks.mark_dead`); requests that showed their caller nothing yet
 are parked and sent again to a live rank (at once, or once the rank is back when none lives),
-the others fail with `EngineDeadError`; the rank is restarted in the background while
+the others fail with `EngineDeadError`. A request is sent again at most once (`MAX_MOVES`): one
+that was on a second rank that died is the likely cause, and fails with an `EngineRequestError`
+(a 500 naming the deaths) instead of taking down a third, so a poison request cannot spend the
+restarts; the rank is restarted in the background while
 `--engine-restart-limit` allows, its IPC mirror starting a new epoch. P0 is dead (`fail_all`)
 only once no rank serves and none can come back. A new request that finds no rank serving while
 one restarts waits for it (`wait_for_live_rank`, up to `RANK_WAIT_S`) instead of failing.
@@ -14,6 +17,7 @@ import asyncio
 import logging
 from typing import Any, Callable, Coroutine
 
+from mmserve.errors import EngineRequestError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.figures import EngineFigures
@@ -27,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 RANK_WAIT_S = 120.0  # longest a new request waits for a restarting rank (a restart loads the model)
 _RANK_POLL_S = 0.05
+MAX_MOVES = 1  # times a request is sent again after its rank died; past it, it is the suspect
 
 
 Spawn = Callable[[str, Callable[[], Coroutine[Any, Any, None]]], None]
@@ -77,13 +82,25 @@ class RankFailover:
         movable, lost = self.flights.orphans(rank)
         for rid in lost:
             self.requests.fail(rid, EngineDeadError(f"engine rank {rank} died: {message}"))
-        self.parked += [rid for rid in movable if rid in self.requests]
+        self.parked += [rid for rid in movable if rid in self.requests and not self._suspect(rid, rank, message)]
         if self.ranks.can_restart(rank):
             self.spawn(f"restart{rank}", lambda: self._restart(rank))
         elif not self.is_healthy:
             self.requests.fail_all(f"no engine rank can serve; rank {rank}: {message}")
             return
         self._move_parked()
+
+    def _suspect(self, request_id: str, rank: int, message: str) -> bool:
+        """Fail a request that was moved already (a second rank died under it): True if it was."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.moves < MAX_MOVES:
+            return False
+        logger.error("request %s was on %d engine ranks that died; failing it, not sending it again",
+                     request_id, flight.moves + 1)
+        self.requests.fail(request_id, EngineRequestError(
+            f"the engine failed while serving this request: engine rank {rank} died with it ({message}) after "
+            f"it had been moved from {flight.moves} rank(s) that died; it is not sent again"))
+        return True
 
     async def _restart(self, rank: int) -> None:
         while self.ranks.can_restart(rank):
@@ -110,6 +127,7 @@ class RankFailover:
             if flight is None or flight.request is None or rid not in self.requests:
                 continue
             self.output_processor.abort_requests([rid])
+            flight.moves += 1
             if flight.report is not None:
                 flight.report.moved()
             self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)

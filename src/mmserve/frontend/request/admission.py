@@ -3,10 +3,9 @@
 The rule: from the moment P0 starts resolving a request until its message is on the wire to P1,
 every step that changes shared state registers how to take itself back in one `UndoLog`. Any
 exception runs them all in reverse, so nothing of the request stays; after the send nothing is
-undone here: P1 owns the request, and an abort goes through P1. A request resolves in a worker
-thread while others are in flight (the event loop keeps serving them); alone, on the event loop
-(the two thread hand-offs would add to its TTFT, and there is nothing to keep serving),
-unless it has a video (decoding one takes up to seconds: /health must still answer).
+undone here: P1 owns the request, and an abort goes through P1. Every request resolves in a
+worker thread (fetch, decode, the HF processor, tokenizing): the event loop only routes, so
+/health and the other requests' streams never wait behind one request's resolution.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.dp.dp_router import Route
 from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
@@ -50,26 +50,23 @@ class Admission:
         checkpoint) or shm pins and fresh entries, the resend record. A client fault is a
         ValueError (a 4xx), anything else is ours (a 5xx). A cancellation while a worker thread
         resolves (the client left) runs the undo once that thread has ended, since it goes on
-        regardless. A `shadow` request (the cache verifier's) resolves in a worker thread, its items
-        processed again; `return_first_logits` asks P1 for the first token's logits row."""
+        regardless. A `shadow` request (the cache verifier's) has its items processed again;
+        `return_first_logits` asks P1 for the first token's logits row."""
         queue = self.requests.open(request_id)  # reserves the id before anything else is done for it
         undo = UndoLog()
         undo.push(self.requests.close, request_id)
         undo.push(self.input_processor.reject, request_id)
-        resolving: asyncio.Future[EngineCoreRequest] | None = None
+        resolving: asyncio.Future[tuple[EngineCoreRequest, EngineCoreRequest | None]] | None = None
         report = CacheReport()
         try:
-            if resolves_on_loop(prompt, len(self.requests)) and not shadow:
-                request = self.input_processor.process(request_id, prompt, params, False, False, report)
-            else:
-                resolving = asyncio.ensure_future(asyncio.to_thread(
-                    self.input_processor.process, request_id, prompt, params, False, shadow, report))
-                request = await asyncio.shield(resolving)
-            request.return_first_logits = return_first_logits or shadow
+            resolving = asyncio.ensure_future(asyncio.to_thread(
+                self._resolve, request_id, prompt, params, shadow, return_first_logits or shadow, report, undo))
+            request, wire = await asyncio.shield(resolving)
             if rank is None and not self.failover.ranks.live():
                 await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
+            picked = await self.flights.pick(request, rank)  # a remote router's round trip, awaited
             flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
-            self._register(flight, undo, rank)
+            self._register(flight, undo, rank, picked, wire)
         except asyncio.CancelledError:
             if resolving is None:
                 undo.run()
@@ -82,13 +79,23 @@ class Admission:
         self.input_processor.accept(request_id)
         return queue
 
-    def _register(self, flight: Flight, undo: UndoLog, rank: int | None) -> None:
+    def _resolve(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams, shadow: bool,
+                 first_logits: bool, report: CacheReport, undo: UndoLog,
+                 ) -> tuple[EngineCoreRequest, EngineCoreRequest | None]:
+        """In the worker thread: the processed request, and its message through the node's store
+        where that store is another process's (`ItemTransport.prepare`; else None)."""
+        request = self.input_processor.process(request_id, prompt, params, False, shadow, report)
+        request.return_first_logits = first_logits
+        return request, self.flights.transport.prepare(request, undo, report)
+
+    def _register(self, flight: Flight, undo: UndoLog, rank: int | None, picked: Route | None,
+                  wire: EngineCoreRequest | None) -> None:
         """The request's output state, then its route and send; each step registered in `undo`."""
         assert flight.request is not None
         rid = flight.request.request_id
         self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
         undo.push(self.output_processor.abort_requests, [rid])
-        self.flights.send(rid, flight, undo, rank)
+        self.flights.send(rid, flight, undo, rank, picked, wire)
 
     def resend(self, request_id: str, missing: list[str]) -> None:
         """P1 lacked items sent by hash: start a new IPC epoch (both sides empty) and send again."""
@@ -118,11 +125,3 @@ def _undo_after(resolving: asyncio.Future[Any], undo: UndoLog) -> None:
         resolving.exception()  # retrieved, so asyncio does not log it
     undo.run()
 
-
-def resolves_on_loop(prompt: str | dict[str, Any], in_flight: int) -> bool:
-    """Whether a request is processed on the event loop.
-
-    Whether a request resolves on the event loop: alone (`in_flight` counts it; no stream to
-    keep serving) and without a video (decoding one takes up to seconds)."""
-    mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-    return in_flight == 1 and not (isinstance(mm, dict) and "video" in mm)
