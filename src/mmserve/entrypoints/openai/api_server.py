@@ -80,26 +80,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
-    text = OpenAIServingCompletion(engine, served_model_names, metrics)
     responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
-
-    @v1.post("/chat/completions")
-    async def chat_completions(raw_request: Request) -> Response:
-        return await cancel_on_disconnect(chat.create_chat_completion(raw_request), raw_request)
-
-    @v1.post("/completions")
-    async def completions(raw_request: Request) -> Response:
-        return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
-
-    @v1.post("/responses")
-    async def create_response(raw_request: Request) -> Response:
-        return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
-
-    @v1.get("/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.model_dir, max_model_len=engine.max_model_len)
-                               for name in served_model_names])
+    v1 = _v1_routes(engine, served_model_names, chat, OpenAIServingCompletion(engine, served_model_names, metrics),
+                    responses, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -121,6 +104,32 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     app.include_router(v1)
     return app
+
+
+def _v1_routes(engine: AsyncLLM, served_model_names: list[str], chat: OpenAIServingChat,
+               text: OpenAIServingCompletion, responses: OpenAIServingResponses,
+               api_key: str | None) -> APIRouter:
+    """The OpenAI routes under /v1, behind the API key when one is set."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(chat.create_chat_completion(raw_request), raw_request)
+
+    @v1.post("/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
+
+    @v1.post("/responses")
+    async def create_response(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=engine.model_dir, max_model_len=engine.max_model_len)
+                               for name in served_model_names])
+
+    return v1
 
 
 def _api_key_check(api_key: str | None) -> Any:
