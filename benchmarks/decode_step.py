@@ -7,35 +7,45 @@ core (scheduler, runner, sampler: the whole step). For each batch (1, 8, 32) and
 random values written beforehand: the step reads real memory, and no minutes go to prefill), then
 greedy decode steps are timed one by one.
 
+Before each configuration the pool's free blocks are shuffled (a cache after hours of traffic:
+no request's blocks lie side by side), so decode attention cannot lean on contiguous blocks.
+
 Per configuration it prints the median step time, the bytes a step must read (the text decoder's
-weights and LM head, and every request's cached K/V), the bound: those bytes at the bandwidth a
-large copy achieves in the same run (read + write bytes per second, measured before each
-configuration), the ratio step / bound, and each phase's mean share of a step: scheduling
-(`Scheduler.schedule`), inputs (the runner's step inputs and attention metadata), model (the
-forward and LM head, attention excluded), attention (`attend` of every layer, cache write
-included), sampling (the sampler), output (`Scheduler.update_from_output`), other (the rest).
-Target: step / bound <= 1.5 at batch 8 and 32.
+weights and LM head, and every request's cached K/V), and the roofline bound of a step: the
+larger of its bytes at the bandwidth a large copy achieves in the same run (read + write bytes
+per second) and its floating-point work (2 per weight per token, 4 per cached key and query
+head) at the rate a large matmul achieves in the same run, both measured before each
+configuration. Then the ratio step / bound, which of the two bounds, and each phase's mean share
+of a step: scheduling (`Scheduler.schedule`), inputs (the runner's step inputs and attention
+metadata), model (the forward and LM head, attention excluded), attention (`attend` of every
+layer, cache write included), sampling (the sampler), output (`Scheduler.update_from_output`),
+other (the rest). Target: step / bound <= 1.5 at batch 8 and 32. `--compare-attention` measures
+each configuration twice in turns: decode attention by our C kernel (`cpu_kernels.py`) and by
+PyTorch's kernels over padded copies (the path without a C compiler), with the ratio of the two.
 
 Run: `python benchmarks/decode_step.py [--quick] [--steps N] [--batches 1,8,32] [--contexts 512,4096]
-[--text-config '{"hidden_size": 2048}'] [--model-dir DIR]`. The full grid needs ~7 GiB for the KV
+[--text-config '{"hidden_size": 2048}'] [--model-dir DIR] [--compare-attention]`. The full grid needs ~7 GiB for the KV
 cache of 32 x 4,096 tokens; `--quick` is batches 1 and 8 at contexts 128 and 512.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, as the engine's processes have it)
 import torch
+
+from mmserve.models.attention import cpu_kernels, torch_sdpa
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
             intermediate_size=3072, max_position_embeddings=8192)
@@ -75,6 +85,18 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
         dst.copy_(src)
         took.append(time.perf_counter() - t)
     return 2 * src.numel() * 4 / statistics.median(took)
+
+
+def matmul_rate(size: int = 2048, repeats: int = 5) -> float:
+    """Floating-point operations per second of a large float32 matmul on every thread, median of `repeats`."""
+    a, b = torch.rand(size, size), torch.rand(size, size)
+    a @ b
+    took = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        took.append(time.perf_counter() - t)
+    return 2 * size**3 / statistics.median(took)
 
 
 def write_model(text_config: dict[str, Any], model_dir: str | None) -> str:
@@ -137,6 +159,18 @@ class Bench:
         return sum(p.numel() * p.element_size() for name, p in self.runner.model.named_parameters()
                    if "visual" not in name and "embed_tokens" not in name)
 
+    def scatter_free_blocks(self, seed: int) -> None:
+        """Shuffle the pool's free queue: the next requests' blocks lie anywhere in the cache."""
+        queue = self.core.scheduler.kv_cache.pool.free_queue
+        blocks = [queue.popleft() for _ in range(len(queue))]
+        for i in torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed)).tolist():
+            queue.append(blocks[i])
+
+    def attention_flops_per_key(self) -> int:
+        """Multiply-adds of one query token over one cached key, every layer (scores and values)."""
+        text = self.runner.model.config.text
+        return 4 * text.num_attention_heads * text.head_dim * text.num_hidden_layers
+
     def kv_bytes_per_token(self) -> int:
         k, _ = self.runner.kv_caches[0]
         return 2 * len(self.runner.kv_caches) * k[0, 0].numel() * k.element_size()
@@ -146,6 +180,7 @@ class Bench:
         from mmserve.ipc.messages import EngineCoreRequest
         from mmserve.sampling_params import SamplingParams
 
+        self.scatter_free_blocks(batch * 7 + context)
         params = SamplingParams(temperature=0.0, max_tokens=self.max_model_len - context - 1, ignore_eos=True)
         g = torch.Generator().manual_seed(batch * 100003 + context)
         vocab = self.runner.model.config.text.vocab_size
@@ -186,6 +221,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8 at contexts 128 and 512, 6 steps")
     parser.add_argument("--text-config", default="{}", help="JSON overriding the text model's config")
     parser.add_argument("--model-dir", help="write the checkpoint here (reused when it exists)")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="also measure decode attention over padded copies (no C kernel), in turns")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.contexts, args.steps = "1,8", "128,512", 6
@@ -195,25 +232,49 @@ def main() -> None:
     bench = Bench(model_dir, max(batches), max(contexts), args.steps)
     weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weights read per step "
-          f"{weights / 1e6:.0f} MB, K/V {per_token / 1024:.0f} KiB per cached token")
-    print(f"{'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s copy':>9} {'bound ms':>8} {'ratio':>6}"
-          f" {'tok/s':>7}  " + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
-    worst = 0.0
+          f"{weights / 1e6:.0f} MB, K/V {per_token / 1024:.0f} KiB per cached token; C decode kernel: "
+          f"{'built' if cpu_kernels.load() is not None else 'unavailable'}")
+    paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
+    print(f"{'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s':>5} {'GFLOP/s':>7} "
+          f"{'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  " + " ".join(f"{p:>10}" for p in PHASES)
+          + "  (phase ms per step)")
+    worst: dict[str, float] = {}
     for batch in batches:
         for context in contexts:
-            bandwidth = copy_bandwidth()
-            took, phases = bench.run(batch, context, args.steps)
-            step = statistics.median(took)
-            read = weights + per_token * batch * (context + 2 + args.steps // 2)
-            bound = read / bandwidth
-            ratio = step / bound
-            if batch >= 8:
-                worst = max(worst, ratio)
-            print(f"{batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:9.1f} "
-                  f"{bound * 1e3:8.1f} {ratio:6.2f} {batch / step:7.1f}  "
-                  + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
-    if worst:
-        print(f"worst step / bound ratio at batch >= 8: {worst:.2f} (target <= 1.5)")
+            steps: dict[str, float] = {}
+            for path in paths:
+                bandwidth, rate = copy_bandwidth(), matmul_rate()
+                with attention_path(path):
+                    took, phases = bench.run(batch, context, args.steps)
+                steps[path] = step = statistics.median(took)
+                keys = batch * (context + 2 + args.steps // 2)
+                read = weights + per_token * keys
+                flops = 2 * weights // 4 * batch + bench.attention_flops_per_key() * keys
+                bound, of = max((read / bandwidth, "mem"), (flops / rate, "flop"))
+                if batch >= 8:
+                    worst[path] = max(worst.get(path, 0.0), step / bound)
+                print(f"{path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:5.1f} "
+                      f"{rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} {batch / step:7.1f}  "
+                      + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
+            if len(steps) == 2:
+                ratio = steps["kernel"] / steps["padded"]
+                print(f"{'':>6} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
+    for path, ratio in worst.items():
+        print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
+
+
+@contextlib.contextmanager
+def attention_path(path: str) -> Iterator[None]:
+    """Decode attention by the C kernel ("kernel") or over padded copies ("padded") meanwhile."""
+    if path == "kernel":
+        yield
+        return
+    real = torch_sdpa.kernel_splits
+    torch_sdpa.kernel_splits = lambda requests, blocks: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch_sdpa.kernel_splits = real
 
 
 if __name__ == "__main__":

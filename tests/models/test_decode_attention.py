@@ -1,18 +1,20 @@
-"""Decode attention reading K/V where they lie (`models/attention/cpu_decode.py`) against attention
-written out by hand: block tables made of long runs (read in place, one or several per request),
-short runs and scattered blocks (gathered), contexts ending inside a block or on its edge."""
+"""Decode attention by our C kernel (`models/attention/cpu_kernels.py`, `csrc/paged_decode.c`)
+against attention written out by hand: block tables of scattered blocks, contexts ending inside a
+block or on its edge, grouped query heads, contexts split across threads; and the loader (built
+once per machine into its cache folder, off by `MMSERVE_CPU_KERNELS=0`)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from mmserve.models.attention.cpu_decode import MIN_RUN_BLOCKS, DecodePlan, RunSplits, decode_attention
-from mmserve.models.attention.torch_sdpa import AttentionMetadata, paged_attention
+from mmserve.models.attention import cpu_kernels
+from mmserve.models.attention.torch_sdpa import AttentionMetadata, kernel_splits, paged_attention
 
-BLOCK = 4
+needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -24,80 +26,80 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torc
     return (scores.softmax(-1)[:, None, :] @ v)[:, 0]
 
 
-def tables_of(shapes: list[list[int]], num_blocks: int, g: torch.Generator) -> list[list[int]]:
-    """Each request's table: runs of the given lengths of consecutive ids, placed apart at random."""
-    free = torch.randperm(num_blocks // 16, generator=g).tolist()  # 16-block slots, one run each
-    tables = []
-    for runs in shapes:
-        table = []
-        for length in runs:
-            slot = free.pop()
-            table += list(range(slot * 16, slot * 16 + length))
-        tables.append(table)
-    return tables
+def scattered_tables(seq_lens: list[int], block: int, num_blocks: int, g: torch.Generator) -> list[list[int]]:
+    """Each request's table: distinct blocks in random order (a cache after hours of traffic)."""
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    return [[free.pop() for _ in range(-(-n // block))] for n in seq_lens]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (4, 4), (6, 1)])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_decodes_over_runs_and_scattered_blocks_equal_attention_written_out(heads, kv_heads, dtype, tol):
-    g = torch.Generator().manual_seed(heads + kv_heads)
-    Dh, long = 16, MIN_RUN_BLOCKS
-    # per request: run lengths in blocks, and how many slots of its last block hold keys
-    shapes = [([1], 1), ([long], 3), ([long, 1, 1], 4), ([long + 3, 2, long, 1], 2), ([2, 1], 1),
-              ([long * 2], 4), ([1, long], 1), ([3, long + 1, 1], 3)]
-    num_blocks = 16 * 32
-    tables = tables_of([runs for runs, _ in shapes], num_blocks, g)
-    seq_lens = [(len(t) - 1) * BLOCK + fill for t, (_, fill) in zip(tables, shapes)]
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, Dh, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, Dh, generator=g).to(dtype)
-    q = torch.randn(len(shapes) + 2, heads, Dh, generator=g).to(dtype)  # two rows that do not decode
-    rows = [i + 1 for i in range(len(shapes))]
-    plan = DecodePlan.build(rows, seq_lens, [t + [0] * 3 for t in tables], BLOCK)  # tables may run past the keys
-    assert len(plan.rounds) == 2  # one request has two long runs
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(8, 4, 16, 4), (4, 4, 32, 16), (6, 1, 24, 8),
+                                                           (16, 2, 128, 16), (2, 2, 80, 32)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, block, splits):
+    g = torch.Generator().manual_seed(heads * 31 + head_dim + block)
+    seq_lens = [1, block, block + 1, 7 * block, 40 * block - 3, 3]  # in the first block, on edges, past them
+    num_blocks = sum(-(-n // block) for n in seq_lens) + 5
+    tables = scattered_tables(seq_lens, block, num_blocks, g)
+    width = max(len(t) for t in tables) + 2  # tables padded past their keys
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(seq_lens) + 2, heads, head_dim, generator=g)  # two rows that do not decode
+    rows = torch.tensor([i + 1 for i in range(len(seq_lens))])
+    out = torch.full_like(q, float("nan"))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
-    out = decode_attention(q, k_cache, v_cache, plan, 1 / math.sqrt(Dh))
+    assert cpu_kernels.paged_decode(q, k_cache, v_cache, padded, torch.tensor(seq_lens), rows, out,
+                                    1 / math.sqrt(head_dim), splits)
 
     for b, (table, n) in enumerate(zip(tables, seq_lens)):
-        keys = k_cache[table].reshape(-1, kv_heads, Dh)[:n]
-        values = v_cache[table].reshape(-1, kv_heads, Dh)[:n]
-        torch.testing.assert_close(out[b].double(), reference(q[rows[b]], keys, values), atol=tol, rtol=tol)
+        keys = k_cache[table].reshape(-1, kv_heads, head_dim)[:n]
+        values = v_cache[table].reshape(-1, kv_heads, head_dim)[:n]
+        torch.testing.assert_close(out[rows[b]].double(), reference(q[rows[b]], keys, values), atol=1e-5, rtol=1e-5)
+    assert out[0].isnan().all() and out[-1].isnan().all()  # rows that do not decode are left alone
 
 
-def test_a_decode_step_in_place_equals_the_padded_one():
-    """`paged_attention` through the plan (CPU) and through the padded copies (other devices)."""
+@needs_kernel
+def test_a_step_by_the_kernel_equals_the_padded_one_and_bfloat16_takes_the_padded_path():
+    """`paged_attention` with decodes and prefill chunks in one step: the kernel (CPU) and the
+    padded copies (other devices) agree; a cache the kernel does not take falls back."""
     g = torch.Generator().manual_seed(1)
-    tables = tables_of([[MIN_RUN_BLOCKS + 2, 1], [1, 1, 1], [MIN_RUN_BLOCKS * 3]], 16 * 8, g)
-    seq_lens = [len(t) * BLOCK - 1 for t in tables]
-    k_cache, v_cache = torch.randn(16 * 8, BLOCK, 2, 8, generator=g), torch.randn(16 * 8, BLOCK, 2, 8, generator=g)
-    q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
-    outs = []
-    for in_place in (True, False):
-        meta = AttentionMetadata.build([1, 1, 1], seq_lens, tables, BLOCK, in_place)
-        assert (meta.decode_plan is not None) == in_place
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 8**-0.5))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    block, seq_lens, query_lens = 4, [13, 9, 30, 5], [1, 3, 1, 1]
+    tables = scattered_tables(seq_lens, block, 40, g)
+    T = sum(query_lens)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        k_cache, v_cache = (torch.randn(40, block, 2, 8, generator=g).to(dtype) for _ in range(2))
+        q, k, v = (torch.randn(T, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
+        outs = []
+        for in_place in (True, False):
+            meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, in_place)
+            assert (meta.kernel_splits > 0) == in_place
+            outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 8**-0.5))
+        torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
-def test_run_splits_kept_between_steps_equal_splits_made_afresh():
-    """Tables growing a block at a time (a run continued, a run started, a long run closed), one
-    table dropped for a step and one replaced by a new list: the kept splits equal fresh ones."""
-    g = torch.Generator().manual_seed(2)
-    kept = RunSplits()
-    tables = [[], list(range(40, 40 + MIN_RUN_BLOCKS - 1)), [7]]
-    for step in range(30):
-        for table in tables:
-            choice = int(torch.randint(0, 3, (1,), generator=g))
-            if choice == 0 and table:  # continue the last run
-                table.append(table[-1] + 1)
-            elif choice == 1:  # a block from elsewhere
-                table.append(int(torch.randint(100, 10_000, (1,), generator=g)))
-        if step == 10:
-            tables[2] = list(tables[2])  # the same ids in a new list (a resumed request's)
-        present = tables if step % 7 else tables[:2]
-        counts = [max(len(t) - 1, 0) for t in present]
-        assert kept.split(present, counts) == RunSplits().split(present, counts)
-        for table, n in zip(present, counts):
-            long, short = RunSplits().split([table], [n])[0]
-            assert sorted(short + [b for first, length in long for b in range(first, first + length)]) \
-                == sorted(table[:n])
-            assert all(length >= MIN_RUN_BLOCKS for _, length in long)
+def test_splits_give_every_thread_work_and_keep_parts_of_four_blocks():
+    threads = torch.get_num_threads()
+    assert kernel_splits(2 * threads, 1000) == 1
+    assert kernel_splits(1, 1000) == 2 * threads
+    assert kernel_splits(1, 5) == 1
+
+
+def test_the_library_is_built_once_into_its_cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
+    built = cpu_kernels._build()
+    assert built.parent == tmp_path and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert cpu_kernels._build() == built and built.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no scratch left behind
+
+
+def test_without_a_compiler_or_when_turned_off_there_is_no_library(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MMSERVE_CPU_KERNELS", "0")
+    assert not cpu_kernels.enabled()
+    monkeypatch.setenv("MMSERVE_CPU_KERNELS", "1")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(OSError, match="no C compiler"):
+        cpu_kernels._build()

@@ -70,8 +70,13 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
     if name == "auto":
         name = "triton" if device.type == "cuda" and missing_package("triton") is None else "torch"
-    if name == "torch":  # decodes read K/V in place with the CPU's flash kernel, padded copies elsewhere
-        return TORCH if device.type == "cpu" else TorchBackend(in_place=False)
+    if name == "torch":  # decodes read K/V in place by our C kernel on the CPU, padded copies elsewhere
+        if device.type != "cpu":
+            return TorchBackend(in_place=False)
+        from mmserve.models.attention import cpu_kernels
+
+        cpu_kernels.load()  # built (once per machine) at start, not in a request's first step
+        return TORCH
     missing = missing_package(name)
     if missing is not None:
         raise ValueError(f"--attention-backend {name} needs the {missing!r} package, which is not installed")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mmserve.models.attention.cpu_decode import DecodePlan, RunSplits, decode_attention
+from mmserve.models.attention import cpu_kernels
 
 
 @dataclass
@@ -35,13 +35,13 @@ class PrefillSpan:
 class AttentionMetadata:
     """Where one step's tokens read and write K/V.
 
-    Tokens are laid out request after request. Decoding requests (one query each) attend on the
-    CPU by `decode_plan` (`cpu_decode.py`: K/V read where they lie); elsewhere (or in the decode
-    graphs' metadata) together, padded to the longest context (`decode_mask` marks real keys). Each prefill chunk
-    attends on its own: a chunk that starts the request needs only its own K/V (causal); a later
-    chunk also reads its earlier tokens from the cache: a small one after a short context under
-    a causal mask built here once for every layer (`masked_prefill_attention`), any other in two
-    parts (`prefill_attention`).
+    Tokens are laid out request after request. Decoding requests (one query each) attend together:
+    on the CPU by our C kernel, which reads K/V where they lie through the block tables
+    (`cpu_kernels.py`, `in_kernel`); elsewhere, or without a C compiler, over padded copies of
+    their blocks (`decode_mask` marks real keys). Each prefill chunk attends on its own: a chunk
+    that starts the request needs only its own K/V (causal); a later chunk also reads its earlier
+    tokens from the cache: a small one after a short context under a causal mask built here once
+    for every layer (`masked_prefill_attention`), any other in two parts (`prefill_attention`).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * S + offset) of each token
@@ -49,24 +49,19 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * S] bool: True on the request's context
     prefills: list[PrefillSpan]
-    decode_plan: DecodePlan | None = None  # the decodes' in-place plan (then the three fields above are empty)
+    decode_lens: torch.Tensor | None = None  # [Bd] int64: each decoding request's keys (the kernel's)
+    kernel_splits: int = 0  # the C kernel's parts per context; 0: the padded path
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, in_place: bool = True, splits: RunSplits | None = None) -> AttentionMetadata:
+              block_size: int, in_place: bool = True) -> AttentionMetadata:
         """`query_lens[b]` new tokens of request b end its `seq_lens[b]` tokens of context; with
-        `in_place` (the CPU's flash kernel) decodes read K/V where they lie (`DecodePlan`, their
-        tables' run splits kept in `splits` between steps). Only prefill chunks make tensors of
-        their tables; a decode's slot is one lookup."""
+        `in_place` (on the CPU) decodes read K/V where they lie by the C kernel when it is built.
+        Only prefill chunks make tensors of their tables; a decode's slot is one lookup."""
         ends = list(itertools.accumulate(query_lens))
         tables = {b: torch.tensor(block_tables[b], dtype=torch.int64) for b, q in enumerate(query_lens) if q > 1}
         slots = _slot_mapping(query_lens, seq_lens, block_tables, tables, block_size)
         decode = [b for b, q in enumerate(query_lens) if q == 1]
-        plan = None
-        if in_place and decode:
-            plan = DecodePlan.build([ends[b] - 1 for b in decode], [seq_lens[b] for b in decode],
-                                    [block_tables[b] for b in decode], block_size, splits)
-            decode = []
         width = max((len(block_tables[b]) for b in decode), default=0)
         d_index = torch.tensor([ends[b] - 1 for b in decode], dtype=torch.int64)
         d_tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in decode],
@@ -76,12 +71,24 @@ class AttentionMetadata:
         prefills = [PrefillSpan(ends[b] - query_lens[b], ends[b], seq_lens[b] - query_lens[b], table,
                                 _small_chunk_mask(seq_lens[b] - query_lens[b], query_lens[b]))
                     for b, table in tables.items()]
-        return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills, plan)
+        splits = 0
+        if in_place and decode and cpu_kernels.load() is not None:
+            splits = kernel_splits(len(decode), -(-max(seq_lens[b] for b in decode) // block_size))
+        return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills, d_lens, splits)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """This step's `paged_attention` (the models' one call, whatever the backend)."""
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+
+
+def kernel_splits(requests: int, blocks: int) -> int:
+    """Parts per context for the C decode kernel: enough work items for two per thread (a single
+    request's context is split across the threads), at least four blocks a part."""
+    threads = torch.get_num_threads()
+    if requests >= 2 * threads:
+        return 1
+    return max(1, min(-(-2 * threads // requests), blocks // 4))
 
 
 # below both, one masked attention over all keys costs less than two and a merge (measured on CPU:
@@ -127,9 +134,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != Hkv
     out = torch.empty_like(q)
-    if meta.decode_plan is not None:
-        out[meta.decode_plan.rows] = decode_attention(q, k_cache, v_cache, meta.decode_plan, scale)
-    if meta.decode_index.numel():
+    decoded = meta.kernel_splits > 0 and meta.decode_lens is not None and cpu_kernels.paged_decode(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.decode_index, out, scale,
+        meta.kernel_splits)
+    if meta.decode_index.numel() and not decoded:  # padded copies of each request's blocks
         Bd = meta.decode_index.shape[0]
         rows = meta.decode_block_tables.reshape(-1)
         keys = k_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2)  # [Bd, Hkv, L, Dh]
@@ -240,20 +248,19 @@ class Segments:
 
 
 class TorchBackend:
-    """PyTorch's SDPA (`models/attention/backend.py`'s interface). CPU-bound for now: its step
-    metadata is built on the CPU and `prefill_attention` calls the CPU flash kernel. `in_place`:
-    decodes read K/V where they lie (the CPU's flash kernel; off on other devices)."""
+    """PyTorch's SDPA (`models/attention/backend.py`'s interface), with our C decode kernel on the
+    CPU. CPU-bound for now: its step metadata is built on the CPU and `prefill_attention` calls the
+    CPU flash kernel. `in_place`: decodes read K/V where they lie (the CPU's C kernel; off on other
+    devices)."""
 
     name = "torch"
 
     def __init__(self, in_place: bool = True) -> None:
         self.in_place = in_place
-        self.splits = RunSplits()  # the decoding requests' block runs, kept between steps
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, self.in_place,
-                                       self.splits)
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, self.in_place)
 
     def segments(self, cu: list[int], device: torch.device) -> Segments:
         return Segments.from_cu(cu, device)
