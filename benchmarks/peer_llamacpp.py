@@ -8,6 +8,9 @@ decode to, llama-server as ids), so the tokenizers need not agree. First, greedy
 compared token for token; then, with requests taking turns between the servers (which goes first
 alternating), medians of `--runs`:
 - decode, one sequence: ms per output token after the first (a cached prompt, 65 tokens out);
+- an exact repeat of a 485-token prompt, and a new question (24 tokens) after a cached 485-token
+  prefix (a short prefill after a cache hit; the prefix ends inside a block): time to the first
+  token (a one-token request);
 - 32 distinct prompts of ~480 tokens at concurrency 8, 32 tokens each: cold (first time), then
   again (every prompt cached: decode-bound), in requests and output tokens per second.
 Ratios are mmserve / llama-server time (below 1: mmserve ahead). The image rows of issue 42 need
@@ -79,10 +82,11 @@ class Peers:
         self.tokenizer = tokenizer
 
     def complete(self, which: str, ids: list[int], max_tokens: int) -> str:
-        """The completion's text (llama-server's tokens decoded by the checkpoint's tokenizer)."""
+        """The completion's text, special tokens included (llama-server's tokens decoded by the
+        checkpoint's tokenizer)."""
         if which == "mmserve":
             body = {"prompt": self.tokenizer.decode(ids), "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True}
+                    "temperature": 0.0, "ignore_eos": True, "skip_special_tokens": False}
             return post(self.urls["mmserve"] + "/v1/completions", body)["choices"][0]["text"]
         body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
                 "cache_prompt": True, "return_tokens": True}
@@ -95,14 +99,24 @@ class Peers:
         return time.perf_counter() - start
 
 
-def prompt_ids(tokenizer: Any, n: int, length: int) -> list[list[int]]:
-    """`n` distinct prompts of about `length` tokens that decode and encode back to themselves."""
+def prompt_ids(tokenizer: Any, n: int, length: int, first: int = 0) -> list[list[int]]:
+    """Prompts `first` .. `first + n - 1` (distinct), of `length` tokens each."""
     words = "the quick brown fox jumps over a lazy dog while seven bright stars glow".split()
     prompts = []
-    for i in range(n):
-        text = f"request {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(length))
+    for i in range(first, first + n):
+        text = f"request {i}: " + " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(length))
         prompts.append(tokenizer(text)["input_ids"][:length])
     return prompts
+
+
+def new_question(peers: Peers, which: str, run: int) -> float:
+    """Seconds to the first token of a cached prompt's prefix (485 tokens: it ends inside a block)
+    followed by a new question (24 tokens), once the prefix with another question was served."""
+    tokenizer = peers.tokenizer
+    prefix = prompt_ids(tokenizer, 1, 485, first=1000 + run)[0]
+    first, second = prompt_ids(tokenizer, 2, 24, first=2000 + 2 * run)
+    peers.complete(which, prefix + first, 1)
+    return peers.timed(which, [prefix + second], 1, 1)
 
 
 def turns(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
@@ -112,6 +126,12 @@ def turns(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
         for which in (("mmserve", "llama") if i % 2 == 0 else ("llama", "mmserve")):
             took[which].append(measure(which))
     return {which: statistics.median(t) for which, t in took.items()}
+
+
+def turns_indexed(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
+    """`turns` of `measure(peers, which, run)`: each run's requests its own."""
+    counter = iter(range(2 * runs))
+    return turns(peers, runs, lambda which: measure(peers, which, next(counter)))
 
 
 def main() -> None:
@@ -141,6 +161,15 @@ def main() -> None:
         decode = turns(peers, args.runs, lambda w: (peers.timed(w, [one], 65, 1) - peers.timed(w, [one], 1, 1)) / 64)
         print(f"decode, one sequence: mmserve {decode['mmserve'] * 1e3:.1f} ms/token, llama-server "
               f"{decode['llama'] * 1e3:.1f} ms/token, ratio {decode['mmserve'] / decode['llama']:.2f}")
+        repeat = prompt_ids(tokenizer, 1, 485, first=900)[0]
+        for which in ("mmserve", "llama"):
+            peers.complete(which, repeat, 1)
+        rows = {"exact repeat of a 485-token prompt, TTFT":
+                turns(peers, args.runs, lambda w: peers.timed(w, [repeat], 1, 1)),
+                "a new question after a cached 485-token prefix, TTFT": turns_indexed(peers, args.runs, new_question)}
+        for label, t in rows.items():
+            print(f"{label}: mmserve {t['mmserve'] * 1e3:.1f} ms, llama-server {t['llama'] * 1e3:.1f} ms, "
+                  f"ratio {t['mmserve'] / t['llama']:.2f}")
         prompts = prompt_ids(tokenizer, 32, 480)
         cold = {w: peers.timed(w, prompts, 32, 8) for w in ("mmserve", "llama")}
         warm = turns(peers, args.runs, lambda w: peers.timed(w, prompts, 32, 8))

@@ -16,13 +16,15 @@ from mmserve.models.hf_config import TextConfig
 from mmserve.models.attention.backend import StepAttention
 from mmserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, default_scale
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                     VocabParallelEmbedding, kv_head_shard)
+                                     VocabParallelEmbedding, kv_head_shard, project)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 
 
 class LlamaAttention(nn.Module):
     """`num_heads` / `num_kv_heads` are this rank's (all of them when tp.size == 1)."""
+
+    fused_projections = (("q_proj", "k_proj", "v_proj"),)  # one matrix once packed (`pack_linears`)
 
     def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -40,15 +42,18 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
 
 
 class LlamaMLP(nn.Module):
+    fused_projections = (("gate_proj", "up_proj"),)  # one matrix once packed (`pack_linears`)
+
     def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         D, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
@@ -58,7 +63,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, I / N] (this rank's share) -> [T, D] (all-reduced)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -111,25 +111,68 @@ def pack_linears(model: nn.Module) -> int:
     """Each float32 CPU weight of the column- and row-parallel layers (the decoder's projections
     and MLPs, projectors) replaced by oneDNN's packed copy of it, which `linear` multiplies by:
     `F.linear` (MKL's sgemm) is several times slower on a decode step's skinny matmuls, and slower
-    on prefill's too, where it was measured (`benchmarks/decode_step.py`). The dense weight is
-    freed; the loader must have loaded it first. Returns the number of layers packed."""
+    on prefill's too, where it was measured (`benchmarks/decode_step.py`). First, the sibling
+    projections a module names in `fused_projections` (Q/K/V, gate/up: one input each) become one
+    matrix (`project`): one call instead of several, each with its own threads' start and end.
+    The dense weights are freed; the loader must have loaded them first. Returns the number of
+    matrices packed."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            weight = module.weight
-            if weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_mkldnn:
-                module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-                                             requires_grad=False)
+    for module in list(model.modules()):
+        for names in getattr(module, "fused_projections", ()):
+            layers = [getattr(module, name) for name in names]
+            if all(isinstance(layer, ColumnParallelLinear) and _packable(layer.weight) for layer in layers):
+                _fuse(layers)
                 packed += 1
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and _packable(module.weight):
+            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None),
+                                         requires_grad=False)
+            packed += 1
     return packed
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_mkldnn and weight.numel() > 0
+
+
+def _fuse(layers: list[ColumnParallelLinear]) -> None:
+    """The layers' weights stacked by rows and packed, as the first layer's `fused_weight` (and
+    `fused_bias`, a missing bias as zeros; `fused_sizes`: each layer's outputs); their own freed."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([layer.bias.detach() if layer.bias is not None else torch.zeros(layer.weight.shape[0])
+                          for layer in layers])
+    sizes = [int(layer.weight.shape[0]) for layer in layers]
+    for layer in layers:
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.bias = None
+    first = layers[0]
+    first.fused_weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, None), requires_grad=False)
+    first.fused_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    first.fused_sizes = sizes
+
+
+def project(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+    """Each of `layers`' outputs for the same input `x`: one matmul when `pack_linears` fused
+    them (views of its output's columns), else one call each."""
+    first = layers[0]
+    if first.fused_sizes is None:
+        return tuple(layer(x) for layer in layers)
+    return linear(x, first.fused_weight, first.fused_bias).split(first.fused_sizes, dim=-1)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split: x [.., in] -> [.., out / size].
 
     `rows` overrides the even split with (start, length), e.g. a replicated KV head."""
+
+    # the first of sibling layers that `pack_linears` fused holds their matrix (`project`)
+    fused_weight: torch.Tensor
+    fused_bias: torch.Tensor | None
+    fused_sizes: list[int] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  rows: tuple[int, int] | None = None, what: str = "out_features") -> None:

@@ -23,7 +23,7 @@ from mmserve.models.layers import RMSNorm, apply_rotary, default_scale
 from mmserve.models.llama import LlamaMLP
 from mmserve.models.mrope import MRotaryEmbedding
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                     VocabParallelEmbedding, kv_head_shard)
+                                     VocabParallelEmbedding, kv_head_shard, project)
 from mmserve.models.qwen_config import QwenTextConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
@@ -32,6 +32,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [N, S, Hkv, Dh]
 
 class QwenAttention(nn.Module):
     """`num_heads` / `num_kv_heads` are this rank's (all of them when tp.size == 1)."""
+
+    fused_projections = (("q_proj", "k_proj", "v_proj"),)  # one matrix once packed (`pack_linears`)
 
     def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -50,9 +52,10 @@ class QwenAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: StepAttention) -> torch.Tensor:
         T = x.shape[0]  # heads below are this rank's: H / N and its Hkv
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
