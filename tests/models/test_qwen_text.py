@@ -19,6 +19,7 @@ import torch
 
 from mmserve.models.attention.torch_sdpa import AttentionMetadata
 from mmserve.models.mrope import mrope_positions
+from mmserve.models.parallel import ColumnParallelLinear, pack_linears
 from mmserve.models.qwen_config import QwenTextConfig
 from mmserve.models.qwen_text import QwenTextModel
 
@@ -199,3 +200,29 @@ def test_tensor_parallel_2_equals_transformers(tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     for got, ref in zip(torch.load(path + ".out"), refs):
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("variant", ["qwen2_5", "qwen3-bias"])
+def test_packed_and_fused_layers_equal_the_plain_ones(variant):
+    """`pack_linears`: oneDNN-packed weights, Q/K/V and gate/up fused into one matrix each, give
+    the plain layers' hidden states (prefill chunks and decode steps, with and without biases)."""
+    hf, cfg = build_pair(variant)
+    model = ours_from(hf, cfg)
+    embeds, positions, _, _ = sequence(SHAPE["hidden_size"], deepstack=False)
+    chunks = [17, 20, 1, 1, 1]
+    plain = run_paged(model, embeds, positions, None, chunks)
+
+    packed = pack_linears(model)  # the runner's on a float32 CPU model
+
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.q_proj.fused_sizes == [cfg.num_attention_heads * 16, cfg.num_key_value_heads * 16,
+                                       cfg.num_key_value_heads * 16]
+    assert mlp.gate_proj.fused_sizes == [cfg.intermediate_size] * 2
+    assert attn.k_proj.weight.numel() == 0 and mlp.up_proj.weight.numel() == 0  # freed, not kept twice
+    assert (attn.q_proj.fused_bias is not None) == cfg.qkv_bias
+    # per layer: Q/K/V and gate/up fused (2), then o_proj and down_proj packed (2)
+    assert packed == 4 * cfg.num_hidden_layers
+    assert sum(isinstance(m, ColumnParallelLinear) and m.fused_sizes is not None for m in model.modules()) \
+        == 2 * cfg.num_hidden_layers
+    torch.testing.assert_close(run_paged(model, embeds, positions, None, chunks), plain, atol=1e-5, rtol=1e-5)
