@@ -14,19 +14,13 @@ from mmserve.engine.request import Request
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import SamplingParams
-from helpers.scheduler_sim import BS, IMG, fake_step, make_request, make_scheduler, run
+from helpers.scheduler_sim import BS, admit, IMG, fake_step, make_request, make_scheduler, run
 
 PROMPT = list(range(100, 119))  # 19 tokens: 4 full blocks, 3 in the last
 
 
 def scheduler(**kwargs):
     return make_scheduler(partial_blocks=True, **kwargs)
-
-
-def admit(s, req):
-    s.add_request(req)
-    so, _ = fake_step(s)
-    return so
 
 
 def test_a_new_question_copies_the_shared_part_of_the_block_after_the_hits():
