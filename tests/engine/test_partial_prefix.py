@@ -95,11 +95,12 @@ def test_a_part_never_ends_inside_an_item_whose_encoder_output_is_gone():
         assert other.num_cached_tokens == expected, cache_tokens
 
 
-def test_salt_and_switches_keep_parts_apart():
+def test_no_full_hit_no_part_and_salt_and_switches_keep_parts_apart():
     s = scheduler()
-    run(s, make_request("first", PROMPT[:3]))  # one partial block: its parent is the seed
-    assert admit(s, make_request("same", PROMPT[:3])).kv_copies  # the first 2 tokens of it
-    salted = make_request("salted", PROMPT[:3], salt="tenant")
+    run(s, make_request("first", PROMPT))
+    short = make_request("short", [*PROMPT[:3], 5])  # shares 3 tokens of the first block: not looked up
+    assert not admit(s, short).kv_copies and "partial_block" not in short.cache_counts
+    salted = make_request("salted", [*PROMPT[:10], 7, 8, 9], salt="tenant")  # the salt is in the parents
     assert not admit(s, salted).kv_copies and salted.num_cached_tokens == 0
     for off in (make_scheduler(enable_caching=False, partial_blocks=True), make_scheduler()):
         run(off, make_request("first", PROMPT))
@@ -111,10 +112,9 @@ def test_salt_and_switches_keep_parts_apart():
 def test_handing_the_block_out_again_drops_it_from_the_index():
     s = scheduler(num_blocks=8)
     run(s, make_request("first", PROMPT))  # 5 blocks, freed tail first
-    filed = len(s.kv_cache.partial)
-    assert filed == 5  # 4 full blocks, and the last once full
+    assert len(s.kv_cache.partial) == 4  # blocks 1 to 3, and the last once full (a first block never)
     run(s, make_request("filler", range(300, 328)))  # 8 blocks: every one of the first's reused
-    assert len(s.kv_cache.partial) == 7  # the filler's full blocks only
+    assert len(s.kv_cache.partial) == 6  # the filler's full blocks only
     other = make_request("other", [*PROMPT[:10], 7, 8, 9])
     so = admit(s, other)
     assert so.kv_copies == [] and other.num_cached_tokens == 0

@@ -16,7 +16,10 @@ Partial blocks (`--enable-partial-block-caching`, `partial_prefix.py`): when the
 not hit, the tokens after the full-block hits (at most all but the prompt's last) are looked up in
 the index of computed blocks under the same parent; the longest reusable leading part of one is
 copied likewise, and the prefill starts after it (counted as `partial_block`, when some computed
-block follows the same prefix: the tokens copied, of those looked up). The copied part, like a
+block follows the same prefix: the tokens copied, of those looked up). Only a request with at least
+one full-block hit looks: what the first block of two prompts shares is a chat template's few tokens
+(a BOS, a role tag), worth neither a copy nor the noise in the report (a reused token makes the
+request cache-served, which the shadow verifier then re-runs). The copied part, like a
 hit, never ends strictly inside the placeholders of an item whose encoder output is not resident.
 Blocks are filed in the index once the step that computed them has run (`cache_computed`).
 """
@@ -80,12 +83,12 @@ class PrefixHits:
         return block
 
     def _partial_block(self, req: Request, num_hits: int) -> tuple[KVBlock | None, int]:
-        """A computed block whose leading part `req`'s block `num_hits` can copy (after its full
-        hits, before its last token), and that part's length; (None, 0) when none is worth it."""
+        """A computed block whose leading part `req`'s block `num_hits` can copy (after at least
+        one full hit, before its last token), and that part's length; (None, 0) when none is worth it."""
         index, bs = self.kv_cache.partial, self.kv_cache.block_size
         start = num_hits * bs
         end = min(start + bs - 1, req.num_tokens - 1)
-        if index is None or end - start < MIN_PARTIAL_TOKENS:
+        if index is None or num_hits == 0 or end - start < MIN_PARTIAL_TOKENS:
             return None, 0
         found = find_reusable(index, req, num_hits, start, end)
         if found is None:
@@ -114,11 +117,11 @@ class PrefixHits:
         if self.kv_cache.cache_last_blocks and (n - 1) % bs and computed - num_scheduled < n <= computed:
             self.kv_cache.cache_last_block(req.request_id, n, req.last_block_hash(n))
             last = (n - 1) // bs
-            if index is not None and blocks[last].last_hash is not None:
+            if index is not None and last and blocks[last].last_hash is not None:
                 file_block(index, req, blocks[last], last, last * bs, n)
         if index is None:
             return
-        for i in range((computed - num_scheduled) // bs, computed // bs):
+        for i in range(max(1, (computed - num_scheduled) // bs), computed // bs):  # a first block is never looked up
             if blocks[i].block_hash is not None:
                 file_block(index, req, blocks[i], i, i * bs, (i + 1) * bs)
 
