@@ -38,7 +38,7 @@ from mmserve.engine.block_hash import BlockHash, ExtraKeys, block_extra_keys, mm
 from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.request import Request
 
-Root = tuple[BlockHash, "str | None"]  # (parent hash, cache salt of a first block)
+Root = tuple[BlockHash, str | None]  # (parent hash, cache salt of a first block)
 
 _TOKEN = struct.Struct(">I")  # big-endian: the key's byte order is the token ids' order
 _TAG_BYTES = 8
