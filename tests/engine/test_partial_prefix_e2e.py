@@ -2,8 +2,8 @@
 prefix with the first ends inside a block. The second request copies the shared tokens of that
 block (the report shows them) and answers exactly as a fresh engine and transformers — greedy
 tokens equal, log probabilities equal to float rounding — in one step or in prefill chunks; with
-the copy skipped the answer changes (so these tests see a missing copy); two tensor-parallel ranks
-each copy their own shards."""
+the copy skipped the answer changes (so these tests see a missing copy); preempted after a copy, a
+request is recomputed exactly; two tensor-parallel ranks each copy their own shards."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, lo
 SMALL = dict(num_kv_blocks=128)
 
 
-def prompt(question: str) -> dict:
+def prompt(question: str, seed: int = 3) -> dict:
     text = f"<|im_start|>user\n{IMAGE}{question}<|im_end|>\n<|im_start|>assistant\n"
-    return {"prompt": text, "multi_modal_data": {"image": make_image(3, (64, 64))}}
+    return {"prompt": text, "multi_modal_data": {"image": make_image(seed, (64, 64))}}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,23 @@ def test_without_the_copy_the_answer_changes(case):
     _, second = a_then_b(llm)
     assert second.cache_report is not None and second.cache_report.counts["partial_block"][0] > 0
     assert logprobs(second) != pytest.approx(logprobs(fresh), abs=1e-3)
+
+
+def test_preempted_after_a_copy_it_is_recomputed_exactly(case):
+    """Three new questions about three cached images decode together in too few blocks: they
+    copy their partial blocks, preempt one another, are recomputed, and answer as fresh."""
+    path = case[0]
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = LLM(model=path, num_kv_blocks=14)
+    llm.generate([prompt(QUESTIONS[0], seed) for seed in (4, 5, 6)], PARAMS)
+    outs = llm.generate([prompt(QUESTIONS[1], seed) for seed in (4, 5, 6)], long)
+    llm.engine.core.check_integrity()
+    assert llm.engine.core.scheduler.num_preemptions > 0, "the test meant to force preemption"
+    assert any(o.cache_report is not None and o.cache_report.counts.get("partial_block", (0, 0))[0] > 0
+               for o in outs)
+    fresh = LLM(model=path, enable_prefix_caching=False, **SMALL)
+    expected = fresh.generate([prompt(QUESTIONS[1], seed) for seed in (4, 5, 6)], long)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
 
 @pytest.mark.slow  # spawns two worker processes
