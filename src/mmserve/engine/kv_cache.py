@@ -29,9 +29,9 @@ class KVCacheManager:
     pool tells it when a block loses its keys).
 
     Invariants: a request's blocks are never shared for writing — a cache hit covers whole
-    blocks that the request only reads, and a last-block hit is copied into a block of its own;
-    its first `num_cached_blocks[id]` blocks are registered in the pool under the request's block
-    hashes. With `enable_caching` False nothing is looked up or registered, and the pool is a
+    blocks that the request only reads, and a last-block or partial-block hit is copied into a
+    block of its own; its first `num_cached_blocks[id]` blocks are registered in the pool under
+    the request's block hashes. With `enable_caching` False nothing is looked up or registered, and the pool is a
     plain LRU free list.
     """
 
