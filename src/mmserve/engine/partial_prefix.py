@@ -127,8 +127,10 @@ class PartialPrefixIndex:
 def sort_key(tokens: Sequence[int], keys: ExtraKeys) -> bytes:
     """Per slot, the token id (4 bytes) and a tag of the item keys that start at or before it."""
     mm = [key for key in keys if key[0] == "mm"]
+    if not mm:
+        return b"".join(_TOKEN.pack(token) + _NO_ITEMS for token in tokens)
     out = bytearray()
-    started, tag = 0, _tag(())
+    started, tag = 0, _NO_ITEMS
     for slot, token in enumerate(tokens):
         n = started
         while n < len(mm) and mm_key_offset(mm[n]) <= slot:
@@ -142,6 +144,9 @@ def sort_key(tokens: Sequence[int], keys: ExtraKeys) -> bytes:
 
 def _tag(mm_keys: Sequence[tuple[object, ...]]) -> bytes:
     return hashlib.blake2b(_ENCODER.encode(mm_keys), digest_size=_TAG_BYTES).digest()
+
+
+_NO_ITEMS = _tag(())
 
 
 def _common_slots(a: bytes, b: bytes) -> int:
@@ -167,7 +172,9 @@ def block_root(req: Request, index: int) -> Root | None:
 
 def block_keys(req: Request, start: int, end: int) -> ExtraKeys:
     """The extra keys of `req`'s tokens [start, end), within one block."""
-    items = sorted(req.mm_items, key=lambda item: item.placeholder.offset)
+    items = req.mm_items
+    if len(items) > 1:
+        items = sorted(items, key=lambda item: item.placeholder.offset)
     return block_extra_keys(items, req.cache_salt, start, end)
 
 
