@@ -12,9 +12,9 @@ Prefix cache (`prefix_hits.py`): a request being admitted first takes the longes
 full blocks that match its block hashes — and, when they reach its last block, an identical
 prompt's last block, else the longest reusable leading part of a computed block after them, which
 the runner copies into a block of the request's own before the step — and its prefill starts
-after them. Blocks are registered in the cache as soon as the scheduled
-tokens fill them, a prompt's last block once the step that computed it has run; finished,
-aborted and preempted requests free their blocks into the LRU queue with their hashes kept.
+after them. Blocks are registered in the cache as soon as the scheduled tokens fill them; a
+prompt's last block, and every block for partial reuse, once the step that computed it has run;
+finished, aborted and preempted requests free their blocks into the LRU queue, keys kept.
 
 Encoder work (`encoder_planner.py`, `encoder_cache.py`): a chunk that reaches an item's
 placeholders references its output — resident already (shared across requests by `mm_hash`), or
