@@ -133,6 +133,7 @@ def test_preempted_after_a_copy_it_is_recomputed_and_copies_again():
         fake_step(s)  # integrity checked every step
     assert s.num_preemptions > 0 and other.num_preemptions > 0
     assert other.num_output_tokens == 8
+    assert other.cache_counts["partial_block"] == (2, 3) and other.num_cached_tokens == 10  # the first admission
 
 
 def test_the_copy_is_announced_only_once_full():

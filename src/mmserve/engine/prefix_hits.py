@@ -97,7 +97,8 @@ class PrefixHits:
         k = back_off_from_placeholders(start + k, req.mm_items, 1, self.resident) - start
         if block is None or k < MIN_PARTIAL_TOKENS:
             block, k = None, 0
-        req.count_cache("partial_block", k, end - start)
+        if req.num_cached_tokens is None:  # counted at the first admission, as the prefix hit is
+            req.count_cache("partial_block", k, end - start)
         return block, k
 
     def cache_scheduled(self, req: Request, num_tokens: int) -> None:
