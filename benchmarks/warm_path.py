@@ -114,6 +114,11 @@ def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What
     """Seconds to the first streamed token of one chat request with `urls` as image (or `part`) parts."""
     body = {"model": "m", "messages": [user_turn(urls, text, part)], "max_tokens": 1, "stream": True,
             "temperature": 0.0, **({"tools": AGENT_TOOLS, "tool_choice": "none"} if tools else {})}
+    return first_token(client, base_url, body)[0]
+
+
+def first_token(client: httpx.Client, base_url: str, body: dict) -> tuple[float, httpx.Headers]:
+    """Seconds to the first streamed token of the chat request `body`, and the response's headers."""
     content = json.dumps(body).encode()  # encoded before the clock starts: the client's cost, not the server's
     start = time.perf_counter()
     with client.stream("POST", base_url + "/v1/chat/completions", content=content,
@@ -121,7 +126,7 @@ def ttft(client: httpx.Client, base_url: str, urls: list[str], text: str = "What
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content"' in line:
-                return time.perf_counter() - start
+                return time.perf_counter() - start, r.headers
     raise RuntimeError("no token came back")
 
 

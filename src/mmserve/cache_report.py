@@ -5,9 +5,10 @@ Every count comes from the layer itself, per request: P0's layers count as the r
 resolve and cross to P1 (`processor`: one lookup per image or video; `ipc` or `shm`: one per item
 sent, a video's temporal groups each an item), P1's layers come back in the request's first output
 (`EngineCoreOutput.cache_counts`: `encoder` in items, `prefix` in prompt tokens — an identical
-prompt's last block included — and `last_block` / `first_token` in lookups). A layer that was not
-asked (turned off, a prompt without images) is absent. The header lists `layer=hits/queries` in
-the request path's order, e.g. `processor=1/1 ipc=1/1 encoder=0/1 prefix=166/167`.
+prompt's last block and a copied partial block included —, `last_block` / `first_token` in lookups,
+`partial_block` in tokens: those copied of the block after the full-block hits, of those looked
+up). A layer that was not asked (turned off, a prompt without images) is absent. The header lists
+`layer=hits/queries` in the request path's order, e.g. `processor=1/1 ipc=1/1 encoder=0/1 prefix=166/167`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HEADER = "x-mmserve-cache"
-LAYER_ORDER = ("processor", "ipc", "shm", "encoder", "prefix", "last_block", "first_token")
+LAYER_ORDER = ("processor", "ipc", "shm", "encoder", "prefix", "last_block", "partial_block", "first_token")
 
 
 @dataclass

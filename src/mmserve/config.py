@@ -65,6 +65,10 @@ class CacheConfig:
     enable_last_block_caching: bool = _opt(
         True, "With prefix caching, also keep each prompt's last KV block (full or partial): an identical "
         "prompt copies it and computes only its last token, instead of up to a block of tokens.")
+    enable_partial_block_caching: bool = _opt(
+        True, "With prefix caching, also reuse the leading tokens of a computed block after the full-block hits (the "
+        "same image, then another question): the block is copied and only the tokens after the common prefix are "
+        "computed, instead of up to a block of them.")
     enable_first_token_caching: bool = _opt(
         True, "With last-block caching, also keep the first token of each greedy prompt (no penalties, "
         "logit_bias, min_tokens or grammar): an identical greedy prompt asking no logprobs takes it and runs no "

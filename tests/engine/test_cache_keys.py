@@ -5,8 +5,11 @@ A block's K/V depend on its tokens, the items (and the encoder outputs) scattere
 a Qwen2.5-VL video, on each temporal group's place in time. The property test draws prompts of
 text, images and videos (the same frames at other frame rates included) for every family and checks
 that equal leading block keys (full blocks, and the last-block key that the last-block and first-token
-caches use) always mean equal token ids and equal positions on all three M-RoPE rows. The end-to-end
-test is the case that broke: the same four frames sent at 2 fps, then at 4 fps, to one engine.
+caches use) always mean equal token ids and equal positions on all three M-RoPE rows; and that
+whenever the second prompt would copy the leading part of the first's block after their common full
+blocks (partial-block reuse, `engine/partial_prefix.py`), the copied tokens have equal ids, equal
+item rows (the same item's same embedding row) and equal positions. The end-to-end test is the case
+that broke: the same four frames sent at 2 fps, then at 4 fps, to one engine.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from hypothesis import strategies as st
 from helpers.hf_reference import hf_qwen_greedy
 from mmserve import LLM, SamplingParams
 from mmserve.engine.block_hash import BlockHasher
+from mmserve.engine.block_pool import KVBlock
+from mmserve.engine.partial_prefix import PartialPrefixIndex, file_block, find_reusable
+from mmserve.engine.request import Request
 from mmserve.ipc.messages import EngineCoreRequest
 from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 from helpers.tiny_videos import make_frames
@@ -90,6 +96,42 @@ def keys(hasher: BlockHasher, request: EngineCoreRequest) -> list[bytes]:
     return [*full, last]
 
 
+def item_rows(request: EngineCoreRequest, end: int) -> list[tuple[str, int] | None]:
+    """Per prompt position below `end`: the item embedding row it gets, (mm_hash, row), or None."""
+    rows: list[tuple[str, int] | None] = [None] * end
+    for item in request.mm_items:
+        ph = item.placeholder
+        for pos in range(ph.offset, min(ph.end, end)):
+            rows[pos] = (item.mm_hash, pos - ph.offset)
+    return rows
+
+
+def check_partial(llm: LLM, ra: EngineCoreRequest, rb: EngineCoreRequest) -> tuple[int, int]:
+    """Every block of `ra` filed as the engine files computed blocks (its last one partial), `rb`
+    looks up the block after their common full blocks: the tokens it would copy have `ra`'s ids,
+    item rows and positions. Where the copy would start, and how many tokens it would copy."""
+    hasher = BlockHasher(BS)
+    a, b = (Request(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, None, 0.0,
+                    cache_salt=r.cache_salt, block_hasher=hasher) for r in (ra, rb))
+    index = PartialPrefixIndex()
+    for i in range(-(-a.num_tokens // BS)):
+        file_block(index, a, KVBlock(i), i, i * BS, min((i + 1) * BS, a.num_tokens))
+    full = 0  # the full blocks `rb` hits, as `PrefixHits.hits` caps them
+    while full < min(len(a.block_hashes), (b.num_tokens - 1) // BS) and a.block_hashes[full] == b.block_hashes[full]:
+        full += 1
+    start = full * BS
+    found = find_reusable(index, b, full, start, min(start + BS - 1, b.num_tokens - 1))
+    if found is None or found[0] is None:
+        return start, 0
+    block, k = found
+    end = start + k
+    assert block.block_id == full, "a part of a block that does not follow the common ones"
+    assert ra.prompt_token_ids[:end] == rb.prompt_token_ids[:end]
+    assert item_rows(ra, end) == item_rows(rb, end), "a copied token would get another item's row"
+    assert torch.equal(positions(llm, ra)[:, :end], positions(llm, rb)[:, :end]), "copied, other positions"
+    return start, k
+
+
 def check_pair(llm: LLM, a: dict, b: dict) -> None:
     hasher = BlockHasher(BS)
     params = SamplingParams(max_tokens=1)
@@ -107,6 +149,7 @@ def check_pair(llm: LLM, a: dict, b: dict) -> None:
     if ka[-1] == kb[-1]:  # equal last-block keys: equal prompts up to their ends
         assert ra.prompt_token_ids == rb.prompt_token_ids
         assert torch.equal(pa, pb), "equal last-block keys, other positions"
+    check_partial(llm, ra, rb)
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "llava"])
@@ -129,6 +172,30 @@ def test_the_same_frames_at_another_fps_key_other_blocks(family_llm):
     2 fps clip two positions after the first, of a 4 fps clip one."""
     family, llm = family_llm
     check_pair(llm, build([("video", 2.0)], family), build([("video", 4.0)], family))
+
+
+def test_a_new_question_after_the_same_items_copies_all_it_can(family_llm):
+    """The explicit cases: after the same items, other words copy every token the two prompts
+    share past their common full blocks (up to the block's end and the prompt's last token);
+    another image at the same place stops the copy at its first placeholder."""
+    family, llm = family_llm
+    params = SamplingParams(max_tokens=1)
+    copied = []
+    for shared, tail_a, tail_b in (([("image", 0)], [("text", "see the clip")], [("text", "see the b")]),
+                                   ([("video", 2.0), ("text", "and then")], [("text", "a b")], [("text", "now")]),
+                                   ([("text", "a b")], [("image", 0)], [("image", 1)])):
+        ra = llm.engine.input_processor.process("a", build(shared + tail_a, family), params, commit=True)
+        rb = llm.engine.input_processor.process("b", build(shared + tail_b, family), params, commit=True)
+        start, k = check_partial(llm, ra, rb)
+        n = min(len(ra.prompt_token_ids), len(rb.prompt_token_ids))
+        same = [x == y for x, y in zip(ra.prompt_token_ids, rb.prompt_token_ids)]
+        rows_a, rows_b = item_rows(ra, n), item_rows(rb, n)
+        pos_a, pos_b = positions(llm, ra), positions(llm, rb)
+        equal = next((i for i in range(n) if not (same[i] and rows_a[i] == rows_b[i] and
+                                                  torch.equal(pos_a[:, i], pos_b[:, i]))), n)
+        assert k == max(0, min(equal - start, BS - 1, len(rb.prompt_token_ids) - 1 - start)), (shared, start, k)
+        copied.append(k)
+    assert any(copied[:2]), "no new question copied a token: the cases test nothing"
 
 
 # ---- end to end ------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_encoder_cache_off_encodes_again_with_the_same_tokens(path, hf):
 def test_a_prefix_hit_ending_inside_a_resident_image_is_used_and_exact(path, hf):
     image = make_image(2)
     bs = 3
-    llm = LLM(model=path, block_size=bs)
+    llm = LLM(model=path, block_size=bs, enable_partial_block_caching=False)  # else the hit goes past the image
     processor = hf[1]
     ids = processor(text=FIRST, images=[image], return_tensors="pt")["input_ids"][0].tolist()
     image_id = llm.engine.core.model_config.image_token_id
@@ -93,6 +93,10 @@ def test_a_prefix_hit_ending_inside_a_resident_image_is_used_and_exact(path, hf)
     assert second.num_cached_tokens == end // bs * bs  # before the encoder cache: start // bs * bs
     assert encoder_runs(llm) == 1
     assert second.outputs[0].token_ids == hf_tokens(hf, SAME_START, image)
+    partial = LLM(model=path, block_size=bs)
+    generate(partial, FIRST, image)
+    again = generate(partial, SAME_START, image)  # copies the shared text after the image too
+    assert again.num_cached_tokens > end and again.outputs[0].token_ids == second.outputs[0].token_ids
 
 
 def test_unchunked_mm_input_with_small_steps_is_exact_and_a_too_small_step_is_refused(path, hf):

@@ -10,19 +10,12 @@ from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.block_pool import BlockPool
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from helpers.scheduler_sim import BS, fake_step, make_request, make_scheduler, run
+from helpers.scheduler_sim import BS, admit, fake_step, make_request, make_scheduler, run
 
 
 
 def scheduler(**kwargs):
     return make_scheduler(last_blocks=True, **kwargs)
-
-
-def admit(s, req):
-    """Add `req` and run one step; that step's scheduler output."""
-    s.add_request(req)
-    so, _ = fake_step(s)
-    return so
 
 
 def test_a_repeat_copies_the_first_prompts_last_block_and_computes_one_token():

@@ -118,7 +118,8 @@ def test_two_images_with_the_same_text_do_not_share_image_blocks(path, hf, llm_o
     assert cat.prompt_token_ids == dog.prompt_token_ids  # identical placeholder tokens
     out_cat, out_dog = run(llm, cat)[0], run(llm, dog)[0]
     image_start = dog.mm_items[0].placeholder.offset
-    assert out_dog.num_cached_tokens == image_start // BS * BS  # the text before the image only
+    assert image_start % BS  # the image starts inside a block: its leading text is a partial block
+    assert out_dog.num_cached_tokens == image_start  # the text before the image only, to the token
     assert tokens(out_dog) == tokens(run(llm_off, request(llm_off, "dog-ref", 3, "img-dog"))[0])
     assert tokens(out_dog) == hf_tokens(hf, dog) and tokens(out_dog) != tokens(out_cat)
 
@@ -157,10 +158,11 @@ def test_the_offline_api_reports_cached_tokens_and_off_reports_none(path, llm_of
 def test_a_repeated_prompt_copies_the_last_block_and_computes_one_token(path, hf, llm_off, suffix):
     """Prompts ending at several offsets in their last block (full or partial): the repeat copies
     it, computes only the last token, and decodes exactly as the first (whose blocks it reads
-    while the first still runs, and after it ended); without last blocks it recomputes them."""
+    while the first still runs, and after it ended); without last (and partial) blocks it
+    recomputes them."""
     text = PROMPT.replace(" ASSISTANT:", suffix + " ASSISTANT:")
     llm = make_llm(path, enable_first_token_caching=False)
-    whole = make_llm(path, enable_last_block_caching=False)
+    whole = make_llm(path, enable_last_block_caching=False, enable_partial_block_caching=False)
     req = request(llm_off, "ref", 7, "img-7", text)
     n = len(req.prompt_token_ids)
     expected = tokens(run(llm_off, req)[0])

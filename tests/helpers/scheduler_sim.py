@@ -26,11 +26,18 @@ def fake_step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, EngineCore
     return so, out
 
 
+def admit(s: Scheduler, req: Request) -> SchedulerOutput:
+    """Add `req` and run one step; that step's scheduler output."""
+    s.add_request(req)
+    so, _ = fake_step(s)
+    return so
+
+
 def make_scheduler(num_blocks=64, max_tokens=64, enable_caching=True, encoder_cache_tokens=None,
-                   last_blocks=False, first_tokens=False) -> Scheduler:
+                   last_blocks=False, first_tokens=False, partial_blocks=False) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_tokens,
                                      encoder_cache_tokens=encoder_cache_tokens),
-                     KVCacheManager(num_blocks, BS, enable_caching, last_blocks), 256,
+                     KVCacheManager(num_blocks, BS, enable_caching, last_blocks, partial_blocks), 256,
                      first_tokens=FirstTokenCache(num_blocks, enabled=first_tokens))
 
 

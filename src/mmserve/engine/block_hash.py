@@ -25,6 +25,16 @@ form over the tokens it holds so far (`BlockHasher.last_block_hash`): a block of
 tokens hashes those r tokens and the extra keys of the items overlapping them. For r = block_size
 it equals the full block's hash.
 
+A *leading part* of a cached block (`reusable_prefix_length`; the partial-block reuse of
+`engine/partial_prefix.py`): under the same parent (and, for a first block, the same salt), the
+K/V of the first k slots of a cached block equal those a request would compute for its next k
+tokens when the k token ids are equal and so are the keys of every item overlapping those k
+positions — the items whose offset is below k (an item listed in a block's keys overlaps the
+block, so a negative offset covers slot 0). Items starting at or after k are read by no slot
+below k (attention is causal, and positions before an item do not depend on it), so they may
+differ. Hence the longest reusable k stops at the first token that differs and at the offset of
+the first item key that differs; the salt keys must be equal or nothing is reused.
+
 `encode` is msgpack (msgspec): every value is type-tagged and length-prefixed, and the same
 values always give the same bytes — never Python's `hash()`, which is salted per process.
 `H` is chosen by `--prefix-caching-hash-algo`: sha256 (default) and blake3 are collision
@@ -99,6 +109,34 @@ def block_extra_keys(mm_items: Sequence[MultiModalItem], cache_salt: str | None,
     if start == 0 and cache_salt is not None:
         keys.append(("salt", cache_salt))
     return tuple(keys)
+
+
+def reusable_prefix_length(tokens: Sequence[int], keys: ExtraKeys, other_tokens: Sequence[int],
+                           other_keys: ExtraKeys, limit: int) -> int:
+    """How many leading tokens (at most `limit`) of two blocks under the same parent have equal K/V
+    (see the module docstring): equal token ids, equal keys of the items overlapping them, equal
+    salt keys. Each block's `keys` are as `block_extra_keys` makes them over the tokens it holds
+    (items in offset order)."""
+    if [key for key in keys if key[0] != "mm"] != [key for key in other_keys if key[0] != "mm"]:
+        return 0
+    n, k = min(limit, len(tokens), len(other_tokens)), 0
+    while k < n and tokens[k] == other_tokens[k]:
+        k += 1
+    mm = [key for key in keys if key[0] == "mm"]
+    other_mm = [key for key in other_keys if key[0] == "mm"]
+    for i in range(max(len(mm), len(other_mm))):
+        pair = mm[i:i + 1] + other_mm[i:i + 1]
+        if len(pair) == 1 or pair[0] != pair[1]:  # the items before this one are equal in both
+            first = min(mm_key_offset(key) for key in pair)  # this item's K/V differ from its offset on
+            return max(0, min(k, first))
+    return k
+
+
+def mm_key_offset(mm_key: tuple[object, ...]) -> int:
+    """An item key's offset from its block's start (`("mm", mm_hash, offset, position_key)`)."""
+    offset = mm_key[2]
+    assert isinstance(offset, int)
+    return offset
 
 
 class BlockHasher:

@@ -129,6 +129,7 @@ class BlockPool:
         self.num_cached_blocks = 0  # blocks with a hash, owned or free
         self.num_evictions = 0  # cached blocks handed out again (their hash dropped), since start
         self.on_key_removed: Callable[[BlockHash], None] | None = None  # told when no block holds a key any more
+        self.on_block_dropped: Callable[[KVBlock], None] | None = None  # told when a block loses its keys
 
     @property
     def num_free_blocks(self) -> int:
@@ -198,6 +199,8 @@ class BlockPool:
         self._drop_hash(block)
 
     def _drop_hash(self, block: KVBlock) -> None:
+        if self.on_block_dropped is not None and (block.block_hash is not None or block.last_hash is not None):
+            self.on_block_dropped(block)
         if block.last_hash is not None:
             _unmap(self.last_blocks, block.last_hash, block.block_id)
             block.last_hash = None

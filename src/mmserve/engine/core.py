@@ -49,7 +49,7 @@ class EngineCore:
             raise
         cache = config.cache
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                       cache.enable_last_block_caching)
+                                       cache.enable_last_block_caching, cache.enable_partial_block_caching)
         # requests hash their blocks only when the prefix cache can use the hashes
         self.block_hasher = (BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
                              if cache.enable_prefix_caching else None)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from mmserve.engine.block_hash import BlockHash
 from mmserve.engine.block_pool import BlockPool, KVBlock
+from mmserve.engine.partial_prefix import PartialPrefixIndex
 
 if TYPE_CHECKING:
     from mmserve.engine.kv_events import KVEventLog
@@ -23,21 +24,26 @@ class KVCacheManager:
     """Owns each request's block list: `find_cached_prefix` looks up, `allocate_slots` grows,
     `cache_full_blocks` registers computed blocks, `free` returns them. With `cache_last_blocks`,
     `cache_last_block` also registers a prompt's computed last block and `find_last_block` finds
-    one to copy (the scheduler asks the runner for the copy).
+    one to copy (the scheduler asks the runner for the copy). With `cache_partial_blocks`, `partial`
+    indexes the computed blocks the pool keeps by their leading tokens (`partial_prefix.py`; the
+    pool tells it when a block loses its keys).
 
     Invariants: a request's blocks are never shared for writing — a cache hit covers whole
-    blocks that the request only reads, and a last-block hit is copied into a block of its own;
-    its first `num_cached_blocks[id]` blocks are registered in the pool under the request's block
-    hashes. With `enable_caching` False nothing is looked up or registered, and the pool is a
+    blocks that the request only reads, and a last-block or partial-block hit is copied into a
+    block of its own; its first `num_cached_blocks[id]` blocks are registered in the pool under
+    the request's block hashes. With `enable_caching` False nothing is looked up or registered, and the pool is a
     plain LRU free list.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 cache_last_blocks: bool = True) -> None:
+                 cache_last_blocks: bool = True, cache_partial_blocks: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.cache_last_blocks = enable_caching and cache_last_blocks
         self.pool = BlockPool(num_blocks)
+        self.partial = PartialPrefixIndex() if enable_caching and cache_partial_blocks else None
+        if self.partial is not None:
+            self.pool.on_block_dropped = self.partial.drop
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its blocks registered so far
         self.events: KVEventLog | None = None  # told of new and dropped keys (`attach_events`)
@@ -146,6 +152,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The pool is sound; ref counts equal the number of owners; registered blocks have hashes."""
         self.pool.check_integrity()
+        if self.partial is not None:
+            self.partial.check_integrity()
         owners = [0] * self.pool.num_blocks
         for rid, blocks in self.req_to_blocks.items():
             for b in blocks:

@@ -161,6 +161,14 @@ class Request:
             return None
         return hasher.last_block_hash(self.all_token_ids, num_tokens, self.mm_items, self.cache_salt, self.block_hashes)
 
+    def block_parent(self, index: int) -> BlockHash | None:
+        """The hash that block `index` chains from (block `index - 1`'s, or the hasher's seed for
+        the first block); None without a block hasher or before block `index - 1` is hashed."""
+        hasher = self._block_hasher
+        if hasher is None or index > len(self.block_hashes):
+            return None
+        return self.block_hashes[index - 1] if index else hasher.seed
+
     def _update_block_hashes(self) -> None:
         hasher = self._block_hasher
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:

@@ -10,10 +10,11 @@ that had to preempt.
 
 Prefix cache (`prefix_hits.py`): a request being admitted first takes the longest run of cached
 full blocks that match its block hashes — and, when they reach its last block, an identical
-prompt's last block, which the runner copies into a block of the request's own before the step —
-and its prefill starts after them. Blocks are registered in the cache as soon as the scheduled
-tokens fill them, a prompt's last block once the step that computed it has run; finished,
-aborted and preempted requests free their blocks into the LRU queue with their hashes kept.
+prompt's last block, else the longest reusable leading part of a computed block after them, which
+the runner copies into a block of the request's own before the step — and its prefill starts
+after them. Blocks are registered in the cache as soon as the scheduled tokens fill them; a
+prompt's last block, and every block for partial reuse, once the step that computed it has run;
+finished, aborted and preempted requests free their blocks into the LRU queue, keys kept.
 
 Encoder work (`encoder_planner.py`, `encoder_cache.py`): a chunk that reaches an item's
 placeholders references its output — resident already (shared across requests by `mm_hash`), or
@@ -45,7 +46,7 @@ from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
 from mmserve.engine.fairness import insert_in_order, next_fair, over_share
 from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
-from mmserve.engine.prefix_hits import PrefixHits
+from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
@@ -188,43 +189,43 @@ class Scheduler:
         """Schedule the first request of `queue` within `budget` tokens, after its prefix-cache hit;
         False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
         req = queue[0]
-        computed, last = self.prefix.hits(req) if not req.shadow else ([], None)
-        token = self.first_tokens.get(req) if last is not None else None
-        if last is not None and token is not None:
-            return self._admit_answered(req, computed, last, token, out, queue)
-        num_hit = req.num_tokens - 1 if last is not None else len(computed) * self.kv_cache.block_size
-        n = min(req.num_tokens - num_hit, budget)
-        if not self.kv_cache.can_allocate(req.request_id, num_hit + n, computed):
+        hit = self.prefix.hits(req) if not req.shadow else PrefixHit([])
+        token = self.first_tokens.get(req) if hit.last_block else None
+        if token is not None:
+            return self._admit_answered(req, hit, token, out, queue)
+        n = min(req.num_tokens - hit.num_tokens, budget)
+        if not self.kv_cache.can_allocate(req.request_id, hit.num_tokens + n, hit.blocks):
             return False
-        plan = self.encoder_planner.plan(req, num_hit, n)  # may shorten the chunk: it still fits the blocks
+        plan = self.encoder_planner.plan(req, hit.num_tokens, n)  # may shorten the chunk: it still fits the blocks
         if plan.num_tokens == 0:
             return False  # took no reference: its first needed item was the one that cannot run
-        self._admit(req, num_hit, queue)
-        self._schedule(req, plan, out, computed)
-        if last is not None:
-            self._copy_last_block(req, len(computed), last, out)
+        self._admit(req, hit.num_tokens, queue)
+        self._schedule(req, plan, out, hit.blocks)
+        self._copy_block(req, hit, out)
         return True
 
-    def _admit_answered(self, req: Request, computed: list[KVBlock], last: KVBlock, token: int,
-                        out: SchedulerOutput, queue: deque[Request]) -> bool:
-        """Admit `req` with its whole prompt cached (`computed`, then a copy of `last`) and `token`,
-        its prompt's cached first token, appended; nothing of it is computed this step. False (and
-        nothing done) when its blocks do not fit."""
+    def _admit_answered(self, req: Request, hit: PrefixHit, token: int, out: SchedulerOutput,
+                        queue: deque[Request]) -> bool:
+        """Admit `req` with its whole prompt cached (`hit`: its blocks, then a copy of the last)
+        and `token`, its prompt's cached first token, appended; nothing of it is computed this
+        step. False (and nothing done) when its blocks do not fit."""
         rid, n = req.request_id, req.num_tokens
-        if not self.kv_cache.can_allocate(rid, n, computed):
+        if not self.kv_cache.can_allocate(rid, n, hit.blocks):
             return False
         self._admit(req, n, queue)
-        self.kv_cache.allocate_slots(rid, n, computed)
+        self.kv_cache.allocate_slots(rid, n, hit.blocks)
         req.append_output_token_ids([token])
         out.new_requests.append(self._new_to_runner(req))
-        self._copy_last_block(req, len(computed), last, out)
+        self._copy_block(req, hit, out)
         self._answered.append(req)
         return True
 
-    def _copy_last_block(self, req: Request, index: int, last: KVBlock, out: SchedulerOutput) -> None:
-        """Have the runner copy `last` into `req`'s block `index` before the step's forward writes
-        to any block."""
-        out.kv_copies.append((last.block_id, self.kv_cache.get_block_ids(req.request_id)[index]))
+    def _copy_block(self, req: Request, hit: PrefixHit, out: SchedulerOutput) -> None:
+        """Have the runner copy the hit's block to copy (a last or partial block) into `req`'s
+        block after its shared ones, before the step's forward writes to any block."""
+        if hit.copy is not None:
+            dst = self.kv_cache.get_block_ids(req.request_id)[len(hit.blocks)]
+            out.kv_copies.append((hit.copy.block_id, dst))
 
     def _new_to_runner(self, req: Request) -> NewRequestData:
         """All the runner keeps of `req`, sent once: its tokens so far, items, parameters, blocks."""
@@ -256,9 +257,7 @@ class Scheduler:
         rid, start, n = req.request_id, req.num_computed_tokens, plan.num_tokens
         new_blocks = self.kv_cache.allocate_slots(rid, start + n, computed)
         assert new_blocks is not None, "caller checked can_allocate"
-        stored = self.kv_cache.cache_full_blocks(rid, req.block_hashes, start + n)
-        if stored and self.kv_cache.events is not None:
-            self.kv_cache.events.stored(req, stored)
+        self.prefix.cache_scheduled(req, start + n)
         if rid in self._known_to_runner:
             out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
         else:
@@ -327,7 +326,7 @@ class Scheduler:
             req = self.requests[rid]
             if req.status is not RequestStatus.RUNNING:
                 continue
-            self.prefix.cache_prompt_last_block(req, sched.num_scheduled_tokens[rid])
+            self.prefix.cache_computed(req, sched.num_scheduled_tokens[rid])
             self.encoder_planner.release_consumed(req)
             tokens = result.sampled_token_ids.get(rid)
             if not tokens:

@@ -8,7 +8,7 @@ a candidate asks P1 for its first token's raw logits row (`EngineCoreRequest.ret
 Once it has finished — and only when some cache layer hit for it (its `CacheReport`) — the
 verifier sends it once more as a shadow request (`bypass_caches`): its items are processed again
 from their sources and cross whole (no processor, IPC or shm cache); in P1 it reads and writes no
-prefix, last-block, first-token or encoder cache (`engine/request.py: shadow_items`) and runs last,
+prefix, last-block, partial-block, first-token or encoder cache (`engine/request.py: shadow_items`) and runs last,
 one at a time, only when nothing else waits (`engine/scheduler.py`). One shadow runs at a time per
 API server; a candidate that finishes while one runs is not verified.
 

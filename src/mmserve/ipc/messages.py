@@ -100,7 +100,7 @@ class EngineCoreOutput(msgspec.Struct):
     others of its request still run (P1 keeps the request's items until the last one ends).
     `new_logprobs` has one entry per new token when the request asked for log probabilities.
     On a completion's first output, `cache_counts` maps each P1 cache layer that was asked for the
-    prompt ("prefix" in tokens; "encoder" in items; "last_block", "first_token" in lookups) to
+    prompt ("prefix", "partial_block" in tokens; "encoder" in items; "last_block", "first_token" in lookups) to
     (hits, queries) for this request alone, and `first_logits` (when the request asked for them)
     is the raw logits row of its first sampled token, float32 bytes (absent when the first-token
     cache answered: no forward ran).
@@ -217,7 +217,9 @@ class SchedulerOutput(msgspec.Struct):
     `free_encoder_ids` are the `mm_hash`es of encoder outputs the runner deletes before encoding.
     `finished_request_ids` (finished, aborted or preempted since the last step) drop their state.
     `kv_copies` are (source, destination) KV block ids, copied in every layer before the step
-    writes any K/V (a prompt's cached last block, into the block of a request that repeats it).
+    writes any K/V (a prompt's cached last block, into the block of a request that repeats it; a
+    block whose leading tokens a request shares, into that request's block). Whole blocks are
+    copied: the destination's owner writes its own K/V past the copied tokens before reading them.
     """
 
     new_requests: list[NewRequestData]
