@@ -13,8 +13,10 @@ alternating), medians of `--runs`:
   token (a one-token request);
 - 32 distinct prompts of ~480 tokens at concurrency 8, 32 tokens each: cold (first time), then
   again (every prompt cached: decode-bound), in requests and output tokens per second.
-Ratios are mmserve / llama-server time (below 1: mmserve ahead). The image rows of issue 42 need
-a vision projector GGUF (`--mmproj` of the converter) and are not measured here.
+- one new 1024x768 photo: first sight with a question, the same request again, and a new
+  question after it (llama-server with the converter's vision projector, `--mmproj`), each a
+  one-token chat request, a new photo per run;
+Ratios are mmserve / llama-server time (below 1: mmserve ahead).
 
 Run: `LLAMA_SERVER=/path/llama-server LLAMA_CONVERT=/path/convert_hf_to_gguf.py python
 benchmarks/peer_llamacpp.py [--runs 3]` (llama.cpp built from source, e.g. the
@@ -39,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import TEXT, write_model  # noqa: E402
+from warm_path import photo, user_turn  # noqa: E402
 
 from mmserve.bench.launch import LaunchedServer  # noqa: E402
 
@@ -60,12 +63,13 @@ runpy.run_path(convert, run_name="__main__")
 
 
 class LlamaServer(LaunchedServer):
-    """`llama-server -m GGUF -t THREADS -np 4` on a free loopback port (started and stopped as mmserve's)."""
+    """`llama-server -m GGUF --mmproj GGUF -t THREADS -np 4` on a free loopback port (started and
+    stopped as mmserve's)."""
 
-    def __init__(self, binary: str, gguf: str, threads: int, context: int) -> None:
+    def __init__(self, binary: str, gguf: str, mmproj: str, threads: int, context: int) -> None:
         super().__init__(gguf, [])
-        self.command = [binary, "-m", gguf, "-t", str(threads), "-np", "4", "-c", str(context * 4),
-                        "--host", "127.0.0.1", "--port", str(self.port)]
+        self.command = [binary, "-m", gguf, "--mmproj", mmproj, "-t", str(threads), "-np", "4",
+                        "-c", str(context * 4), "--host", "127.0.0.1", "--port", str(self.port)]
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +95,17 @@ class Peers:
         body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
                 "cache_prompt": True, "return_tokens": True}
         return self.tokenizer.decode(post(self.urls["llama"] + "/completion", body)["tokens"])
+
+    def chat(self, which: str, image_url: str, question: str) -> float:
+        """Seconds of a one-token chat request of an image and a question (its time to first token)."""
+        body = json.dumps({"model": "m", "messages": [user_turn([image_url], question)], "max_tokens": 1,
+                           "temperature": 0.0}).encode()  # encoded before the clock starts
+        request = urllib.request.Request(self.urls[which] + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+        return time.perf_counter() - start
 
     def timed(self, which: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:
         start = time.perf_counter()
@@ -128,6 +143,25 @@ def turns(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
     return {which: statistics.median(t) for which, t in took.items()}
 
 
+QUESTION_A = "What is in this image? Describe it in a few words."
+QUESTION_B = "What is the main colour of it?"
+IMAGE_ROWS = ("one 1024x768 image, cold, TTFT", "the same request again, TTFT",
+              "same image, new question after it, TTFT")
+
+
+def image_rows(peers: Peers, runs: int) -> dict[str, dict[str, float]]:
+    """Per run a new 1024x768 photo on each server, the servers taking turns (which goes first
+    alternating): its first sight with question A, the same request again (an exact repeat), and
+    question B after it (a short prefill after a cached image). Medians in seconds per server."""
+    took: dict[str, dict[str, list[float]]] = {row: {"mmserve": [], "llama": []} for row in IMAGE_ROWS}
+    for i in range(runs):
+        url = photo(5_000 + i, 1024, 768)
+        for which in (("mmserve", "llama") if i % 2 == 0 else ("llama", "mmserve")):
+            for row, question in zip(IMAGE_ROWS, (QUESTION_A, QUESTION_A, QUESTION_B)):
+                took[row][which].append(peers.chat(which, url, question))
+    return {row: {w: statistics.median(t) for w, t in by.items()} for row, by in took.items()}
+
+
 def turns_indexed(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
     """`turns` of `measure(peers, which, run)`: each run's requests its own."""
     counter = iter(range(2 * runs))
@@ -147,12 +181,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     model_dir = write_model(dict(TEXT), args.model_dir)
-    gguf = str(Path(tempfile.mkdtemp(prefix="peer-gguf-")) / "model-f32.gguf")
-    subprocess.run([sys.executable, "-c", CONVERT, convert, model_dir, "--outtype", "f32", "--outfile", gguf],
-                   check=True)
+    folder = Path(tempfile.mkdtemp(prefix="peer-gguf-"))
+    gguf, mmproj = str(folder / "model-f32.gguf"), str(folder / "mmproj-f32.gguf")
+    for extra, out in (([], gguf), (["--mmproj"], mmproj)):  # the text model, then the vision projector
+        subprocess.run([sys.executable, "-c", CONVERT, convert, model_dir, "--outtype", "f32", *extra,
+                        "--outfile", out], check=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cores = os.cpu_count() or 1
-    with LaunchedServer(model_dir, ["--max-num-seqs", "32"]) as mm, LlamaServer(binary, gguf, cores, 2048) as ll:
+    mm_args = ["--max-num-seqs", "32", "--served-model-name", "m", "--max-media-bytes", str(64 << 20)]
+    with LaunchedServer(model_dir, mm_args) as mm, LlamaServer(binary, gguf, mmproj, cores, 2048) as ll:
         peers = Peers(mm, ll, tokenizer)
         checks = prompt_ids(tokenizer, 4, 64)
         agree = sum(peers.complete("mmserve", ids, 16) == peers.complete("llama", ids, 16) for ids in checks)
@@ -167,6 +204,7 @@ def main() -> None:
         rows = {"exact repeat of a 485-token prompt, TTFT":
                 turns(peers, args.runs, lambda w: peers.timed(w, [repeat], 1, 1)),
                 "a new question after a cached 485-token prefix, TTFT": turns_indexed(peers, args.runs, new_question)}
+        rows.update(image_rows(peers, args.runs))
         for label, t in rows.items():
             print(f"{label}: mmserve {t['mmserve'] * 1e3:.1f} ms, llama-server {t['llama'] * 1e3:.1f} ms, "
                   f"ratio {t['mmserve'] / t['llama']:.2f}")

@@ -71,8 +71,10 @@ def test_the_encoder_cache_serves_an_image_under_new_text(server, client):
     url = data_url(make_image(33, (128, 128)))
     ask(client, url)
     before = labelled(server, "mmserve_cache_hits_total", "encoder")
-    client.chat.completions.create(model="m", messages=messages(url, "A different question entirely, longer."),
-                                   max_tokens=2, temperature=0.0)
+    # new text before the image: no cached prefix (whole or partial block) reaches its rows
+    new_text_first = [{"role": "user", "content": [{"type": "text", "text": "A different question entirely."},
+                                                   {"type": "image_url", "image_url": {"url": url}}]}]
+    client.chat.completions.create(model="m", messages=new_text_first, max_tokens=2, temperature=0.0)
     assert labelled(server, "mmserve_cache_hits_total", "encoder") == before + 1
 
 
