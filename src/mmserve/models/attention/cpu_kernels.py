@@ -6,9 +6,10 @@ by the C compiler (`$CC`, else `cc`) with `-O3 -march=native -ffast-math -fopenm
 folder (`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or
 `~/.cache/mmserve/kernels`) under a name made of the source, the compiler's version, the flags
 and this CPU's feature flags, so that each machine builds its own once (an atomic rename makes
-concurrent builds safe). It links OpenMP by soname after torch has loaded, so it shares torch's
-runtime and thread pool. Without a compiler, or with `MMSERVE_CPU_KERNELS=0`, `load` returns None
-and the caller keeps its PyTorch path (padded copies); the first failure is logged once.
+concurrent builds safe; a build removes the folder's older ones). It links OpenMP by soname after
+torch has loaded, so it shares torch's runtime and thread pool. Without a compiler, or with
+`MMSERVE_CPU_KERNELS=0`, `load` returns None and the caller keeps its PyTorch path (padded
+copies); the first failure is logged once.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def _build() -> Path:
             if done.returncode:
                 raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)
+    for stale in folder.glob("paged_decode-*.so"):  # other sources' or machines' builds (a mapped one stays valid)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     logger.info("built the CPU attention kernels into %s", target)
     return target
 

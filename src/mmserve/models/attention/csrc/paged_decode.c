@@ -29,6 +29,7 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
                         int64_t H, int64_t Hkv, int64_t Dh, int64_t S, float scale,
                         float *acc, float *m, float *l, float *scores /* [H, S] */) {
     const int64_t group = H / Hkv, token_stride = Hkv * Dh;
+    const int64_t token_lines = (token_stride * (int64_t)sizeof(float) + 63) / 64;  /* a token's K (or V) rows */
     for (int64_t i = 0; i < H; i++) {
         m[i] = NO_SCORE;
         l[i] = 0.0f;
@@ -38,7 +39,12 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
         const int64_t n = seq_len - j * S < S ? seq_len - j * S : S;
         const float *kb = k_cache + table[j] * S * token_stride;
         const float *vb = v_cache + table[j] * S * token_stride;
+        /* the next block lies anywhere in the cache, out of the hardware prefetcher's sight: fetch
+         * it a token's rows at a time while this block's are read (the last block fetches itself) */
+        const int64_t ahead = table[j + 1 < last ? j + 1 : j] * S * token_stride;
+        const char *k_next = (const char *)(k_cache + ahead), *v_next = (const char *)(v_cache + ahead);
         for (int64_t t = 0; t < n; t++) {
+            for (int64_t c = 0; c < token_lines; c++) __builtin_prefetch(k_next + (t * token_lines + c) * 64);
             for (int64_t i = 0; i < H; i++) {
                 const float *kt = kb + t * token_stride + i / group * Dh, *qi = q + i * Dh;
                 float dot = 0.0f;
@@ -67,6 +73,7 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
             }
         }
         for (int64_t t = 0; t < n; t++) {
+            for (int64_t c = 0; c < token_lines; c++) __builtin_prefetch(v_next + (t * token_lines + c) * 64);
             for (int64_t i = 0; i < H; i++) {
                 const float p = scores[i * S + t], *vt = vb + t * token_stride + i / group * Dh;
                 float *ai = acc + i * Dh;
