@@ -16,6 +16,7 @@ alternating), medians of `--runs`:
 - one new 1024x768 photo: first sight with a question, the same request again, and a new
   question after it (llama-server with the converter's vision projector, `--mmproj`), each a
   one-token chat request, a new photo per run;
+- resident memory after the runs: the PSS of each server's processes;
 Ratios are mmserve / llama-server time (below 1: mmserve ahead).
 
 Run: `LLAMA_SERVER=/path/llama-server LLAMA_CONVERT=/path/convert_hf_to_gguf.py python
@@ -162,6 +163,23 @@ def image_rows(peers: Peers, runs: int) -> dict[str, dict[str, float]]:
     return {row: {w: statistics.median(t) for w, t in by.items()} for row, by in took.items()}
 
 
+def resident_mib(server: LaunchedServer) -> float:
+    """The proportional set size (PSS: shared pages split between their users) of every process
+    in the server's process group, in MiB."""
+    assert server.proc is not None
+    total_kib = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != server.proc.pid:  # the process group (each server starts its own)
+                continue
+            rollup = (stat.parent / "smaps_rollup").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+        total_kib += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+    return total_kib / 1024
+
+
 def turns_indexed(peers: Peers, runs: int, measure: Any) -> dict[str, float]:
     """`turns` of `measure(peers, which, run)`: each run's requests its own."""
     counter = iter(range(2 * runs))
@@ -215,6 +233,9 @@ def main() -> None:
             print(f"{label}: mmserve {32 / t['mmserve']:.2f} req/s ({32 * 32 / t['mmserve']:.1f} tok/s), "
                   f"llama-server {32 / t['llama']:.2f} req/s ({32 * 32 / t['llama']:.1f} tok/s), "
                   f"ratio {t['mmserve'] / t['llama']:.2f}")
+        memory = {"mmserve": resident_mib(mm), "llama": resident_mib(ll)}
+        print(f"resident memory after the runs (PSS of every process): mmserve {memory['mmserve']:,.0f} MiB, "
+              f"llama-server {memory['llama']:,.0f} MiB, ratio {memory['mmserve'] / memory['llama']:.2f}")
 
 
 if __name__ == "__main__":

@@ -94,3 +94,27 @@ def test_the_api_server_fills_its_heap_reserve_only_while_no_request_is_in_fligh
     out = subprocess.run([sys.executable, "-c", KEEPER_CODE], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin"}).stdout.split()
     assert out == ["True", "False"]
+
+
+RELEASE = """
+from mmserve.malloc_tuning import release_freed_memory, retain_freed_memory
+def rss_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1])
+retain_freed_memory()
+chunks = [bytearray(8 << 20) for _ in range(8)]  # 64 MiB from the heap (each below the mmap threshold)
+held = rss_kib()
+del chunks  # freed, and kept by the raised thresholds
+kept = rss_kib()
+print(release_freed_memory(), held - kept, kept - rss_kib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_gives_the_kept_heap_back():
+    """What the raised thresholds keep (a start-up's freed dense weights) goes back to the OS on
+    `release_freed_memory`."""
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    released, dropped_by_free, dropped_by_release = out[0], int(out[1]), int(out[2])
+    assert dropped_by_free < 16 << 10  # freeing alone kept (nearly) all of the 64 MiB
+    assert released == "True" and dropped_by_release > 48 << 10

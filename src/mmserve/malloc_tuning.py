@@ -54,6 +54,20 @@ def retain_freed_memory() -> bool:
     return done
 
 
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the OS once (`malloc_trim`): after start-up work that
+    frees much more than serving will reuse (the weights' dense copies once packed), which the
+    raised thresholds would otherwise keep. Whether glibc released any."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    return bool(malloc_trim(0))
+
+
 class HeapReserve:
     """A populated pad of free memory at the top of the main heap (glibc on Linux only).
 

@@ -26,6 +26,7 @@ from mmserve.errors import RequestFault
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
+from mmserve.malloc_tuning import release_freed_memory
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
@@ -55,6 +56,7 @@ class ModelRunner:
                     str(self.dtype).removeprefix("torch."), self.model.attention.name)
         if self.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
+            release_freed_memory()  # the dense copies packing freed (glibc keeps freed memory otherwise)
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
         # a step of fewer tokens (and no encoder work) runs on one thread: measured for this model
         self.one_thread_below = one_thread_below(self.model, self.threads, self.device)
