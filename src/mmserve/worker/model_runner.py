@@ -26,7 +26,7 @@ from mmserve.errors import RequestFault
 from mmserve.config import EngineConfig
 from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
-from mmserve.malloc_tuning import release_freed_memory
+from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
@@ -119,6 +119,10 @@ class ModelRunner:
         num_blocks += int(scratch)
         t = self.model.config.text
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
+        if self.device.type == "cpu":  # decode attention reads blocks wherever they lie: 2 MiB pages
+            self.kv_caches = [(zeros_on_huge_pages(shape, self.dtype), zeros_on_huge_pages(shape, self.dtype))
+                              for _ in range(t.num_hidden_layers)]
+            return
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(t.num_hidden_layers)]
