@@ -69,9 +69,9 @@ def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
         return b.value(name, **labels) - a.value(name, **labels)
 
     first = [delta(before, mid, "mmserve_engine_requests_total", engine=str(r)) for r in (0, 1)]
-    # the first sights spread over both ranks (not always 3/3: a request that ended on one server
-    # may still count as in flight when the other server's next request is routed)
-    assert sum(first) == 6 and min(first) >= 2, first
+    # the first sights spread over both ranks (not evenly: a request that ended on one server may
+    # still count as in flight when the other server's next request is routed; 1/5 was seen)
+    assert sum(first) == 6 and min(first) >= 1, first
     assert delta(mid, after, "mmserve_dp_routing_decisions_total", reason="cache") == 12
     # one /metrics for every process: the request counts and P0's cache layers of both servers
     assert delta(before, after, "mmserve_requests_total", outcome="success") == 18
