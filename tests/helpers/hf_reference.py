@@ -19,11 +19,9 @@ def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dt
         images = item.get("multi_modal_data", {}).get("image")
         images = [images] if isinstance(images, Image.Image) else images
         inputs = processor(text=item["prompt"], images=images, return_tensors="pt")
-        inputs = _on(inputs, device, dtype)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-        lens.append(inputs["input_ids"].shape[1])
+        tokens, prompt_len = _greedy(model, _on(inputs, device, dtype), max_new_tokens)
+        refs.append(tokens)
+        lens.append(prompt_len)
     return refs, lens
 
 
@@ -60,12 +58,18 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: tor
         text = inputs.pop("text")
         if item.get("multi_modal_data", {}).get("video") is not None:
             inputs = _with_videos(inputs, text, item, tokenizer, video_processor, family, model.config)
-        inputs = _on(inputs, device, dtype)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        refs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-        lens.append(inputs["input_ids"].shape[1])
+        tokens, prompt_len = _greedy(model, _on(inputs, device, dtype), max_new_tokens)
+        refs.append(tokens)
+        lens.append(prompt_len)
     return refs, lens
+
+
+def _greedy(model, inputs, max_new_tokens: int) -> tuple[list[int], int]:
+    """`generate`'s greedy new tokens for one prompt's inputs, and the prompt's length."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt_len = inputs["input_ids"].shape[1]
+    return out[0, prompt_len:].tolist(), prompt_len
 
 
 def _on(inputs, device: str, dtype: torch.dtype) -> dict:

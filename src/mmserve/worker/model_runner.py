@@ -119,13 +119,13 @@ class ModelRunner:
         num_blocks += int(scratch)
         t = self.model.config.text
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, t.head_dim)  # this rank's KV heads
-        if self.device.type == "cpu":  # decode attention reads blocks wherever they lie: 2 MiB pages
-            self.kv_caches = [(zeros_on_huge_pages(shape, self.dtype), zeros_on_huge_pages(shape, self.dtype))
-                              for _ in range(t.num_hidden_layers)]
-            return
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(t.num_hidden_layers)]
+
+        def zeros() -> torch.Tensor:  # on the CPU on 2 MiB pages: decode attention reads blocks wherever they lie
+            if self.device.type == "cpu":
+                return zeros_on_huge_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        self.kv_caches = [(zeros(), zeros()) for _ in range(t.num_hidden_layers)]
 
     # ---- one step ---------------------------------------------------------------------------
 
