@@ -67,6 +67,16 @@ def test_a_shadow_waits_until_no_request_waits_and_runs_one_at_a_time():
     assert so.num_scheduled_tokens["late"] == 5
 
 
+
+def test_two_waiting_shadows_run_one_at_a_time_even_when_the_budget_holds_both():
+    s = make_scheduler(max_tokens=64)
+    s.add_request(shadow("s1", PROMPT[:8]))
+    s.add_request(shadow("s2", PROMPT[:8]))
+    so, _ = fake_step(s)
+    assert list(so.num_scheduled_tokens) == ["s1"] and [r.request_id for r in s.shadows] == ["s2"]
+    run(s)
+    assert s.num_unfinished_requests == 0
+
 def test_a_shadow_is_preempted_first_and_waits_again_behind_users():
     s = make_scheduler(num_blocks=8, max_tokens=64)
     s.add_request(make_request("user", PROMPT[:8], max_tokens=20))

@@ -165,8 +165,8 @@ class Scheduler:
 
     def _admit_from(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
         """Admit requests of `queue` in order while budget, `max_num_seqs` and blocks allow (a
-        waiting request takes a running shadow's place); the budget left."""
-        while queue and budget > 0:
+        waiting request takes a running shadow's place; shadows one at a time); the budget left."""
+        while queue and budget > 0 and not (queue is self.shadows and any(r.shadow for r in self.running)):
             if queue is self.waiting:
                 self._fair_head()
             if len(self.running) < self.config.max_num_seqs and self._admit_next(budget, out, queue):
