@@ -138,6 +138,23 @@ class SchedulerConfig:
             raise ValueError(f"encoder_cache_tokens must not be negative; got {self.encoder_cache_tokens}")
 
 
+def compute_encoder_budget(config: SchedulerConfig, max_item_tokens: int) -> tuple[int, int]:
+    """(encoder compute budget per step, encoder cache size), both in embedding tokens.
+
+    Each is its flag (`--max-num-encoder-input-tokens`, `--encoder-cache-tokens`; unset or 0:
+    `--max-num-batched-tokens`), raised to the largest item's `max_item_tokens` so that every
+    item can run. With `--disable-chunked-mm-input` an item's placeholders must fit one step's
+    token budget: a ValueError naming the flag to raise when the largest does not.
+    """
+    if config.disable_chunked_mm_input and max_item_tokens > config.max_num_batched_tokens:
+        raise ValueError(f"with --disable-chunked-mm-input an image's {max_item_tokens} placeholder tokens must fit "
+                         f"one step, but --max-num-batched-tokens is {config.max_num_batched_tokens}; raise "
+                         f"--max-num-batched-tokens to at least {max_item_tokens}")
+    compute = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
+    cache_size = max(config.encoder_cache_tokens or config.max_num_batched_tokens, max_item_tokens)
+    return compute, cache_size
+
+
 @dataclass(frozen=True)
 class MultiModalConfig:
     limit_mm_per_prompt: dict[str, int] = _opt(

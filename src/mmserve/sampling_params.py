@@ -25,7 +25,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     `include_stop_str_in_output`); at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS`
     characters each; `stop_token_ids` and EOS end it in the engine core.
 
-    `n` completions share the prompt (see engine/siblings.py); seeded, completion i uses `seed + i`.
+    `n` completions share the prompt (see engine/policies/siblings.py); seeded, completion i uses `seed + i`.
     `logprobs` K: each sampled token's log probability, its rank and the K most likely
     alternatives, from the distribution it was sampled from: after the penalties, `logit_bias`,
     `min_tokens` and a structured-output mask, divided by the temperature (1 when greedy), before

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.config import SchedulerConfig
-from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
+from mmserve.config import SchedulerConfig, compute_encoder_budget
+from mmserve.engine.encoder_cache import EncoderCacheManager
 
 BIG = 1 << 20  # a compute budget that never binds
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.engine.first_tokens import FirstTokenCache
+from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.sampling_params import StructuredOutputsParams
 from helpers.scheduler_sim import fake_step, make_request, make_scheduler, run
 

@@ -3,7 +3,7 @@ request holds more than its share of the running slots (`max_num_seqs`) while ot
 
 from __future__ import annotations
 
-from mmserve.engine.fairness import insert_in_order
+from mmserve.engine.policies.fairness import insert_in_order
 from helpers.scheduler_sim import fake_step, make_request, make_scheduler
 
 

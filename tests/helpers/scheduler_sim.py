@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_hash import BlockHasher
-from mmserve.engine.first_tokens import FirstTokenCache
+from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler

@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 
 from mmserve.errors import CLIENT, ClientError, RequestFault
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.engine.block_hash import BlockHasher
-from mmserve.engine.encoder_cache import compute_encoder_budget
-from mmserve.engine.first_tokens import FirstTokenCache
+from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.kv_events import KVEvents, make_kv_events
 from mmserve.engine.poison import Poison

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 SHADOW_HASH_PREFIX = "shadow/"  # a shadow request's private item hashes (`request.shadow_items`)
 
 if TYPE_CHECKING:
-    from mmserve.config import SchedulerConfig
     from mmserve.ipc.items import MultiModalItem
 
 
@@ -192,19 +191,3 @@ class EncoderCacheManager:
         assert self.num_reclaimable_tokens == self.num_free_tokens + sum(self._freeable.values())
         assert not set(self._freed) & set(self._tokens), "a reported hash is resident"
 
-
-def compute_encoder_budget(config: SchedulerConfig, max_item_tokens: int) -> tuple[int, int]:
-    """(encoder compute budget per step, encoder cache size), both in embedding tokens.
-
-    Each is its flag (`--max-num-encoder-input-tokens`, `--encoder-cache-tokens`; unset or 0:
-    `--max-num-batched-tokens`), raised to the largest item's `max_item_tokens` so that every
-    item can run. With `--disable-chunked-mm-input` an item's placeholders must fit one step's
-    token budget: a ValueError naming the flag to raise when the largest does not.
-    """
-    if config.disable_chunked_mm_input and max_item_tokens > config.max_num_batched_tokens:
-        raise ValueError(f"with --disable-chunked-mm-input an image's {max_item_tokens} placeholder tokens must fit "
-                         f"one step, but --max-num-batched-tokens is {config.max_num_batched_tokens}; raise "
-                         f"--max-num-batched-tokens to at least {max_item_tokens}")
-    compute = max(config.max_num_encoder_input_tokens or config.max_num_batched_tokens, max_item_tokens)
-    cache_size = max(config.encoder_cache_tokens or config.max_num_batched_tokens, max_item_tokens)
-    return compute, cache_size

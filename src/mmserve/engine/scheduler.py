@@ -1,54 +1,47 @@
 """The scheduler: continuous batching with chunked prefill and preemption by recompute.
 
-Each step has a token budget (`max_num_batched_tokens`). Running requests go first, in
-arrival order, each taking what it still needs (1 token when decoding, a chunk of its prompt
-when prefilling). When KV blocks run out, the most recently admitted running request is
-preempted: its blocks are freed and it waits at the front of the queue, to be recomputed from
-token 0 (its outputs so far become part of what is recomputed). Waiting requests are admitted
-afterwards, in order, while budget, `max_num_seqs` and free blocks allow — and not in a step
-that had to preempt.
+Each step has a token budget (`max_num_batched_tokens`) and runs the lanes in order (vLLM's
+`schedule`, once per lane): a lane's running requests first, in arrival order, each taking what it
+still needs (1 token when decoding, a chunk of its prompt when prefilling), then its waiting
+requests, admitted in order while budget, `max_num_seqs` and free blocks allow — and not in a step
+that had to preempt. When KV blocks run out, the most recently admitted running request of the
+last lane that has one is preempted: its blocks are freed and it waits at the front of its queue,
+to be recomputed from token 0 (its outputs so far become part of what is recomputed).
 
-Prefix cache (`prefix_hits.py`): a request being admitted first takes the longest run of cached
-full blocks that match its block hashes — and, when they reach its last block, an identical
-prompt's last block, else the longest reusable leading part of a computed block after them, which
-the runner copies into a block of the request's own before the step — and its prefill starts
-after them. Blocks are registered in the cache as soon as the scheduled tokens fill them; a
-prompt's last block, and every block for partial reuse, once the step that computed it has run;
-finished, aborted and preempted requests free their blocks into the LRU queue, keys kept.
+Caches at admission: the prefix cache (`prefix_hits.py`: full-block hits, then an identical
+prompt's last block or the reusable leading part of a computed block, copied by the runner before
+the step) and the encoder cache (`encoder_planner.py`: a chunk that reaches an item's placeholders
+references its output, resident or encoded this step within the encoder budget, until it has
+computed them all). Blocks join the prefix cache as soon as the scheduled tokens fill them; finished,
+aborted and preempted requests free their blocks into the LRU queue, keys kept, and release their
+encoder references (unused outputs stay resident until the cache needs room).
 
-Encoder work (`encoder_planner.py`, `encoder_cache.py`): a chunk that reaches an item's
-placeholders references its output — resident already (shared across requests by `mm_hash`), or
-encoded this step within the encoder compute budget. The request holds the reference until it
-has computed all the item's placeholders, or until it finishes or is preempted; unused outputs
-stay resident until the cache needs room, and each step's output names the hashes dropped.
-
-First tokens (`first_tokens.py`): a plain greedy request whose hits reach an identical prompt's
-last block, and whose first token that prompt left, is admitted with its prompt computed and that
-token appended: the step copies its last block and computes nothing for it.
-
-n > 1 (`siblings.py`): a request's later completions wait until its first has scheduled its whole
-prompt, then queue at the front, where its blocks and encoder outputs are hits.
-
-Shadow requests (the cache verifier's re-runs, `Request.shadow`) wait in a queue of their own and
-run last: one at a time, admitted only when no other request waits and the batch has room; in a
-step the other running requests take the budget first, and a shadow is the first to be preempted.
-So a user's request is never held back by one for more than the step it shares with it.
+Policies (`policies/`), each behind a few calls:
+- lanes (`policies/lane.py`): the users' lane in fair-share order (`policies/fairness.py: FairLane`,
+  which also preempts a request over its share before the step), then the cache verifier's shadow
+  requests (`policies/shadows.py: ShadowLane`);
+- first tokens (`policies/first_tokens.py: FirstTokenAnswers`): an admission whose prefix hits
+  reach an identical prompt's last block may be answered with that prompt's first token, computing
+  nothing;
+- n > 1 (`policies/siblings.py: SiblingGroups`): a request's later completions are held until its
+  first has scheduled its whole prompt, then queue where its blocks and encoder outputs are hits.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Sequence
 
-from mmserve.config import SchedulerConfig
-from mmserve.engine.encoder_cache import EncoderCacheManager, compute_encoder_budget
+from mmserve.config import SchedulerConfig, compute_encoder_budget
+from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
-from mmserve.engine.fairness import insert_in_order, next_fair, over_share
-from mmserve.engine.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
+from mmserve.engine.policies.fairness import FairLane
+from mmserve.engine.policies.first_tokens import FirstTokenAnswers, FirstTokenCache
+from mmserve.engine.policies.lane import Lane, Lanes
+from mmserve.engine.policies.shadows import ShadowLane
+from mmserve.engine.policies.siblings import SiblingGroups
 from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.siblings import SiblingGroups
 from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
                                   NewRequestData, SchedulerOutput, TokenLogprobs)
 
@@ -61,26 +54,44 @@ class Scheduler:
                  max_item_tokens: int = 0, first_tokens: FirstTokenCache | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        # a first token needs the prompt's last block: off with last-block caching
-        self.first_tokens = first_tokens if first_tokens is not None and kv_cache.cache_last_blocks \
-            else FirstTokenCache(1, enabled=False)
-        self._answered: list[Request] = []  # admitted this step with a cached first token
         self.max_model_len = max_model_len
+        # a first token needs the prompt's last block: off with last-block caching
+        self.answers = FirstTokenAnswers(first_tokens if first_tokens is not None and kv_cache.cache_last_blocks
+                                         else FirstTokenCache(1, enabled=False))
         compute_budget, cache_size = compute_encoder_budget(config, max_item_tokens)
         self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
         self.encoder_planner = EncoderPlanner(self.encoder_cache, compute_budget, not config.disable_chunked_mm_input)
         self.prefix = PrefixHits(kv_cache, self.encoder_cache.contains)
         self.requests: dict[str, Request] = {}
         self.groups = SiblingGroups()
-        self.waiting: deque[Request] = deque()
-        self.shadows: deque[Request] = deque()  # waiting shadow requests (run last, one at a time)
-        self.running: list[Request] = []
+        self.users = FairLane(config.max_num_seqs)
+        self.shadow_lane = ShadowLane()
+        self.lanes = Lanes(self.users, self.shadow_lane)
+        self.running: list[Request] = []  # every lane's, in admission order
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0  # since start, for tests and metrics
         self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
         self.prefix_hits = 0  # of which were cache hits
+
+    @property
+    def first_tokens(self) -> FirstTokenCache:
+        return self.answers.cache
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """The users' waiting requests (`FairLane`), in the order they are admitted."""
+        return self.users.waiting
+
+    @property
+    def shadows(self) -> Sequence[Request]:
+        """The waiting shadow requests (`ShadowLane`)."""
+        return self.shadow_lane.waiting
+
+    def _running_in(self, lane: Lane) -> list[Request]:
+        """`lane`'s running requests, in admission order."""
+        return self.lanes.members(lane, self.running)
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -92,7 +103,7 @@ class Scheduler:
         if request.sampling_params.n > 1:
             request = self.groups.split(request)
         self.requests[request.request_id] = request
-        (self.shadows if request.shadow else self.waiting).append(request)
+        self.lanes.of(request).waiting.append(request)
 
     def has_request(self, request_id: str) -> bool:
         """Whether the id names an unfinished request (or one of an n > 1 request's completions)."""
@@ -109,39 +120,35 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             else:
-                (self.shadows if req.shadow else self.waiting).remove(req)
+                self.lanes.of(req).waiting.remove(req)
             self._finish(req, status)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.shadows)
+        return len(self.running) + self.lanes.num_waiting()
 
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first (preempting when KV blocks run out), then
-        waiting ones, then shadows; `free_encoder_ids` carries the encoder outputs dropped since
-        the last step."""
+        """Plan one step: per lane, running requests first (preempting when KV blocks run out),
+        then waiting ones; `free_encoder_ids` carries the encoder outputs dropped since the last step."""
         out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
         self._finished_ids = set()
         self.encoder_planner.start_step()
-        for victim in over_share(self.running, self.waiting, self.config.max_num_seqs):
+        for victim in self.users.over_share(self.running, self._running_in(self.users)):
             self._preempt(victim)
-        shadows = [r for r in self.running if r.shadow]
-        budget, preempted = self._schedule_running([r for r in self.running if not r.shadow],
-                                                   self.config.max_num_batched_tokens, out)
-        if not preempted:
-            budget = self._admit_from(self.waiting, budget, out)
-        budget, shadow_preempted = self._schedule_running([r for r in shadows if r in self.running], budget, out)
-        if not (preempted or shadow_preempted or any(r.shadow for r in self.running)):
-            self._admit_from(self.shadows, budget, out)
+        budget, preempted = self.config.max_num_batched_tokens, False
+        for lane in self.lanes:
+            budget, lost = self._schedule_running(self._running_in(lane), budget, out)
+            preempted |= lost
+            if not preempted:
+                budget = self._schedule_waiting(lane, budget, out)
         out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
         return out
 
     def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
-        """Schedule running `reqs` in order within `budget` tokens, preempting (a shadow first,
-        else the last admitted) when KV blocks run out; the budget left and whether it preempted a
-        request that is not a shadow."""
+        """Schedule running `reqs` in order within `budget` tokens, preempting (`Lanes.victim`) when KV
+        blocks run out; the budget left and whether it preempted a request whose lane is not spare."""
         preempted = False
         for req in reqs:
             if budget <= 0:
@@ -153,8 +160,9 @@ class Scheduler:
             if plan.num_tokens == 0:  # its next item cannot run this step
                 continue
             while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
-                victim = self._preempt_last()
-                preempted |= not victim.shadow  # a shadow's blocks were spare: admission goes on
+                victim = self.lanes.victim(self.running)
+                self._preempt(victim)
+                preempted |= not self.lanes.of(victim).spare  # spare blocks: admission goes on
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
@@ -163,61 +171,50 @@ class Scheduler:
             budget -= plan.num_tokens
         return budget, preempted
 
-    def _admit_from(self, queue: deque[Request], budget: int, out: SchedulerOutput) -> int:
-        """Admit requests of `queue` in order while budget, `max_num_seqs` and blocks allow (a
-        waiting request takes a running shadow's place; shadows one at a time); the budget left."""
-        while queue and budget > 0 and not (queue is self.shadows and any(r.shadow for r in self.running)):
-            if queue is self.waiting:
-                self._fair_head()
-            if len(self.running) < self.config.max_num_seqs and self._admit_next(budget, out, queue):
+    def _schedule_waiting(self, lane: Lane, budget: int, out: SchedulerOutput) -> int:
+        """Admit `lane`'s waiting requests in its order while budget, `max_num_seqs` and blocks
+        allow (a request that cannot be admitted takes a later spare lane's place); the budget left."""
+        while lane.waiting and budget > 0 and lane.may_admit(self._running_in(lane)):
+            lane.next_up(self.running)
+            if len(self.running) < self.config.max_num_seqs and self._admit_next(lane, budget, out):
                 budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
-            elif queue is self.waiting and any(r.shadow for r in self.running):
-                self._preempt_last()  # the shadow, not scheduled yet this step
+            elif (spare := self.lanes.spare_after(lane, self.running)) is not None:
+                self._preempt(spare)  # not scheduled yet this step: its lane comes later
             else:
                 break
         return budget
 
-    def _fair_head(self) -> None:
-        """Bring the first waiting request within its fair share to the head (`fairness.py`)."""
-        index = next_fair(self.running, self.waiting, self.config.max_num_seqs)
-        if index:
-            req = self.waiting[index]
-            del self.waiting[index]
-            self.waiting.appendleft(req)
-
-    def _admit_next(self, budget: int, out: SchedulerOutput, queue: deque[Request]) -> bool:
-        """Schedule the first request of `queue` within `budget` tokens, after its prefix-cache hit;
-        False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
-        req = queue[0]
-        hit = self.prefix.hits(req) if not req.shadow else PrefixHit([])
-        token = self.first_tokens.get(req) if hit.last_block else None
+    def _admit_next(self, lane: Lane, budget: int, out: SchedulerOutput) -> bool:
+        """Schedule the first waiting request of `lane` within `budget` tokens, after its prefix-cache
+        hit; False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
+        req = lane.waiting[0]
+        hit = self.prefix.hits(req) if lane.reads_caches else PrefixHit([])
+        token = self.answers.token_for(req, hit.last_block)
         if token is not None:
-            return self._admit_answered(req, hit, token, out, queue)
+            return self._admit_answered(req, hit, token, out, lane)
         n = min(req.num_tokens - hit.num_tokens, budget)
         if not self.kv_cache.can_allocate(req.request_id, hit.num_tokens + n, hit.blocks):
             return False
         plan = self.encoder_planner.plan(req, hit.num_tokens, n)  # may shorten the chunk: it still fits the blocks
         if plan.num_tokens == 0:
             return False  # took no reference: its first needed item was the one that cannot run
-        self._admit(req, hit.num_tokens, queue)
+        self._admit(req, hit.num_tokens, lane)
         self._schedule(req, plan, out, hit.blocks)
         self._copy_block(req, hit, out)
         return True
 
-    def _admit_answered(self, req: Request, hit: PrefixHit, token: int, out: SchedulerOutput,
-                        queue: deque[Request]) -> bool:
+    def _admit_answered(self, req: Request, hit: PrefixHit, token: int, out: SchedulerOutput, lane: Lane) -> bool:
         """Admit `req` with its whole prompt cached (`hit`: its blocks, then a copy of the last)
         and `token`, its prompt's cached first token, appended; nothing of it is computed this
         step. False (and nothing done) when its blocks do not fit."""
         rid, n = req.request_id, req.num_tokens
         if not self.kv_cache.can_allocate(rid, n, hit.blocks):
             return False
-        self._admit(req, n, queue)
+        self._admit(req, n, lane)
         self.kv_cache.allocate_slots(rid, n, hit.blocks)
-        req.append_output_token_ids([token])
+        self.answers.answer(req, token)
         out.new_requests.append(self._new_to_runner(req))
         self._copy_block(req, hit, out)
-        self._answered.append(req)
         return True
 
     def _copy_block(self, req: Request, hit: PrefixHit, out: SchedulerOutput) -> None:
@@ -234,17 +231,17 @@ class Scheduler:
                               self.kv_cache.get_block_ids(req.request_id).copy(), req.num_computed_tokens,
                               req.num_prompt_tokens, req.eos_token_id, req.return_first_logits)
 
-    def _admit(self, req: Request, num_hit: int, queue: deque[Request]) -> None:
-        """Move `req`, the first of `queue`, to running after its `num_hit` cached tokens; the
-        first admission sets its `num_cached_tokens` and counts the lookup in `prefix_queries` /
-        `prefix_hits` and the request's own `cache_counts` (not a shadow's: it looked nothing up)."""
-        queue.popleft()
+    def _admit(self, req: Request, num_hit: int, lane: Lane) -> None:
+        """Move `req`, the first of `lane`'s queue, to running after its `num_hit` cached tokens;
+        the first admission sets its `num_cached_tokens` and, when its lane reads caches, counts
+        the lookup in `prefix_queries` / `prefix_hits` and the request's own `cache_counts`."""
+        lane.waiting.popleft()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_hit
-            if self.kv_cache.enable_caching and not req.shadow:
+            if self.kv_cache.enable_caching and lane.reads_caches:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += num_hit
                 req.count_cache("prefix", num_hit, req.num_tokens)
@@ -270,13 +267,7 @@ class Scheduler:
         if self.groups.held:
             released = self.groups.release(req)
             self.requests.update((r.request_id, r) for r in released)
-            insert_in_order(self.waiting, released)
-
-    def _preempt_last(self) -> Request:
-        """Preempt the running shadow request if there is one, else the last admitted request."""
-        victim = next((r for r in self.running if r.shadow), self.running[-1])
-        self._preempt(victim)
-        return victim
+            self.users.queue_released(released)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -285,20 +276,19 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _requeue(self, req: Request) -> None:
-        """Put `req` (out of `running`) back at the head of its queue, to recompute from scratch."""
+        """Put `req` (out of `running`) back at the head of its lane's queue, to recompute from scratch."""
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        (self.shadows if req.shadow else self.waiting).appendleft(req)
+        self.lanes.of(req).waiting.appendleft(req)
 
     def fail_step(self, sched: SchedulerOutput, culprit: str, message: str) -> EngineCoreOutputs:
         """Undo a step that raised in `culprit`'s work: end `culprit` with an internal error
-        output (its blocks and items freed) and requeue the step's other requests at the head of
-        the queue, to recompute what the step lost (the runner drops their state next step)."""
+        output (its blocks and items freed) and requeue the step's other requests — scheduled or
+        answered (`FirstTokenAnswers.take_back`) — at the head of their queues, to recompute what
+        the step lost (the runner drops their state next step)."""
         outputs: list[EngineCoreOutput] = []
-        answered, self._answered = self._answered, []
-        for req in answered:  # admitted with a cached first token: take the token back
-            req.drop_last_token()
+        answered = self.answers.take_back()
         step = {rid: sched.num_scheduled_tokens.get(rid, 0) for rid in
                 [*sched.num_scheduled_tokens, *(r.request_id for r in answered)]}
         for rid in reversed(list(step)):
@@ -332,11 +322,9 @@ class Scheduler:
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_output_token_ids(tokens)
-            if req.num_output_tokens == 1 and req.num_computed_tokens == req.num_prompt_tokens:
-                self.first_tokens.put(req, tokens[0])
+            self.answers.learn(req, tokens)
             outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid)))
-        answered, self._answered = self._answered, []
-        outputs += [self._output(req, req.output_token_ids[-1:]) for req in answered
+        outputs += [self._output(req, req.output_token_ids[-1:]) for req in self.answers.drain()
                     if req.status is RequestStatus.RUNNING]
         return EngineCoreOutputs(outputs)
 
@@ -376,19 +364,16 @@ class Scheduler:
         self.kv_cache.check_integrity()
         self.encoder_cache.check_integrity()
         self.groups.check_integrity()
-        self.first_tokens.check_integrity()
-        assert not self._answered, "an answered request's output was not sent"
+        self.answers.check_integrity()
+        self.lanes.check_integrity(self.running)
+        waiting = [r for lane in self.lanes for r in lane.waiting]
         running = {r.request_id for r in self.running}
         assert set(self.kv_cache.req_to_blocks) <= running, "a non-running request owns blocks"
-        assert not any(self.encoder_cache.held_items(r.request_id) for r in (*self.waiting, *self.shadows)), \
-            "a waiting request holds one"
-        assert running | {r.request_id for r in (*self.waiting, *self.shadows)} == set(self.requests)
-        assert all(r.shadow for r in self.shadows) and not any(r.shadow for r in self.waiting)
-        assert sum(r.shadow for r in self.running) <= 1, "more than one shadow request runs"
+        assert not any(self.encoder_cache.held_items(r.request_id) for r in waiting), "a waiting request holds one"
+        assert running | {r.request_id for r in waiting} == set(self.requests)
         assert len(self.running) <= self.config.max_num_seqs
         for req in self.running:
             blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))
             assert blocks >= self.kv_cache.blocks_needed(req.num_computed_tokens), f"{req} lacks KV blocks"
             for idx in self.encoder_cache.held_items(req.request_id):
                 assert req.mm_items[idx].placeholder.end > req.num_computed_tokens, f"{req} kept a consumed output"
-

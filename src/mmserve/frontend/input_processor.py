@@ -13,9 +13,8 @@ from typing import Any, Callable, cast
 
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.frontend.video_input import VideoInputs, check_uuids
-from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.processor_cache import ProcessorCache

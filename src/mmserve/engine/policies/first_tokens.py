@@ -13,7 +13,9 @@ after preemption) and answers the token after the step. That request must be pla
 ask for no log probabilities (they need the logits) and be a single completion (`n` = 1).
 
 The token is the one the first prompt's own forward sampled, so a hit answers exactly what that
-computation answered. Entries are kept LRU, at most `capacity` (a few bytes each); a stale one costs
+computation answered. The scheduler asks `FirstTokenAnswers` at each admission (`token_for`), tells
+it what each step sampled (`learn`), and hands out or takes back the step's answers (`drain`,
+`take_back`). Entries are kept LRU, at most `capacity` (a few bytes each); a stale one costs
 nothing, since a hit also needs the last block to be cached. `/metrics` reports the layer as
 `first_token`: lookups (a request that could take a token, and whose hits reached a cached last
 block), hits, evictions and entries.
@@ -91,3 +93,47 @@ class FirstTokenCache:
 
     def check_integrity(self) -> None:
         assert len(self._tokens) <= self.capacity
+
+
+class FirstTokenAnswers:
+    """The first-token policy over `cache`: which admissions are answered from it, and those of one step.
+
+    An answered request is admitted with its prompt computed and its cached first token appended
+    (`answer`); it is one of the step's requests though nothing of it is scheduled. Its output is
+    sent after the step (`drain`), or its token is taken back when the step fails (`take_back`).
+    Between steps no answered request is pending."""
+
+    def __init__(self, cache: FirstTokenCache) -> None:
+        self.cache = cache
+        self._answered: list[Request] = []  # admitted this step with a cached first token
+
+    def token_for(self, req: Request, reaches_last_block: bool) -> int | None:
+        """The cached first token to answer waiting `req` with, when its prefix-cache hits
+        reach an identical prompt's last block (`PrefixHit.last_block`); else None."""
+        return self.cache.get(req) if reaches_last_block else None
+
+    def answer(self, req: Request, token: int) -> None:
+        """`req` was admitted with its whole prompt computed: append `token` as its first output."""
+        req.append_output_token_ids([token])
+        self._answered.append(req)
+
+    def learn(self, req: Request, tokens: list[int]) -> None:
+        """`req` sampled `tokens` (appended already): keep the first token of a prompt computed whole."""
+        if req.num_output_tokens == 1 and req.num_computed_tokens == req.num_prompt_tokens:
+            self.cache.put(req, tokens[0])
+
+    def drain(self) -> list[Request]:
+        """The step's answered requests, whose token goes out after the step."""
+        answered, self._answered = self._answered, []
+        return answered
+
+    def take_back(self) -> list[Request]:
+        """The failed step's answered requests, their tokens taken back (they are recomputed)."""
+        answered = self.drain()
+        for req in answered:
+            req.drop_last_token()
+        return answered
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        assert not self._answered, "an answered request's output was not sent"

@@ -21,6 +21,11 @@ from mmserve.engine.request import Request
 
 
 class SiblingGroups:
+    """The n > 1 requests' siblings: split at arrival, held until sibling 0's prompt is scheduled.
+
+    The scheduler calls `split` when a request arrives, `release` after each request it schedules,
+    `finish` when one ends and `expand` when requests are aborted by id."""
+
     def __init__(self) -> None:
         self.held: dict[str, list[Request]] = {}
         self.live: dict[str, set[str]] = {}
@@ -35,6 +40,7 @@ class SiblingGroups:
         return siblings[0]
 
     def contains(self, client_id: str) -> bool:
+        """Whether `client_id` names an n > 1 request with an unfinished sibling."""
         return client_id in self.live
 
     def release(self, request: Request) -> list[Request]:

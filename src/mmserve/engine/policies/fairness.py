@@ -1,4 +1,4 @@
-"""Fair shares of the running slots: who goes next, and who gives a slot back (pure functions).
+"""Fair shares of the running slots: the users' lane (`FairLane`) and the pure functions it runs on.
 
 A request's completions (n > 1 siblings) count together, by `client_id`, and so do the prompts of
 one completions batch (the endpoint names them `cmpl-…-{p}`: `group_of`). A request's share is
@@ -6,6 +6,7 @@ one completions batch (the endpoint names them `cmpl-…-{p}`: `group_of`). A re
 within its share waits, the next admitted is the first waiting request within its share, and with
 every slot taken, completions of requests over their share are preempted (the last admitted
 first) until it has a slot. Released siblings queue behind the requests that arrived before them.
+Requests of other lanes (a running shadow) count in the shares but are never preempted here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from collections import deque
 from collections.abc import Sequence
 
+from mmserve.engine.policies.lane import Lane
 from mmserve.engine.request import Request
 
 
@@ -41,16 +43,18 @@ def next_fair(running: Sequence[Request], waiting: Sequence[Request], max_num_se
     return next((i for i, r in enumerate(waiting) if held.get(group_of(r), 0) < share), 0)
 
 
-def over_share(running: Sequence[Request], waiting: Sequence[Request], max_num_seqs: int) -> list[Request]:
-    """The running completions to preempt so that a waiting request within its share gets a slot
-    (none unless every slot is taken and such a request waits); the last admitted first."""
+def over_share(running: Sequence[Request], own: Sequence[Request], waiting: Sequence[Request],
+               max_num_seqs: int) -> list[Request]:
+    """The completions of `own` (the lane's running requests, in `running`'s order) to preempt so
+    that a request of `waiting` within its share gets a slot (none unless every slot is taken and
+    such a request waits); the last admitted first."""
     if len(running) < max_num_seqs:
         return []
     held, share = shares(running, waiting, max_num_seqs)
-    if not any(held.get(group_of(r), 0) < share for r in waiting if not r.shadow):
+    if not any(held.get(group_of(r), 0) < share for r in waiting):
         return []
-    for victim in reversed(running):
-        if held[group_of(victim)] > share and not victim.shadow:
+    for victim in reversed(own):
+        if held[group_of(victim)] > share:
             return [victim]  # one slot: the waiting request takes it
     return []
 
@@ -62,3 +66,27 @@ def insert_in_order(waiting: deque[Request], siblings: Sequence[Request]) -> Non
     index = next((i for i, r in enumerate(waiting) if r.order > siblings[0].order), len(waiting))
     for sibling in reversed(siblings):
         waiting.insert(index, sibling)
+
+
+class FairLane(Lane):
+    """The users' lane: admitted in fair-share order within `max_num_seqs` running slots."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        super().__init__()
+        self.max_num_seqs = max_num_seqs
+
+    def next_up(self, running: Sequence[Request]) -> None:
+        """Bring the first waiting request within its fair share to the head."""
+        index = next_fair(running, self.waiting, self.max_num_seqs)
+        if index:
+            req = self.waiting[index]
+            del self.waiting[index]
+            self.waiting.appendleft(req)
+
+    def over_share(self, running: Sequence[Request], members: Sequence[Request]) -> list[Request]:
+        """The lane's running `members` to preempt before the step, so a request within its share gets a slot."""
+        return over_share(running, members, self.waiting, self.max_num_seqs)
+
+    def queue_released(self, siblings: Sequence[Request]) -> None:
+        """Queue released n > 1 `siblings` behind the requests that arrived before them."""
+        insert_in_order(self.waiting, siblings)
