@@ -67,6 +67,9 @@ class Scheduler:
         self.users = FairLane(config.max_num_seqs)
         self.shadow_lane = ShadowLane()
         self.lanes = Lanes(self.users, self.shadow_lane)
+        self.waiting = self.users.waiting  # the users' waiting requests, in the order they are admitted
+        self.shadows = self.shadow_lane.waiting
+        self.first_tokens = self.answers.cache
         self.running: list[Request] = []  # every lane's, in admission order
         self._finished_ids: set[str] = set()  # to drop from the runner at the next step
         self._known_to_runner: set[str] = set()
@@ -74,20 +77,6 @@ class Scheduler:
         self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
         self.prefix_hits = 0  # of which were cache hits
-
-    @property
-    def first_tokens(self) -> FirstTokenCache:
-        return self.answers.cache
-
-    @property
-    def waiting(self) -> Sequence[Request]:
-        """The users' waiting requests (`FairLane`), in the order they are admitted."""
-        return self.users.waiting
-
-    @property
-    def shadows(self) -> Sequence[Request]:
-        """The waiting shadow requests (`ShadowLane`)."""
-        return self.shadow_lane.waiting
 
     def _running_in(self, lane: Lane) -> list[Request]:
         """`lane`'s running requests, in admission order."""
