@@ -5,7 +5,11 @@
 - P1 and its workers (`engine/`, `worker/`, `models/`) never load P0's code (`frontend/`,
   `entrypoints/`) or the launcher's (`launcher/`); P0's `frontend/` never imports the server or the
   launcher; nothing but the launcher (and the server's hand-over to it) imports `launcher/`.
-- P0's request path does not pull in the engine core or the model code.
+- `transport/` (how items cross between P0 and P1, both halves) sits under both: it imports neither
+  `frontend/` nor `engine/`, nor the server or the launcher.
+- P0's request path does not pull in the engine core or the model code; outside `engine_client/`
+  (which starts P1, or runs it in-process offline) `frontend/` imports nothing of `engine/` but the
+  block hash (`engine/block_hash.py`: the prefix keys the DP router routes by).
 """
 
 from __future__ import annotations
@@ -66,7 +70,18 @@ def test_p1_and_its_workers_do_not_import_p0_or_the_launcher():
 def test_p0s_frontend_does_not_import_the_server_or_the_launcher():
     bad = offending("frontend", banned=("mmserve.entrypoints", "mmserve.launcher"))
     assert not bad, bad
-    bad = offending("transport", banned=("mmserve.entrypoints", "mmserve.launcher"))
+
+
+def test_transport_sits_under_the_frontend_and_the_engine():
+    bad = offending("transport", banned=("mmserve.frontend", "mmserve.engine", "mmserve.entrypoints",
+                                         "mmserve.launcher"))
+    assert not bad, bad
+
+
+def test_p0s_request_path_imports_nothing_of_the_engine_but_the_block_hash():
+    bad = sorted(f"{path}: {m}" for path, names in imports_of("frontend").items()
+                 if not path.startswith("frontend/engine_client/")
+                 for m in names if m.startswith("mmserve.engine.") and m != "mmserve.engine.block_hash")
     assert not bad, bad
 
 

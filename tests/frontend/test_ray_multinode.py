@@ -12,7 +12,7 @@ from mmserve import LLM
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.core_client import EngineCoreClient
 from mmserve.transport.item_transport import ItemTransport
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from helpers.core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
 from helpers.tiny_models import make_checkpoint
 

@@ -11,7 +11,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.transport.item_transport import ItemTransport
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from mmserve.sampling_params import SamplingParams
 from helpers.tiny_models import make_checkpoint
 

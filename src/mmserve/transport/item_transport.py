@@ -22,20 +22,30 @@ so they agree.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
-from mmserve.frontend.engine_client.attached_engine import Attachment
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from mmserve.ipc.messages import CacheStats, EngineCoreRequest, sum_stats
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.item_store.node_store import NodeStoreClient
 from mmserve.item_store.shm_store import ShmStore
 from mmserve.transport.shm_items import ShmItemWriter
 from mmserve.multimodal.cache import IpcSenderCache
+
+
+class StoreAttachment(Protocol):
+    """Where the launcher's node store is, for an API server it started (`Attachment`): the store's
+    address and its msgpack `ShmStoreInfo` (holds the handle secret), None when it runs none."""
+
+    @property
+    def store(self) -> str | None: ...
+
+    @property
+    def store_info(self) -> bytes | None: ...
 
 
 class ItemTransport:
@@ -47,7 +57,7 @@ class ItemTransport:
     hold on the store. A rank marked `remote` (another node: it cannot map this machine's shared
     memory) gets its items through its IPC sender instead (a 0 GiB one under shm: every item inline)."""
 
-    def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
+    def __init__(self, config: EngineConfig, attachment: StoreAttachment | None = None) -> None:
         mm = config.multimodal
         self.client_index = config.parallel.api_server_index
         self.senders = [IpcSenderCache(config.ipc_cache_bytes_per_server)
@@ -159,7 +169,7 @@ class ItemTransport:
             self.shm.close()
 
 
-def _item_store(config: EngineConfig, attachment: Attachment | None) -> ShmStore | NodeStoreClient:
+def _item_store(config: EngineConfig, attachment: StoreAttachment | None) -> ShmStore | NodeStoreClient:
     """This server's own store, or the node's when its launcher runs one (several API servers)."""
     if attachment is not None and attachment.store is not None and attachment.store_info is not None:
         info = msgspec.msgpack.decode(attachment.store_info, type=ShmStoreInfo)

@@ -22,7 +22,7 @@ from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
 from mmserve.frontend.output.output_processor import OutputProcessor
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import SamplingParams
 

@@ -1,33 +1,7 @@
-"""An undo log: a request's steps in P0 before the engine accepted it, taken back when one fails.
-
-Taken back in reverse order (see `frontend/request/admission.py: Admission.admit`, the one place
-that uses it).
-"""
+"""The undo log's old import path, for the modules not yet moved to `mmserve.transport.undo`."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable
+from mmserve.transport.undo import UndoLog
 
-logger = logging.getLogger(__name__)
-
-
-class UndoLog:
-    """The undo steps of one request, run last first.
-
-    `push(fn, *args)` after each step that changed shared state; `run()` undoes them all (last
-    first, each once; an undo step that raises is logged and the others still run)."""
-
-    def __init__(self) -> None:
-        self._steps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-
-    def push(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._steps.append((fn, args))
-
-    def run(self) -> None:
-        while self._steps:
-            fn, args = self._steps.pop()
-            try:
-                fn(*args)
-            except Exception:  # one broken undo must not leave the others undone
-                logger.exception("undo step %s failed", getattr(fn, "__qualname__", fn))
+__all__ = ["UndoLog"]
