@@ -20,7 +20,8 @@ from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.ipc.messages import SchedulerOutput
 from mmserve.models.hf_config import load_model_config
-from mmserve.models.parallel import TensorParallel, check_shardable
+from mmserve.models.parallel import TensorParallel
+from mmserve.models.registry import check_shardable
 from mmserve.worker.executor import InProcessExecutor
 from mmserve.worker.multiproc_executor import WorkerFailedError
 from helpers.hf_reference import hf_greedy

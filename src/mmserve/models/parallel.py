@@ -14,7 +14,7 @@ Every rank holds a slice of each big weight and the same activations at layer bo
 - Norms, rotary, the vision embeddings and biases of row-parallel layers are replicated.
 
 Heads split evenly; KV heads split when there are at least N of them, otherwise each is
-replicated on N / Hkv ranks (rank r uses KV head r // (N / Hkv)). `check_shardable` names any
+replicated on N / Hkv ranks (rank r uses KV head r // (N / Hkv)). `registry.py: check_shardable` names any
 size that does not divide. With `size == 1` (`SINGLE`) every layer is the plain layer: the same
 parameter shapes and names, and no collectives.
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.hf_config import ModelConfig, TextConfig
+from mmserve.models.hf_config import TextConfig
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,6 @@ def kv_head_shard(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
         raise ValueError(f"--tensor-parallel-size ({tp.size}) must be a multiple of num_key_value_heads "
                          f"({num_kv_heads}) when it is larger (KV heads are then replicated)")
     return tp.rank // (tp.size // num_kv_heads), 1
-
-
-def check_shardable(cfg: ModelConfig, tp: TensorParallel) -> None:
-    """Raise ValueError, before any process starts, for a model that does not split over tp.size."""
-    from mmserve.models.registry import model_class
-
-    model_class(cfg).check_shardable(cfg, tp)
 
 
 def check_decoder_shardable(t: TextConfig, tp: TensorParallel) -> None:

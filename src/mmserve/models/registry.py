@@ -8,9 +8,12 @@ entry here. Classes are imported on demand: P0 reads configs without importing t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmserve.models.hf_config import LlavaModelConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from mmserve.models.parallel import TensorParallel
 
 
 def model_class(cfg: ModelConfig) -> Any:
@@ -22,3 +25,8 @@ def model_class(cfg: ModelConfig) -> Any:
     from mmserve.models.qwen_vl import QwenVLForConditionalGeneration
 
     return QwenVLForConditionalGeneration
+
+
+def check_shardable(cfg: ModelConfig, tp: TensorParallel) -> None:
+    """Raise ValueError, before any process starts, for a model that does not split over tp.size."""
+    model_class(cfg).check_shardable(cfg, tp)

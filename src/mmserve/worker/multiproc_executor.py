@@ -41,7 +41,8 @@ from mmserve.ipc.queues import QueueReceiver, ipc_address, make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast
 from mmserve.models.hf_config import load_model_config
-from mmserve.models.parallel import TensorParallel, check_shardable
+from mmserve.models.parallel import TensorParallel
+from mmserve.models.registry import check_shardable
 from mmserve.worker.worker_proc import WorkerArgs, run_worker
 
 logger = logging.getLogger(__name__)
