@@ -7,6 +7,8 @@
   launcher; nothing but the launcher (and the server's hand-over to it) imports `launcher/`.
 - `transport/` (how items cross between P0 and P1, both halves) sits under both: it imports neither
   `frontend/` nor `engine/`, nor the server or the launcher.
+- Every circle of imports between modules is one that docs/ARCHITECTURE.md justifies ("Import
+  circles"); none runs at import time.
 - P0's request path does not pull in the engine core or the model code; outside `engine_client/`
   (which starts P1, or runs it in-process offline) `frontend/` imports nothing of `engine/` but the
   block hash (`engine/block_hash.py`: the prefix keys the DP router routes by).
@@ -39,6 +41,63 @@ def imports_of(folder: str) -> dict[str, set[str]]:
 def offending(folder: str, allowed: tuple[str, ...] = (), banned: tuple[str, ...] = ()) -> list[str]:
     return sorted(f"{path}: {m}" for path, names in imports_of(folder).items() for m in names
                   if (allowed and not m.startswith(allowed)) or (banned and m.startswith(banned)))
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(("mmserve", *path.relative_to(SRC).with_suffix("").parts))
+    return name.removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the mmserve modules it imports anywhere in its text (a name imported from a
+    package counts as its submodule when there is one)."""
+    modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mmserve"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                targets |= subs or {node.module}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("mmserve.")}
+        graph[name] = {t for t in targets if t in modules and t not in (name, "mmserve")}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[frozenset[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = {stack.pop()}
+                while node not in component:
+                    component.add(stack.pop())
+                if len(component) > 1:
+                    circles.append(frozenset(component))
+    return circles
 
 
 def loaded_by(*modules: str) -> list[str]:
@@ -97,3 +156,23 @@ def test_the_frontends_request_path_does_not_import_the_engine_core():
     # P1's target (`engine_process.py: _run_engine_core`) imports the engine core in P1 only
     assert not [m for m in loaded if m.startswith(("mmserve.engine.core", "mmserve.models.llava",
                                                    "mmserve.models.qwen_vl"))], loaded
+
+
+JUSTIFIED_CIRCLES = [  # docs/ARCHITECTURE.md, "Import circles": one line each on why it stays
+    {"entrypoints.openai.api_server", "launcher.launcher"},
+    {"entrypoints.openai.choices", "entrypoints.openai.serving_chat", "entrypoints.openai.streaming"},
+    {"entrypoints.openai.protocol", "entrypoints.openai.sampling_extras"},
+    {"entrypoints.openai.tool_parsers", "entrypoints.openai.tool_parsers.hermes"},
+    {"frontend.engine_client.engine_process", "frontend.engine_client.ray_engine"},
+    {"models.builtin", "models.builtin_qwen_vl"},
+    {"models.hf_config", "models.qwen_config"},
+    {"multimodal.http_fetch", "multimodal.media"},
+    {"multimodal.processing", "multimodal.qwen_processor"},
+    {"worker.memory", "worker.model_runner"},
+]
+
+
+def test_every_import_circle_is_one_the_architecture_justifies():
+    justified = {frozenset(f"mmserve.{m}" for m in circle) for circle in JUSTIFIED_CIRCLES}
+    new = [sorted(c) for c in import_circles(import_graph()) if c not in justified]
+    assert not new, new
