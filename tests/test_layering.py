@@ -167,7 +167,6 @@ JUSTIFIED_CIRCLES = [  # docs/ARCHITECTURE.md, "Import circles": one line each o
     {"models.builtin", "models.builtin_qwen_vl"},
     {"models.hf_config", "models.qwen_config"},
     {"multimodal.http_fetch", "multimodal.media"},
-    {"multimodal.processing", "multimodal.qwen_processor"},
     {"worker.memory", "worker.model_runner"},
 ]
 

@@ -15,6 +15,7 @@ import stat
 import urllib.parse
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import pybase64
 from PIL import Image, UnidentifiedImageError
@@ -113,6 +114,13 @@ def read_media_bytes(url: str, limits: MediaLimits, kind: str = "image") -> byte
         return fetch_http(url, limits)
     raise MediaError(f"unsupported image URL scheme {scheme!r}: use data:, file:// or http(s)://")
 
+
+def check_image(image: Any) -> None:
+    """ValueError unless `image` is a PIL image."""
+    if not isinstance(image, Image.Image):
+        kind = type(image)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise ClientError(f"an image must be a PIL.Image.Image, got {name}")
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Decode encoded image bytes (PNG, JPEG, WebP, GIF first frame) to an RGB image."""

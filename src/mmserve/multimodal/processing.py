@@ -20,7 +20,7 @@ from PIL import Image
 from mmserve.errors import ClientError
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
-from mmserve.multimodal.media import to_rgb
+from mmserve.multimodal.media import check_image, to_rgb
 
 if TYPE_CHECKING:
     from mmserve.multimodal.processor_api import ItemProcessor
@@ -144,14 +144,6 @@ def create_processor(model_path: str) -> ItemProcessor:
     from mmserve.multimodal.qwen_processor import QwenVLProcessor
 
     return QwenVLProcessor(model_path)
-
-
-def check_image(image: Any) -> None:
-    """ValueError unless `image` is a PIL image."""
-    if not isinstance(image, Image.Image):
-        kind = type(image)
-        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise ClientError(f"an image must be a PIL.Image.Image, got {name}")
 
 
 def _fill_missing_llava_fields(processor: Any, model_path: str) -> None:

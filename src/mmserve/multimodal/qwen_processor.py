@@ -22,8 +22,7 @@ from PIL import Image
 
 from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
-from mmserve.multimodal.media import MediaError, to_rgb
-from mmserve.multimodal.processing import check_image
+from mmserve.multimodal.media import MediaError, check_image, to_rgb
 from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
