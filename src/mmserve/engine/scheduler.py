@@ -163,7 +163,7 @@ class Scheduler:
     def _schedule_waiting(self, lane: Lane, budget: int, out: SchedulerOutput) -> int:
         """Admit `lane`'s waiting requests in its order while budget, `max_num_seqs` and blocks
         allow (a request that cannot be admitted takes a later spare lane's place); the budget left."""
-        while lane.waiting and budget > 0 and lane.may_admit(self._running_in(lane)):
+        while lane.waiting and budget > 0 and lane.may_admit(self.running):
             lane.next_up(self.running)
             if len(self.running) < self.config.max_num_seqs and self._admit_next(lane, budget, out):
                 budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)

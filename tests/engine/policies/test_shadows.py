@@ -21,7 +21,7 @@ def test_it_takes_shadows_only():
 
 def test_it_admits_while_no_shadow_runs():
     lane = ShadowLane()
-    assert lane.may_admit([]) and not lane.may_admit([req("s", True)])
+    assert lane.may_admit([req("a", False)]) and not lane.may_admit([req("a", False), req("s", True)])
 
 
 def test_it_is_spare_and_reads_no_cache():

@@ -12,7 +12,7 @@ cache verifier's re-runs) add theirs by overriding these members:
 - `reads_caches`: whether its requests look up (and count) prefix-cache hits at admission.
 - `takes(req)`: whether `req` belongs to this lane (the first lane takes every request no other does).
 - `next_up(running)`: put the next request to admit at the head of `waiting` (FIFO: nothing to do).
-- `may_admit(members)`: whether the lane admits this step, given its running `members`.
+- `may_admit(running)`: whether the lane admits a request now, given every running request.
 - `check_integrity(members)`: the lane's invariants over its running members, between steps.
 """
 
@@ -39,7 +39,7 @@ class Lane:
     def next_up(self, running: Sequence[Request]) -> None:
         """Bring the next request to admit to the head of `waiting`, given every `running` request."""
 
-    def may_admit(self, members: Sequence[Request]) -> bool:
+    def may_admit(self, running: Sequence[Request]) -> bool:
         return True
 
     def check_integrity(self, members: Sequence[Request]) -> None:
@@ -62,7 +62,10 @@ class Lanes:
         return iter(self.order)
 
     def of(self, req: Request) -> Lane:
-        return next((lane for lane in self.others if lane.takes(req)), self.first)
+        for lane in self.others:
+            if lane.takes(req):
+                return lane
+        return self.first
 
     def members(self, lane: Lane, running: Sequence[Request]) -> list[Request]:
         """`lane`'s requests among `running`, in their order."""

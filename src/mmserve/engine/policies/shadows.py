@@ -27,8 +27,8 @@ class ShadowLane(Lane):
     def takes(self, req: Request) -> bool:
         return req.shadow
 
-    def may_admit(self, members: Sequence[Request]) -> bool:
-        return not members
+    def may_admit(self, running: Sequence[Request]) -> bool:
+        return not any(self.takes(r) for r in running)
 
     def check_integrity(self, members: Sequence[Request]) -> None:
         assert len(members) <= 1, "more than one shadow request runs"
