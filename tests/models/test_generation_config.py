@@ -34,8 +34,8 @@ def test_a_list_of_eos_ids_is_read_whole(tmp_path):
     path = with_generation_config(make_checkpoint(tmp_path / "a"), tmp_path / "b", QWEN_25_VL)
     assert eos_token_ids(path) == (151645, 151643) and eos_token_id(path) == 151645
     defaults = load_generation_defaults(path)
-    assert defaults.sampling == {"repetition_penalty": 1.05, "temperature": 0.1, "top_p": 0.001, "top_k": 1}
-    assert defaults.dropped == {"min_p": 0.05}
+    assert defaults.sampling == {"repetition_penalty": 1.05, "temperature": 0.1, "top_p": 0.001, "top_k": 1,
+                                 "min_p": 0.05}
     assert "temperature=0.1" in defaults.describe() and "min_p=0.05" in defaults.describe()
     assert load_generation_defaults(path, "vllm").sampling == {}
     assert load_generation_defaults(path, "vllm").eos_token_ids == (151645, 151643)  # EOS either way
@@ -78,13 +78,14 @@ def test_the_servers_requests_take_the_files_defaults_where_they_set_none(engine
     client = TestClient(build_app(engine, ["tiny"]))
     assert post(client, {"messages": messages()}).status_code == 200
     unset = engine.params[-1]
-    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty, unset.max_tokens) == (
-        0.1, 0.001, 1, 1.05, 10)
-    body = {"messages": messages(), "temperature": 0.9, "top_p": 0.5, "top_k": -1, "repetition_penalty": 1.0,
-            "max_tokens": 3}
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.repetition_penalty, unset.max_tokens) == (
+        0.1, 0.001, 1, 0.05, 1.05, 10)
+    body = {"messages": messages(), "temperature": 0.9, "top_p": 0.5, "top_k": -1, "min_p": 0.0,
+            "repetition_penalty": 1.0, "max_tokens": 3}
     assert post(client, body).status_code == 200
     own = engine.params[-1]
-    assert (own.temperature, own.top_p, own.top_k, own.repetition_penalty, own.max_tokens) == (0.9, 0.5, None, 1.0, 3)
+    assert (own.temperature, own.top_p, own.top_k, own.min_p, own.repetition_penalty, own.max_tokens) == (
+        0.9, 0.5, None, 0.0, 1.0, 3)
     defaults = engine.generation_defaults
     completion = CompletionRequest(prompt="hi").to_sampling_params(64, defaults.request_defaults)
     assert (completion.temperature, completion.max_tokens) == (0.1, 16)  # OpenAI's default max_tokens stays

@@ -8,12 +8,11 @@ Two things come from it, following vLLM (`ModelConfig.get_diff_sampling_param`,
   request's `stop_token_ids` unless it sets `ignore_eos` (`GenerationDefaults.with_eos_stops`).
   This holds whatever `--generation-config` says.
 - **Sampling defaults.** With `--generation-config auto` (the default) the file's `temperature`,
-  `top_p`, `top_k`, `repetition_penalty` and `max_new_tokens` (as `max_tokens`) fill the fields a
-  request leaves unset; a request's own value always wins. `vllm` takes none of them; a directory
-  takes its own `generation_config.json` instead of the checkpoint's (for its EOS ids too). A value
-  is taken when the file gives it and it is not null: transformers 5's `GenerationConfig.to_diff_dict`,
-  whose defaults are all None. `min_p`, which mmserve does not sample with yet, is left out (said
-  at start-up).
+  `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` (as `max_tokens`) fill the
+  fields a request leaves unset; a request's own value always wins. `vllm` takes none of them; a
+  directory takes its own `generation_config.json` instead of the checkpoint's (for its EOS ids
+  too). A value is taken when the file gives it and it is not null: transformers 5's
+  `GenerationConfig.to_diff_dict`, whose defaults are all None.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ logger = logging.getLogger("mmserve")
 # generation_config.json's sampling names (vLLM's `available_params`) -> SamplingParams'
 _SAMPLING_NAMES = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
                    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
-_UNSUPPORTED = ("min_p",)  # names SamplingParams lacks: dropped, and said at start-up
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,11 @@ class GenerationDefaults:
 
     `eos_token_ids`: every EOS id, the engine's primary one first. `sampling`: SamplingParams
     names -> values that fill a request's unset fields (`max_tokens` among them when the file
-    sets `max_new_tokens`). `dropped`: the file's sampling values mmserve cannot apply.
+    sets `max_new_tokens`). `source`: where they come from, for the start-up line.
     """
 
     eos_token_ids: tuple[int, ...] = ()
     sampling: dict[str, Any] = field(default_factory=dict)
-    dropped: dict[str, Any] = field(default_factory=dict)
     source: str = ""
 
     @property
@@ -75,15 +72,11 @@ class GenerationDefaults:
     def describe(self) -> str:
         """One line for the start-up log: which defaults apply and where they come from."""
         eos = f"generation stops at EOS ids {list(self.eos_token_ids)}"
-        if self.sampling:
-            values = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
-            text = f"{eos}; requests that do not set them sample with {values} ({self.source}; " \
-                   "--generation-config vllm ignores them)"
-        else:
-            text = f"{eos}; no sampling defaults ({self.source})"
-        if self.dropped:
-            text += f"; not applied (mmserve lacks them): {', '.join(f'{k}={v}' for k, v in self.dropped.items())}"
-        return text
+        if not self.sampling:
+            return f"{eos}; no sampling defaults ({self.source})"
+        values = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
+        return f"{eos}; requests that do not set them sample with {values} ({self.source}; " \
+               "--generation-config vllm ignores them)"
 
 
 def load_generation_defaults(model_dir: str, mode: str = "auto") -> GenerationDefaults:
@@ -98,14 +91,12 @@ def load_generation_defaults(model_dir: str, mode: str = "auto") -> GenerationDe
     eos = eos_token_ids(folder if raw.get("eos_token_id") is not None else model_dir)
     if mode == "vllm":
         return GenerationDefaults(eos, source="--generation-config vllm: vLLM's neutral defaults")
-    given = {_SAMPLING_NAMES[k]: v for k, v in raw.items() if k in _SAMPLING_NAMES and v is not None}
-    dropped = {k: v for k, v in given.items() if k in _UNSUPPORTED and v != 0}  # min_p 0 cuts nothing
-    sampling = {k: v for k, v in given.items() if k not in _UNSUPPORTED}
+    sampling = {_SAMPLING_NAMES[k]: v for k, v in raw.items() if k in _SAMPLING_NAMES and v is not None}
     try:
         SamplingParams(**sampling)
     except ValueError as e:
         raise ValueError(f"{path}: its sampling defaults are not valid: {e}") from None
-    return GenerationDefaults(eos, sampling, dropped, source=path if os.path.isfile(path) else f"no {path}")
+    return GenerationDefaults(eos, sampling, source=path if os.path.isfile(path) else f"no {path}")
 
 
 def announce(defaults: GenerationDefaults) -> None:
