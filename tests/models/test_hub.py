@@ -55,14 +55,24 @@ def hub(files):
         yield hub
 
 
+def start(env: dict[str, str], model: str, revision: str = "", tokenizer_revision: str = "",
+          download_dir: str = "") -> subprocess.Popen[str]:
+    """`locate` in a fresh interpreter (see `resolve`)."""
+    return subprocess.Popen([sys.executable, "-c", _RESOLVE, model, revision, tokenizer_revision, download_dir],
+                            env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def resolve(env: dict[str, str], model: str, revision: str = "", tokenizer_revision: str = "",
             download_dir: str = "") -> str:
     """`locate` in a fresh interpreter: the snapshot path, or "error: <message>"."""
-    run = subprocess.run([sys.executable, "-c", _RESOLVE, model, revision, tokenizer_revision, download_dir],
-                         env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}, capture_output=True,
-                         text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    return run.stdout.strip().splitlines()[-1]
+    return answer(start(env, model, revision, tokenizer_revision, download_dir))
+
+
+def answer(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return out.strip().splitlines()[-1]
 
 
 def hub_env(hub: LoopbackHub, cache: Path) -> dict[str, str]:
@@ -81,6 +91,14 @@ def test_a_repo_id_downloads_the_checkpoint_files_of_its_revision(hub, files, tm
         assert Path(path, "generation_config.json").read_bytes() == files[revision]["generation_config.json"]
     fetched = {p.rsplit("/", 1)[-1] for method, p in hub.requests if method == "GET" and "/resolve/" in p}
     assert not fetched & {"pytorch_model.bin", "logo.png", "README.md"}
+
+
+def test_concurrent_starts_share_one_intact_cache(hub, files, tmp_path):
+    env = hub_env(hub, tmp_path / "cache")
+    paths = {answer(proc) for proc in [start(env, "org/tiny") for _ in range(3)]}  # huggingface_hub's locks
+    assert len(paths) == 1
+    path = Path(paths.pop())
+    assert all((path / name).read_bytes() == files["main"][name] for name in os.listdir(path))
 
 
 def test_the_cache_answers_offline_and_download_dir_is_a_cache_too(hub, tmp_path):
