@@ -42,7 +42,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                            description="Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, "
                                        "GET /v1/models, GET /health, GET /metrics.")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="Model directory or builtin name (overrides --model; default builtin:tiny-llava).")
+                       help="A Hugging Face repo id (Qwen/Qwen2.5-VL-7B-Instruct: downloaded once, or found in the "
+                            "Hugging Face cache), a checkpoint directory or a builtin name (overrides --model; "
+                            "default builtin:tiny-llava).")
     add_server_cli_args(serve)
     add_cli_args(serve)
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_type_hints
 
@@ -31,7 +32,22 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _opt("builtin:tiny-llava", "Model directory (Hugging Face format) or builtin name.")
+    model: str = _opt("builtin:tiny-llava", "Model: a Hugging Face repo id (org/name: downloaded once, or found in the "
+                      "Hugging Face cache), a checkpoint directory, or a builtin name.")
+    revision: str | None = _opt(None, "Branch, tag or commit of a repo id's checkpoint (default: its main branch).")
+    tokenizer_revision: str | None = _opt(
+        None, "Branch, tag or commit the tokenizer files and chat template of a repo id come from (default: "
+        "--revision).")
+    download_dir: str | None = _opt(
+        None, "Where repo ids are downloaded to and looked up, laid out as the Hugging Face cache (default: "
+        "HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).")
+    generation_config: str = _opt(
+        "auto", "Default sampling parameters of requests that do not set them: auto (the checkpoint's "
+        "generation_config.json: temperature, top_p, top_k, repetition_penalty, max_new_tokens as max_tokens), vllm "
+        "(vLLM's neutral defaults), or a directory holding a generation_config.json. Every eos_token_id the file "
+        "lists stops generation either way.")
+    model_dir: str | None = _opt(
+        None, "The checkpoint directory --model resolves to (set once by models/hub.py, not a flag).", cli=False)
     dtype: str = _opt("auto", "Weights and activations dtype (auto: bfloat16 on CUDA, float32 on CPU).",
                       choices=_DTYPES)
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the model's).")
@@ -52,6 +68,15 @@ class ModelConfig:
                              "package, which is not installed")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be auto, vllm or a directory; got {self.generation_config!r}")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """The checkpoint directory `model` resolved to (`models/hub.py: resolve_engine_model`)."""
+        if self.model_dir is None:
+            raise RuntimeError(f"model {self.model!r} is not resolved yet (models/hub.py: resolve_engine_model)")
+        return self.model_dir
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample one request's output (vLLM's names and defaults).
 
     `temperature` 0 is greedy. `top_k` None (or 0 / -1, normalised to None) means no top-k cut.
+    `min_p` (vLLM's) drops the tokens less likely than `min_p` times the most likely one (after the
+    temperature, before top-k / top-p); 0 drops none.
     `stop` strings end the output in the frontend (excluded from the text unless
     `include_stop_str_in_output`); at most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS`
     characters each; `stop_token_ids` and EOS end it in the engine core.
@@ -41,6 +43,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -69,6 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _check(0.0 <= self.temperature <= 100.0,
                f"temperature must be between 0 and 100; got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1]; got {self.min_p}")
         _check(self.seed is None or 0 <= self.seed < _INT64,
                f"seed must be a non-negative 64-bit integer; got {self.seed!r:.40}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")

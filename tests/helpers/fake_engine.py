@@ -12,6 +12,7 @@ from mmserve.config import EngineConfig
 from mmserve.errors import ClientError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.ipc.messages import SchedulerStats
+from mmserve.models.generation_config import GenerationDefaults
 from mmserve.multimodal.media import MediaError
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class FakeEngine:
     max_model_len = 64
     tokenizer = None
     config = EngineConfig()
+    generation_defaults = GenerationDefaults()
 
     def __init__(self) -> None:
         self.healthy = True

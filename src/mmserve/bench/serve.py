@@ -74,6 +74,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                       timeout_s=args.request_timeout)
     if not args.launch:
         return _bench(args, args.base_url, requests, shape, server_args)
+    from mmserve.models.hub import prefetch
+
+    prefetch(args.model or DEFAULT_MODEL, server_args)  # a download runs (or fails) here, not in the launch wait
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the server on SIGTERM too
     try:
         with LaunchedServer(args.model or DEFAULT_MODEL, server_args, args.launch_timeout) as server:

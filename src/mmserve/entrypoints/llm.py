@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.engine_client.llm_engine import LLMEngine
+from mmserve.models.hub import resolve_engine_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -22,15 +23,26 @@ class LLM:
     """
 
     def __init__(self, model: str = "builtin:tiny-llava", **engine_args: Any) -> None:
+        """`model`: a Hugging Face repo id (downloaded here, once, or found in the cache; `revision`,
+        `tokenizer_revision`, `download_dir`), a checkpoint directory or a builtin name."""
         engine_args.setdefault("allowed_local_media_path", "/")
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         if config.parallel.api_server_count != 1:
             raise ValueError("api_server_count is a flag of mmserve serve; LLM has no API server")
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(resolve_engine_model(config))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no parameters: the checkpoint's generation config
+        (`--generation-config`, as vLLM's `LLM.get_default_sampling_params`), else `SamplingParams()`."""
+        inputs = self.engine.input_processor
+        values = dict(inputs.generation.request_defaults)
+        if "max_tokens" in inputs.generation.sampling:  # never above the model's length
+            values["max_tokens"] = inputs.generation.max_tokens(inputs.max_model_len)
+        return SamplingParams(**values)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -42,7 +54,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = _broadcast_params(sampling_params, len(prompts))
+        params = _broadcast_params(sampling_params, len(prompts), self.get_default_sampling_params)
         ids = [str(next(self._ids)) for _ in prompts]
         self.engine.add_requests(ids, prompts, params)
         try:
@@ -79,9 +91,10 @@ class LLM:
         return [finished[rid] for rid in ids]
 
 
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
+                      default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if isinstance(params, dict):

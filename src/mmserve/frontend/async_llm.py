@@ -47,7 +47,7 @@ from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerS
 from mmserve.metrics import VerifyFigures, log_stats_periodically
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.multimodal.processing import create_processor
-from mmserve.models.builtin import resolve_model
+from mmserve.models.hub import resolve_engine_model
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -61,8 +61,8 @@ class AsyncLLM:
     cannot start)."""
 
     def __init__(self, config: EngineConfig, attachment: Attachment | None = None) -> None:
-        self.config = config
-        self.model_dir = resolve_model(config.model.model)
+        self.config = config = resolve_engine_model(config)  # resolved already when a launcher started it
+        self.model_dir = config.model.checkpoint_dir
         self.transport = ItemTransport(config, attachment)
         # the processor (2-4 s, mostly transformers' imports) is made while the engine cores start
         with ThreadPoolExecutor(1, thread_name_prefix="mmserve-processor") as pool:
@@ -92,6 +92,7 @@ class AsyncLLM:
                                               processor=processor)
         self.flights = RequestFlights(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
+        self.generation_defaults = self.input_processor.generation  # the OpenAI layer's sampling defaults
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests = OpenRequests(self.output_processor, self.flights, config.scheduler.stalled_stream_abort_s)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"

@@ -16,6 +16,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.frontend.video_input import VideoInputs, check_uuids
 from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.models.generation_config import announce, load_generation_defaults
 from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
@@ -42,6 +43,9 @@ class InputProcessor:
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
+        self.generation = load_generation_defaults(model_dir, config.model.generation_config)
+        if config.parallel.api_server_index == 0:
+            announce(self.generation)
         mm = config.multimodal
         self.media_limits = mm.media_limits()
         self.processor_cache = ProcessorCache(config.processor_cache_bytes_per_server)
@@ -103,6 +107,7 @@ class InputProcessor:
         items = sorted(items + groups, key=lambda item: item.placeholder.offset)  # prompt order
         if report is not None:
             _report_items(report, resolved, items)
+        params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt, bypass_caches=bypass_caches)
 

@@ -48,7 +48,7 @@ from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.item_store.shm_store import ShmStore
-from mmserve.models.builtin import resolve_model
+from mmserve.models.hub import resolve_engine_model
 from mmserve.serving_process import ServingProcess
 
 logger = logging.getLogger(__name__)
@@ -102,8 +102,9 @@ class Launcher:
         self.sock: socket.socket | None = None
 
     def run(self) -> int:
-        config, parallel = self.config, self.config.parallel
-        self.model_dir = resolve_model(config.model.model)
+        self.config = config = resolve_engine_model(self.config)  # once, before any process starts
+        parallel = config.parallel
+        self.model_dir = config.model.checkpoint_dir
         self.sock = listen_socket(self.server_config.host, self.server_config.port)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # the API servers inherit it
         if parallel.data_parallel_size > 1:

@@ -222,15 +222,15 @@ def write_tiny_llava(
     _processor(tokenizer, config).save_pretrained(str(path))
 
 
-def _cache_root() -> Path:
-    """The folder built-in models are created under: `$MMSERVE_CACHE`, else ~/.cache/mmserve."""
+def cache_root() -> Path:
+    """mmserve's own cache folder (built-in models, tokenizer overlays): `$MMSERVE_CACHE`, else ~/.cache/mmserve."""
     root = os.environ.get("MMSERVE_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "mmserve"
 
 
 def _create_builtin(name: str) -> Path:
     """Creates builtin `name` in the cache (once): written beside the target, then renamed in."""
-    target = _cache_root() / "builtin" / f"{name}-{BUILTIN_VERSION}"
+    target = cache_root() / "builtin" / f"{name}-{BUILTIN_VERSION}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -93,9 +93,8 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{model_dir!r} has no config.json: not a Hugging Face model directory")
     with open(path) as f:
         raw = json.load(f)
+    check_architecture(raw, model_dir)
     archs = raw.get("architectures") or []
-    if not any(a in _SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llava":
-        raise ValueError(f"unsupported architecture {archs}; mmserve serves {', '.join(_SUPPORTED_ARCHITECTURES)}")
     if "LlavaForConditionalGeneration" not in archs and raw.get("model_type") != "llava":
         from mmserve.models.qwen_config import load_qwen_config
 
@@ -118,6 +117,15 @@ def load_model_config(model_dir: str) -> ModelConfig:
 
 
 ModelConfig = Union[LlavaModelConfig, "QwenVLModelConfig"]
+
+
+def check_architecture(raw: dict[str, Any], name: str) -> None:
+    """ValueError naming `name` unless config.json (`raw`) is a family mmserve serves."""
+    archs = raw.get("architectures") or []
+    if not any(a in _SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llava":
+        found = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
+        raise ValueError(f"{name} is a {found} checkpoint, which mmserve does not serve; it serves "
+                         f"{', '.join(_SUPPORTED_ARCHITECTURES)}")
 
 
 def _text_config(t: dict[str, Any]) -> TextConfig:
@@ -160,13 +168,27 @@ def _vision_config(v: dict[str, Any]) -> VisionConfig:
     )
 
 
-def eos_token_id(model_dir: str) -> int | None:
-    """The EOS id generation stops at: generation_config.json's, else the decoder config's."""
+def eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """Every EOS id generation stops at, in the file's order: generation_config.json's `eos_token_id`
+    (an int or a list), else config.json's (top level, else the decoder's; transformers'
+    `GenerationConfig.from_model_config`, which vLLM falls back to)."""
     path = os.path.join(model_dir, "generation_config.json")
     eos: Any = None
     if os.path.isfile(path):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id")
     if eos is None:
-        eos = load_model_config(model_dir).text.eos_token_id
-    return eos[0] if isinstance(eos, list) else eos
+        with open(os.path.join(model_dir, "config.json")) as f:
+            raw = json.load(f)
+        eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
+    if eos is None:
+        eos = load_model_config(model_dir).text.eos_token_id  # the family's default
+    ids = [eos] if isinstance(eos, int) else list(eos or ())
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
+def eos_token_id(model_dir: str) -> int | None:
+    """The engine's primary EOS id: the first of `eos_token_ids` (the others stop generation as
+    stop token ids, `models/generation_config.py`)."""
+    ids = eos_token_ids(model_dir)
+    return ids[0] if ids else None

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from mmserve.errors import ClientError
+from mmserve.multimodal.chat_templates import pick_chat_template
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import check_image, to_rgb
@@ -123,8 +124,13 @@ class MultiModalProcessor:
                 "extra_tokens": self._hf.num_additional_image_tokens}
 
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
-        """Renders a conversation with the model's chat template, ending with the reply prompt."""
-        return self._hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        """Renders a conversation with the model's chat template (wherever it is published:
+        multimodal/chat_templates.py), ending with the reply prompt."""
+        own, processors = self.tokenizer.chat_template, self._hf.chat_template  # str, a dict of named ones, or None
+        template = pick_chat_template(processors if isinstance(processors, str) else None,
+                                      own if isinstance(own, str) else None, bool(tools))
+        return self._hf.apply_chat_template(conversation, tools=tools, chat_template=template,
+                                            add_generation_prompt=True, tokenize=False)
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):

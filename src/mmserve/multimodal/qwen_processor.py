@@ -23,6 +23,7 @@ from PIL import Image
 from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
+from mmserve.multimodal.chat_templates import pick_chat_template, processor_chat_template
 from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
@@ -44,6 +45,7 @@ class QwenVLProcessor:
 
         self.tokenizer: Any = cast(Any, AutoTokenizer.from_pretrained(model_path))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        self.chat_template = processor_chat_template(model_path)  # chat_template.jinja / .json, else None
         self.image_token = "<|image_pad|>"
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge_size: int = self.image_processor.merge_size
@@ -163,5 +165,9 @@ class QwenVLProcessor:
         return pieces[0] + "".join(self.video_text(v) + piece for v, piece in zip(videos, pieces[1:]))
 
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
-        """Renders a conversation with the checkpoint's chat template, ending with the reply prompt."""
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        """Renders a conversation with the checkpoint's chat template (wherever it is published:
+        multimodal/chat_templates.py), ending with the reply prompt."""
+        own = self.tokenizer.chat_template
+        template = pick_chat_template(self.chat_template, own if isinstance(own, str) else None, bool(tools))
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
+                                                  add_generation_prompt=True, tokenize=False)

@@ -73,20 +73,23 @@ class _RowParams:
     index: torch.Tensor  # [n] int64: the rows that sample
     temperature: torch.Tensor  # [n, 1] float32
     top_p: torch.Tensor  # [n, 1] float32 (1: no cut)
+    min_p: torch.Tensor  # [n, 1] float32 (0: no cut)
     cut_rows: torch.Tensor  # [m] int64: positions in `index` with a top-k cut
     cut_k: torch.Tensor  # [m] int64: their k
     max_k: int  # the largest k (0: no row cuts)
     all_cut: bool  # every row has a top-k cut
     any_top_p: bool
+    any_min_p: bool
 
     @classmethod
     def build(cls, rows: list[int], params: list[SamplingParams], vocab_size: int) -> _RowParams:
         chosen = [params[i] for i in rows]
         cut = [(j, p.top_k) for j, p in enumerate(chosen) if p.top_k is not None and p.top_k < vocab_size]
         return cls(torch.tensor(rows, dtype=torch.int64), torch.tensor([[p.temperature] for p in chosen]),
-                   torch.tensor([[p.top_p] for p in chosen]), torch.tensor([j for j, _ in cut], dtype=torch.int64),
+                   torch.tensor([[p.top_p] for p in chosen]), torch.tensor([[p.min_p] for p in chosen]),
+                   torch.tensor([j for j, _ in cut], dtype=torch.int64),
                    torch.tensor([k for _, k in cut], dtype=torch.int64), max((k for _, k in cut), default=0),
-                   len(cut) == len(chosen), any(p.top_p < 1.0 for p in chosen))
+                   len(cut) == len(chosen), any(p.top_p < 1.0 for p in chosen), any(p.min_p > 0.0 for p in chosen))
 
 
 def compute_logprobs(logits: torch.Tensor, params: list[SamplingParams],
@@ -127,6 +130,9 @@ def _unpack_logprobs(flat: list[float], rows: list[int], params: list[SamplingPa
 def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.Generator]) -> torch.Tensor:
     """logits: [n, V] of sampling rows -> [n] sampled ids (temperature, top-k, top-p, the race)."""
     logits = logits / rows.temperature  # a new tensor: masked in place below
+    if rows.any_min_p:  # vLLM's order: after the temperature, before top-k / top-p
+        probs = logits.softmax(-1)
+        logits.masked_fill_(probs < rows.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if rows.max_k:
         logits.masked_fill_(logits < _kth_largest(logits, rows), float("-inf"))
     if rows.any_top_p:

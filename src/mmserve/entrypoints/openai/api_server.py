@@ -42,6 +42,7 @@ from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompleti
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.response_store import ResponseStore
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
+from mmserve.models.hub import resolve_engine_model
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
 from mmserve.lazy_imports import keep_triton_out
@@ -165,7 +166,8 @@ def run_server(args: argparse.Namespace) -> int:
     ValueError for bad flags; RuntimeError if the engine core cannot start.
     """
     server_config = ServerConfig.from_cli(args)
-    engine_config = EngineConfig.from_kwargs(**engine_args_from_cli(args))
+    # the model is downloaded or found here, once, before any other process starts (models/hub.py)
+    engine_config = resolve_engine_model(EngineConfig.from_kwargs(**engine_args_from_cli(args)))
     if engine_config.parallel.api_server_count > 1:
         from mmserve.launcher.launcher import run_launcher
 

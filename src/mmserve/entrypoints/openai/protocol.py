@@ -170,8 +170,9 @@ class ChatCompletionRequest(SamplingExtras):
         """Names of the body's top-level fields mmserve ignores."""
         return sorted(self.model_extra or {})
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters; ValueError for a bad value."""
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's sampling parameters; ValueError for a bad value. `defaults` (the checkpoint's
+        generation config, `GenerationDefaults.request_defaults`) fill the fields the request leaves unset."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         values: dict[str, Any] = {
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
@@ -183,7 +184,7 @@ class ChatCompletionRequest(SamplingExtras):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             **self.extra_sampling_values(),
         }
-        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """The messages as plain OpenAI-style dicts, for `AsyncLLM.build_prompt`."""

@@ -70,7 +70,8 @@ class CompletionRequest(SamplingExtras):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, max_model_len: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """As `ChatCompletionRequest.to_sampling_params`."""
         values: dict[str, Any] = {
             "max_tokens": max_model_len if self.max_tokens is None else self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
@@ -79,7 +80,7 @@ class CompletionRequest(SamplingExtras):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, **self.extra_sampling_values(),
         }
-        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
 
 
 class CompletionChoice(BaseModel):

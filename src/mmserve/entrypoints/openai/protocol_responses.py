@@ -72,14 +72,14 @@ class ResponsesRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters (ValueError for a bad value)."""
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's sampling parameters (ValueError for a bad value); `defaults` fill unset fields."""
         values: dict[str, Any] = {
             "max_tokens": default_max_tokens if self.max_output_tokens is None else self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p}
         if self.text is not None and self.text.format is not None:
             values["structured_outputs"] = self.text.format.to_structured_outputs()
-        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """`tools` in chat's shape; a non-function tool is a 400."""

@@ -56,6 +56,7 @@ class SamplingExtras(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
     min_tokens: int | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     response_format: ResponseFormat | None = None
@@ -64,6 +65,7 @@ class SamplingExtras(BaseModel):
         values: dict[str, Any] = {"presence_penalty": self.presence_penalty,
                                   "frequency_penalty": self.frequency_penalty,
                                   "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
+                                  "min_p": self.min_p,
                                   "logit_bias": _token_bias(self.logit_bias)}
         if self.response_format is not None:
             values["structured_outputs"] = self.response_format.to_structured_outputs()

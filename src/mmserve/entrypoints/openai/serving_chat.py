@@ -117,7 +117,8 @@ class OpenAIServingChat:
         if request.unknown_fields():
             logger.warning("request %s: ignoring unknown field(s): %s", request_id,
                            ", ".join(request.unknown_fields()))
-        params = request.to_sampling_params(self.engine.max_model_len)  # the engine stops at max_model_len
+        defaults = self.engine.generation_defaults  # the engine stops at max_model_len
+        params = request.to_sampling_params(defaults.max_tokens(self.engine.max_model_len), defaults.request_defaults)
         tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
         extras = {"mm_processor_kwargs": request.mm_processor_kwargs, "media_io_kwargs": request.media_io_kwargs}
         turns = ChatTurns(request.messages_as_dicts(), tools, request.tools, request.cache_salt, extras)

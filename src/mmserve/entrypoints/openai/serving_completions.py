@@ -39,7 +39,8 @@ class OpenAIServingCompletion(OpenAIServingChat):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if request.unknown_fields():
             logger.warning("request %s: ignoring unknown field(s): %s", request_id, ", ".join(request.unknown_fields()))
-        params = request.to_sampling_params(self.engine.max_model_len)
+        defaults = self.engine.generation_defaults
+        params = request.to_sampling_params(defaults.max_tokens(self.engine.max_model_len), defaults.request_defaults)
         prompts: list[str | dict] = [text if request.cache_salt is None else
                                      {"prompt": text, "cache_salt": request.cache_salt} for text in request.prompts]
         route = routing(raw_request, bool(request.stream))

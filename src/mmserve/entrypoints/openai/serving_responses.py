@@ -51,7 +51,9 @@ class OpenAIServingResponses:
                            ", ".join(request.unknown_fields()))
         history = self._history(request.previous_response_id) + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        params = request.to_sampling_params(self.chat.engine.max_model_len)
+        defaults = self.chat.engine.generation_defaults
+        params = request.to_sampling_params(defaults.max_tokens(self.chat.engine.max_model_len),
+                                            defaults.request_defaults)
         tool_specs = request.chat_tools()
         tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls,
                           self.chat.auto_tool_parser)

@@ -22,7 +22,7 @@ from mmserve.frontend.engine_client.rank_processes import RankProcesses
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreRequest
-from mmserve.models.builtin import resolve_model
+from mmserve.models.hub import resolve_engine_model
 from mmserve.models.hf_config import eos_token_id
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
@@ -35,8 +35,8 @@ class LLMEngine:
     """The offline engine over an `OfflineClient` (`client`), chosen by `--data-parallel-size`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.model_dir = resolve_model(config.model.model)
+        self.config = config = resolve_engine_model(config)
+        self.model_dir = config.model.checkpoint_dir
         self.client: OfflineClient = InProcessClient(EngineCore(config, self.model_dir)) \
             if config.parallel.data_parallel_size == 1 else RankProcesses(config, self.model_dir)
         self.input_processor = InputProcessor(config, self.model_dir, self.client.max_model_len,
