@@ -69,8 +69,9 @@ def test_a_decode_batch_equals_the_torch_backend(heads, kv_heads, head_dim):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_chunks_after_many_cached_blocks_equal_the_torch_backend():
-    """Long chunks: several query blocks per program grid row, each stopping at its own causal end."""
+def test_chunks_after_many_cached_blocks_equal_the_torch_backend(loops):
+    """Long chunks: several query blocks per program grid row, each stopping at its own causal end
+    (with both loop headers: `loops`)."""
     got, want = run_both([(64, 70), (5, 130), (128, 3)], 4, 2, 32, 16, seed=7)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 

@@ -78,7 +78,10 @@ class TritonBackend:
 
     def segments(self, cu: list[int], device: torch.device) -> TritonSegments:
         longest = max((hi - lo for lo, hi in zip(cu[:-1], cu[1:])), default=0)
-        return TritonSegments(torch.tensor(cu, dtype=torch.int32, device=device), longest)
+        host = torch.tensor(cu, dtype=torch.int32)
+        if device.type == "cuda":  # pinned, without blocking: the host does not wait for the GPU's queue
+            return TritonSegments(host.pin_memory().to(device, non_blocking=True), longest)
+        return TritonSegments(host.to(device), longest)
 
     def equal_segments(self, count: int, length: int, device: torch.device) -> TritonSegments:
         return self.segments([i * length for i in range(count + 1)], device)
