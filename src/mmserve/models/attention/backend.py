@@ -15,9 +15,16 @@ from typing import Protocol
 
 import torch
 
+from mmserve.models.layers import LayerOps
+
 
 class StepAttention(Protocol):
     """One decoder step's attention metadata, built by a backend once for every layer."""
+
+    @property
+    def ops(self) -> LayerOps:
+        """The backend's small ops between the layers' GEMMs (norms, SiLU x up, rotary)."""
+        ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float) -> torch.Tensor:

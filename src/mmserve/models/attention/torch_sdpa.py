@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
+from mmserve.models.layers import TORCH_OPS, LayerOps
 
 
 @dataclass
@@ -51,6 +53,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [Bd] int64: each decoding request's keys (the kernel's)
     kernel_splits: int = 0  # the C kernel's parts per context; 0: the padded path
+    ops: ClassVar[LayerOps] = TORCH_OPS  # the small ops between GEMMs, in PyTorch
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

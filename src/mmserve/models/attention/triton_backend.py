@@ -8,12 +8,15 @@ them (`max_query_len`, `max_len`) only size the launch grids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from mmserve.models.attention.cache_write_kernel import write_kv_cache
+from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
+from mmserve.models.layers import LayerOps
 
 
 @dataclass
@@ -26,6 +29,7 @@ class TritonMetadata:
     seq_lens: torch.Tensor  # [B] int32: tokens of context, the step's tokens included
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
     max_query_len: int
+    ops: ClassVar[LayerOps] = TRITON_OPS  # the small ops between GEMMs, fused (layer_kernels.py)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
