@@ -1,5 +1,6 @@
-"""Our fused small-op kernels (residual add + RMSNorm, SiLU x up, rotary of q and k) against the
-torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding of a sum's order,
+"""Our fused small-op kernels (residual add + RMSNorm, SiLU x up, rotary of q and k with the KV
+write) against the torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding
+of a sum's order,
 half precision to the dtype's rounding, strided views of a fused projection's output, widths
 that are not powers of two, and M-RoPE's cos / sin."""
 
@@ -14,6 +15,7 @@ from mmserve.models.mrope import MRotaryEmbedding
 
 pytest.importorskip("triton")
 
+from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache  # noqa: E402
 from mmserve.models.attention.layer_kernels import TRITON_OPS  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -76,21 +78,30 @@ def rope_of(kind: str, head_dim: int, positions: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind,heads,kv_heads,head_dim", [
     ("rope", 4, 4, 64), ("mrope", 7, 1, 128), ("mrope", 6, 2, 80)])
-def test_rotary_of_q_and_k_together_in_place(dtype, kind, heads, kv_heads, head_dim):
-    """q and k as views of one fused QKV output, rotated in place by one launch."""
-    T = 5
+def test_rotary_of_q_and_k_with_the_cache_write(dtype, kind, heads, kv_heads, head_dim):
+    """q, k, v as views of one fused QKV output: one launch rotates q (into a new tensor) and k
+    (into the cache at its slot) and stores v; a padded token (slot -1) writes nothing; the
+    inputs are left as they were."""
+    T, block = 5, 4
     positions = torch.stack([torch.arange(T) * 3, torch.arange(T) % 2, torch.arange(T) + 7])  # [3, T]
     cos, sin = rope_of(kind, head_dim, positions, dtype)
     qkv = rand(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=heads)
-    q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
+    slots = torch.tensor([9, 2, -1, 15, 4])
+    k_cache, v_cache = rand(4, block, kv_heads, head_dim, dtype=dtype, seed=7), rand(4, block, kv_heads, head_dim,
+                                                                                      dtype=dtype, seed=8)
     want_q, want_k = TORCH_OPS.rotary(q, k, cos, sin)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    want_k_cache.view(-1, kv_heads, head_dim)[slots[real]] = want_k[real]
+    want_v_cache.view(-1, kv_heads, head_dim)[slots[real]] = v[real]
     fused = qkv.to(DEVICE)
-    got_q = fused[:, :heads * head_dim].view(T, heads, head_dim)
-    got_k = fused[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
-    TRITON_OPS.rotary(got_q, got_k, cos.to(DEVICE), sin.to(DEVICE))
+    got = [t.view(T, -1, head_dim) for t in fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                                         dim=-1)]
+    got_k_cache, got_v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    got_q = rotary_write_kv_cache(*got, cos.to(DEVICE), sin.to(DEVICE), got_k_cache, got_v_cache, slots.to(DEVICE))
     exact = {"atol": 0, "rtol": 0} if dtype != torch.bfloat16 else tol(dtype)  # each product rounded as torch's
     torch.testing.assert_close(got_q.cpu(), want_q, **exact)
-    torch.testing.assert_close(got_k.cpu(), want_k, **exact)
-    torch.testing.assert_close(fused[:, (heads + kv_heads) * head_dim:].cpu(), qkv[:, (heads + kv_heads) * head_dim:],
-                               atol=0, rtol=0)  # v untouched
+    torch.testing.assert_close(got_k_cache.cpu(), want_k_cache, **exact)
+    assert torch.equal(got_v_cache.cpu(), want_v_cache) and torch.equal(fused.cpu(), qkv)

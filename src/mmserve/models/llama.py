@@ -46,8 +46,7 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = meta.ops.rotary(q, k, *rope)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
         return self.o_proj(out.reshape(T, -1))
 
 

@@ -60,8 +60,7 @@ class QwenAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.rotary(q, k, *rope)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
         return self.o_proj(out.reshape(T, -1))
 
 

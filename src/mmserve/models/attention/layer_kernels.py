@@ -1,6 +1,6 @@
-"""Our Triton kernels for the small ops between a decoder layer's GEMMs: residual add + RMSNorm,
-SiLU x up, and the rotary (plain or M-RoPE) of q and k together, each one launch where PyTorch
-makes several (`models/layers.py: LayerOps` is the reference they equal).
+"""Our Triton kernels for the small ops between a decoder layer's GEMMs: residual add + RMSNorm and
+SiLU x up, each one launch where PyTorch makes several (`models/layers.py: LayerOps` is the
+reference they equal), and the rotary's parts that cache_write_kernel.py fuses with the KV write.
 
 Imported only by the triton backend (it needs `triton`).
 """
@@ -19,8 +19,7 @@ from mmserve.models.layers import LayerOps
 #     norms), residual [T, D] (read and overwritten when HAS_RESIDUAL), weight [D], out like x;
 #     one program per (token, head) row
 #   _silu_mul_kernel: gate, up, out [T, I]; one program per (token, BLOCK lanes)
-#   _rotary_kernel: q [T, H, Dh], k [T, Hkv, Dh] rotated in place; cos, sin [T, Dh]; one program
-#     per token, all its q and k heads
+#   rotate_heads: one token's heads [heads, Dh] rotated by its cos, sin [Dh] (rotate-half)
 # Masks: lanes past D, I or Dh / 2 and heads past H or Hkv (padding to powers of two) load 0 and
 # store nothing. Values are rounded to the tensors' dtype wherever PyTorch's op-by-op path rounds
 # (after the residual add, the normalisation, each product of the rotary, the SiLU), so bfloat16
@@ -58,37 +57,34 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, str
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token's `heads` rows of x [heads, 2 * HALF] rotated in place (rotate-half layout)."""
+def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's `heads` rows [heads, 2 * HALF] from src rotated (rotate-half layout) into dst
+    (may be src); `ok` [BLOCK] masks the half-dimension lanes (and, all False, the whole token)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & ok[None, :]
-    first = x_ptr + h[:, None] * stride_h + c[None, :]
+    first = src_ptr + h[:, None] * src_stride_h + c[None, :]
     raw1 = tl.load(first, mask=mask, other=0.0)
     dtype = raw1.dtype
     x1 = raw1.to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out = dst_ptr + h[:, None] * dst_stride_h + c[None, :]
     a = (x1 * cos1[None, :]).to(dtype).to(tl.float32)
     b = (x2 * sin1[None, :]).to(dtype).to(tl.float32)
-    tl.store(first, (a - b).to(dtype), mask=mask)
+    tl.store(out, (a - b).to(dtype), mask=mask)
     a = (x2 * cos2[None, :]).to(dtype).to(tl.float32)
     b = (x1 * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(first + HALF, (a + b).to(dtype), mask=mask)
+    tl.store(out + HALF, (a + b).to(dtype), mask=mask)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                   HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    ok = c < HALF
+def load_rotation(cos_ptr, sin_ptr, stride_ct, t, c, ok, HALF: tl.constexpr):
+    """Token t's cos and sin, each as its two halves [BLOCK] float32 (cos1, cos2, sin1, sin2)."""
     cos1 = tl.load(cos_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
     cos2 = tl.load(cos_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, HQ, c, ok, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, HK, c, ok, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+    return cos1, cos2, sin1, sin2
 
 
 def _row_warps(width: int) -> int:
@@ -97,8 +93,9 @@ def _row_warps(width: int) -> int:
 
 
 class TritonLayerOps(LayerOps):
-    """`LayerOps` as one Triton kernel each. `add_rms_norm` overwrites x (with the normalised
-    rows) and residual (with residual + x); `rotary` rotates q and k in place."""
+    """`LayerOps` as one Triton kernel each (the rotary is fused with the KV write instead:
+    `TritonMetadata.attend`). `add_rms_norm` overwrites x (with the normalised rows) and
+    residual (with residual + x)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -119,18 +116,6 @@ class TritonLayerOps(LayerOps):
             _silu_mul_kernel[(T, triton.cdiv(width, block))](gate, up, out, width, gate.stride(0), up.stride(0),
                                                              out.stride(0), BLOCK=block, num_warps=4)
         return out
-
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, H, Dh = q.shape
-        if T:
-            cos, sin = cos.reshape(T, Dh), sin.reshape(T, Dh)  # [T, 1, Dh] -> [T, Dh]
-            assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
-            half = Dh // 2
-            _rotary_kernel[(T,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                                 HQ=H, HK=k.shape[1], HALF=half, BLOCK=triton.next_power_of_2(half),
-                                 BLOCK_H=triton.next_power_of_2(max(H, k.shape[1])), num_warps=4)
-        return q, k
 
     @staticmethod
     def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from mmserve.models.attention.cache_write_kernel import write_kv_cache
+from mmserve.models.attention.backend import Rope
+from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, write_kv_cache
 from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
@@ -32,11 +33,16 @@ class TritonMetadata:
     ops: ClassVar[LayerOps] = TRITON_OPS  # the small ops between GEMMs, fused (layer_kernels.py)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write the step's K/V at its slots, then one paged-attention launch for every request."""
-        write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
-        return paged_attention(q.contiguous(), k_cache, v_cache, self.query_start, self.seq_lens,
-                               self.block_tables, self.max_query_len, scale)
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
+        """Write the step's K/V at its slots (q and k rotated by `rope` in the same launch), then
+        one paged-attention launch for every request."""
+        if rope is None:
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+            q = q.contiguous()
+        else:
+            q = rotary_write_kv_cache(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.query_start, self.seq_lens, self.block_tables,
+                               self.max_query_len, scale)
 
 
 @dataclass(frozen=True)
