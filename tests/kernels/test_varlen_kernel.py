@@ -64,3 +64,14 @@ def test_half_precision_equals_the_torch_backend_within_rounding(dtype, head_dim
     """The half-precision tiles of each head size (`tuning.py`: 128 query rows, several key tiles
     per segment). bfloat16 on a GPU only: Triton's interpreter computes a bfloat16 `tl.dot` wrongly."""
     compare([0, 30, 31, 300], 1, head_dim, seed=5, dtype=dtype)
+
+
+def test_tiles_follow_the_head_size_the_dtype_and_the_segments():
+    from mmserve.models.attention.tuning import HALF_LARGE_HEAD, HALF_SMALL_HEAD, SINGLE, TileConfig, prefill_tiles
+
+    assert prefill_tiles(80, 2, 4070, 4070) == HALF_LARGE_HEAD  # Qwen2.5-VL's tower: a frame's full attention
+    assert prefill_tiles(128, 2, 5000, 5000) == HALF_LARGE_HEAD
+    assert prefill_tiles(64, 2, 577, 577) == HALF_SMALL_HEAD  # CLIP-L/14 at 336 pixels
+    window = prefill_tiles(80, 2, 64, 64)  # a 64-patch window: no query rows past it
+    assert (window.block_m, window.block_n, window.num_stages) == (64, 64, HALF_LARGE_HEAD.num_stages)
+    assert prefill_tiles(64, 4, 17, 17) == TileConfig(32, 32, SINGLE.num_warps, SINGLE.num_stages)  # CLIP in float32

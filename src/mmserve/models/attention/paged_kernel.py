@@ -106,7 +106,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // Hkv
     g_pad = triton.next_power_of_2(group)
-    tiles = prefill_tiles(Dh, q.element_size(), max_query_len * g_pad)
+    tiles = prefill_tiles(Dh, q.element_size(), max_query_len * g_pad, block_tables.shape[1] * S)
     block_q = max(1, tiles.block_m // g_pad)  # rows are queries x padded group (tl.dot wants >= 16)
     out = torch.empty_like(q)
     B = seq_lens.shape[0]

@@ -7,7 +7,7 @@ in 128 lanes (the rest masked), as a head of 128 does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -33,15 +33,15 @@ HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 # float32: values take twice the bytes and `tl.dot` runs in IEEE precision (no tensor cores):
 # half the tile each way, 2 stages.
 SINGLE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-# Segments of at most 32 rows (a CLIP image of 16 patches and its CLS row): one 16 x 16 tile.
-SHORT = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
 
 
-def prefill_tiles(head_dim: int, itemsize: int, longest: int) -> TileConfig:
-    """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes, when no segment or chunk
-    is longer than `longest` rows."""
-    if longest <= 32:
-        return SHORT
+def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int) -> TileConfig:
+    """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes when a program has at most
+    `rows` query rows and `keys` keys: never larger than those (Qwen2.5-VL's 64-patch windows
+    take 64-row tiles, a CLIP image of 17 rows 32), nor than 16 (`tl.dot`'s least)."""
     if itemsize >= 4:
-        return SINGLE
-    return HALF_SMALL_HEAD if triton.next_power_of_2(head_dim) <= 64 else HALF_LARGE_HEAD
+        tiles = SINGLE
+    else:
+        tiles = HALF_SMALL_HEAD if triton.next_power_of_2(head_dim) <= 64 else HALF_LARGE_HEAD
+    return replace(tiles, block_m=min(tiles.block_m, max(16, triton.next_power_of_2(rows))),
+                   block_n=min(tiles.block_n, max(16, triton.next_power_of_2(keys))))

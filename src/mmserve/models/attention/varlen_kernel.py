@@ -78,7 +78,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     P, H, Dh = q.shape
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     out = torch.empty_like(q)
-    tiles = prefill_tiles(Dh, q.element_size(), max_len)
+    tiles = prefill_tiles(Dh, q.element_size(), max_len, max_len)
     grid = (cu.shape[0] - 1, triton.cdiv(max_len, tiles.block_m), H)
     _varlen_attention_kernel[grid](
         q, k, v, out, cu, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
