@@ -141,15 +141,17 @@ def _reduce_splits_kernel(part_ptr, lse_ptr, out_ptr, seq_lens_ptr, stride_ot, s
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context (shapes above). The split
-    count comes from the batch, the KV heads and the tables' width (all fixed for a captured
-    graph), never from the lengths, which only the kernels read."""
+    count (`decode_splits`, unless `splits` is given: a benchmark's one-split baseline) comes from
+    the batch, the KV heads and the tables' width (all fixed for a captured graph), never from the
+    lengths, which only the kernels read."""
     B, H, Dh = q.shape
     _, S, Hkv, _ = k_cache.shape
     assert B == seq_lens.shape[0] and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // Hkv
-    splits = decode_splits(B, Hkv, block_tables.shape[1] * S, sm_count(q.device))
+    if splits is None:
+        splits = decode_splits(B, Hkv, block_tables.shape[1] * S, sm_count(q.device))
     block_d = max(16, triton.next_power_of_2(Dh))
     out = torch.empty_like(q)
     part, lse = out, out  # not read with one split
