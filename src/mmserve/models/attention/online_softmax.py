@@ -10,7 +10,7 @@ import triton.language as tl
 # Kernels loop over key tiles with `range(lo, hi, step)` when compiled (Triton software-pipelines
 # a `for` loop: `num_stages` tiles in flight) and with `while` under the interpreter (Triton 3.6's
 # cannot take a `range` bound that a program loaded: it converts it with `int()`, which NumPy 2.4
-# refuses for a one-element array). Triton >= 3.7's interpreter runs both; tests set this to True
+# refuses for a one-element array). Triton 3.9's interpreter runs both; tests set this to True
 # there to prove the `range` headers the GPU compiles.
 RANGE_LOOPS_UNDER_INTERPRETER = False
 
