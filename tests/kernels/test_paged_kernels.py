@@ -11,6 +11,7 @@ import torch
 
 from helpers.triton_device import DEVICE
 from mmserve.models.attention.torch_sdpa import TORCH
+from mmserve.worker.device import to_device
 
 pytest.importorskip("triton")
 
@@ -48,7 +49,7 @@ def run_both(requests, heads, kv_heads, head_dim, block, dtype=torch.float32, se
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want = TORCH.build_metadata(query_lens, seq_lens, tables, block).attend(q, k, v, want_k, want_v, scale)
     got_k, got_v = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    meta = TritonBackend(DEVICE).build_metadata(query_lens, seq_lens, tables, block)
+    meta = to_device(TritonBackend(DEVICE).build_metadata(query_lens, seq_lens, tables, block), DEVICE)
     got = meta.attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), got_k, got_v, scale)
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
     return got.cpu(), want
@@ -68,8 +69,9 @@ def test_a_decode_batch_equals_the_torch_backend(heads, kv_heads, head_dim):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_chunks_after_many_cached_blocks_equal_the_torch_backend():
-    """Long chunks: several query blocks per program grid row, each stopping at its own causal end."""
+def test_chunks_after_many_cached_blocks_equal_the_torch_backend(loops):
+    """Long chunks: several query blocks per program grid row, each stopping at its own causal end
+    (with both loop headers: `loops`)."""
     got, want = run_both([(64, 70), (5, 130), (128, 3)], 4, 2, 32, 16, seed=7)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -91,7 +93,7 @@ def test_a_decode_launch_reads_its_lengths_from_tensors():
     requests = [(6, 1), (30, 1)]
     q, k, v, k_cache, v_cache, tables = make_step([(c + 1, 1) for c, _ in requests], 4, 2, 32, 8, torch.float32, 5)
     backend = TritonBackend(DEVICE)
-    meta = backend.build_metadata([1, 1], [c + 1 for c, _ in requests], tables, 8)
+    meta = to_device(backend.build_metadata([1, 1], [c + 1 for c, _ in requests], tables, 8), DEVICE)
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     meta.attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, 0.2)
     grown = backend.build_metadata([1, 1], [c + 2 for c, _ in requests], tables, 8)

@@ -73,7 +73,7 @@ def test_the_default_on_cpu_is_torch():
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # unset on a GPU machine
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         attention_backend("triton", torch.device("cpu"))
 
@@ -90,7 +90,9 @@ def test_a_backend_whose_package_is_missing_is_refused_by_the_config():
 
 def test_decode_graphs_replay_the_triton_kernel_from_their_static_buffers():
     """The triton backend's `graph_metadata` over the decode graphs' padded static buffers (run
-    eagerly: the forward a CUDA graph replays) gives the plain triton engine's tokens."""
+    eagerly: the forward a CUDA graph replays) gives the plain triton engine's tokens. The graphs'
+    tables are 32 blocks wide (max_model_len 256), so their decodes run split-KV (2 splits, sized
+    in the kernel from each sequence's length) while the plain engine's narrow tables run one."""
     pytest.importorskip("triton")
     from mmserve.models.attention.triton_backend import TritonBackend
 
@@ -98,7 +100,7 @@ def test_decode_graphs_replay_the_triton_kernel_from_their_static_buffers():
     items = [{"prompt": template.format("word " * (2 * i + 1))} for i in range(3)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(3)]
     args = dict(model="builtin:tiny-llava", attention_backend="triton", num_kv_blocks=32, block_size=8,
-                max_num_seqs=3, max_model_len=128, cuda_graph_sizes=[2, 4])
+                max_num_seqs=3, max_model_len=256, cuda_graph_sizes=[2, 4])
     plain = [o.outputs[0].token_ids for o in LLM(**args).generate(items, params)]
     llm = LLM(**args)
     runner = llm.engine.core.executor.runner

@@ -37,8 +37,9 @@ def test_random_segments_equal_the_torch_backend(heads, head_dim):
     compare(cu, heads, head_dim, seed=heads)
 
 
-def test_qwen2_5_vl_windows_and_frames_equal_the_torch_backend():
-    """A video of two frames and an image whose grid is not whole windows (edge windows cut short)."""
+def test_qwen2_5_vl_windows_and_frames_equal_the_torch_backend(loops):
+    """A video of two frames and an image whose grid is not whole windows (edge windows cut short),
+    with both loop headers (`loops`)."""
     cfg = QwenVisionConfig(depth=1, hidden_size=160, intermediate_size=32, num_heads=2, in_channels=3, patch_size=14,
                            temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, hidden_act="silu",
                            window_size=112)
@@ -58,6 +59,19 @@ def test_clip_images_as_equal_segments_equal_the_torch_backend():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
-def test_half_precision_equals_the_torch_backend_within_rounding(dtype):
-    """bfloat16 on a GPU only: Triton's interpreter computes a bfloat16 `tl.dot` wrongly."""
-    compare([0, 30, 31, 100], 2, 80, seed=5, dtype=dtype)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_half_precision_equals_the_torch_backend_within_rounding(dtype, head_dim):
+    """The half-precision tiles of each head size (`tuning.py`: 128 query rows, several key tiles
+    per segment). bfloat16 on a GPU only: Triton's interpreter computes a bfloat16 `tl.dot` wrongly."""
+    compare([0, 30, 31, 300], 1, head_dim, seed=5, dtype=dtype)
+
+
+def test_tiles_follow_the_head_size_the_dtype_and_the_segments():
+    from mmserve.models.attention.tuning import HALF_LARGE_HEAD, HALF_SMALL_HEAD, SINGLE, TileConfig, prefill_tiles
+
+    assert prefill_tiles(80, 2, 4070, 4070) == HALF_LARGE_HEAD  # Qwen2.5-VL's tower: a frame's full attention
+    assert prefill_tiles(128, 2, 5000, 5000) == HALF_LARGE_HEAD
+    assert prefill_tiles(64, 2, 577, 577) == HALF_SMALL_HEAD  # CLIP-L/14 at 336 pixels
+    window = prefill_tiles(80, 2, 64, 64)  # a 64-patch window: no query rows past it
+    assert (window.block_m, window.block_n, window.num_stages) == (64, 64, HALF_LARGE_HEAD.num_stages)
+    assert prefill_tiles(64, 4, 17, 17) == TileConfig(32, 32, SINGLE.num_warps, SINGLE.num_stages)  # CLIP in float32

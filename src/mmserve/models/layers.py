@@ -22,10 +22,45 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D] normalised over D in float32, back in x's dtype, times weight [D]."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class LayerOps:
+    """The small ops between a decoder layer's GEMMs, in PyTorch: the torch backend's, and the
+    reference the triton backend's fused kernels (models/attention/layer_kernels.py) equal.
+
+    Each backend's step metadata names its set (`StepAttention.ops`), chosen once with the
+    backend. A caller hands over the tensors it passes: a fused version may overwrite them."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., D] -> RMSNorm(x) * weight, x's shape and dtype."""
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, D] -> (RMSNorm(residual + x) * weight, residual + x)."""
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up: [T, I] (two tensors, or the halves of one [T, 2I]) -> SiLU(gate) * up [T, I]."""
+        return F.silu(gate) * up
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, Dh], k: [T, Hkv, Dh] rotated by cos, sin: [T, 1, Dh] (rotate-half layout)."""
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+TORCH_OPS = LayerOps()
 
 
 class EmbeddingTable(nn.Module):

@@ -9,16 +9,16 @@ one replicated head); x is the same full [T, D] on every rank between layers.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.hf_config import TextConfig
 from mmserve.models.attention.backend import StepAttention
-from mmserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, default_scale
+from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding, default_scale
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard, project)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
+Stream = tuple[torch.Tensor, torch.Tensor]  # (a layer's output or normed rows [T, D], the residual stream [T, D])
 
 
 class LlamaAttention(nn.Module):
@@ -46,8 +46,7 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -61,24 +60,40 @@ class LlamaMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(D, inner, bias, tp, what="intermediate_size")
         self.down_proj = RowParallelLinear(inner, D, bias, tp, what="intermediate_size")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         # x: [T, D] -> [T, I / N] (this rank's share) -> [T, D] (all-reduced)
-        gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(x, self.gate_proj, self.up_proj)  # views of one [T, 2I / N] once packed
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
+    """Attention then MLP, each after an RMSNorm and added to the residual stream. The stream is
+    carried as (x, residual): a layer's input is their sum, added by the fused add + norm of the
+    layer that reads it (residual None: x is the whole stream, the first layer's input).
+    A family with its own attention module (Qwen's) passes it as `attention`."""
+
+    def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE, attention: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = attention if attention is not None else LlamaAttention(cfg, tp)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: StepAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepAttention) -> Stream:
+        ops = meta.ops
+        h, residual = norm_residual(ops, self.input_layernorm, x, residual)
+        x = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return self.mlp(h, ops), residual
+
+
+def norm_residual(ops: LayerOps, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> Stream:
+    """(norm(stream), stream) of the stream x + residual (x alone when residual is None)."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -94,8 +109,9 @@ class LlamaModel(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepAttention) -> torch.Tensor:
         # inputs_embeds: [T, D]; positions: [T] -> hidden states [T, D]
-        x = inputs_embeds
+        # inputs_embeds may be overwritten (a fused add + norm updates the stream in place)
+        x, residual = inputs_embeds, None
         rope = self.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return norm_residual(meta.ops, self.norm, x, residual)[0]

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from mmserve.models.attention.backend import StepAttention
-from mmserve.models.layers import RMSNorm, apply_rotary, default_scale
-from mmserve.models.llama import LlamaMLP
+from mmserve.models.layers import RMSNorm, default_scale
+from mmserve.models.llama import LlamaDecoderLayer, norm_residual
 from mmserve.models.mrope import MRotaryEmbedding
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard, project)
@@ -56,24 +56,19 @@ class QwenAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        ops = meta.ops
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)  # [T, H, Dh]
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
         return self.o_proj(out.reshape(T, -1))
 
 
-class QwenDecoderLayer(nn.Module):
-    def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.self_attn = QwenAttention(cfg, tp)
-        self.mlp = LlamaMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class QwenDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (the residual stream carried as there) around Qwen's attention."""
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: StepAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, tp, QwenAttention(cfg, tp))
 
 
 class QwenTextModel(nn.Module):
@@ -97,10 +92,11 @@ class QwenTextModel(nn.Module):
         """inputs_embeds: [T, D]; positions: [3, T] (or [T]); deepstack: [Ld, T, D] or None -> [T, D]."""
         if deepstack is not None and deepstack.shape[0] > len(self.layers):
             raise ValueError(f"{deepstack.shape[0]} deepstack layers for {len(self.layers)} decoder layers")
-        x = inputs_embeds
+        # inputs_embeds may be overwritten (a fused add + norm updates the stream in place)
+        x, residual = inputs_embeds, None
         rope = self.rotary_emb(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
             if deepstack is not None and i < deepstack.shape[0]:
-                x = x + deepstack[i]  # zero on non-vision rows
-        return self.norm(x)
+                x, residual = residual + x + deepstack[i], None  # the whole stream; zero on non-vision rows
+        return norm_residual(meta.ops, self.norm, x, residual)[0]

@@ -4,5 +4,8 @@
   `SegmentAttention` the models call) and the selection.
 - `torch_sdpa.py`: the torch backend, PyTorch's SDPA (the CPU default).
 - `triton_backend.py`: the triton backend (the CUDA default) over our kernels,
-  `paged_kernel.py`, `cache_write_kernel.py` and `varlen_kernel.py`; only it imports `triton`.
+  `decode_kernel.py` (split-KV decode), `paged_kernel.py` (steps with prefill chunks),
+  `cache_write_kernel.py` (the KV write, with the rotary fused), `varlen_kernel.py` (the towers'
+  segments) and `layer_kernels.py` (the small ops between a layer's GEMMs), sharing
+  `online_softmax.py` and `tuning.py`; only it imports `triton`.
 """

@@ -15,14 +15,25 @@ from typing import Protocol
 
 import torch
 
+from mmserve.models.layers import LayerOps
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
+
 
 class StepAttention(Protocol):
     """One decoder step's attention metadata, built by a backend once for every layer."""
 
+    @property
+    def ops(self) -> LayerOps:
+        """The backend's small ops between the layers' GEMMs (norms, SiLU x up, rotary)."""
+        ...
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write the step's K/V into the cache, then attend over each request's context.
-        q: [T, H, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache: [N, S, Hkv, Dh]. Returns [T, H, Dh]."""
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
+        """Rotate q and k by `rope` (cos, sin: [T, 1, Dh], rotate-half) when given, write the
+        step's K/V into the cache, then attend over each request's context (the triton backend
+        does the first two in one kernel). q: [T, H, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache:
+        [N, S, Hkv, Dh]. Returns [T, H, Dh]; q, k, v may be overwritten."""
         ...
 
 

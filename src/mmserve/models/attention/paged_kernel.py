@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.models.attention.online_softmax import attend_tile
+from mmserve.models.attention.decode_kernel import decode_attention
+from mmserve.models.attention.online_softmax import attend_tile, load_paged_kv, range_loops
+from mmserve.models.attention.tuning import prefill_tiles
 
 # Shapes (T = query tokens of the step, B = sequences, H = query heads, Hkv = key/value heads,
 # G = H / Hkv, Dh = head dim, N = cache blocks, S = block size):
@@ -27,7 +29,19 @@ from mmserve.models.attention.online_softmax import attend_tile
 # head-dim lanes >= Dh (padding to BLOCK_D) load as 0; key j is seen by the query at position p iff
 # j <= p (causal inside the chunk, every cached token before it) and j < seq_len (lanes past it
 # load nothing, not even their block-table entry). Every row sees key 0, so no row's max is -inf.
-# The loop stops at the last tile the program's latest query can see.
+# The loop stops at the last tile the program's latest query can see. Decode batches take the
+# split-KV kernel instead (decode_kernel.py): one query per sequence leaves this grid too small.
+
+
+@triton.jit
+def _chunk_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, start, seq_len, position, kv_head, d, d_ok, m_i, l_i, acc,
+                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Keys start .. start + TILE_N folded into the running softmax of rows at `position` (causal)."""
+    key, key_ok, k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start, seq_len, kv_head, d, d_ok, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N)
+    seen = (key[None, :] <= position[:, None]) & key_ok[None, :]
+    return attend_tile(q, k, v, seen, m_i, l_i, acc, scale)
 
 
 @triton.jit
@@ -36,7 +50,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_star
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                             HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                            TILE_N: tl.constexpr):
+                            TILE_N: tl.constexpr, RANGE_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -59,18 +73,19 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_star
         l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, cached + (q_block + 1) * BLOCK_Q)  # keys the last query sees
-        for start in range(0, kv_end, TILE_N):
-            key = start + tl.arange(0, TILE_N)  # positions in the sequence
-            key_ok = key < seq_len
-            block = tl.load(block_tables_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            slot = (key % BLOCK_SIZE)[:, None]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot * stride_ks + kv_head * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot * stride_vs + kv_head * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0)
-            seen = (key[None, :] <= position[:, None]) & key_ok[None, :]
-            m_i, l_i, acc = attend_tile(q, k, v, seen, m_i, l_i, acc, scale)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        if RANGE_LOOP:
+            for start in range(0, kv_end, TILE_N):
+                m_i, l_i, acc = _chunk_tile(q, k_cache_ptr, v_cache_ptr, table, start, seq_len, position, kv_head,
+                                            d, d_ok, m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+                                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N)
+        else:
+            start = seq_len * 0
+            while start < kv_end:
+                m_i, l_i, acc = _chunk_tile(q, k_cache_ptr, v_cache_ptr, table, start, seq_len, position, kv_head,
+                                            d, d_ok, m_i, l_i, acc, scale, stride_kb, stride_ks, stride_kh,
+                                            stride_vb, stride_vs, stride_vh, BLOCK_SIZE, TILE_N)
+                start += TILE_N
         out = acc / l_i[:, None]
         o_off = (q_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -81,15 +96,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """Attention of every query of the step over its sequence's cached context (shapes above).
 
-    `max_query_len` only sizes the grid (1 for a decode batch, so a captured graph replays for
-    any lengths); everything a program reads about its sequence comes from the tensors."""
+    `max_query_len` only sizes the grid; everything a program reads about its sequence comes from
+    the tensors. A decode batch (`max_query_len` 1: every eager decode-only step and every
+    captured graph) goes to the split-KV kernel, `decode_kernel.py`."""
+    if max_query_len == 1:
+        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
     T, H, Dh = q.shape
     _, S, Hkv, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // Hkv
     g_pad = triton.next_power_of_2(group)
-    # tl.dot wants every side >= 16: rows are queries x padded group, at least 16 of them
-    block_q = max(1, 16 // g_pad) if max_query_len == 1 else max(1, 64 // g_pad)
+    tiles = prefill_tiles(Dh, q.element_size(), max_query_len * g_pad, block_tables.shape[1] * S)
+    block_q = max(1, tiles.block_m // g_pad)  # rows are queries x padded group (tl.dot wants >= 16)
     out = torch.empty_like(q)
     B = seq_lens.shape[0]
     grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
@@ -99,5 +117,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, G_PAD=g_pad, BLOCK_Q=block_q,
-        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE_N=64)
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE_N=tiles.block_n, RANGE_LOOP=range_loops(q.device),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
+from mmserve.models.attention.backend import Rope
+from mmserve.models.layers import TORCH_OPS, LayerOps
 
 
 @dataclass
@@ -51,6 +54,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [Bd] int64: each decoding request's keys (the kernel's)
     kernel_splits: int = 0  # the C kernel's parts per context; 0: the padded path
+    ops: ClassVar[LayerOps] = TORCH_OPS  # the small ops between GEMMs, in PyTorch
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -77,8 +81,11 @@ class AttentionMetadata:
         return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills, d_lens, splits)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """This step's `paged_attention` (the models' one call, whatever the backend)."""
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
+        """q and k rotated by `rope` (cos, sin) when given, then this step's `paged_attention`
+        (the models' one call, whatever the backend)."""
+        if rope is not None:
+            q, k = self.ops.rotary(q, k, *rope)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
 
 

@@ -8,12 +8,16 @@ them (`max_query_len`, `max_len`) only size the launch grids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from mmserve.models.attention.cache_write_kernel import write_kv_cache
+from mmserve.models.attention.backend import Rope
+from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, write_kv_cache
+from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
+from mmserve.models.layers import LayerOps
 
 
 @dataclass
@@ -26,13 +30,19 @@ class TritonMetadata:
     seq_lens: torch.Tensor  # [B] int32: tokens of context, the step's tokens included
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
     max_query_len: int
+    ops: ClassVar[LayerOps] = TRITON_OPS  # the small ops between GEMMs, fused (layer_kernels.py)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write the step's K/V at its slots, then one paged-attention launch for every request."""
-        write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
-        return paged_attention(q.contiguous(), k_cache, v_cache, self.query_start, self.seq_lens,
-                               self.block_tables, self.max_query_len, scale)
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
+        """Write the step's K/V at its slots (q and k rotated by `rope` in the same launch), then
+        one paged-attention launch for every request."""
+        if rope is None:
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+            q = q.contiguous()
+        else:
+            q = rotary_write_kv_cache(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.query_start, self.seq_lens, self.block_tables,
+                               self.max_query_len, scale)
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,10 @@ class TritonBackend:
 
     def segments(self, cu: list[int], device: torch.device) -> TritonSegments:
         longest = max((hi - lo for lo, hi in zip(cu[:-1], cu[1:])), default=0)
-        return TritonSegments(torch.tensor(cu, dtype=torch.int32, device=device), longest)
+        host = torch.tensor(cu, dtype=torch.int32)
+        if device.type == "cuda":  # pinned, without blocking: the host does not wait for the GPU's queue
+            return TritonSegments(host.pin_memory().to(device, non_blocking=True), longest)
+        return TritonSegments(host.to(device), longest)
 
     def equal_segments(self, count: int, length: int, device: torch.device) -> TritonSegments:
         return self.segments([i * length for i in range(count + 1)], device)

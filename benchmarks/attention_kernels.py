@@ -1,0 +1,127 @@
+"""The triton backend's attention kernels on one CUDA GPU, each against the hardware's limit
+measured in the same run.
+
+- Decode (Qwen2.5-VL-7B's attention: 28 query heads, 4 KV heads of 128, bfloat16, blocks of 16,
+  shuffled blocks), batch 1 to 64 at 2,048-key contexts: one layer's split-KV decode (the split
+  count the backend picks) and the same kernel with one split (one program per sequence and KV
+  head, what the engine ran before), each as the K/V bytes it reads per second against a
+  device-to-device copy's bandwidth (bytes read + written per second).
+- Prefill (Qwen2.5-VL-7B's tower: 16 heads of 80, bfloat16): a 1024x768 image's full attention
+  (one 4,070-row segment) and its 64-row windows, as attention FLOP/s (4 x rows x keys x heads x
+  head dim per segment) against a large bfloat16 matmul's rate.
+
+Run: `python benchmarks/attention_kernels.py` on a CUDA machine (without one it says so and exits
+0); `--smoke` runs the script's own code at tiny sizes on CPU under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+from typing import Callable
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
+TOWER_HEADS, TOWER_HEAD_DIM, FRAME_ROWS, WINDOW_ROWS = 16, 80, 4070, 64
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Mean seconds of `fn` over `reps` runs after two warm-ups (CUDA events on a GPU)."""
+    for _ in range(2):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / reps
+
+
+def copy_bandwidth(device: torch.device, reps: int) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (64 MiB in the smoke run)."""
+    n = (1 << 30 if device.type == "cuda" else 1 << 26) // 2
+    src, dst = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
+    return 2 * src.nbytes / timed(lambda: dst.copy_(src), device, reps)
+
+
+def matmul_rate(device: torch.device, reps: int) -> float:
+    """FLOP/s of an 8,192-square bfloat16 matmul (512 in the smoke run)."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device).to(torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / timed(lambda: a @ b, device, reps)
+
+
+def decode_rows(device: torch.device, batches: list[int], context: int, bandwidth: float, reps: int) -> None:
+    print(f"decode: {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, {context} keys each, blocks of {BLOCK}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'batch':>6} {'splits':>6} {'split us':>9} {'GB/s':>7} {'ratio':>6} {'1-split us':>10} {'GB/s':>7} "
+          f"{'ratio':>6} {'speed-up':>8}")
+    for batch in batches:
+        decode_row(device, batch, context, bandwidth, reps)
+
+
+def decode_row(device: torch.device, batch: int, context: int, bandwidth: float, reps: int) -> None:
+    """One batch's line: the split-KV kernel as the backend launches it, then with one split."""
+    from mmserve.models.attention.decode_kernel import decode_attention, decode_splits, sm_count
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    blocks = batch * context // BLOCK
+    k_cache, v_cache = (torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device).to(dtype) for _ in range(2))
+    tables = torch.randperm(blocks, device=device).view(batch, -1).to(torch.int32)  # shuffled blocks
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device).to(dtype)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    splits = decode_splits(batch, KV_HEADS, tables.shape[1] * BLOCK, sm_count(device))
+    split = timed(functools.partial(decode_attention, q, k_cache, v_cache, lens, tables, 0.088), device, reps)
+    single = timed(functools.partial(decode_attention, q, k_cache, v_cache, lens, tables, 0.088, splits=1), device,
+                   reps)
+    print(f"{batch:>6} {splits:>6} {split * 1e6:>9.1f} {kv_bytes / split / 1e9:>7.0f} "
+          f"{kv_bytes / split / bandwidth:>6.2f} {single * 1e6:>10.1f} {kv_bytes / single / 1e9:>7.0f} "
+          f"{kv_bytes / single / bandwidth:>6.2f} {single / split:>8.2f}")
+
+
+def prefill_rows(device: torch.device, frame_rows: int, rate: float, reps: int) -> None:
+    from mmserve.models.attention.triton_backend import TritonBackend
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    backend = TritonBackend(device)
+    q, k, v = (torch.randn(frame_rows, TOWER_HEADS, TOWER_HEAD_DIM, device=device).to(dtype) for _ in range(3))
+    windows = list(range(0, frame_rows, WINDOW_ROWS)) + [frame_rows]
+    print(f"prefill: {TOWER_HEADS} heads of {TOWER_HEAD_DIM}, {frame_rows} rows; matmul rate {rate / 1e12:.0f} TFLOP/s")
+    print(f"{'segments':>20} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6}")
+    for name, cu in (("one (full)", [0, frame_rows]), (f"{len(windows) - 1} windows", windows)):
+        segments = backend.segments(cu, device)
+        flops = sum(4 * (hi - lo) ** 2 * TOWER_HEADS * TOWER_HEAD_DIM for lo, hi in zip(cu[:-1], cu[1:]))
+        seconds = timed(functools.partial(segments.attend, q, k, v, TOWER_HEAD_DIM**-0.5), device, reps)
+        print(f"{name:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} {flops / seconds / rate:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under Triton's interpreter")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        device, batches, context, frame_rows, reps = torch.device("cpu"), [1, 2], 256, 130, 1
+    elif torch.cuda.is_available():
+        device, batches, context, frame_rows, reps = torch.device("cuda"), [1, 8, 32, 64], 2048, FRAME_ROWS, args.reps
+    else:
+        print("no CUDA GPU here: nothing to measure (--smoke checks the script on CPU)")
+        return
+    decode_rows(device, batches, context, copy_bandwidth(device, reps), reps)
+    prefill_rows(device, frame_rows, matmul_rate(device, reps), reps)
+    print("target: decode ratio >= 0.85 of the copy bandwidth; prefill ratio near the matmul rate")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Our Triton kernels for the small ops between a decoder layer's GEMMs: residual add + RMSNorm and
+SiLU x up, each one launch where PyTorch makes several (`models/layers.py: LayerOps` is the
+reference they equal), and the rotary's parts that cache_write_kernel.py fuses with the KV write.
+
+Imported only by the triton backend (it needs `triton`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.models.layers import LayerOps
+
+# Shapes (T = tokens, D = hidden size, H / Hkv = query / KV heads, Dh = head dim, I = MLP width);
+# every last dimension is contiguous, rows may be strided (views of a fused projection's output):
+#   _rms_norm_kernel: x [T, HEADS, D] (HEADS = 1 for hidden states, H for Qwen3's per-head q/k
+#     norms), residual [T, D] (read and overwritten when HAS_RESIDUAL), weight [D], out like x;
+#     one program per (token, head) row
+#   _silu_mul_kernel: gate, up, out [T, I]; one program per (token, BLOCK lanes)
+#   rotate_heads: one token's heads [heads, Dh] rotated by its cos, sin [Dh] (rotate-half)
+# Masks: lanes past D, I or Dh / 2 and heads past H or Hkv (padding to powers of two) load 0 and
+# store nothing. Values are rounded to the tensors' dtype wherever PyTorch's op-by-op path rounds
+# (after the residual add, the normalisation, each product of the rotary, the SiLU), so bfloat16
+# results equal the torch path's up to the float32 sum's order.
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
+                     HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0)
+    t = (row // HEADS).to(tl.int64)
+    h = row % HEADS
+    c = tl.arange(0, BLOCK)
+    ok = c < D
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + c, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_rt + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + t * stride_rt + c, x, mask=ok)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + c, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < width
+    gate = tl.load(gate_ptr + t * stride_gt + c, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    up = tl.load(up_ptr + t * stride_ut + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + c, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's `heads` rows [heads, 2 * HALF] from src rotated (rotate-half layout) into dst
+    (may be src); `ok` [BLOCK] masks the half-dimension lanes (and, all False, the whole token)."""
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < heads)[:, None] & ok[None, :]
+    first = src_ptr + h[:, None] * src_stride_h + c[None, :]
+    raw1 = tl.load(first, mask=mask, other=0.0)
+    dtype = raw1.dtype
+    x1 = raw1.to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out = dst_ptr + h[:, None] * dst_stride_h + c[None, :]
+    a = (x1 * cos1[None, :]).to(dtype).to(tl.float32)
+    b = (x2 * sin1[None, :]).to(dtype).to(tl.float32)
+    tl.store(out, (a - b).to(dtype), mask=mask)
+    a = (x2 * cos2[None, :]).to(dtype).to(tl.float32)
+    b = (x1 * sin2[None, :]).to(dtype).to(tl.float32)
+    tl.store(out + HALF, (a + b).to(dtype), mask=mask)
+
+
+@triton.jit
+def load_rotation(cos_ptr, sin_ptr, stride_ct, t, c, ok, HALF: tl.constexpr):
+    """Token t's cos and sin, each as its two halves [BLOCK] float32 (cos1, cos2, sin1, sin2)."""
+    cos1 = tl.load(cos_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+def _row_warps(width: int) -> int:
+    """Warps for one program over a row of `width` values (4 up to 4,096 lanes, then 8, then 16)."""
+    return 4 if width <= 4096 else 8 if width <= 8192 else 16
+
+
+class TritonLayerOps(LayerOps):
+    """`LayerOps` as one Triton kernel each (the rotary is fused with the KV write instead:
+    `TritonMetadata.attend`). `add_rms_norm` overwrites x (with the normalised rows) and
+    residual (with residual + x)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._norm(x, None, weight, eps, out)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._norm(x, residual, weight, eps, x)
+        return x, residual
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        T, width = gate.shape
+        out = torch.empty(T, width, dtype=gate.dtype, device=gate.device)
+        if T:
+            assert gate.stride(1) == 1 and up.stride(1) == 1
+            block = min(1024, triton.next_power_of_2(width))
+            _silu_mul_kernel[(T, triton.cdiv(width, block))](gate, up, out, width, gate.stride(0), up.stride(0),
+                                                             out.stride(0), BLOCK=block, num_warps=4)
+        return out
+
+    @staticmethod
+    def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              out: torch.Tensor) -> None:
+        """x: [T, D] or [T, heads, D] (out alike); residual: [T, D] or None."""
+        x3, out3 = (x[:, None], out[:, None]) if x.dim() == 2 else (x, out)
+        T, heads, D = x3.shape
+        if T == 0:
+            return
+        assert x3.stride(2) == 1 and out3.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
+        res = residual if residual is not None else x
+        _rms_norm_kernel[(T * heads,)](x3, res, weight, out3, eps, x3.stride(0), x3.stride(1), res.stride(0),
+                                       out3.stride(0), out3.stride(1), HEADS=heads, D=D,
+                                       BLOCK=triton.next_power_of_2(D), HAS_RESIDUAL=residual is not None,
+                                       num_warps=_row_warps(D))
+
+
+TRITON_OPS = TritonLayerOps()

@@ -1,0 +1,47 @@
+"""Tile sizes, warps and pipeline stages of the prefill attention kernels, per head size and dtype.
+
+Not timed here (no GPU at hand when chosen): each comes from what published Hopper kernels use for
+the same head size, written beside it. `tl.arange` needs powers of two, so a head of 80 or 96 runs
+in 128 lanes (the rest masked), as a head of 128 does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import triton
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch's shape: BLOCK_M query rows per program, BLOCK_N keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Half precision (bf16 / fp16), padded head <= 64: FlashAttention-2's forward tile for head 64 is
+# 128 x 128 with 4 warps; Triton's fused-attention tutorial searches BLOCK_M {64, 128} x BLOCK_N
+# {32, 64} x stages {3, 4, 7}, 8 warps only for 128 x 128 tiles: 128 x 64 keeps 4 warps, 4 stages.
+HALF_SMALL_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
+# Half precision, padded head 128 (heads 80, 96, 128): FlashAttention-2's forward tile for heads
+# 96 and 128 is 128 x 64 with 4 warps; 3 stages of K and V tiles (3 x 2 x 64 x 128 x 2 B = 96 KiB)
+# plus Q (32 KiB) fit the 228 KiB of shared memory of an H100 SM, as in the tutorial's search.
+HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+# float32: values take twice the bytes and `tl.dot` runs in IEEE precision (no tensor cores):
+# half the tile each way, 2 stages.
+SINGLE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int) -> TileConfig:
+    """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes when a program has at most
+    `rows` query rows and `keys` keys: never larger than those (Qwen2.5-VL's 64-patch windows
+    take 64-row tiles, a CLIP image of 17 rows 32), nor than 16 (`tl.dot`'s least)."""
+    if itemsize >= 4:
+        tiles = SINGLE
+    else:
+        tiles = HALF_SMALL_HEAD if triton.next_power_of_2(head_dim) <= 64 else HALF_LARGE_HEAD
+    return replace(tiles, block_m=min(tiles.block_m, max(16, triton.next_power_of_2(rows))),
+                   block_n=min(tiles.block_n, max(16, triton.next_power_of_2(keys))))

@@ -1,0 +1,109 @@
+"""Our fused small-op kernels (residual add + RMSNorm, SiLU x up, rotary of q and k with the KV
+write) against the torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding
+of a sum's order,
+half precision to the dtype's rounding, strided views of a fused projection's output, widths
+that are not powers of two, and M-RoPE's cos / sin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.triton_device import DEVICE
+from mmserve.models.layers import TORCH_OPS, RotaryEmbedding
+from mmserve.models.mrope import MRotaryEmbedding
+
+pytest.importorskip("triton")
+
+from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache  # noqa: E402
+from mmserve.models.attention.layer_kernels import TRITON_OPS  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [96, 200])
+def test_add_rms_norm_updates_the_residual_in_place(dtype, width):
+    x, residual, weight = rand(5, width, dtype=dtype, seed=1), rand(5, width, dtype=dtype, seed=2), \
+        rand(width, dtype=dtype, seed=3)
+    want_out, want_res = TORCH_OPS.add_rms_norm(x, residual, weight, 1e-6)
+    got_x, got_res = x.to(DEVICE), residual.to(DEVICE)
+    out, res = TRITON_OPS.add_rms_norm(got_x, got_res, weight.to(DEVICE), 1e-6)
+    assert res.data_ptr() == got_res.data_ptr() and out.data_ptr() == got_x.data_ptr()
+    torch.testing.assert_close(res.cpu(), want_res, atol=0, rtol=0)  # one rounded add: exact
+    torch.testing.assert_close(out.cpu(), want_out, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_each_head_of_a_strided_view(dtype):
+    """Qwen3's q / k norms: [T, H, Dh] rows of a fused QKV output, normalised per head; the input
+    is left as it was (the first layer's input is also the residual stream)."""
+    qkv = rand(4, 3 * 2 * 64, dtype=dtype, seed=4)
+    q = qkv[:, :128].view(4, 2, 64)
+    weight = rand(64, dtype=dtype, seed=5)
+    want = TORCH_OPS.rms_norm(q, weight, 1e-6)
+    before = qkv.clone()
+    got = TRITON_OPS.rms_norm(q.to(DEVICE), weight.to(DEVICE), 1e-6)
+    torch.testing.assert_close(got.cpu(), want, **tol(dtype))
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_one_fused_tensor_and_of_two(dtype):
+    """gate / up as the halves of one [T, 2I] output (strided, no copy) and as two tensors."""
+    gate_up = rand(6, 2 * 300, dtype=dtype, seed=6)
+    gate, up = gate_up.split(300, dim=-1)
+    want = TORCH_OPS.silu_mul(gate, up)
+    halves = gate_up.to(DEVICE).split(300, dim=-1)
+    torch.testing.assert_close(TRITON_OPS.silu_mul(*halves).cpu(), want, **tol(dtype))
+    two = TRITON_OPS.silu_mul(gate.contiguous().to(DEVICE), up.contiguous().to(DEVICE))
+    torch.testing.assert_close(two.cpu(), want, **tol(dtype))
+
+
+def rope_of(kind: str, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):
+    if kind == "mrope":  # Qwen2.5-VL's sections, scaled to the head
+        section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+        return MRotaryEmbedding(head_dim, 10000.0, section, interleaved=False)(positions, dtype)
+    return RotaryEmbedding(head_dim, 10000.0)(positions[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,heads,kv_heads,head_dim", [
+    ("rope", 4, 4, 64), ("mrope", 7, 1, 128), ("mrope", 6, 2, 80)])
+def test_rotary_of_q_and_k_with_the_cache_write(dtype, kind, heads, kv_heads, head_dim):
+    """q, k, v as views of one fused QKV output: one launch rotates q (into a new tensor) and k
+    (into the cache at its slot) and stores v; a padded token (slot -1) writes nothing; the
+    inputs are left as they were."""
+    T, block = 5, 4
+    positions = torch.stack([torch.arange(T) * 3, torch.arange(T) % 2, torch.arange(T) + 7])  # [3, T]
+    cos, sin = rope_of(kind, head_dim, positions, dtype)
+    qkv = rand(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=heads)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
+    slots = torch.tensor([9, 2, -1, 15, 4])
+    k_cache, v_cache = rand(4, block, kv_heads, head_dim, dtype=dtype, seed=7), rand(4, block, kv_heads, head_dim,
+                                                                                      dtype=dtype, seed=8)
+    want_q, want_k = TORCH_OPS.rotary(q, k, cos, sin)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    want_k_cache.view(-1, kv_heads, head_dim)[slots[real]] = want_k[real]
+    want_v_cache.view(-1, kv_heads, head_dim)[slots[real]] = v[real]
+    fused = qkv.to(DEVICE)
+    got = [t.view(T, -1, head_dim) for t in fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+                                                         dim=-1)]
+    got_k_cache, got_v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    got_q = rotary_write_kv_cache(*got, cos.to(DEVICE), sin.to(DEVICE), got_k_cache, got_v_cache, slots.to(DEVICE))
+    # each product rounded as torch's: exact for float16, and float32 interpreted; within rounding for
+    # float32 on a GPU (a compiler may fuse a product into the add) and for bfloat16 (GPU only)
+    exact = {"atol": 0, "rtol": 0} if dtype == torch.float16 or DEVICE.type == "cpu" else tol(dtype)
+    torch.testing.assert_close(got_q.cpu(), want_q, **exact)
+    torch.testing.assert_close(got_k_cache.cpu(), want_k_cache, **exact)
+    assert torch.equal(got_v_cache.cpu(), want_v_cache) and torch.equal(fused.cpu(), qkv)
