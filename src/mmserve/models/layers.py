@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
+
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, computed in float32 like transformers."""

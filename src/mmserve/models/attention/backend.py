@@ -15,9 +15,7 @@ from typing import Protocol
 
 import torch
 
-from mmserve.models.layers import LayerOps
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
+from mmserve.models.layers import LayerOps, Rope
 
 
 class StepAttention(Protocol):

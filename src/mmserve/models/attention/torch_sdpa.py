@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
-from mmserve.models.attention.backend import Rope
-from mmserve.models.layers import TORCH_OPS, LayerOps
+from mmserve.models.layers import TORCH_OPS, LayerOps, Rope
 
 
 @dataclass

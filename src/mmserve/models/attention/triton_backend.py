@@ -12,12 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from mmserve.models.attention.backend import Rope
 from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, write_kv_cache
 from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
-from mmserve.models.layers import LayerOps
+from mmserve.models.layers import LayerOps, Rope
 
 
 @dataclass
