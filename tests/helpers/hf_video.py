@@ -60,8 +60,6 @@ def hf_video_processor(path: str, family: str):
     restored after each call, so the rest of the process, e.g. the CLIP image processor, never
     sees them); everything else — sampling, sizing, the fused rescale, padding, patchify, the
     grid — is transformers' code."""
-
-
     from transformers.utils import is_torchvision_available
 
     folder = "qwen3_vl" if family == "qwen3_vl" else "qwen2_vl"
