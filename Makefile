@@ -35,16 +35,19 @@ test: lint
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 # The GPU kit, on a CUDA machine, from a clone: the python there (GPU_PY, with its own CUDA torch and
-# mmserve's dependencies installed) runs the tree as it is; nothing is downloaded.
+# mmserve's dependencies installed) runs the tree as it is; nothing is built or downloaded first.
 GPU_PY ?= python3
 GPU_RUN := PYTHONPATH=src:tests $(GPU_PY)
 
-# tests/gpu: parity with transformers on the same GPU, caches and CUDA graphs on vs off, the server
+# in one process each: tests/gpu (parity with transformers on the same GPU, caches and CUDA graphs on
+# vs off, every LLM's memory given back, the server), then the Triton kernels compiled for the GPU
 test-gpu:
 	$(GPU_RUN) -m pytest -p no:cacheprovider -m gpu -s tests/gpu
+	$(GPU_RUN) -m pytest -p no:cacheprovider -q tests/kernels
 
-# a random-weight model of real size (Qwen2.5-VL-7B's config) on the GPU: mmserve against
-# transformers, cold vs warm image, encoder time, decode step against the bandwidth limit
+# where the time goes on a random-weight Qwen2.5-VL-7B (under 8 minutes): the decode sweep against the
+# bandwidth limit, tower and prefill against the matmul rate, TTFT against transformers, per-kernel
+# tables (BENCH_GPU_ARGS="--device cpu --tiny" runs it on a CPU at a tiny size)
 bench-gpu:
 	$(GPU_RUN) benchmarks/gpu_serving.py $(BENCH_GPU_ARGS)
 

@@ -1,30 +1,41 @@
-"""The GPU benchmark (`make bench-gpu`): a real-size random-weight Qwen2.5-VL-7B on one CUDA GPU.
+"""The GPU benchmark (`make bench-gpu`): where a real-size Qwen2.5-VL-7B's time goes on one CUDA GPU.
 
-No download: the model is built on the GPU from Qwen2.5-VL-7B's published config (random weights,
-bfloat16, the built-in tokenizer) and saved once to a temporary directory that both engines load.
-Every figure has its baseline measured in the same run, on the same GPU:
+No download: the model is built on the device from Qwen2.5-VL-7B's published config (random
+bfloat16 weights, the built-in tokenizer) and saved once to a temporary directory that both
+engines load. Every figure stands beside a limit measured in the same run on the same device
+(`_gpu_limits.py`): a device-to-device copy's bandwidth (bytes read + written per second) and a
+bfloat16 matmul's rate.
 
-- TTFT of one request (a 1024x768 image and a question), mmserve vs transformers' `generate`;
-- output tokens/s of a batch (distinct images, fixed output length, EOS ignored), mmserve's
-  batched engine vs transformers' `generate` one request at a time;
-- a repeated 1024x768 image, cold (first sight) vs warm (processor, encoder and prefix caches hit);
-- the vision encoder's time per image;
-- a decode step's time against its bandwidth limit: (weight bytes + KV bytes read) divided by the
-  bandwidth of a device-to-device copy measured here (bytes read + written per second).
+- decode sweep (batch 1, 8, 32, 64, 128 at 2,048 cached tokens, CUDA graphs; batch 1 eager too):
+  step time against (bytes the step must read: the decoder's weights with the LM head, the
+  embedding rows of its tokens, every request's K/V; not the vision tower) / bandwidth;
+- the vision tower on one new 1024x768 image and on N at once, against its arithmetic / the matmul
+  rate; the prefill of a ~1,000-token text prompt likewise;
+- time to first token of one new 1024x768 image and of N new images at once, mmserve against
+  transformers' `generate` (the N as one batch), each against (tower + prefill arithmetic) / rate;
+- a repeated image, cold then warm (every cache hit);
+- per-kernel tables (torch.profiler, top 15 by self device time) of one eager decode step and of
+  one new image's first token (processing, tower and prefill).
 
-Run: `python benchmarks/gpu_serving.py [--batch 16] [--max-tokens 64]` (on a CPU-only machine it
-says so and exits 0).
+Run: `python benchmarks/gpu_serving.py` (about 5 minutes on an H100); `--device cpu --tiny` runs
+every piece on the CPU at a tiny size (proves the script without a GPU); without CUDA and without
+`--device cpu` it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from _gpu_baseline import transformers_ttft
+from _gpu_decode import decode_step_time, eager, eager_decode_table, kernel_table
+from _gpu_limits import (best_time, copy_bandwidth, decode_step_bytes, decoder_matrix_elements, matmul_rate,
+                         prefill_flops, sync, tower_flops)
 
 QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                          num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
@@ -32,26 +43,35 @@ QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_l
 QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2)
-PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n" \
-         "<|im_start|>assistant\n"
-IMAGE_SIZE = (1024, 768)
-
-
-DEVICE = "cuda"  # --smoke: "cpu", a tiny model (checks this script's own code on a machine without a GPU)
 TINY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1280, max_position_embeddings=8192)
 TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14, spatial_merge_size=2,
                    temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1], hidden_act="silu")
+PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n" \
+         "<|im_start|>assistant\n"
+TEXT_PROMPT = "<|im_start|>user\n" + "the quick brown fox jumps over the lazy dog " * 100 + "<|im_end|>\n"
+IMAGE_SIZE = (1024, 768)
 
 
-def synced() -> float:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+@dataclass(frozen=True)
+class Sizes:
+    """How much the run does: the real sizes on a GPU, tiny ones with --tiny."""
+
+    batches: tuple[int, ...]
+    context: int
+    images: int  # the "N new images at once"
+    steps: int  # timed decode steps per batch
+    copy_bytes: int
+    matmul: int
+    profile_batch: int
 
 
-def build_checkpoint(path: str, tiny: bool) -> None:
-    """Qwen2.5-VL-7B's architecture with random bfloat16 weights, built on the GPU and saved to `path`."""
+FULL = Sizes((1, 8, 32, 64, 128), 2048, 16, 20, 1 << 30, 8192, 8)
+TINY = Sizes((1, 4), 256, 2, 5, 1 << 26, 512, 2)
+
+
+def build_checkpoint(path: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> None:
+    """Qwen2.5-VL-7B's architecture (or a tiny one) with random weights, built on `device` and saved to `path`."""
     from transformers import AutoModelForImageTextToText
 
     from mmserve.models.builtin_qwen_vl import write_qwen_vl_files
@@ -59,22 +79,10 @@ def build_checkpoint(path: str, tiny: bool) -> None:
     config = write_qwen_vl_files(path, family="qwen2_5_vl", text_config=TINY_TEXT if tiny else QWEN25_VL_7B_TEXT,
                                  vision_config=TINY_VISION if tiny else QWEN25_VL_7B_VISION, min_pixels=56 * 56,
                                  max_pixels=28 * 28 * 1280)  # Qwen2.5-VL's default pixel budget
-    with torch.device(DEVICE):
-        AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    if DEVICE == "cuda":
+    with torch.device(device):
+        AutoModelForImageTextToText.from_config(config, dtype=dtype).save_pretrained(path)
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second (read + written) of a device-to-device copy, best of 5."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = synced()
-        dst.copy_(src)
-        best = min(best, synced() - start)
-    return 2 * nbytes / best
 
 
 def images(n: int, seed: int = 0) -> list[Any]:
@@ -85,162 +93,138 @@ def images(n: int, seed: int = 0) -> list[Any]:
                                           dtype=torch.uint8).numpy()) for _ in range(n)]
 
 
-# ---- transformers, the baseline ----------------------------------------------------------------
-
-def hf_inputs(path: str, image: Any) -> dict[str, torch.Tensor]:
-    """transformers' inputs for one prompt, built as its Qwen2.5-VL processor builds them."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tokenizer, processor = AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path)
-    pixels = processor(images=[image], return_tensors="pt")
-    count = int(pixels["image_grid_thw"][0].prod()) // processor.merge_size ** 2
-    ids = torch.tensor([tokenizer(PROMPT.replace("<|image_pad|>", "<|image_pad|>" * count))["input_ids"]])
-    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    return {"input_ids": ids.to(DEVICE), "attention_mask": torch.ones_like(ids).to(DEVICE),
-            "mm_token_type_ids": (ids == image_token).long().to(DEVICE),
-            "pixel_values": pixels["pixel_values"].to(DEVICE, torch.bfloat16),
-            "image_grid_thw": pixels["image_grid_thw"].to(DEVICE)}
+def with_image(image: Any) -> dict[str, Any]:
+    return {"prompt": PROMPT, "multi_modal_data": {"image": image}}
 
 
-def run_transformers(path: str, pictures: list[Any], max_tokens: int) -> dict[str, float]:
-    """TTFT of one request and output tokens/s over the batch, one request at a time."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
-    try:
-        return _time_transformers(model, path, pictures, max_tokens)
-    finally:
-        del model
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _time_transformers(model: Any, path: str, pictures: list[Any], max_tokens: int) -> dict[str, float]:
-    def generate(image: Any, n: int) -> int:
-        inputs = hf_inputs(path, image)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return out.shape[1] - inputs["input_ids"].shape[1]
-
-    generate(pictures[0], 2)  # warm-up
-    start = synced()
-    generate(pictures[1], 1)
-    ttft = synced() - start
-    start = synced()
-    tokens = sum(generate(image, max_tokens) for image in pictures)
-    elapsed = synced() - start
-    return {"ttft_s": ttft, "tokens_per_s": tokens / elapsed}
-
-
-# ---- mmserve --------------------------------------------------------------------------------------
-
-def run_mmserve(path: str, pictures: list[Any], max_tokens: int) -> tuple[dict[str, float], Any]:
-    """TTFT, batch output tokens/s, and a repeated image cold vs warm."""
-    from mmserve import LLM, SamplingParams
-
-    llm = LLM(model=path, device=DEVICE, dtype="bfloat16", max_model_len=8192, max_num_seqs=max(len(pictures), 8))
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    batch = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    fresh = images(3, seed=1)
-    llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": fresh[0]}}], one)  # warm-up
-    start = synced()
-    llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": fresh[1]}}], one)
-    ttft = synced() - start
-    start = synced()
-    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures], batch)
-    elapsed = synced() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    repeat = {"prompt": PROMPT, "multi_modal_data": {"image": fresh[2]}}
-    start = synced()
-    llm.generate([repeat], one)
-    cold = synced() - start
-    start = synced()
-    llm.generate([repeat], one)
-    warm = synced() - start
-    return {"ttft_s": ttft, "tokens_per_s": tokens / elapsed, "cold_s": cold, "warm_s": warm}, llm
-
-
-def encoder_time(llm: Any, path: str, image: Any) -> float:
-    """Seconds of the vision tower for one 1024x768 image (median of 5; processing excluded)."""
-    from mmserve.multimodal.qwen_processor import QwenVLProcessor
-
-    runner = llm.engine.core.executor.runner
-    data = QwenVLProcessor(path).process_image(image)
-    data = {k: v.to(DEVICE) if v.is_floating_point() else v for k, v in data.items()}
-    times = []
-    for _ in range(5):
-        start = synced()
-        runner.model.encode_items([data], runner.dtype)
-        times.append(synced() - start)
-    return statistics.median(times)
-
-
-def decode_step(llm: Any, batch: int, context: int, bandwidth: float) -> dict[str, float]:
-    """Median decode step time with `batch` text requests of about `context` tokens, and its bandwidth
-    limit: each step reads every weight once and each request's whole KV, at the copy's rate (bytes
-    read + written per second: the rate memory moves bytes)."""
+def first_token_s(llm: Any, prompts: list[Any], device: torch.device) -> tuple[float, list[int]]:
+    """Seconds until every prompt has its first token (one `generate` call), and the prompts' lengths."""
     from mmserve import SamplingParams
 
-    runner = llm.engine.core.executor.runner
-    steps: list[float] = []
-    execute = runner.execute_model
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    sync(device)
+    return time.perf_counter() - start, [len(o.prompt_token_ids) for o in outs]
 
-    def timed(so: Any) -> Any:
-        start = synced()
-        out = execute(so)
-        if so.num_scheduled_tokens and all(n == 1 for n in so.num_scheduled_tokens.values()):
-            steps.append(synced() - start)
-        return out
 
-    runner.execute_model = timed
-    prompts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * (context // 10) for i in range(batch)]
-    context = max(len(llm.get_tokenizer()(p)["input_ids"]) for p in prompts)
-    try:
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    finally:
-        runner.execute_model = execute
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+def tower_s(llm: Any, path: str, pictures: list[Any], device: torch.device) -> tuple[float, float]:
+    """Seconds of the vision tower on `pictures` in one call (processing excluded), and its arithmetic."""
+    from mmserve.multimodal.qwen_processor import QwenVLProcessor
+
+    runner, processor = llm.engine.core.executor.runner, QwenVLProcessor(path)
+    datas = [{k: v.to(device) if v.is_floating_point() else v for k, v in processor.process_image(p).items()}
+             for p in pictures]
+    grids = [tuple(int(x) for x in d["image_grid_thw"].reshape(3).tolist()) for d in datas]
+    seconds = best_time(lambda: runner.model.encode_items(datas, runner.dtype), device, repeats=3)
+    return seconds, tower_flops(runner.model.model.visual, grids)
+
+
+def ratio_line(name: str, seconds: float, limit: float, extra: str = "") -> str:
+    return f"  {name:<34} {seconds * 1e3:9.2f} ms   limit {limit * 1e3:8.2f} ms   {limit / seconds:6.1%} of it{extra}"
+
+
+def decode_report(llm: Any, sizes: Sizes, bandwidth: float, rate: float) -> None:
+    core = llm.engine.core
+    runner = core.executor.runner
     kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
-    read = weights + batch * (context + 16) * kv_per_token
-    step = statistics.median(steps)
-    return {"step_s": step, "limit_s": read / bandwidth, "bytes_read": read, "context": context}
+    # a step's arithmetic: 2 per weight per token (the LM head's too) — the larger limit only at large batches
+    matrices = decoder_matrix_elements(runner.model) + runner.model.config.text.vocab_size * \
+        runner.model.config.text.hidden_size
+    print(f"decode steps at {sizes.context} cached tokens (limit: bytes read / copy bandwidth; "
+          f"arithmetic / matmul rate when larger):", flush=True)
+    runs = [(b, "graphs" if runner.decode_graphs is not None else "eager", False) for b in sizes.batches]
+    for batch, mode, force_eager in runs + [(1, "eager", True)]:
+        if force_eager:
+            with eager(runner):
+                step = decode_step_time(core, batch, sizes.context, sizes.steps)
+        else:
+            step = decode_step_time(core, batch, sizes.context, sizes.steps)
+        read = decode_step_bytes(runner.model, batch, sizes.context + 3 + sizes.steps // 2, kv_per_token)
+        limit = max(read / bandwidth, 2 * matrices * batch / rate)
+        print(ratio_line(f"batch {batch:3d} ({mode})", step, limit,
+                         f"   {read / 1e9:6.2f} GB read, {batch / step:8.0f} tok/s"), flush=True)
 
 
-def main() -> None:
+def first_token_report(llm: Any, path: str, sizes: Sizes, pictures: list[Any], hf: dict[str, float] | None,
+                       device: torch.device, rate: float) -> None:
+    """TTFT (one new image, N at once), tower and text prefill against the compute limit, cold vs warm."""
+    n, model = sizes.images, llm.engine.core.executor.runner.model
+    first_token_s(llm, [with_image(pictures[0])], device)  # warm-up
+    one_s, (one_len,) = first_token_s(llm, [with_image(pictures[1])], device)
+    many_s, many_lens = first_token_s(llm, [with_image(p) for p in pictures[2:2 + n]], device)
+    text_s, (text_len,) = first_token_s(llm, [TEXT_PROMPT], device)
+    tower_one_s, tower_one = tower_s(llm, path, pictures[1:2], device)
+    tower_many_s, tower_many = tower_s(llm, path, pictures[2:2 + n], device)
+    one_limit = (tower_one + prefill_flops(model, [one_len])) / rate
+    many_limit = (tower_many + prefill_flops(model, many_lens)) / rate
+    print(f"first tokens (limit: arithmetic / matmul rate; {one_len} prompt tokens per image):")
+    print(ratio_line("vision tower, one image", tower_one_s, tower_one / rate, f"   {tower_one / 1e12:.2f} TFLOP"))
+    print(ratio_line(f"vision tower, {n} images per image", tower_many_s / n, tower_many / rate / n))
+    print(ratio_line(f"prefill, {text_len}-token text", text_s, prefill_flops(model, [text_len]) / rate))
+    print(ratio_line("TTFT, one new image", one_s, one_limit, _against(hf, "one_s", one_s)))
+    print(ratio_line(f"TTFT, {n} new images, per image", many_s / n, many_limit / n,
+                     _against(hf, "batch_s", many_s, n)))
+    repeat = with_image(pictures[2 + n])
+    cold, _ = first_token_s(llm, [repeat], device)
+    warm, _ = first_token_s(llm, [repeat], device)
+    print(f"  repeated image: cold {cold * 1e3:.1f} ms, warm {warm * 1e3:.1f} ms ({cold / warm:.1f}x)", flush=True)
+
+
+def _against(hf: dict[str, float] | None, key: str, ours: float, n: int = 1) -> str:
+    if hf is None:
+        return ""
+    return f"   transformers {hf[key] / n * 1e3:8.1f} ms ({hf[key] / ours:.2f}x ours)"
+
+
+def kernel_report(llm: Any, sizes: Sizes, device: torch.device) -> None:
+    core = llm.engine.core
+    print(f"\nper kernel, one eager decode step (batch {sizes.profile_batch}, {sizes.context} tokens):")
+    print(eager_decode_table(core, sizes.profile_batch, sizes.context))
+    new = with_image(images(1, seed=99)[0])
+    print("per kernel, one new image's first token (processing, tower, prefill):")
+    print(kernel_table(lambda: first_token_s(llm, [new], device), device))
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--decode-context", type=int, default=1024)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
-    args = parser.parse_args()
-    global DEVICE
-    DEVICE = "cpu" if args.smoke else "cuda"
-    if not args.smoke and not torch.cuda.is_available():
-        print("gpu_serving: no CUDA device here; nothing measured (run it on a GPU: make bench-gpu)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and tiny sizes (with --device cpu: "
+                                                            "checks this script on a machine without a GPU)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_serving: no CUDA device here; nothing measured (run it on a GPU: make bench-gpu, "
+              "or --device cpu --tiny to check the script)")
         return
-    print(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    sizes, dtype = (TINY if args.tiny else FULL), (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}", flush=True)
+    bandwidth, rate = copy_bandwidth(device, sizes.copy_bytes), matmul_rate(device, dtype, sizes.matmul)
+    print(f"limits: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written), {str(dtype).removeprefix('torch.')} "
+          f"matmul {rate / 1e12:.2f} TFLOP/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="mmserve-gpu-bench-") as path:
         start = time.perf_counter()
-        build_checkpoint(path, tiny=args.smoke)
-        print(f"built Qwen2.5-VL-7B-sized random checkpoint on the GPU in {time.perf_counter() - start:.0f} s")
-        bandwidth = copy_bandwidth()
-        pictures = images(args.batch)
-        hf = run_transformers(path, pictures, args.max_tokens)
-        ours, llm = run_mmserve(path, pictures, args.max_tokens)
-        encoder = encoder_time(llm, path, pictures[0])
-        decode = decode_step(llm, args.batch, args.decode_context, bandwidth)
-    print(f"device copy bandwidth (read + written): {bandwidth / 1e12:.2f} TB/s")
-    print(f"TTFT, one 1024x768 image:   mmserve {ours['ttft_s'] * 1e3:8.1f} ms   transformers "
-          f"{hf['ttft_s'] * 1e3:8.1f} ms   ratio {hf['ttft_s'] / ours['ttft_s']:.2f}x")
-    print(f"output tokens/s, batch {args.batch}:  mmserve {ours['tokens_per_s']:8.1f}      transformers "
-          f"{hf['tokens_per_s']:8.1f}      ratio {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
-    print(f"repeated 1024x768 image:    cold {ours['cold_s'] * 1e3:8.1f} ms   warm {ours['warm_s'] * 1e3:8.1f} ms   "
-          f"ratio {ours['cold_s'] / ours['warm_s']:.2f}x")
-    print(f"vision encoder per image:   {encoder * 1e3:8.1f} ms")
-    print(f"decode step, batch {args.batch} at ~{decode['context']} tokens: {decode['step_s'] * 1e3:.2f} ms; "
-          f"bandwidth limit {decode['limit_s'] * 1e3:.2f} ms ({decode['bytes_read'] / 1e9:.1f} GB read); "
-          f"{decode['limit_s'] / decode['step_s']:.0%} of the limit")
+        build_checkpoint(path, args.tiny, device, dtype)
+        print(f"built the {'tiny' if args.tiny else 'Qwen2.5-VL-7B-sized'} random checkpoint in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+        pictures = images(sizes.images + 3)  # warm-up, one, N at once, the repeated one
+        hf = None if args.no_transformers else transformers_ttft(
+            path, PROMPT, pictures[0], pictures[1], pictures[2:2 + sizes.images], device, dtype)
+        run_mmserve(path, sizes, pictures, hf, device, dtype, bandwidth, rate)
+
+
+def run_mmserve(path: str, sizes: Sizes, pictures: list[Any], hf: dict[str, float] | None, device: torch.device,
+                dtype: torch.dtype, bandwidth: float, rate: float) -> None:
+    from mmserve import LLM
+
+    graph_sizes = sorted({*sizes.batches, sizes.profile_batch})
+    with LLM(model=path, device=device.type, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(graph_sizes),
+             max_model_len=sizes.context + 2048, max_num_batched_tokens=16384, cuda_graph_sizes=graph_sizes) as llm:
+        first_token_report(llm, path, sizes, pictures, hf, device, rate)
+        decode_report(llm, sizes, bandwidth, rate)
+        kernel_report(llm, sizes, device)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def test_a_profiled_cache_must_hold_one_full_length_request(tmp_path):
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
 def test_the_largest_step_profile_runs_and_frees_its_kv(tmp_path, family):
     path = make_checkpoint(tmp_path) if family == "llava" else make_qwen_checkpoint(tmp_path, family=family)
-    runner = LLM(model=path, max_model_len=128, max_num_batched_tokens=300, max_num_seqs=4).engine.core.executor.runner
+    llm = LLM(model=path, max_model_len=128, max_num_batched_tokens=300, max_num_seqs=4)  # kept: collection frees it
+    runner = llm.engine.core.executor.runner
     assert available_kv_cache_bytes(runner) is None  # CPU keeps its flag
     kv = runner.kv_caches
     profile_largest_step(runner)  # 300 tokens as sequences of <= 128, the largest image, logits for 4 rows

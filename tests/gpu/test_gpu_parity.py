@@ -1,6 +1,7 @@
 """On a CUDA GPU: greedy parity with transformers on the same GPU (float32 token-equal, bfloat16
 agreement printed), every cache on vs off, CUDA graphs on vs off. `make test-gpu`; skipped
-(instantly) where CUDA is absent."""
+(instantly) where CUDA is absent. Each LLM is shut down before the next engine (or transformers)
+takes the GPU: every one sizes its KV cache on the whole of it."""
 
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ def test_float32_greedy_equals_transformers_on_the_gpu(tmp_path, name):
     path, items = checkpoint(name, tmp_path), prompts(name)
     ours, llm = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512)
     assert llm.engine.core.executor.runner.device.type == "cuda"
+    llm.shutdown()  # the GPU back for transformers
     assert ours == hf_tokens(name, path, items, MAX_NEW, torch.float32)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_bfloat16_greedy_agrees_with_transformers_bfloat16(tmp_path, name):
     path, items = checkpoint(name, tmp_path), prompts(name)
-    ours, _ = run_greedy(path, items, MAX_NEW, device="cuda", dtype="bfloat16", max_model_len=512)
+    ours, llm = run_greedy(path, items, MAX_NEW, device="cuda", dtype="bfloat16", max_model_len=512)
+    llm.shutdown()
     theirs = hf_tokens(name, path, items, MAX_NEW, torch.bfloat16)
     pairs = [(a, b) for mine, ref in zip(ours, theirs) for a, b in zip(mine, ref)]
     share = sum(a == b for a, b in pairs) / len(pairs)
@@ -51,7 +54,8 @@ def test_bfloat16_greedy_agrees_with_transformers_bfloat16(tmp_path, name):
 @pytest.mark.parametrize("name", ["builtin:tiny-llava", "qwen2_5_vl", "qwen3_vl"])
 def test_every_cache_on_equals_every_cache_off(tmp_path, name):
     path, items = checkpoint(name, tmp_path), prompts(name)
-    off, _ = run_greedy(path, items, MAX_NEW, device="cuda", **CACHES_OFF)
+    off, first = run_greedy(path, items, MAX_NEW, device="cuda", **CACHES_OFF)
+    first.shutdown()  # each LLM sizes its KV cache on the whole GPU
     on, llm = run_greedy(path, items + items, MAX_NEW, device="cuda")  # the second half hits every layer
     assert on == off + off
     assert llm.engine.core.executor.runner.num_encoded_items < 2 * 3  # the repeats' images were not re-encoded
@@ -65,7 +69,8 @@ def test_cuda_graphs_on_equal_graphs_off(tmp_path, monkeypatch, name):
     declared = model_runner.graph_metadata_for
     monkeypatch.setattr(model_runner, "graph_metadata_for", lambda backend: declared(backend) or torch_decode_metadata)
     path, items = checkpoint(name, tmp_path), prompts(name)
-    eager, _ = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=True, max_model_len=512)
+    eager, first = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=True, max_model_len=512)
+    first.shutdown()
     graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", enforce_eager=False, max_model_len=512)
     graphs = llm.engine.core.executor.runner.decode_graphs
     assert graphs is not None and graphs.graphs  # captured

@@ -3,11 +3,13 @@ prompts with images (one repeated, so every cache layer has something to hit).""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mmserve import LLM
 from mmserve.models.builtin import resolve_model
 from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
@@ -54,3 +56,15 @@ def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, d
 
     reference = hf_qwen_greedy if is_qwen(name) else hf_greedy
     return reference(path, items, max_new, dtype=dtype, device=device)[0]
+
+
+def release_llms() -> int:
+    """Shut down every `LLM` still alive in this process (a failed test's traceback keeps its
+    locals alive) and empty torch's CUDA cache: the next test gets the whole GPU. Returns how many."""
+    live = [obj for obj in gc.get_objects() if isinstance(obj, LLM)]
+    for llm in live:
+        llm.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return len(live)

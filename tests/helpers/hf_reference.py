@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from helpers.hf_video import hf_video_inputs, hf_video_processor
+
+__all__ = ["hf_greedy", "hf_qwen_greedy", "hf_video_inputs", "hf_video_processor"]
+
 
 def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
               device: str = "cpu") -> tuple[list[list[int]], list[int]]:
@@ -51,12 +55,13 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: tor
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
     family = "qwen3_vl" if arch.startswith("Qwen3") else "qwen2_5_vl"
-    video_processor = hf_video_processor(path, family)
+    video_processor = None  # built at the first video
     refs, lens = [], []
     for item in items:
         inputs = _qwen_inputs(item, tokenizer, image_processor, model.config.image_token_id)
         text = inputs.pop("text")
         if item.get("multi_modal_data", {}).get("video") is not None:
+            video_processor = video_processor or hf_video_processor(path, family)
             inputs = _with_videos(inputs, text, item, tokenizer, video_processor, family, model.config)
         tokens, prompt_len = _greedy(model, _on(inputs, device, dtype), max_new_tokens)
         refs.append(tokens)
@@ -148,86 +153,3 @@ def _video_text(out: dict, family: str, video_processor) -> str:
     times = Qwen3VLProcessor._calculate_timestamps(None, meta.frames_indices, meta.fps,
                                                    video_processor.temporal_patch_size)
     return "".join(f"<{s:.1f} seconds><|vision_start|>{per_group}<|vision_end|>" for s in times)
-
-
-# ---- video: transformers' video processors, with torchvision's two kernels they call ------------
-
-
-class _InterpolationMode(str):
-    """Stands in for torchvision's InterpolationMode (an Enum of str values)."""
-
-    @property
-    def value(self) -> str:
-        return str(self)
-
-
-def _tv_resize(image, size, interpolation=None, antialias=True, **_):
-    """torchvision.transforms.v2.functional.resize_image for a CPU tensor, bicubic or bilinear, as
-    its source has it: uint8 stays uint8 (native kernel), an unchanged size returns the input."""
-    if tuple(image.shape[-2:]) == tuple(size):
-        return image
-    shape = image.shape
-    flat = image.reshape(-1, *shape[-3:])
-    out = torch.nn.functional.interpolate(flat, size=list(size), mode=interpolation.value, align_corners=False,
-                                          antialias=antialias)
-    return out.reshape(*shape[:-2], *size)
-
-
-def _tv_normalize(tensor, mean, std, inplace=False):
-    """torchvision's normalize: (x - mean) / std per channel."""
-    tensor = tensor if inplace else tensor.clone()
-    mean = torch.as_tensor(mean, dtype=tensor.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=tensor.dtype).view(-1, 1, 1)
-    return tensor.sub_(mean).div_(std)
-
-
-def hf_video_processor(path: str, family: str):
-    """transformers' own `Qwen3VLVideoProcessor` / `Qwen2VLVideoProcessor` for a checkpoint.
-
-    torchvision cannot be installed beside this torch; its `resize` and `normalize` (the only
-    torchvision calls on this path) are given as its source defines them, everything else —
-    sampling, sizing, the fused rescale, padding, patchify, the grid — is transformers' code."""
-    import importlib.util
-    import sys
-    import types
-
-    import transformers.image_processing_backends as backends
-    import transformers.video_processing_utils as video_utils
-    from transformers.image_utils import PILImageResampling
-
-    shim = types.SimpleNamespace(resize=_tv_resize, normalize=_tv_normalize, grayscale_to_rgb=lambda v: v,
-                                 InterpolationMode=types.SimpleNamespace(BICUBIC=_InterpolationMode("bicubic"),
-                                                                         LANCZOS=_InterpolationMode("lanczos")))
-    for module in (backends, video_utils):
-        module.tvF = shim
-    backends.pil_torch_interpolation_mapping = {PILImageResampling.BICUBIC: shim.InterpolationMode.BICUBIC}
-    folder = "qwen3_vl" if family == "qwen3_vl" else "qwen2_vl"
-    # the module may import torchvision at its top: load its source with the shim instead
-    spec = importlib.util.find_spec(f"transformers.models.{folder}.video_processing_{folder}")
-    source = spec.loader.get_source(spec.name).replace("import torchvision.transforms.v2.functional as tvF",
-                                                       "tvF = None")
-    module = types.ModuleType(spec.name)
-    module.__package__, module.__file__ = f"transformers.models.{folder}", spec.origin
-    saved = sys.modules.get(spec.name)
-    sys.modules[spec.name] = module  # inspect (transformers' docstring decorator) looks the class up there
-    try:
-        exec(compile(source, spec.origin, "exec"), module.__dict__)
-    finally:
-        if saved is None:
-            del sys.modules[spec.name]
-        else:
-            sys.modules[spec.name] = saved
-    module.tvF = shim
-    cls = module.Qwen3VLVideoProcessor if family == "qwen3_vl" else module.Qwen2VLVideoProcessor
-    return cls.from_pretrained(path, cap_pixels_per_frame=False)
-
-
-def hf_video_inputs(processor, frames, source_fps: float, **kwargs) -> dict:
-    """transformers' processing of one video given as decoded frames [T, H, W, 3] uint8 and its
-    fps: `pixel_values_videos`, `video_grid_thw`, and the sampling metadata."""
-    from transformers.video_utils import VideoMetadata
-
-    meta = VideoMetadata(total_num_frames=len(frames), fps=source_fps, width=frames.shape[2],
-                         height=frames.shape[1])
-    kwargs.setdefault("do_sample_frames", True)
-    return processor(videos=[frames], video_metadata=[meta], return_tensors="pt", return_metadata=True, **kwargs)

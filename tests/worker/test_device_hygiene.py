@@ -58,9 +58,10 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 
 def _run_on_meta(model_dir: str, prompt: str, params: SamplingParams,
-                 graphs: bool = False) -> tuple[Any, list[tuple[int, bool]]]:
+                 graphs: bool = False) -> tuple[Any, list[tuple[int, bool]], LLM]:
     """Generate on the meta device (with `graphs`, decode steps through the decode graphs' static
-    buffers); (runner, [(host copies, sampled?) per step])."""
+    buffers); (runner, [(host copies, sampled?) per step], the LLM: kept alive, since a collected
+    LLM frees its runner)."""
     llm = LLM(model=model_dir, device="meta", max_model_len=256, num_kv_blocks=64)
     runner = llm.engine.core.executor.runner
     if graphs:
@@ -80,7 +81,7 @@ def _run_on_meta(model_dir: str, prompt: str, params: SamplingParams,
     with copies:
         llm.generate([{"prompt": prompt, "multi_modal_data": {"image": make_image(1)}}], params)
     assert copies.reads == [], f"device values read on the host: {copies.reads}"
-    return runner, steps
+    return runner, steps, llm
 
 
 CASES = [pytest.param("llava", id="llava"), pytest.param("qwen2_5_vl", id="qwen2.5-vl"),
@@ -95,7 +96,7 @@ def test_a_step_runs_on_the_device_alone_and_copies_back_once(tmp_path, family):
                  else make_qwen_checkpoint(tmp_path, family=family))
     prompt = LLAVA_PROMPT if family == "llava" else QWEN_PROMPT
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True, **EXTRAS)
-    runner, steps = _run_on_meta(model_dir, prompt, params)
+    runner, steps, _llm = _run_on_meta(model_dir, prompt, params)
     assert steps and all(sampled for _, sampled in steps)
     assert [n for n, _ in steps] == [1] * len(steps)  # one device-to-host transfer a step
     assert runner.num_encoded_items == 1
@@ -106,7 +107,7 @@ def test_a_step_runs_on_the_device_alone_and_copies_back_once(tmp_path, family):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
 def test_a_greedy_batch_without_extras_copies_back_once(tmp_path, graphs):
-    runner, steps = _run_on_meta(make_checkpoint(tmp_path), LLAVA_PROMPT,
+    runner, steps, _llm = _run_on_meta(make_checkpoint(tmp_path), LLAVA_PROMPT,
                                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), graphs)
     assert [n for n, _ in steps] == [1] * len(steps) and len(steps) == 3
     assert not graphs or runner.decode_graphs.eager_runs == 2  # the two decode steps ran in the static buffers

@@ -36,6 +36,7 @@ class EngineCore:
         """`shm_store`: the msgpack `ShmStoreInfo` of the multimodal object store (--mm-cache-type
         shm), so that tensor-parallel workers read items by handle instead of receiving them."""
         self.config = config
+        self._stopped = False
         self.model_config = load_model_config(model_dir)
         compute_encoder_budget(config.scheduler, self.model_config.max_item_tokens)  # refuse before loading
         self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
@@ -174,6 +175,11 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        """Stop the grammar pool, the KV event publisher and the executor (which frees the model's
+        memory); a second call does nothing (an offline LLM's finalizer may follow a direct call)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.grammar_gate.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import weakref
+from types import TracebackType
 from typing import Any, Callable, Sequence, cast
 
 from mmserve.config import EngineConfig
@@ -20,6 +22,10 @@ class LLM:
 
     Unlike the server, the offline API reads image files anywhere by default (its caller
     already has the machine's files); pass `allowed_local_media_path` to narrow that.
+
+    Its memory (weights, KV cache, CUDA graphs, worker and engine processes) is given back by
+    `shutdown()`, at the end of a `with LLM(...) as llm:` block (an exception leaving the block
+    included), or when the object is collected; after shutdown every call raises RuntimeError.
     """
 
     def __init__(self, model: str = "builtin:tiny-llava", **engine_args: Any) -> None:
@@ -29,8 +35,24 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         if config.parallel.api_server_count != 1:
             raise ValueError("api_server_count is a flag of mmserve serve; LLM has no API server")
-        self.engine = LLMEngine(resolve_engine_model(config))
+        self._engine: LLMEngine | None = LLMEngine(resolve_engine_model(config))
+        # stops the engine when this object is collected (or at exit); it holds the engine, not the LLM
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self._engine)
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The offline engine; RuntimeError once `shutdown` has run."""
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down: its engine and memory are released; make a new LLM")
+        return self._engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -79,8 +101,11 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:
-        """Stop the engine (its processes, with tensor or data parallelism); the LLM is unusable after."""
-        self.engine.shutdown()
+        """Stop the engine and release its memory: weights, KV cache and CUDA graphs (torch's cached
+        GPU memory emptied), worker and engine processes with tensor or data parallelism. The LLM
+        is unusable after; a second call does nothing."""
+        self._engine = None
+        self._finalizer()  # runs LLMEngine.shutdown once, then drops its reference to the engine
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

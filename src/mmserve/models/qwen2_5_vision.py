@@ -11,17 +11,20 @@ Norms are RMSNorm (eps 1e-6), the MLP is gated SiLU with bias.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.attention.backend import AttentionBackend
+from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
 from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import RMSNorm, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
-                                        frame_boundaries, vision_positions)
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
+                                        check_grids, frame_boundaries, vision_positions)
+from mmserve.worker.device import to_device
 
 INTERMEDIATE = "the vision tower's intermediate_size"
 MERGER = "the vision merger's hidden size (hidden_size * spatial_merge_size²)"
@@ -79,19 +82,37 @@ class Qwen2_5VisionTower(nn.Module):
         """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
         order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
         out_hidden_size] in the processor's order, an empty deepstack list)."""
-        cfg, device = self.cfg, pixel_values.device
-        check_grids(pixel_values, grid_thw, cfg)
+        check_grids(pixel_values, grid_thw, self.cfg)
+        return self.run(pixel_values, self.plan(grid_thw, attention, pixel_values.device))
+
+    def plan(self, grid_thw: list[Grid], attention: AttentionBackend, device: torch.device) -> WindowPlan:
+        """The call's `WindowPlan`, from the grids alone (host work, one copy to `device`)."""
+        cfg = self.cfg
         order, window_cu = window_order(grid_thw, cfg)  # merge blocks in window order; cu in patches
         positions = by_block(vision_positions(grid_thw, cfg.spatial_merge_size), order, cfg.merge_unit)
-        rope = self.rotary_pos_emb(positions.to(device))
-        windows = attention.segments(window_cu, device)
+        angles, order, restore = to_device((self.rotary_pos_emb.angles(positions), order, torch.argsort(order)),
+                                           device)
         frames = attention.segments(frame_boundaries(grid_thw), device)  # windows never cross a frame
-        order = order.to(device)
-        x = by_block(self.patch_embed(pixel_values), order, cfg.merge_unit)  # [P, D], window order
+        return WindowPlan(angles, frames, attention.segments(window_cu, device), order, restore)
+
+    def run(self, pixel_values: torch.Tensor, plan: WindowPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` on a plan made for these pixels: device work alone, nothing read back."""
+        cfg = self.cfg
+        rope = self.rotary_pos_emb(plan.angles)
+        x = by_block(self.patch_embed(pixel_values), plan.order, cfg.merge_unit)  # [P, D], window order
         for index, block in enumerate(self.blocks):
-            x = block(x, rope, frames if index in cfg.fullatt_block_indexes else windows)
+            x = block(x, rope, plan.frames if index in cfg.fullatt_block_indexes else plan.windows)
         merged = self.merger(x)  # [P / merge_unit, out_hidden_size], window order
-        return merged[torch.argsort(order)], []
+        return merged[plan.restore], []
+
+
+@dataclass
+class WindowPlan(VisionPlan):
+    """A Qwen2.5-VL tower call's plan: rows in window order (merge blocks permuted by `order`)."""
+
+    windows: SegmentAttention  # one segment per window
+    order: torch.Tensor  # [P / merge_unit] int64: the merge blocks in window order
+    restore: torch.Tensor  # [P / merge_unit] int64: its inverse, window order back to the processor's
 
 
 def by_block(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:

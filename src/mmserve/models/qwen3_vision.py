@@ -9,6 +9,8 @@ hidden states to decoder-sized features; the final merger gives the embeddings.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -17,8 +19,9 @@ from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import EmbeddingTable, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionRotary, check_grids,
-                                        frame_boundaries, vision_positions)
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
+                                        check_grids, frame_boundaries, vision_positions)
+from mmserve.worker.device import to_device
 
 INTERMEDIATE = "the vision tower's intermediate_size"
 MERGER = "the vision merger's hidden size (hidden_size * spatial_merge_size²)"
@@ -89,34 +92,54 @@ class Qwen3VisionTower(nn.Module):
         out_hidden_size], one [P / merge_unit, out_hidden_size] feature tensor per deepstack
         layer, in block order as transformers gives them, i.e. `deepstack_visual_indexes` order
         when it is sorted, as in every published checkpoint)."""
-        cfg, device = self.cfg, pixel_values.device
-        check_grids(pixel_values, grid_thw, cfg)
-        rope = self.rotary_pos_emb(vision_positions(grid_thw, cfg.spatial_merge_size).to(device))
-        frames = attention.segments(frame_boundaries(grid_thw), device)
+        check_grids(pixel_values, grid_thw, self.cfg)
+        return self.run(pixel_values, self.plan(grid_thw, attention, pixel_values.device))
+
+    def plan(self, grid_thw: list[Grid], attention: AttentionBackend, device: torch.device) -> Qwen3Plan:
+        """The call's `Qwen3Plan`, from the grids alone (host work, one copy to `device`)."""
+        angles = self.rotary_pos_emb.angles(vision_positions(grid_thw, self.cfg.spatial_merge_size))
+        angles, taps, weights = to_device((angles, *self.position_taps(grid_thw)), device)
+        return Qwen3Plan(angles, attention.segments(frame_boundaries(grid_thw), device), taps, weights)
+
+    def run(self, pixel_values: torch.Tensor, plan: Qwen3Plan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` on a plan made for these pixels: device work alone, nothing read back."""
+        cfg = self.cfg
+        rope = self.rotary_pos_emb(plan.angles)
         x = self.patch_embed(pixel_values)  # [P, D]
-        x = x + self.position_embeddings(grid_thw).to(x.dtype)
+        table = self.pos_embed.weight  # [side², D]
+        x = x + (table[plan.taps] * plan.weights).sum(1).to(x.dtype)  # float32 sums when the table is lower
         deepstack = []
         for index, block in enumerate(self.blocks):
-            x = block(x, rope, frames)
+            x = block(x, rope, plan.frames)
             if index in cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack
 
-    def position_embeddings(self, grids: list[Grid]) -> torch.Tensor:
-        """The learned grid resampled to each image: [P, D] in merge-block order, each frame
-        alike; float32 when the table is in a lower precision (the tap weights are float32)."""
-        m, table, out = self.cfg.spatial_merge_size, self.pos_embed.weight, []
+    def position_taps(self, grids: list[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned grid resampled to each image, as host data: for every patch (merge-block
+        order, each frame alike) the four `pos_embed` rows it reads [P, 4] int64 and their
+        weights [P, 4, 1] float32; the embedding is the weighted sum of those rows."""
+        m = self.cfg.spatial_merge_size
+        taps: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for t, h, w in grids:
             row_taps, row_weights = bilinear_taps(h, self.side)  # [h, 2] each
             col_taps, col_weights = bilinear_taps(w, self.side)  # [w, 2] each
             index = row_taps[:, None, :, None] * self.side + col_taps[None, :, None, :]  # [h, w, 2, 2]
             weight = row_weights[:, None, :, None] * col_weights[None, :, None, :]  # [h, w, 2, 2]
-            index, weight = index.reshape(h, w, 4).to(table.device), weight.reshape(h, w, 4, 1).to(table.device)
-            grid = (table[index] * weight).sum(2)  # [h, w, D]
-            blocks = grid.view(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
-            out.append(blocks.repeat(t, 1))
-        return torch.cat(out)
+            for grid, out in ((index, taps), (weight, weights)):
+                blocks = grid.reshape(h // m, m, w // m, m, 4).transpose(1, 2).reshape(h * w, 4)
+                out.append(blocks.repeat(t, 1))
+        return torch.cat(taps), torch.cat(weights)[..., None]
+
+
+@dataclass
+class Qwen3Plan(VisionPlan):
+    """A Qwen3-VL tower call's plan: the position embedding's bilinear taps besides the rotary."""
+
+    taps: torch.Tensor  # [P, 4] int64: the `pos_embed` rows each patch's position embedding reads
+    weights: torch.Tensor  # [P, 4, 1] float32: their weights
 
 
 def bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:

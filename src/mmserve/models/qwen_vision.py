@@ -12,6 +12,7 @@ patches ([S + 1] ints, `cu[0] == 0`), like transformers' `cu_seqlens`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -82,20 +83,34 @@ class VisionPatchEmbed(nn.Module):
 
 class VisionRotary(nn.Module):
     """Axial 2-D rotary: Dh / 4 frequencies (theta 10000) on the patch's row, the same on its
-    column, rotating the whole head (rotate-half over [row, column, row, column] angles)."""
+    column, rotating the whole head (rotate-half over [row, column, row, column] angles). The
+    angles are host work (`angles`, from the grids), their cos and sin the device's (`forward`)."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
-        half = head_dim // 2
-        # a plain float32 attribute, not a buffer: it stays float32 under --dtype and is real on meta
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+        self.head_dim, self.theta = head_dim, theta
 
-    def forward(self, positions: torch.Tensor) -> Rope:
-        """positions: [P, 2] (row, column) -> cos, sin: [P, 1, Dh] float32."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [P, 2, Dh/4]
-        rc = freqs.flatten(1)  # [P, Dh/2]: the row's angles, then the column's
-        emb = torch.cat((rc, rc), dim=-1)[:, None, :]  # [P, 1, Dh]
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions: [P, 2] (row, column) on the host -> [P, Dh/2] float32: the row's angles, then the column's."""
+        half = self.head_dim // 2
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))  # [Dh/4]
+        return (positions[..., None].float() * inv_freq).flatten(1)
+
+    def forward(self, angles: torch.Tensor) -> Rope:
+        """angles: [P, Dh/2] (`angles`) -> cos, sin: [P, 1, Dh] float32."""
+        emb = torch.cat((angles, angles), dim=-1)[:, None, :]  # [P, 1, Dh]
         return emb.cos(), emb.sin()
+
+
+@dataclass
+class VisionPlan:
+    """What one tower call derives from its grids (host data), made before the tower runs: its
+    tensors built on the host and moved to the device in one pinned copy without blocking, the
+    attention segments made by the backend; the tower's compute then reads nothing back to the
+    host and copies nothing to the device. Rows in the tower's order (P patches)."""
+
+    angles: torch.Tensor  # [P, Dh/2] float32: each patch's rotary angles (`VisionRotary.angles`)
+    frames: SegmentAttention  # one segment per frame of every image
 
 
 class QKVParallelLinear(nn.Module):

@@ -47,4 +47,5 @@ class InProcessExecutor:
         pass
 
     def shutdown(self) -> None:
-        pass
+        """Free the runner's device memory (weights, KV cache, graphs); the executor is unusable after."""
+        self.runner.shutdown()

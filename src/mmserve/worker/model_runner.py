@@ -19,7 +19,9 @@ probabilities) come back in the step's one device-to-host transfer (`sample_requ
 
 from __future__ import annotations
 
+import gc
 import logging
+
 import torch
 
 from mmserve.errors import RequestFault
@@ -126,6 +128,20 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
         self.kv_caches = [(zeros(), zeros()) for _ in range(t.num_hidden_layers)]
+
+    def shutdown(self) -> None:
+        """Drop what this runner holds on its device — decode graphs, KV cache, encoder outputs,
+        request states, weights — and give the freed memory back (torch's cache on CUDA); the
+        runner is unusable after. Idempotent."""
+        self.decode_graphs = None
+        self.kv_caches = []
+        self.encoder_outputs.clear()
+        self.requests.clear()
+        self.__dict__.pop("model", None)
+        gc.collect()  # modules and graphs may sit in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # ---- one step ---------------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
 The rows are first processed (`logits_processors.py`: min_tokens, logit_bias, penalties,
 structured-output masks; rows asking for none of these are not touched). Greedy rows then take
-the argmax. Other rows are scaled by their temperatures, cut by top-k and top-p (one sort of the
-batch), and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)), each row's q
-drawn from the request's own generator when it has a seed, so a seeded request samples the same
-tokens whatever else shares its batch.
+the argmax, and nothing else: no sort, no softmax. Other rows are scaled by their temperatures,
+cut by top-k (one `topk` of the largest k, never a sort of the vocabulary) and top-p (within the
+top-k candidates when every row has a top-k; else from the 1,024 most likely tokens on the CPU or
+one sort of the batch), and sampled with the exponential-race trick (argmax of p / q, q ~ Exp(1)):
+the q of every row without a seed in one draw from the engine's generator, a seeded request's
+from its own, so a seeded request samples the same tokens whatever else shares its batch.
 
 Log probabilities (`SamplingParams.logprobs`) are the log-softmax of the processed row divided by
 the temperature (1 when greedy), before top-k / top-p: the distribution the token was sampled
@@ -59,7 +61,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         rows = to_device(_RowParams.build(random_rows, params, logits.shape[-1]), logits.device)
         every = len(random_rows) == len(params)  # no gather, no scatter
         sampled = _sample_rows(logits if every else logits[rows.index], rows,
-                               [generators[i] or default_generator for i in random_rows])
+                               [generators[i] for i in random_rows], default_generator)
         if every:
             return sampled
         tokens[rows.index] = sampled
@@ -127,21 +129,38 @@ def _unpack_logprobs(flat: list[float], rows: list[int], params: list[SamplingPa
     return result
 
 
-def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.Generator]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, rows: _RowParams, generators: list[torch.Generator | None],
+                 default_generator: torch.Generator) -> torch.Tensor:
     """logits: [n, V] of sampling rows -> [n] sampled ids (temperature, top-k, top-p, the race)."""
     logits = logits / rows.temperature  # a new tensor: masked in place below
     if rows.any_min_p:  # vLLM's order: after the temperature, before top-k / top-p
         probs = logits.softmax(-1)
         logits.masked_fill_(probs < rows.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    candidates = None
     if rows.max_k:
-        logits.masked_fill_(logits < _kth_largest(logits, rows), float("-inf"))
+        kth, candidates = _kth_largest(logits, rows)
+        logits.masked_fill_(logits < kth, float("-inf"))
     if rows.any_top_p:
-        top_p_cut(logits, rows.top_p)
+        if rows.all_cut and candidates is not None:  # every nucleus lies within its row's top-k: no sort
+            _keep_nucleus(logits, rows.top_p, logits.gather(1, candidates).softmax(-1), candidates)
+        else:
+            top_p_cut(logits, rows.top_p)
     probs = logits.softmax(-1)
+    return (probs / _exponentials(probs, generators, default_generator)).argmax(dim=-1)
+
+
+def _exponentials(probs: torch.Tensor, generators: list[torch.Generator | None],
+                  default_generator: torch.Generator) -> torch.Tensor:
+    """q ~ Exp(1) shaped as probs [n, V]: the rows of requests without a generator of their own in
+    one draw from `default_generator`, each seeded request's row from its own generator (its draws
+    depend on its seed alone, whatever shares the batch)."""
     q = torch.empty_like(probs)
-    for row, generator in zip(q, generators):  # one draw per request, from its own generator
-        row.exponential_(generator=generator)
-    return (probs / q).argmax(dim=-1)
+    if any(g is None for g in generators):
+        q.exponential_(generator=default_generator)
+    for row, generator in zip(q, generators):
+        if generator is not None:
+            row.exponential_(generator=generator)
+    return q
 
 
 # top-p looks at this many most likely tokens first: a row whose nucleus lies within them needs
@@ -163,9 +182,18 @@ def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> None:
     cut = top_p < 1.0
     if not bool(((top.values.sum(-1, keepdim=True) >= top_p) | ~cut).all()):
         return top_p_cut_sorted(logits, top_p)
-    # keep the smallest prefix reaching top_p; every token past the candidates is past it too
-    keep = (top.values.cumsum(-1) - top.values < top_p) | ~cut  # [n, k]
-    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top.indices, keep)
+    _keep_nucleus(logits, top_p, top.values, top.indices)
+
+
+def _keep_nucleus(logits: torch.Tensor, top_p: torch.Tensor, probs: torch.Tensor, candidates: torch.Tensor) -> None:
+    """Mask to -inf, in place, every token of logits [n, V] outside its row's nucleus, the row's
+    `candidates` [n, c] (token ids, most likely first; `probs` [n, c] their probabilities) holding
+    it: the smallest prefix whose mass reaches top_p [n, 1] is kept, every token past it or past
+    the candidates dropped (rows at top_p 1 keep everything). Equal to the sort's cut
+    (`top_p_cut_sorted`) unless tokens tied in probability straddle the candidates' end."""
+    cut = top_p < 1.0
+    keep = (probs.cumsum(-1) - probs < top_p) | ~cut  # [n, c]
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, candidates, keep)
     logits.masked_fill_(~kept & cut, float("-inf"))
 
 
@@ -178,13 +206,14 @@ def top_p_cut_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
     logits.masked_fill_(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
-def _kth_largest(logits: torch.Tensor, rows: _RowParams) -> torch.Tensor:
-    """[n, 1]: each cut row's k-th largest logit, other rows -inf (no cut); one `topk` of the
-    largest k over the cut rows, not a sort of the vocabulary."""
+def _kth_largest(logits: torch.Tensor, rows: _RowParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([n, 1]: each cut row's k-th largest logit, other rows -inf (no cut); when every row is cut,
+    the [n, max_k] ids of each row's largest logits, most likely first, else None): one `topk` of
+    the largest k over the cut rows, not a sort of the vocabulary."""
     cut = logits if rows.all_cut else logits[rows.cut_rows]
-    top = cut.topk(rows.max_k, dim=-1).values  # [m, max_k], descending
+    top = cut.topk(rows.max_k, dim=-1)  # [m, max_k], descending
     if rows.all_cut:
-        return top.gather(1, rows.cut_k[:, None] - 1)
+        return top.values.gather(1, rows.cut_k[:, None] - 1), top.indices
     kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
-    kth[rows.cut_rows] = top.gather(1, rows.cut_k[:, None] - 1)
-    return kth
+    kth[rows.cut_rows] = top.values.gather(1, rows.cut_k[:, None] - 1)
+    return kth, None

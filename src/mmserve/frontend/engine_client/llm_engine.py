@@ -39,9 +39,13 @@ class LLMEngine:
         self.model_dir = config.model.checkpoint_dir
         self.client: OfflineClient = InProcessClient(EngineCore(config, self.model_dir)) \
             if config.parallel.data_parallel_size == 1 else RankProcesses(config, self.model_dir)
-        self.input_processor = InputProcessor(config, self.model_dir, self.client.max_model_len,
-                                              eos_token_id(self.model_dir), known_tokens=self.client.known_tokens,
-                                              fetch=self.client.fetch)
+        try:
+            self.input_processor = InputProcessor(config, self.model_dir, self.client.max_model_len,
+                                                  eos_token_id(self.model_dir), known_tokens=self.client.known_tokens,
+                                                  fetch=self.client.fetch)
+        except BaseException:
+            self.client.shutdown()  # the engine cores' memory and processes go back now, not at collection
+            raise
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -108,5 +112,6 @@ class LLMEngine:
         return self.client.dp_figures()
 
     def shutdown(self) -> None:
-        """Stop the engine cores (their processes, with data or tensor parallelism)."""
+        """Stop the engine cores and free what they hold: in process, the runner's weights, KV cache
+        and graphs; with data or tensor parallelism, their processes."""
         self.client.shutdown()

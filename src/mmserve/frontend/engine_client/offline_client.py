@@ -80,4 +80,5 @@ class InProcessClient:
         """The engine core has already freed a finished request."""
 
     def shutdown(self) -> None:
+        """Stop the engine core; its executor frees the model's memory."""
         self.core.shutdown()
