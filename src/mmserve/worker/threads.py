@@ -65,7 +65,9 @@ def _best_times(weight: torch.Tensor, rows: int, threads: int, rounds: int) -> d
 
 
 def _largest_matrix(model: torch.nn.Module) -> torch.Tensor | None:
-    """The largest 2-D weight of the decoder's layers (embedding tables and vision towers aside)."""
+    """The largest 2-D float weight of the decoder's layers (embedding tables, vision towers and
+    quantized weights aside)."""
     matrices = [p for name, p in model.named_parameters()
-                if p.dim() == 2 and "layers." in name and "visual" not in name and "vision" not in name]
+                if p.dim() == 2 and p.dtype.itemsize >= 2 and p.dtype.is_floating_point
+                and "layers." in name and "visual" not in name and "vision" not in name]
     return max(matrices, key=lambda p: p.numel(), default=None)
