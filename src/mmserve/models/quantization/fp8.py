@@ -72,8 +72,7 @@ class Fp8RowMethod(LinearMethod):
             return out
         if _has_fp8_matmul(x, layer.weight):
             return _scaled_mm(x, layer.weight, layer.scale, bias)
-        return tiled_linear(x, bias, layer.weight.shape[0],
-                            lambda a, b: layer.weight[a:b].float() * layer.scale[a:b, None])
+        return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _rows(layer, None, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
@@ -113,12 +112,22 @@ class Fp8BlockMethod(LinearMethod):
         out = cpu_gemv.fp8_gemv(x, layer.weight, layer.scale, layer.fp8_block, bias)
         if out is not None:
             return out
-        return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _block_rows(layer, a, b))
+        return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _rows(layer, layer.fp8_block, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         if any(layer.weight.shape[0] % self.block[0] for layer in layers[:-1]):
             return None  # a partial block inside the stack would shift the scales of the rows after it
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
+
+
+def _rows(layer: Layer, block: tuple[int, int] | None, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the layer's W, float32: by the C kernel where it runs."""
+    rows = cpu_gemv.fp8_rows(layer.weight, layer.scale, block, start, stop)
+    if rows is not None:
+        return rows
+    if block is None:
+        return layer.weight[start:stop].float() * layer.scale[start:stop, None]
+    return _block_rows(layer, start, stop)
 
 
 def _block_rows(layer: Layer, start: int, stop: int) -> torch.Tensor:

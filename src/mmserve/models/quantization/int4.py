@@ -126,11 +126,17 @@ class Int4Method(LinearMethod):
         out = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
         if out is not None:
             return out
-        return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: dequantize_rows(
-            layer.qweight, layer.scales, layer.zeros, layer.int4_group, a, b))
+        return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: _rows(layer, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("qweight", "scales", "zeros")}
+
+
+def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the layer's W, float32: by the C kernel where it runs."""
+    args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group, start, stop)
+    rows = cpu_gemv.int4_rows(*args)
+    return dequantize_rows(*args) if rows is None else rows
 
 
 def _along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:
