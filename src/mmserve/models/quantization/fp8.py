@@ -15,10 +15,11 @@ As published:
 - online (vLLM `--quantization fp8`, `Fp8LinearMethod` without a serialized checkpoint): here
   each output row is scaled so its largest magnitude is e4m3's largest finite value, 448.
 
-Activations stay in the model's dtype on the CPU (weight-only: the product is exactly
-dequantize-then-matmul's). On a GPU with FP8 (compute capability 8.9+), per-row layers multiply
-through `torch._scaled_mm` with activations quantized per token at run time (vLLM's dynamic
-scheme); elsewhere they dequantize.
+Activations stay in the model's dtype on the CPU (weight-only: the product is
+dequantize-then-matmul's, by the C kernels of cpu_gemv.py). On a GPU with FP8 (compute
+capability 8.9+), per-row layers multiply through `torch._scaled_mm` with activations quantized
+per token at run time (vLLM's dynamic scheme); block-wise layers, and per-row ones on older GPUs,
+through our Triton kernels (triton_kernels.py: weight-only, dequantized in registers).
 """
 
 from __future__ import annotations
@@ -67,11 +68,15 @@ class Fp8RowMethod(LinearMethod):
         return layer.weight.float() * layer.scale[:, None]
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if _has_fp8_matmul(x, layer.weight):
+            return _scaled_mm(x, layer.weight, layer.scale, bias)
+        if x.is_cuda:
+            from mmserve.models.quantization.triton_kernels import fp8_linear
+
+            return fp8_linear(x, layer.weight, layer.scale, None, bias)
         out = cpu_gemv.fp8_gemv(x, layer.weight, layer.scale, None, bias)
         if out is not None:
             return out
-        if _has_fp8_matmul(x, layer.weight):
-            return _scaled_mm(x, layer.weight, layer.scale, bias)
         return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _rows(layer, None, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
@@ -109,6 +114,10 @@ class Fp8BlockMethod(LinearMethod):
         return _block_rows(layer, 0, layer.weight.shape[0])
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from mmserve.models.quantization.triton_kernels import fp8_linear
+
+            return fp8_linear(x, layer.weight, layer.scale, layer.fp8_block, bias)
         out = cpu_gemv.fp8_gemv(x, layer.weight, layer.scale, layer.fp8_block, bias)
         if out is not None:
             return out

@@ -20,6 +20,9 @@ codes -8..7 offset to unsigned); `weight_scale` [out, in / group] (one column fo
 strategy); asymmetric: `weight_zero_point` int32 [ceil(out / 8), in / group], packed along rows
 the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, i.e. code 8;
 `weight_shape` int [2] = (out, in). W = (q - zp) * scale.
+
+Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
+(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul.
 """
 
 from __future__ import annotations
@@ -123,6 +126,10 @@ class Int4Method(LinearMethod):
         return dequantize_rows(layer.qweight, layer.scales, layer.zeros, layer.int4_group)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from mmserve.models.quantization.triton_kernels import int4_linear
+
+            return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
         out = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
         if out is not None:
             return out
