@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.quant_checkpoints import random_fp8, random_int4
 from helpers.triton_device import DEVICE
 from mmserve.models.quantization.int4 import dequantize_rows
 
@@ -27,9 +28,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, W: torch.Tensor, bias: torch.Tens
 @pytest.mark.parametrize("M", [1, 3, 20])
 @pytest.mark.parametrize("N, K, group", [(24, 96, 32), (40, 256, 128)])
 def test_int4_linear_equals_dequantize_then_matmul(M, N, K, group):
-    qweight = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, generator=GEN)
-    scales = torch.rand(N, K // group, generator=GEN) * 0.1
-    zeros = torch.randint(0, 16, (N, K // group), dtype=torch.uint8, generator=GEN)
+    qweight, scales, zeros = random_int4(N, K, group, GEN)
     x, bias = torch.randn(M, K, generator=GEN), (torch.randn(N, generator=GEN) if M != 3 else None)
     got = triton_kernels.int4_linear(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group,
                                      None if bias is None else bias.to(DEVICE))
@@ -39,18 +38,10 @@ def test_int4_linear_equals_dequantize_then_matmul(M, N, K, group):
 @pytest.mark.parametrize("M", [1, 20])
 @pytest.mark.parametrize("N, K, block", [(24, 64, None), (40, 96, (16, 32)), (33, 72, (16, 16))])
 def test_fp8_linear_equals_dequantize_then_matmul(M, N, K, block):
-    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=GEN)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaNs aside
-    weight = codes.view(torch.float8_e4m3fn)
-    if block is None:
-        scale = torch.rand(N, generator=GEN)
-        full = scale[:, None].expand(N, K)
-    else:
-        scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=GEN)
-        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:N, :K]
+    weight, scale, W = random_fp8(N, K, block, GEN)
     x = torch.randn(M, K, generator=GEN)
     got = triton_kernels.fp8_linear(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), block, None)
-    _check(got, x, weight.float() * full, None)
+    _check(got, x, W, None)
 
 
 def test_a_decode_gemv_splits_k_when_the_output_is_narrow():

@@ -7,25 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.quant_checkpoints import random_fp8, random_int4
 from mmserve.models.quantization import cpu_gemv
 from mmserve.models.quantization.int4 import dequantize_rows
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no C compiler for the CPU kernels")
 
 GEN = torch.Generator().manual_seed(0)
-
-
-def _int4(N: int, K: int, group: int):
-    qweight = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, generator=GEN)
-    scales = torch.rand(N, K // group, generator=GEN) * 0.1
-    zeros = torch.randint(0, 16, (N, K // group), dtype=torch.uint8, generator=GEN)
-    return qweight, scales, zeros
-
-
-def _fp8(N: int, K: int) -> torch.Tensor:
-    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=GEN)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaNs aside
-    return codes.view(torch.float8_e4m3fn)
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None,
@@ -42,7 +30,7 @@ def _close(got: torch.Tensor, x: torch.Tensor, W: torch.Tensor, bias: torch.Tens
 @pytest.mark.parametrize("M", [1, 3, 8, 11])
 @pytest.mark.parametrize("N, K, group", [(24, 64, 32), (40, 256, 256), (8, 128, 8), (16, 384, 128), (8, 128, 64)])
 def test_int4_gemv_equals_dequantize_then_matmul(M, N, K, group):
-    qweight, scales, zeros = _int4(N, K, group)
+    qweight, scales, zeros = random_int4(N, K, group, GEN)
     x, bias = torch.randn(M, K, generator=GEN), torch.randn(N, generator=GEN)
     W = dequantize_rows(qweight, scales, zeros, group)
     got = cpu_gemv.int4_gemv(x, qweight, scales, zeros, group, bias)
@@ -54,14 +42,7 @@ def test_int4_gemv_equals_dequantize_then_matmul(M, N, K, group):
 @pytest.mark.parametrize("M", [1, 9])
 @pytest.mark.parametrize("N, K, block", [(24, 64, None), (40, 96, (16, 32)), (33, 72, (16, 16))])
 def test_fp8_gemv_equals_dequantize_then_matmul(M, N, K, block):
-    weight = _fp8(N, K)
-    if block is None:
-        scale = torch.rand(N, generator=GEN)
-        full = scale[:, None].expand(N, K)
-    else:
-        scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=GEN)
-        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:N, :K]
-    W = weight.float() * full  # torch's e4m3 conversion: the reference
+    weight, scale, W = random_fp8(N, K, block, GEN)  # W: torch's e4m3 decoding, the reference
     x = torch.randn(M, K, generator=GEN)
     got = cpu_gemv.fp8_gemv(x, weight, scale, block, None)
     assert got is not None
@@ -70,6 +51,6 @@ def test_fp8_gemv_equals_dequantize_then_matmul(M, N, K, block):
 
 
 def test_more_rows_than_a_gemv_takes_are_left_to_the_tiles():
-    qweight, scales, zeros = _int4(8, 64, 32)
+    qweight, scales, zeros = random_int4(8, 64, 32, GEN)
     x = torch.randn(cpu_gemv.GEMV_MAX_ROWS + 1, 64)
     assert cpu_gemv.int4_gemv(x, qweight, scales, zeros, 32, None) is None
