@@ -15,7 +15,7 @@ from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, awq_pack, checkpoint_
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
-from mmserve.models.quantization.config import read_quant_spec
+from mmserve.models.quantization.config import QuantSpec, read_quant_spec
 
 
 def _nibble(word: int, k: int) -> int:
@@ -103,3 +103,17 @@ def test_online_fp8_refuses_an_already_quantized_checkpoint(source, tmp_path):
     quantized, _ = quantize_copy(source, tmp_path, "awq")
     with pytest.raises(ValueError, match="already quantized"):
         read_quant_spec(quantized, "fp8")
+
+
+def test_skip_lists_match_module_names_as_their_publishers_do():
+    awq = QuantSpec("awq", skip_substrings=("visual",))  # vLLM: a substring of the module's name
+    assert not awq.quantizes("visual.blocks.0.mlp.up_proj") and awq.quantizes("model.layers.0.mlp.up_proj")
+    fp8 = QuantSpec("fp8_block", skip_names=("lm_head", "model.visual", "gate"))  # transformers' rules
+    assert not fp8.quantizes("model.visual.blocks.0.attn.qkv")  # a prefix ending at a dot
+    assert not fp8.quantizes("model.layers.3.mlp.gate")  # a last part
+    assert fp8.quantizes("model.layers.3.mlp.gate_proj") and fp8.quantizes("model.visualx.proj")
+    ct = QuantSpec("w4a16", skip_names=("lm_head", "re:.*visual.*"))  # compressed-tensors: re.match
+    assert not ct.quantizes("model.visual.merger.mlp.0") and ct.quantizes("model.language_model.layers.0.mlp.up_proj")
+    online = QuantSpec("fp8_online", decoder_only=True)
+    assert not online.quantizes("multi_modal_projector.linear_1")
+    assert online.quantizes("model.layers.0.self_attn.q_proj")

@@ -161,6 +161,7 @@ class FusedLinear(nn.Module):
         super().__init__()
         first = layers[0]
         self.method, self.sizes = first.method, [layer.shape.out_features for layer in layers]
+        self.shape = LinearShape(sum(self.sizes), first.shape.in_features)
         for name in first.method.attrs:
             setattr(self, name, getattr(first, name))
         for name, tensor in tensors.items():

@@ -12,7 +12,8 @@ Formats read (each key and its meaning as the named source writes or reads it):
   `Qwen3-VL-*-Instruct-FP8`): `fmt: "e4m3"`, `activation_scheme: "dynamic"`,
   `weight_block_size: [128, 128]` (block-wise, `weight_scale_inv`), or no block size (one
   `weight_scale` per tensor, vLLM's serialized FP8); `modules_to_not_convert` / `ignored_layers`
-  name modules exactly or by prefix.
+  name modules exactly, by a prefix ending at a dot or by a last part (transformers'
+  `should_convert_module`: "lm_head", "model.visual", "gate").
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
@@ -46,7 +47,7 @@ class QuantSpec:
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
     skip_substrings: tuple[str, ...] = ()
-    skip_names: tuple[str, ...] = ()  # exact names, prefixes ending at a dot, or "re:" patterns
+    skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
     decoder_only: bool = False  # fp8_online: the vision tower and projector stay as loaded
 
     def quantizes(self, module: str) -> bool:
@@ -65,7 +66,7 @@ class QuantSpec:
 def _matches(module: str, entry: str) -> bool:
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None
-    return module == entry or module.startswith(entry + ".")
+    return module == entry or module.startswith(entry + ".") or module.endswith("." + entry)
 
 
 def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | None:
@@ -100,7 +101,7 @@ def _awq(q: dict[str, Any]) -> QuantSpec:
     if version != "gemm" or not q.get("zero_point", True):
         raise ValueError(f"AWQ version {version!r} (zero_point {q.get('zero_point')}) is not supported "
                          "(the GEMM packing with zero points only)")
-    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    group = max(0, int(q.get("group_size", q.get("q_group_size", 128))))  # -1: one group per row (0 here)
     return QuantSpec("awq", group_size=group, symmetric=False,
                      skip_substrings=tuple(q.get("modules_to_not_convert") or ()))
 

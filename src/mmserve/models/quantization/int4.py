@@ -88,10 +88,10 @@ class Int4Method(LinearMethod):
         by_out = s is not None and s.dim == 0  # AWQ's tensors are W^T: output columns on dim 1
         _check_aligned(s, 8 if by_out else group)
         register(layer, "qweight", (inp, out // 8), torch.int32, _along(s, 1, 8) if by_out else _along(s, 0))
-        register(layer, "qzeros", (inp // group, out // 8), torch.int32,
-                 _along(s, 1, 8) if by_out else _along(s, 0, group))
-        register(layer, "scales", (inp // group, out), torch.float32,
-                 _along(s, 1) if by_out else _along(s, 0, group), keep_dtype=True)
+        per_group = None if self.group == 0 else _along(s, 0, group)  # one group per row: whole on every rank
+        register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
+        register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
+                 keep_dtype=True)
 
     def _w4a16_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard

@@ -120,8 +120,8 @@ static inline __m256 int4_group1(const __m256i *row, const float *xp, int64_t fi
     return _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
 }
 
-/* several rows of x: one chain per row */
-static inline void int4_group_rows(const __m256i *row, const float *xp, int64_t K, int64_t rows, int64_t first,
+/* several rows of x: one chain per row (inlined with `rows` a constant: the chains stay in registers) */
+static inline __attribute__((always_inline)) void int4_group_rows(const __m256i *row, const float *xp, int64_t K, int64_t rows, int64_t first,
                                    int64_t last, __m256 part[ROWS_X]) {
     for (int m = 0; m < ROWS_X; m++)
         part[m] = _mm256_setzero_ps();
@@ -144,7 +144,11 @@ static void int4_row_avx2(const Weight *w, int64_t o, const float *xp, int64_t m
         if (rows == 1)
             part[0] = int4_group1(row, xp, g * chunks, (g + 1) * chunks);
         else
-            int4_group_rows(row, xp, K, rows, g * chunks, (g + 1) * chunks, part);
+            switch (rows) {
+#define INT4_ROWS(R) case R: int4_group_rows(row, xp, K, R, g * chunks, (g + 1) * chunks, part); break;
+                INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4) INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
+#undef INT4_ROWS
+            }
         const float scale = w->scales[o * groups + g], zero = (float)w->zeros[o * groups + g];
         for (int64_t m = 0; m < rows; m++) {
             acc[m] = _mm256_fmadd_ps(part[m], _mm256_set1_ps(scale), acc[m]);
@@ -179,6 +183,16 @@ static inline __m256 fp8_span1(const uint8_t *row, const float *x, int64_t first
     return _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
 }
 
+/* several rows of x: one chain per row (inlined with `rows` a constant) */
+static inline __attribute__((always_inline)) void fp8_span_rows(const uint8_t *row, const float *x, int64_t K,
+                                                                int64_t rows, int64_t first, int64_t last,
+                                                                __m256 part[ROWS_X]) {
+    for (int m = 0; m < ROWS_X; m++)
+        part[m] = _mm256_setzero_ps();
+    for (int64_t i = first; i < last; i += 8)
+        fma_rows(part, x + i, K, rows, fp8_bytes8(row + i));
+}
+
 /* Row o: per scale's span of columns (the row, or a block's), part = sum x * value, then
  * acc += part * scale */
 static void fp8_row_avx2(const Weight *w, int64_t o, const float *x, int64_t K, int64_t rows,
@@ -193,10 +207,11 @@ static void fp8_row_avx2(const Weight *w, int64_t o, const float *x, int64_t K, 
         if (rows == 1) {
             part[0] = fp8_span1(row, x, first, last);
         } else {
-            for (int m = 0; m < ROWS_X; m++)
-                part[m] = _mm256_setzero_ps();
-            for (int64_t i = first; i < last; i += 8)
-                fma_rows(part, x + i, K, rows, fp8_bytes8(row + i));
+            switch (rows) {
+#define FP8_ROWS(R) case R: fp8_span_rows(row, x, K, R, first, last, part); break;
+                FP8_ROWS(2) FP8_ROWS(3) FP8_ROWS(4) FP8_ROWS(5) FP8_ROWS(6) FP8_ROWS(7) FP8_ROWS(8)
+#undef FP8_ROWS
+            }
         }
         const __m256 scale = _mm256_set1_ps(fp8_scale(w->scales, o, c, w->bo, block_cols));
         for (int64_t m = 0; m < rows; m++)
