@@ -24,6 +24,8 @@ through our Triton kernels (triton_kernels.py: weight-only, dequantized in regis
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mmserve.models.quantization import cpu_gemv
@@ -150,8 +152,13 @@ def _block_rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
 
 def _has_fp8_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """FP8 tensor cores (Ada, Hopper and later) and the multiples of 16 `_scaled_mm` needs."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return (x.is_cuda and _fp8_capable(x.device.index or 0) and x.dtype == torch.bfloat16
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
+@functools.cache
+def _fp8_capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,6 +167,6 @@ def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     rows = x.reshape(-1, x.shape[-1])
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
     x_q = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias,
-                           out_dtype=x.dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
+    out = out.reshape(*x.shape[:-1], weight.shape[0])  # row-wise scales want bfloat16 out
+    return out if bias is None else out + bias
