@@ -117,3 +117,31 @@ def test_skip_lists_match_module_names_as_their_publishers_do():
     online = QuantSpec("fp8_online", decoder_only=True)
     assert not online.quantizes("multi_modal_projector.linear_1")
     assert online.quantizes("model.layers.0.self_attn.q_proj")
+
+
+def test_online_fp8_holds_one_float_weight_at_a_time_while_loading(source, monkeypatch):
+    """`--quantization fp8`: each layer's float weight is allocated when its tensor is read and
+    quantized at once, so loading never holds the whole float model."""
+    from mmserve.models.quantization.fp8 import Fp8RowMethod
+
+    seen: list[int] = []
+    real = Fp8RowMethod.process_weights
+
+    def counting(self, layer):
+        model_layers = [m for m in layer_registry if m.method is self]
+        seen.append(sum(not m.weight.is_meta and m.weight.dtype == torch.float32 for m in model_layers))
+        real(self, layer)
+
+    layer_registry: list[ParallelLinear] = []
+    real_set = ParallelLinear.set_method
+
+    def register(self, method):
+        real_set(self, method)
+        layer_registry.append(self)
+
+    monkeypatch.setattr(Fp8RowMethod, "process_weights", counting)
+    monkeypatch.setattr(ParallelLinear, "set_method", register)
+    model = load_model(source, quantization="fp8")
+    assert len(seen) == len(layer_registry) > 0 and max(seen) == 1
+    assert all(m.method.name == "fp8_online" for m in layer_registry)
+    assert model.weight_bytes < 0.8 * load_model(source).weight_bytes

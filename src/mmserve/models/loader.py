@@ -55,7 +55,7 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
         assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {})
     if device.type != "meta":
         _materialize(model, dtype, device)
-        _load_weights(model, cls, cfg, model_dir)
+        _load_weights(model, cls, cfg, model_dir, dtype, device)
         _process_weights(model)
     _move_tensor_attributes(model, device)
     _cast_floats(model, dtype)
@@ -83,12 +83,32 @@ def checkpoint_module_names(model_dir: str, cls) -> dict[str, str]:
     return names
 
 
+def _linear_layers(model: torch.nn.Module) -> dict[str, ParallelLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+
+
+def _allocate(layer: torch.nn.Module, attr: str, param: torch.nn.Parameter, dtype: torch.dtype,
+              device: torch.device) -> torch.nn.Parameter:
+    """The meta parameter `attr` of `layer` given memory on `device` (as `_materialize` would)."""
+    new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype if keeps_dtype(param) else dtype,
+                                         device=device), requires_grad=False)
+    new.__dict__.update(param.__dict__)
+    setattr(layer, attr, new)
+    return new
+
+
+def _process_layer(layer: ParallelLinear) -> None:
+    """The layer's loaded checkpoint tensors into its method's resident form (once)."""
+    if not getattr(layer, "weights_processed", False):
+        with torch.no_grad():
+            layer.method.process_weights(layer)
+        layer.weights_processed = True
+
+
 def _process_weights(model: torch.nn.Module) -> None:
-    """Each linear layer's loaded checkpoint tensors into its method's resident form."""
-    for module in model.modules():
-        if isinstance(module, ParallelLinear):
-            with torch.no_grad():
-                module.method.process_weights(module)
+    """Each linear layer not processed while loading (`_process_layer`)."""
+    for layer in _linear_layers(model).values():
+        _process_layer(layer)
 
 
 def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -107,17 +127,27 @@ def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 module.register_buffer(name, buffer.to(dtype))
 
 
-def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str) -> None:
-    """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time."""
+def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time;
+    a linear layer whose tensors are all in is turned into its method's resident form at once, and
+    a parameter left on the meta device (`load_lazily`: a float weight quantized at load) is
+    allocated only then, so at most one such float weight exists at a time."""
     params = dict(model.named_parameters())
-    shards = _shards(model)
+    shards, layers = _shards(model), _linear_layers(model)
     loaded: set[str] = set()
     for name, tensor_slice in iter_checkpoint(model_dir):
         name = cls.canonical_name(name)
         if name in params:
+            param = params[name]
+            prefix, _, attr = name.rpartition(".")
+            if param.is_meta:
+                param = _allocate(layers[prefix], attr, param, dtype, device)
             with torch.no_grad():
-                _copy_checked(params[name], _read(tensor_slice, shards.get(name)), name, shards.get(name))
+                _copy_checked(param, _read(tensor_slice, shards.get(name)), name, shards.get(name))
             loaded.add(name)
+            if prefix in layers and all(f"{prefix}.{n}" in loaded for n in layers[prefix].weight_names):
+                _process_layer(layers[prefix])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints also store the head: the model's is the embedding table
         elif not cls.is_unused(name, cfg):
@@ -136,6 +166,8 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if getattr(param, "load_lazily", False):
+                continue  # allocated when its tensor is read (`_load_weights`)
             if id(param) not in done:
                 kind = param.dtype if keeps_dtype(param) else dtype
                 done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),

@@ -100,6 +100,8 @@ class ParallelLinear(nn.Module):
     """A linear layer whose weight is held and multiplied by its `method` (dense until the loader
     sets another, models/quantization/): `shape` is this rank's part of W [out, in]."""
 
+    weights_processed = False  # the loader's mark: the method's resident form is in place
+
     def __init__(self, shape: LinearShape, bias_shard: Shard | None, bias: bool) -> None:
         super().__init__()
         self.shape = shape

@@ -47,6 +47,7 @@ class Fp8RowMethod(LinearMethod):
         out, inp, s = shape.out_features, shape.in_features, shape.shard
         if self.source == "online":
             register(layer, "weight", (out, inp), torch.float32, s)
+            layer.weight.load_lazily = True  # allocated when read, quantized at once (models/loader.py)
             return
         register(layer, "weight", (out, inp), FP8, s)
         if self.per_tensor:
