@@ -123,9 +123,6 @@ class LinearMethod:
         """Repack the resident weight for this device's fastest matmul; True when it did."""
         return False
 
-    def resident_bytes(self, layer: Layer) -> int:
-        return sum(getattr(layer, name).nbytes for name in getattr(layer, "weight_names", []))
-
 
 class DenseMethod(LinearMethod):
     """The weight as the checkpoint stores it: `weight` [out, in] in the model's dtype."""
@@ -158,10 +155,6 @@ class DenseMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                                     requires_grad=False)
         return True
-
-    def resident_bytes(self, layer: Layer) -> int:
-        weight = layer.weight
-        return weight.numel() * weight.element_size()  # an mkldnn tensor has no storage nbytes
 
 
 DENSE = DenseMethod()
