@@ -37,7 +37,7 @@ def one_thread_below(model: torch.nn.Module, threads: int, device: torch.device,
     try:
         with torch.inference_mode():
             for rows in ROWS:
-                best = _best_times(layer, rows, threads, rounds)
+                best = _best_times(layer, rows, threads, rounds, _activation_dtype(model))
                 if best[threads] < _MARGIN * best[1]:
                     logger.info("CPU steps of %d+ tokens on %d threads, fewer on one: a %dx%d matmul of %d rows "
                                 "took %.3f ms on one, %.3f ms on %d", rows, threads, *_dims(layer), rows,
@@ -49,10 +49,10 @@ def one_thread_below(model: torch.nn.Module, threads: int, device: torch.device,
     return 2 * ROWS[-1]
 
 
-def _best_times(layer: Any, rows: int, threads: int, rounds: int) -> dict[int, float]:
+def _best_times(layer: Any, rows: int, threads: int, rounds: int, dtype: torch.dtype) -> dict[int, float]:
     """Best seconds of one product by the layer (its method's kernel: the weight may be packed or
-    quantized) of `rows` rows on one thread and on `threads`, taking turns."""
-    x = torch.randn(rows, _dims(layer)[1])
+    quantized) of `rows` rows of `dtype` on one thread and on `threads`, taking turns."""
+    x = torch.randn(rows, _dims(layer)[1], dtype=dtype)
     best = {1: float("inf"), threads: float("inf")}
     for _ in range(rounds):
         for n in best:
@@ -63,6 +63,12 @@ def _best_times(layer: Any, rows: int, threads: int, rounds: int) -> dict[int, f
                 layer.method.apply(layer, x, None)
             best[n] = min(best[n], (time.perf_counter() - start) / 3)
     return best
+
+
+def _activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the decoder's activations have: its LM head's (never quantized)."""
+    head = getattr(model, "lm_head", None)
+    return torch.float32 if head is None else head.weight.dtype
 
 
 def _dims(layer: Any) -> tuple[int, int]:
