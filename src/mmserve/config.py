@@ -55,6 +55,9 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "How attention is computed: torch (PyTorch's SDPA), triton (our Triton "
                                   "kernels), flashinfer (when installed); auto: triton on CUDA, torch on CPU.",
                                   choices=_ATTENTION_BACKENDS)
+    quantization: str | None = _opt(None, "Quantize a float checkpoint's decoder weights at load: fp8 (per output "
+                                    "row). Quantized checkpoints are read from their quantization_config without it.",
+                                    choices=("fp8",))
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -66,6 +69,8 @@ class ModelConfig:
         if needs and importlib.util.find_spec(self.attention_backend) is None:
             raise ValueError(f"attention_backend {self.attention_backend} needs the {self.attention_backend!r} "
                              "package, which is not installed")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or unset); got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):

@@ -54,6 +54,9 @@ class EngineStatsCollector(Collector):
         yield _gauge("mmserve_num_requests_waiting", "Requests queued in the engine core.", waiting)
         yield _gauge("mmserve_kv_cache_free_blocks", "Free KV cache blocks.", free)
         yield _gauge("mmserve_kv_cache_total_blocks", "KV cache blocks in all.", total)
+        weights = None if stats is None else stats.weight_bytes
+        yield _gauge("mmserve_model_weight_bytes", "Bytes of model weights held, quantized ones as they are "
+                     "held (every engine and tensor-parallel rank together).", weights)
         preemptions = CounterMetricFamily("mmserve_num_preemptions_total",
                                           "Requests preempted (KV blocks taken back) since start.")
         preemptions.add_metric([], preempted)

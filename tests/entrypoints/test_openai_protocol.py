@@ -225,7 +225,9 @@ def test_metrics_names_and_outcomes(client, engine):
     assert metric(client, "mmserve_time_to_first_token_seconds_count") == 2
     assert metric(client, "mmserve_e2e_request_latency_seconds_count") == 2
     engine._stats = SchedulerStats(num_running=3, num_waiting=1, num_free_blocks=7, num_total_blocks=9,
-                                   num_preemptions=2, caches={"processor": CacheStats(queries=3, hits=1)})
+                                   num_preemptions=2, caches={"processor": CacheStats(queries=3, hits=1)},
+                                   weight_bytes=5 << 20)
+    assert metric(client, "mmserve_model_weight_bytes") == 5 << 20
     assert metric(client, "mmserve_num_requests_running") == 3
     assert metric(client, "mmserve_num_requests_waiting") == 1
     assert metric(client, "mmserve_kv_cache_free_blocks") == 7

@@ -216,13 +216,13 @@ def test_packed_and_fused_layers_equal_the_plain_ones(variant):
     packed = pack_linears(model)  # the runner's on a float32 CPU model
 
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert attn.q_proj.fused_sizes == [cfg.num_attention_heads * 16, cfg.num_key_value_heads * 16,
+    assert attn.q_proj.fused.sizes == [cfg.num_attention_heads * 16, cfg.num_key_value_heads * 16,
                                        cfg.num_key_value_heads * 16]
-    assert mlp.gate_proj.fused_sizes == [cfg.intermediate_size] * 2
+    assert mlp.gate_proj.fused.sizes == [cfg.intermediate_size] * 2
     assert attn.k_proj.weight.numel() == 0 and mlp.up_proj.weight.numel() == 0  # freed, not kept twice
-    assert (attn.q_proj.fused_bias is not None) == cfg.qkv_bias
+    assert (attn.q_proj.fused.bias is not None) == cfg.qkv_bias
     # per layer: Q/K/V and gate/up fused (2), then o_proj and down_proj packed (2)
     assert packed == 4 * cfg.num_hidden_layers
-    assert sum(isinstance(m, ColumnParallelLinear) and m.fused_sizes is not None for m in model.modules()) \
+    assert sum(isinstance(m, ColumnParallelLinear) and m.fused is not None for m in model.modules()) \
         == 2 * cfg.num_hidden_layers
     torch.testing.assert_close(run_paged(model, embeds, positions, None, chunks), plain, atol=1e-5, rtol=1e-5)

@@ -23,6 +23,7 @@ from mmserve.engine.grammar_gate import GrammarGate
 from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                   SchedulerOutput, SchedulerStats)
 from mmserve.models.hf_config import ModelConfig, load_model_config
+from mmserve.models.quantization.config import read_quant_spec
 from mmserve.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class EngineCore:
         self._stopped = False
         self.model_config = load_model_config(model_dir)
         compute_encoder_budget(config.scheduler, self.model_config.max_item_tokens)  # refuse before loading
+        read_quant_spec(model_dir, config.model.quantization)  # an unsupported quantization, in one line
         self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
         try:
             num_blocks, profiled = kv_cache_blocks(config, self.executor)
@@ -165,7 +167,8 @@ class EngineCore:
                              entries=enc.num_resident_items, bytes_used=enc.num_resident_tokens)
         return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,
                               self.kv_cache.pool.num_blocks, s.num_preemptions,
-                              caches={"prefix": prefix, "encoder": encoder, "first_token": s.first_tokens.stats()})
+                              caches={"prefix": prefix, "encoder": encoder, "first_token": s.first_tokens.stats()},
+                              weight_bytes=getattr(self.executor, "weight_bytes", 0))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

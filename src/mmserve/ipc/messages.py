@@ -154,6 +154,7 @@ class SchedulerStats(msgspec.Struct):
     num_total_blocks: int
     num_preemptions: int  # since start
     caches: dict[str, CacheStats] = {}
+    weight_bytes: int = 0  # resident model weights, all tensor-parallel ranks together
 
 
 def sum_scheduler_stats(ranks: list[SchedulerStats]) -> SchedulerStats:
@@ -286,6 +287,7 @@ class WorkerReady(msgspec.Struct, tag="worker_ready"):
     kv_cache_bytes_per_block: int
     available_kv_cache_bytes: int | None = None  # on CUDA: what --gpu-memory-utilization leaves the KV cache
     dtype: str = "float32"  # the rank's resolved dtype
+    weight_bytes: int = 0  # the rank's resident weights (quantized ones as they are held)
 
 
 class WorkerDone(msgspec.Struct, tag="worker_done"):

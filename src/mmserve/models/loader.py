@@ -25,7 +25,10 @@ from safetensors import safe_open
 
 from mmserve.models.attention.backend import attention_backend
 from mmserve.models.hf_config import load_model_config
-from mmserve.models.parallel import SINGLE, Shard, TensorParallel
+from mmserve.models.parallel import SINGLE, ParallelLinear, Shard, TensorParallel, fuse_projections
+from mmserve.models.quantization.base import keeps_dtype
+from mmserve.models.quantization.config import read_quant_spec
+from mmserve.models.quantization.select import assign_methods
 from mmserve.models.registry import model_class
 from mmserve.models.vlm import VisionLanguageModel
 
@@ -34,37 +37,117 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorParallel = SINGLE,
-               device: str | torch.device = "cpu", attention: str = "torch") -> VisionLanguageModel:
+               device: str | torch.device = "cpu", attention: str = "torch",
+               quantization: str | None = None) -> VisionLanguageModel:
     """Build the model (this rank's shard of it) from `model_dir/config.json` on `device` and load
     its weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
-    chosen for `device`."""
+    chosen for `device`. Its linear layers take the methods the checkpoint's `quantization_config`
+    (or `quantization`, `--quantization`) names (models/quantization/); sibling projections are
+    fused (`fuse_projections`). `model.weight_bytes`: the bytes its parameters hold."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
+    spec = read_quant_spec(model_dir, quantization)
     dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = torch.device(device)
     with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
+        assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {})
     if device.type != "meta":
         _materialize(model, dtype, device)
-        _load_weights(model, cls, cfg, model_dir)
+        _load_weights(model, cls, cfg, model_dir, dtype, device)
+        _process_weights(model)
     _move_tensor_attributes(model, device)
-    model = model.to(dtype).eval().requires_grad_(False)
+    _cast_floats(model, dtype)
+    model = model.eval().requires_grad_(False)
+    if device.type != "meta":
+        fuse_projections(model)
     model.attention = attention_backend(attention, device)
+    model.weight_bytes = weight_bytes(model)
     return model
 
 
-def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str) -> None:
-    """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters hold (tied ones once): its resident weights."""
+    seen = {id(p): p for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def checkpoint_module_names(model_dir: str, cls) -> dict[str, str]:
+    """Module name in this model -> the checkpoint's name for it (older layouts differ), from
+    the checkpoint's tensor names: what `quantization_config`'s module lists name."""
+    names = {}
+    for name, _ in iter_checkpoint(model_dir):
+        module = name.rpartition(".")[0]
+        names[cls.canonical_name(name).rpartition(".")[0]] = module
+    return names
+
+
+def _linear_layers(model: torch.nn.Module) -> dict[str, ParallelLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+
+
+def _allocate(layer: torch.nn.Module, attr: str, param: torch.nn.Parameter, dtype: torch.dtype,
+              device: torch.device) -> torch.nn.Parameter:
+    """The meta parameter `attr` of `layer` given memory on `device` (as `_materialize` would)."""
+    new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype if keeps_dtype(param) else dtype,
+                                         device=device), requires_grad=False)
+    new.__dict__.update(param.__dict__)
+    setattr(layer, attr, new)
+    return new
+
+
+def _process_layer(layer: ParallelLinear) -> None:
+    """The layer's loaded checkpoint tensors into its method's resident form (once)."""
+    if not getattr(layer, "weights_processed", False):
+        with torch.no_grad():
+            layer.method.process_weights(layer)
+        layer.weights_processed = True
+
+
+def _process_weights(model: torch.nn.Module) -> None:
+    """Each linear layer not processed while loading (`_process_layer`)."""
+    for layer in _linear_layers(model).values():
+        _process_layer(layer)
+
+
+def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for the tensors in a standard float dtype, save those a method keeps
+    (FP8 weights, float32 scales: `keeps_dtype`)."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if keeps_dtype(param) or param.dtype == dtype:
+                continue
+            if id(param) not in done:
+                done[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module.register_parameter(name, done[id(param)])
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and buffer.dtype.is_floating_point and not keeps_dtype(buffer):
+                module.register_buffer(name, buffer.to(dtype))
+
+
+def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time;
+    a linear layer whose tensors are all in is turned into its method's resident form at once, and
+    a parameter left on the meta device (`load_lazily`: a float weight quantized at load) is
+    allocated only then, so at most one such float weight exists at a time."""
     params = dict(model.named_parameters())
-    shards = _shards(model)
+    shards, layers = _shards(model), _linear_layers(model)
     loaded: set[str] = set()
     for name, tensor_slice in iter_checkpoint(model_dir):
         name = cls.canonical_name(name)
         if name in params:
+            param = params[name]
+            prefix, _, attr = name.rpartition(".")
+            if param.is_meta:
+                param = _allocate(layers[prefix], attr, param, dtype, device)
             with torch.no_grad():
-                _copy_checked(params[name], _read(tensor_slice, shards.get(name)), name, shards.get(name))
+                _copy_checked(param, _read(tensor_slice, shards.get(name)), name, shards.get(name))
             loaded.add(name)
+            if prefix in layers and all(f"{prefix}.{n}" in loaded for n in layers[prefix].weight_names):
+                _process_layer(layers[prefix])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints also store the head: the model's is the embedding table
         elif not cls.is_unused(name, cfg):
@@ -83,10 +166,13 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if getattr(param, "load_lazily", False):
+                continue  # allocated when its tensor is read (`_load_weights`)
             if id(param) not in done:
-                kind = dtype if param.dtype.is_floating_point else param.dtype
+                kind = param.dtype if keeps_dtype(param) else dtype
                 done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                      requires_grad=param.requires_grad)
+                done[id(param)].__dict__.update(param.__dict__)  # its method's marks (`register`)
             module.register_parameter(name, done[id(param)])
 
 
@@ -148,6 +234,8 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: S
         shard = Shard(shard[0].dim, 0, sum(s.length for s in shard))
     if shard is not None:
         expected[shard.dim] = shard.length
+    if getattr(param, "any_shape_of_one", False) and tensor.numel() == 1:
+        tensor = tensor.reshape(expected)  # a per-tensor scale, stored as [] or [1]
     if list(tensor.shape) != expected:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
     if shard is None or shard.length == param.shape[shard.dim]:

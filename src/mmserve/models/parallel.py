@@ -19,7 +19,10 @@ size that does not divide. With `size == 1` (`SINGLE`) every layer is the plain 
 parameter shapes and names, and no collectives.
 
 Each sharded parameter's slice of the checkpoint is in its module's `tp_shards` (parameter name
--> `Shard`), which the loader reads with `safe_open(...).get_slice(name)[...]`.
+-> `Shard`), which the loader reads with `safe_open(...).get_slice(name)[...]`. A linear layer's
+weight tensors and their slices come from its `LinearMethod` (models/quantization/): dense, or a
+quantized format whose packed tensors are sliced along their own packing (int4 words of eight
+rows or columns, a group's scale, an FP8 block's scale).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.hf_config import TextConfig
+from mmserve.models.quantization.base import DENSE, LinearMethod, LinearShape, Shard, linear
+
+__all__ = ["Shard", "linear"]  # re-exported: the loader and models name them from here
 
 
 @dataclass(frozen=True)
@@ -65,16 +71,6 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-@dataclass(frozen=True)
-class Shard:
-    """A parameter holds checkpoint indices [start, start + length) along `dim` (zero-padded
-    past `length` when the parameter is longer, e.g. the last rank's vocab rows)."""
-
-    dim: int
-    start: int
-    length: int
-
-
 def kv_head_shard(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     """(first KV head, KV heads) this rank holds: a split, or one replicated head."""
     if num_kv_heads >= tp.size:
@@ -93,112 +89,132 @@ def check_decoder_shardable(t: TextConfig, tp: TensorParallel) -> None:
     tp.split(t.intermediate_size, "the decoder's intermediate_size")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or oneDNN's matmul when `pack_linears` packed the weight (an mkldnn tensor)."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+class ParallelLinear(nn.Module):
+    """A linear layer whose weight is held and multiplied by its `method` (dense until the loader
+    sets another, models/quantization/): `shape` is this rank's part of W [out, in]."""
+
+    weights_processed = False  # the loader's mark: the method's resident form is in place
+
+    def __init__(self, shape: LinearShape, bias_shard: Shard | None, bias: bool) -> None:
+        super().__init__()
+        self.shape = shape
+        self.tp_shards: dict[str, Shard | list[Shard]] = {} if bias_shard is None else {"bias": bias_shard}
+        self.method: LinearMethod = DENSE
+        DENSE.create_weights(self, shape)
+        self.bias = nn.Parameter(torch.empty(shape.out_features)) if bias else None
+        self.fused: FusedLinear | None = None  # set on the first of fused siblings (`fuse_projections`)
+
+    def set_method(self, method: LinearMethod) -> None:
+        """Hold the weight as `method` does (its checkpoint tensors, registered uninitialised)."""
+        for name in self.weight_names:
+            delattr(self, name)
+            self.tp_shards.pop(name, None)
+        self.weight_names: list[str] = []
+        self.method = method
+        method.create_weights(self, self.shape)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Each float32 CPU weight of the column- and row-parallel layers (the decoder's projections
-    and MLPs, projectors) replaced by oneDNN's packed copy of it, which `linear` multiplies by:
-    `F.linear` (MKL's sgemm) is several times slower on a decode step's skinny matmuls, and slower
-    on prefill's too, where it was measured (`benchmarks/decode_step.py`). First, the sibling
-    projections a module names in `fused_projections` (Q/K/V, gate/up: one input each) become one
-    matrix (`project`): one call instead of several, each with its own threads' start and end.
-    The dense weights are freed; the loader must have loaded them first. Returns the number of
-    matrices packed."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    packed = 0
-    for module in list(model.modules()):
-        for names in getattr(module, "fused_projections", ()):
-            layers = [getattr(module, name) for name in names]
-            if all(isinstance(layer, ColumnParallelLinear) and _packable(layer.weight) for layer in layers):
-                _fuse(layers)
-                packed += 1
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and _packable(module.weight):
-            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None),
-                                         requires_grad=False)
-            packed += 1
-    return packed
-
-
-def _packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and not weight.is_mkldnn and weight.numel() > 0
-
-
-def _fuse(layers: list[ColumnParallelLinear]) -> None:
-    """The layers' weights stacked by rows and packed, as the first layer's `fused_weight` (and
-    `fused_bias`, a missing bias as zeros; `fused_sizes`: each layer's outputs); their own freed."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])
-    bias = None
-    if any(layer.bias is not None for layer in layers):
-        bias = torch.cat([layer.bias.detach() if layer.bias is not None else torch.zeros(layer.weight.shape[0])
-                          for layer in layers])
-    sizes = [int(layer.weight.shape[0]) for layer in layers]
-    for layer in layers:
-        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        layer.bias = None
-    first = layers[0]
-    first.fused_weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, None), requires_grad=False)
-    first.fused_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    first.fused_sizes = sizes
-
-
-def project(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
-    """Each of `layers`' outputs for the same input `x`: one matmul when `pack_linears` fused
-    them (views of its output's columns), else one call each."""
-    first = layers[0]
-    if first.fused_sizes is None:
-        return tuple(layer(x) for layer in layers)
-    return linear(x, first.fused_weight, first.fused_bias).split(first.fused_sizes, dim=-1)
-
-
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T + b with W's rows (output features) split: x [.., in] -> [.., out / size].
 
     `rows` overrides the even split with (start, length), e.g. a replicated KV head."""
 
-    # the first of sibling layers that `pack_linears` fused holds their matrix (`project`)
-    fused_weight: torch.Tensor
-    fused_bias: torch.Tensor | None
-    fused_sizes: list[int] | None = None
-
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  rows: tuple[int, int] | None = None, what: str = "out_features") -> None:
-        super().__init__()
         if rows is None:
             per = tp.split(out_features, what)
             rows = (tp.rank * per, per)
         start, length = rows
-        self.weight = nn.Parameter(torch.empty(length, in_features))
-        self.bias = nn.Parameter(torch.empty(length)) if bias else None
-        self.tp_shards = {"weight": Shard(0, start, length), "bias": Shard(0, start, length)}
+        super().__init__(LinearShape(length, in_features, Shard(0, start, length)), Shard(0, start, length), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """y = sum over ranks of x_r W_r^T, + b: x [.., in / size] -> [.., out] (all-reduced)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  what: str = "in_features") -> None:
-        super().__init__()
         per = tp.split(in_features, what)
+        super().__init__(LinearShape(out_features, per, Shard(1, tp.rank * per, per)), None, bias)  # bias replicated
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, per))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # replicated
-        self.tp_shards = {"weight": Shard(1, tp.rank * per, per)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # the fused bias add, bit for bit nn.Linear
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return self.method.apply(self, x, self.bias)
+        y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
+
+
+class FusedLinear(nn.Module):
+    """Sibling column-parallel layers with one input (Q/K/V, gate/up) as one: their resident
+    weights stacked by output rows, multiplied in one GEMM by their shared method; `sizes`:
+    each sibling's outputs, in order."""
+
+    def __init__(self, layers: list[ColumnParallelLinear], tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        first = layers[0]
+        self.method, self.sizes = first.method, [layer.shape.out_features for layer in layers]
+        self.shape = LinearShape(sum(self.sizes), first.shape.in_features)
+        for name in first.method.attrs:
+            setattr(self, name, getattr(first, name))
+        for name, tensor in tensors.items():
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+        self.weight_names = list(tensors)
+        biases = [layer.bias for layer in layers]
+        present = next((b for b in biases if b is not None), None)
+        self.bias = None if present is None else nn.Parameter(torch.cat([
+            b.detach() if b is not None else present.new_zeros(layer.shape.out_features)
+            for b, layer in zip(biases, layers)]), requires_grad=False)  # a missing bias as zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Make each group of sibling projections a module names in `fused_projections` one
+    `FusedLinear` on the group's first layer (`project` multiplies by it): one call instead of
+    several, each with its own threads' (or kernel launch's) start and end. The siblings' own
+    weights are freed. Groups whose methods differ or cannot stack stay apart. Returns the
+    number of groups fused."""
+    fused = 0
+    for module in list(model.modules()):
+        for names in getattr(module, "fused_projections", ()):
+            layers = [getattr(module, name) for name in names]
+            first = layers[0]
+            if first.fused is not None or any(not isinstance(layer, ColumnParallelLinear)
+                                              or layer.method is not first.method for layer in layers):
+                continue
+            tensors = first.method.concat(layers)
+            if tensors is None:
+                continue
+            first.fused = FusedLinear(layers, tensors)
+            for layer in layers:
+                for name in layer.weight_names:
+                    setattr(layer, name, nn.Parameter(getattr(layer, name).new_empty(0), requires_grad=False))
+                layer.bias = None
+            fused += 1
+    return fused
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Fuse sibling projections (`fuse_projections`), then repack each linear layer's resident
+    weight for its device's fastest matmul where its method has one (`LinearMethod.pack`: oneDNN's
+    packed float32 weights on the CPU). The loader must have loaded the weights first. Returns
+    the number of matrices packed."""
+    fuse_projections(model)
+    return sum(module.method.pack(module) for module in model.modules()
+               if isinstance(module, (ParallelLinear, FusedLinear)))
+
+
+def project(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+    """Each of `layers`' outputs for the same input `x`: one matmul when they were fused
+    (`fuse_projections`; views of its output's columns), else one call each."""
+    fused = layers[0].fused
+    if fused is None:
+        return tuple(layer(x) for layer in layers)
+    return fused(x).split(fused.sizes, dim=-1)
 
 
 def _vocab_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ class VisionLanguageModel(nn.Module):
     num_deepstack = 0  # decoder layers that take vision features besides the embeddings
 
     attention: AttentionBackend = TORCH  # the loader sets the engine's (`--attention-backend`)
+    weight_bytes = 0  # the loader sets it: bytes its parameters hold (quantized ones as held)
     config: Any
     tp: TensorParallel
 

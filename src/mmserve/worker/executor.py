@@ -30,6 +30,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, model_dir)
         self.available_bytes = self.runner.available_kv_cache_bytes()  # profiled once, at start
         self.dtype = self.runner.dtype_name
+        self.weight_bytes: int = self.runner.model.weight_bytes
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

@@ -30,6 +30,7 @@ from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOut
 from mmserve.models.loader import load_model
 from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
+from mmserve.models.quantization.select import describe_quantization
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
@@ -53,12 +54,14 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = rank_device(config, tp.rank)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend)
-        logger.info("rank %d: model on %s in %s, %s attention", tp.rank, self.device,
-                    str(self.dtype).removeprefix("torch."), self.model.attention.name)
+        self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend,
+                                config.model.quantization)
         if self.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
             release_freed_memory()  # the dense copies packing freed (glibc keeps freed memory otherwise)
+        logger.info("rank %d: model on %s in %s, %s attention, %s weights: %.1f MiB resident", tp.rank, self.device,
+                    str(self.dtype).removeprefix("torch."), self.model.attention.name,
+                    describe_quantization(self.model), self.model.weight_bytes / 2**20)
         self.threads = torch.get_num_threads()  # as P1 / the worker set it
         # a step of fewer tokens (and no encoder work) runs on one thread: measured for this model
         self.one_thread_below = one_thread_below(self.model, self.threads, self.device)

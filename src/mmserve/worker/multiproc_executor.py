@@ -148,6 +148,7 @@ class MultiprocExecutor:
         profiled = [r.available_kv_cache_bytes for r in ready if r.available_kv_cache_bytes is not None]
         self._available_bytes = min(profiled) if profiled else None  # every rank holds as many blocks
         self.dtype = ready[0].dtype
+        self.weight_bytes = sum(r.weight_bytes for r in ready)
         return ready[0].kv_cache_bytes_per_block
 
     @property

@@ -98,7 +98,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     process.serve()
     try:
         results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes(),
-                                 runner.dtype_name))
+                                 runner.dtype_name, runner.model.weight_bytes))
         while True:
             msg = reader.dequeue(timeout_s=_PARENT_CHECK_S)
             if msg is None:

@@ -67,30 +67,43 @@ def _compiler() -> str:
     return compiler
 
 
-def _build() -> Path:
-    """The library's path, compiled into the cache folder when not there yet."""
+def _build(source: Path = SOURCE) -> Path:
+    """The library of one C file's path (any of ours: `build` names them by the file's stem),
+    compiled into the cache folder when not there yet."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_flags()])
+    key = hashlib.sha256("\0".join([source.read_text(), version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_flags()])
                          .encode()).hexdigest()[:16]
     folder = _cache_folder()
-    target = folder / f"paged_decode-{key}.so"
+    target = folder / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         obj, lib = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+        for command in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
                         [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode:
                 raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)
-    for stale in folder.glob("paged_decode-*.so"):  # other sources' or machines' builds (a mapped one stays valid)
+    for stale in folder.glob(f"{source.stem}-*.so"):  # other sources' or machines' builds (a mapped one stays valid)
         if stale != target:
             stale.unlink(missing_ok=True)
-    logger.info("built the CPU attention kernels into %s", target)
+    logger.info("built the CPU kernels of %s into %s", source.name, target)
     return target
+
+
+def build(source: Path) -> ctypes.CDLL | None:
+    """Another of our C files (e.g. models/quantization/csrc/), built and loaded as this module
+    builds its own; None where the kernels are off or cannot be built (the first failure logged)."""
+    if not enabled() or platform.system() != "Linux":
+        return None
+    try:
+        return ctypes.CDLL(str(_build(source)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU kernels of %s unavailable (%s); the PyTorch path is used", source.name, exc)
+        return None
 
 
 def _cache_folder() -> Path:

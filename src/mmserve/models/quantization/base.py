@@ -1,0 +1,160 @@
+"""The interface between a linear layer and the form its weight takes: dense, or quantized.
+
+A `LinearMethod` owns a layer's weight tensors:
+
+- `create_weights`: the tensors the checkpoint stores for the layer, in the checkpoint's layout,
+  registered on the layer (meta device) with the slice of each this rank reads (`tp_shards`);
+- `process_weights`: once they are loaded, the resident form (repacked, or quantized at load);
+- `apply`: y = x W^T + b from the resident form;
+- `dequantize`: the float matrix W [out, in] the resident form stands for, which every kernel of
+  the method is proven equal to (its product is dequantize-then-matmul's);
+- `concat`: sibling layers' resident tensors stacked by output rows (one GEMM for Q/K/V or
+  gate/up, `FusedLinear`), or None where the method cannot stack them.
+
+Layers (models/parallel.py) start dense; the loader gives each the method the checkpoint's
+`quantization_config` names for it (models/quantization/config.py). Model code names none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_STANDARD_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+Layer = Any  # a module holding a method's tensors as attributes: a ParallelLinear or a FusedLinear
+PREFILL_TILE_ROWS = 256  # output rows dequantized at a time for a prefill's matmul
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A parameter holds checkpoint indices [start, start + length) along `dim` (zero-padded
+    past `length` when the parameter is longer, e.g. the last rank's vocab rows)."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """This rank's part of a layer's weight, as the float matrix W [out, in] it stands for;
+    `shard` is its slice of the checkpoint's whole W: dim 0 (output rows: column-parallel) or
+    dim 1 (input columns: row-parallel), None for all of it."""
+
+    out_features: int
+    in_features: int
+    shard: Shard | None = None
+
+
+def register(layer: Layer, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             shard: Shard | None = None, keep_dtype: bool = False) -> None:
+    """An uninitialised (meta) parameter `name` on `layer`, read through `shard` by the loader.
+    `keep_dtype`: a float tensor the loader must not cast to the model's dtype (scales, FP8)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)  # meta when the model is built there
+    param.keep_dtype = keep_dtype or dtype not in _STANDARD_FLOATS  # type: ignore[attr-defined]
+    setattr(layer, name, param)
+    layer.weight_names = [*getattr(layer, "weight_names", []), name]
+    if shard is not None:
+        layer.tp_shards[name] = shard
+
+
+def replace(layer: Layer, **tensors: torch.Tensor) -> None:
+    """Set the layer's parameters to `tensors` (the resident form), dropping the names it had."""
+    for name in getattr(layer, "weight_names", []):
+        if name not in tensors:
+            delattr(layer, name)
+    for name, tensor in tensors.items():
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.keep_dtype = True  # type: ignore[attr-defined]
+        setattr(layer, name, param)
+    layer.weight_names = list(tensors)
+
+
+def keeps_dtype(param: torch.Tensor) -> bool:
+    """Whether the loader keeps this parameter's dtype (see `register`)."""
+    return bool(getattr(param, "keep_dtype", False)) or param.dtype not in _STANDARD_FLOATS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or oneDNN's matmul when the weight is packed (an mkldnn tensor, `DenseMethod.pack`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def tiled_linear(x: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                 weight_rows: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x @ W^T (+ b) with W [rows, in] dequantized `PREFILL_TILE_ROWS` output rows at a time
+    (`weight_rows(start, stop)`, float32): a prefill's matmul without a whole float copy of W."""
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    for start in range(0, rows, PREFILL_TILE_ROWS):
+        stop = min(rows, start + PREFILL_TILE_ROWS)
+        out[..., start:stop] = F.linear(x, weight_rows(start, stop).to(x.dtype))
+    return out if bias is None else out + bias
+
+
+class LinearMethod:
+    """How a linear layer holds its weight and multiplies by it (see the module docstring)."""
+
+    name = "base"
+    attrs: tuple[str, ...] = ()  # plain attributes of a layer its method reads (carried into a fused layer)
+
+    def create_weights(self, layer: Layer, shape: LinearShape) -> None:
+        raise NotImplementedError
+
+    def process_weights(self, layer: Layer) -> None:
+        """Turn the loaded checkpoint tensors into the resident form (default: kept as loaded)."""
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, layer: Layer) -> torch.Tensor:
+        raise NotImplementedError
+
+    def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def pack(self, layer: Layer) -> bool:
+        """Repack the resident weight for this device's fastest matmul; True when it did."""
+        return False
+
+
+class DenseMethod(LinearMethod):
+    """The weight as the checkpoint stores it: `weight` [out, in] in the model's dtype."""
+
+    name = "dense"
+
+    def create_weights(self, layer: Layer, shape: LinearShape) -> None:
+        register(layer, "weight", (shape.out_features, shape.in_features), torch.float32, shape.shard)
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
+
+    def dequantize(self, layer: Layer) -> torch.Tensor:
+        weight = layer.weight
+        return weight.to_dense() if weight.is_mkldnn else weight
+
+    def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        if any(layer.weight.is_mkldnn for layer in layers):
+            return None
+        return {"weight": torch.cat([layer.weight.detach() for layer in layers])}
+
+    def pack(self, layer: Layer) -> bool:
+        """oneDNN's packed copy of a float32 CPU weight, which `linear` multiplies by: `F.linear`
+        (MKL's sgemm) is several times slower on a decode step's skinny matmuls, and slower on
+        prefill's too, where it was measured (`benchmarks/decode_step.py`)."""
+        weight = layer.weight
+        if (not torch.backends.mkldnn.is_available() or weight.device.type != "cpu"
+                or weight.dtype != torch.float32 or weight.is_mkldnn or weight.numel() == 0):
+            return False
+        layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                                    requires_grad=False)
+        return True
+
+
+DENSE = DenseMethod()

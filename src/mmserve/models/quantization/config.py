@@ -1,0 +1,140 @@
+"""A checkpoint's quantization, read from `config.json`'s `quantization_config` as published (or
+`--quantization fp8`), and which of its linear layers it covers. No torch: P1 refuses an
+unsupported checkpoint with this before any process loads weights.
+
+Formats read (each key and its meaning as the named source writes or reads it):
+
+- `quant_method: "awq"` (AutoAWQ `WQLinear_GEMM`; transformers' `AwqConfig`; vLLM `awq.py`):
+  `bits: 4`, `group_size`, `zero_point: true`, `version: "gemm"`; `modules_to_not_convert`
+  names modules by substring (vLLM `is_layer_skipped_awq`: `any(m in prefix ...)`); Qwen's
+  `Qwen2.5-VL-*-Instruct-AWQ` list `["visual"]`.
+- `quant_method: "fp8"` (transformers `FineGrainedFP8Config`; vLLM `fp8.py`; Qwen's
+  `Qwen3-VL-*-Instruct-FP8`): `fmt: "e4m3"`, `activation_scheme: "dynamic"`,
+  `weight_block_size: [128, 128]` (block-wise, `weight_scale_inv`), or no block size (one
+  `weight_scale` per tensor, vLLM's serialized FP8); `modules_to_not_convert` / `ignored_layers`
+  name modules exactly, by a prefix ending at a dot or by a last part (transformers'
+  `should_convert_module`: "lm_head", "model.visual", "gate").
+- `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
+  vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
+  `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
+  `"pack-quantized"` with 4-bit `int` weights by `group` or `channel` (W4A16); `ignore` entries
+  match a module's name exactly, or as a regular expression after `re:` (`re.match`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ONLINE_CHOICES = ("fp8",)  # --quantization
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Which kernel family a checkpoint's quantized layers take, and which layers are left dense.
+
+    `format`: "awq" (int4, AutoAWQ's GEMM packing), "w4a16" (int4, compressed-tensors'
+    pack-quantized), "fp8_block" (FP8 with block scales), "fp8_channel" (FP8 with one scale per
+    output row or per tensor, from the checkpoint), "fp8_online" (a float checkpoint quantized to
+    FP8 per output row at load). Names are matched as the checkpoint spells its modules."""
+
+    format: str
+    group_size: int = 128  # int4: input columns per scale (and zero point)
+    symmetric: bool = True  # w4a16 without weight_zero_point
+    block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
+    per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
+    skip_substrings: tuple[str, ...] = ()
+    skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
+    decoder_only: bool = False  # fp8_online: the vision tower and projector stay as loaded
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer `module` (the checkpoint's name for it) is quantized."""
+        if self.decoder_only and ("visual" in module or "vision" in module or "projector" in module):
+            return False
+        if any(part in module for part in self.skip_substrings):
+            return False
+        return not any(_matches(module, entry) for entry in self.skip_names)
+
+    @property
+    def is_int4(self) -> bool:
+        return self.format in ("awq", "w4a16")
+
+
+def _matches(module: str, entry: str) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module) is not None
+    return module == entry or module.startswith(entry + ".") or module.endswith("." + entry)
+
+
+def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | None:
+    """The checkpoint's quantization (None: dense); ValueError in one line for what is not read."""
+    path = os.path.join(model_dir, "config.json")
+    config: dict[str, Any] = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    q = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if online is not None:
+        if online not in ONLINE_CHOICES:
+            raise ValueError(f"--quantization {online!r} is not supported (choices: {', '.join(ONLINE_CHOICES)})")
+        if q:
+            raise ValueError(f"--quantization {online} was given for a checkpoint already quantized "
+                             f"({q.get('quant_method')!r})")
+        return QuantSpec("fp8_online", decoder_only=True)
+    if not q:
+        return None
+    method = q.get("quant_method")
+    readers = {"awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed}
+    if method not in readers:
+        raise ValueError(f"quantization method {method!r} of {model_dir!r} is not supported "
+                         "(supported: awq, fp8, compressed-tensors)")
+    return readers[method](q)
+
+
+def _awq(q: dict[str, Any]) -> QuantSpec:
+    if q.get("bits", q.get("w_bit")) != 4:
+        raise ValueError(f"AWQ with {q.get('bits', q.get('w_bit'))} bits is not supported (4 only)")
+    version = str(q.get("version", "gemm")).lower()
+    if version != "gemm" or not q.get("zero_point", True):
+        raise ValueError(f"AWQ version {version!r} (zero_point {q.get('zero_point')}) is not supported "
+                         "(the GEMM packing with zero points only)")
+    group = max(0, int(q.get("group_size", q.get("q_group_size", 128))))  # -1: one group per row (0 here)
+    return QuantSpec("awq", group_size=group, symmetric=False,
+                     skip_substrings=tuple(q.get("modules_to_not_convert") or ()))
+
+
+def _fp8(q: dict[str, Any]) -> QuantSpec:
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"FP8 with activation_scheme {q.get('activation_scheme')!r} is not supported (dynamic only)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (e4m3 only)")
+    skip = tuple(q.get("modules_to_not_convert") or ()) + tuple(q.get("ignored_layers") or ())
+    block = q.get("weight_block_size")
+    if block is None:
+        return QuantSpec("fp8_channel", per_tensor=True, skip_names=skip)
+    if len(block) != 2:
+        raise ValueError(f"FP8 weight_block_size {block!r} is not supported ([rows, columns])")
+    return QuantSpec("fp8_block", block=(int(block[0]), int(block[1])), skip_names=skip)
+
+
+def _compressed(q: dict[str, Any]) -> QuantSpec:
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1 or "Linear" not in groups[0].get("targets", ()):
+        raise ValueError("compressed-tensors with other than one config group targeting Linear is not supported")
+    weights, acts, fmt = groups[0].get("weights") or {}, groups[0].get("input_activations"), q.get("format")
+    skip = tuple(q.get("ignore") or ())
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    if fmt == "float-quantized" and (bits, kind) == (8, "float") and strategy in ("channel", "tensor"):
+        if acts is not None and not acts.get("dynamic", False):
+            raise ValueError("compressed-tensors FP8 with static activation scales is not supported (dynamic only)")
+        return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", skip_names=skip)
+    if fmt == "pack-quantized" and (bits, kind) == (4, "int") and strategy in ("group", "channel") and acts is None:
+        if weights.get("actorder") not in (None, "weight"):
+            raise ValueError(f"compressed-tensors W4A16 with actorder {weights.get('actorder')!r} is not supported")
+        group = int(weights.get("group_size") or 0) if strategy == "group" else 0  # 0: one group per row
+        return QuantSpec("w4a16", group_size=group, symmetric=bool(weights.get("symmetric", True)), skip_names=skip)
+    raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r} "
+                     "is not supported (FP8 by channel or tensor, W4A16 by group or channel)")

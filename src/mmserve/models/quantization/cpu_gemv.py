@@ -1,0 +1,115 @@
+"""Quantized weights' CPU kernels in C (`csrc/quant_gemv.c`, built per machine as the decode
+attention kernel is: models/attention/cpu_kernels.py): decode GEMVs that dequantize in registers
+(int4 with group scales and zeros, FP8 e4m3 per row or block), and the dequantized row tiles a
+prefill's matmul reads. Each function returns None (nothing done) where the kernels are off or
+cannot be built, or the tensors are not theirs (not float32 CPU, not contiguous); callers then
+keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from mmserve.models.attention import cpu_kernels
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
+GEMV_MAX_ROWS = 16  # rows of x up to which a GEMV beats dequantized tiles through the matmul
+_I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "mmserve_int4_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "mmserve_int4_dequant_rows": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "mmserve_fp8_gemv_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+    "mmserve_fp8_dequant_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be had."""
+    library = cpu_kernels.build(SOURCE)
+    if library is not None:
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(library, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return library
+
+
+def _ours(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+def _gemv_rows(x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor | None:
+    """x as float32 rows [M, K] for a GEMV, or None where the GEMV is not the kernel's to do."""
+    if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return None
+    rows = _rows(x)
+    return rows if rows.shape[0] <= GEMV_MAX_ROWS and _ours(rows, bias, *weights) else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [.., K] float32 @ W^T (+ bias) for an int4 weight (int4.py's resident form), up to
+    `GEMV_MAX_ROWS` rows of x; else None."""
+    library, rows = load(), _gemv_rows(x, bias, qweight, scales, zeros)
+    if library is None or rows is None:
+        return None
+    N, K = qweight.shape[0], qweight.shape[1] * 8
+    y = torch.empty(rows.shape[0], N)
+    done = library.mmserve_int4_gemv_f32(rows.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                         _ptr(bias), y.data_ptr(), rows.shape[0], N, K, group,
+                                         torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], N) if done == 0 else None
+
+
+def int4_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, start: int,
+              stop: int) -> torch.Tensor | None:
+    """Rows [start, stop) of an int4 weight's W, float32, or None."""
+    library = load()
+    if library is None or not _ours(qweight, scales, zeros):
+        return None
+    K = qweight.shape[1] * 8
+    out = torch.empty(stop - start, K)
+    done = library.mmserve_int4_dequant_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
+                                             start, stop - start, K, group, torch.get_num_threads())
+    return out if done == 0 else None
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+             bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [.., K] float32 @ W^T (+ bias) for an FP8 weight (fp8.py's resident form: `scale` [N]
+    per row when `block` is None, else per block), up to `GEMV_MAX_ROWS` rows; else None."""
+    library, rows = load(), _gemv_rows(x, bias, weight, scale)
+    if library is None or rows is None:
+        return None
+    N, K = weight.shape
+    bo, bi = block or (0, 0)
+    y = torch.empty(rows.shape[0], N)
+    done = library.mmserve_fp8_gemv_f32(rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), _ptr(bias),
+                                        y.data_ptr(), rows.shape[0], N, K, bo, bi, torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], N) if done == 0 else None
+
+
+def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, start: int,
+             stop: int) -> torch.Tensor | None:
+    """Rows [start, stop) of an FP8 weight's W, float32, or None."""
+    library = load()
+    if library is None or not _ours(weight, scale):
+        return None
+    K = weight.shape[1]
+    bo, bi = block or (0, 0)
+    out = torch.empty(stop - start, K)
+    done = library.mmserve_fp8_dequant_rows(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), start,
+                                            stop - start, K, bo, bi, torch.get_num_threads())
+    return out if done == 0 else None

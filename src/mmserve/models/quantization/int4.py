@@ -1,0 +1,159 @@
+"""4-bit integer weights with a scale and zero point per group of input columns: AWQ (AutoAWQ's
+GEMM packing) and compressed-tensors' pack-quantized W4A16, both held in one resident form.
+
+Resident form (what the kernels read), for this rank's W [out, in] in groups of `group` columns:
+- `qweight` int32 [out, in / 8]: nibble k (bits 4k..4k+3) of word j in row o is q[o, 8j + k],
+  an unsigned code 0..15 (rows are contiguous: a decode GEMV reads each row once);
+- `scales` float32 [out, in / group], `zeros` uint8 [out, in / group] (codes 0..15);
+- W[o, i] = (q[o, i] - zeros[o, i // group]) * scales[o, i // group].
+
+AWQ as published (AutoAWQ `awq/modules/linear/gemm.py`, `WQLinear_GEMM.from_linear`; vLLM
+`quantization/awq.py` and `awq_triton.py`): `qweight` int32 [in, out / 8], `qzeros` int32
+[in / group, out / 8], `scales` fp16 [in / group, out]; W^T[i, o] = (q - z) * s. Eight output
+columns share a word: nibble k of word c holds column 8c + ORDER[k], ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+(AutoAWQ's `order_map`), so column 8c + j is in nibble REVERSE[j] (vLLM's `AWQ_REVERSE_ORDER`).
+
+W4A16 as published (compressed-tensors `compressors/quantized_compressors/pack_quantized.py`:
+`pack_to_int32`, `unpack_from_int32`; `quantization/lifecycle/forward.py`: `dequantize`):
+`weight_packed` int32 [out, ceil(in / 8)] with nibble k of word j = q[o, 8j + k] + 8 (signed
+codes -8..7 offset to unsigned); `weight_scale` [out, in / group] (one column for the `channel`
+strategy); asymmetric: `weight_zero_point` int32 [ceil(out / 8), in / group], packed along rows
+the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, i.e. code 8;
+`weight_shape` int [2] = (out, in). W = (q - zp) * scale.
+
+Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
+(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.models.quantization import cpu_gemv
+from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, Shard, register, replace, tiled_linear
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column 8c + AWQ_ORDER[k]
+AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j lies in nibble AWQ_REVERSE[j]
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., 8n]: nibble k of word j becomes element 8j + k."""
+    nibbles = (words[..., None] >> _SHIFTS.to(words.device)) & 0xF
+    return nibbles.reshape(*words.shape[:-1], -1).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [..., 8n] -> int32 [..., n]: element 8j + k into nibble k of word j."""
+    grouped = codes.reshape(*codes.shape[:-1], -1, 8).to(torch.int64) << _SHIFTS.to(codes.device, torch.int64)
+    words = grouped.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                    start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows [start, stop) of the resident form's W, float32 [rows, in]."""
+    codes = unpack_nibbles(qweight[start:stop]).to(torch.int16)  # [rows, in]
+    z = zeros[start:stop].to(torch.int16).repeat_interleave(group, dim=1)
+    s = scales[start:stop].repeat_interleave(group, dim=1)
+    return (codes - z).float() * s
+
+
+class Int4Method(LinearMethod):
+    """One resident form and its kernels for both published int4 layouts (`format`: "awq" or
+    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy)."""
+
+    attrs = ("int4_group",)
+
+    def __init__(self, format: str, group: int, symmetric: bool) -> None:
+        self.format, self.group, self.symmetric = format, group, symmetric
+        self.name = format
+
+    def _group(self, shape: LinearShape) -> int:
+        return self.group or shape.in_features
+
+    def create_weights(self, layer: Layer, shape: LinearShape) -> None:
+        out, inp, group = shape.out_features, shape.in_features, self._group(shape)
+        if inp % group or group % 8 or out % 8:
+            raise ValueError(f"int4 weights of {out}x{inp} on this rank do not fit groups of {group} "
+                             "(the rank's input columns must be a multiple of the group, and rows of 8)")
+        layer.int4_group = group
+        if self.format == "awq":
+            self._awq_weights(layer, shape, group)
+        else:
+            self._w4a16_weights(layer, shape, group)
+
+    def _awq_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
+        out, inp, s = shape.out_features, shape.in_features, shape.shard
+        by_out = s is not None and s.dim == 0  # AWQ's tensors are W^T: output columns on dim 1
+        _check_aligned(s, 8 if by_out else group)
+        register(layer, "qweight", (inp, out // 8), torch.int32, _along(s, 1, 8) if by_out else _along(s, 0))
+        per_group = None if self.group == 0 else _along(s, 0, group)  # one group per row: whole on every rank
+        register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
+        register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
+                 keep_dtype=True)
+
+    def _w4a16_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
+        out, inp, s = shape.out_features, shape.in_features, shape.shard
+        by_out = s is not None and s.dim == 0
+        _check_aligned(s, 8 if by_out else group)
+        per_group = _along(s, 0) if by_out else None if self.group == 0 else _along(s, 1, group)
+        register(layer, "weight_packed", (out, inp // 8), torch.int32, _along(s, 0) if by_out else _along(s, 1, 8))
+        register(layer, "weight_scale", (out, inp // group), torch.float32, per_group, keep_dtype=True)
+        register(layer, "weight_shape", (2,), torch.int64)
+        if not self.symmetric:
+            register(layer, "weight_zero_point", (out // 8, inp // group), torch.int32,
+                     _along(s, 0, 8) if by_out else per_group)
+
+    def process_weights(self, layer: Layer) -> None:
+        if self.format == "awq":
+            reverse = torch.tensor(AWQ_REVERSE, device=layer.qweight.device)
+            codes = unpack_nibbles(layer.qweight)  # [in, out] in AWQ's nibble order
+            codes = codes.view(codes.shape[0], -1, 8)[..., reverse].reshape(codes.shape[0], -1)
+            zeros = unpack_nibbles(layer.qzeros)
+            zeros = zeros.view(zeros.shape[0], -1, 8)[..., reverse].reshape(zeros.shape[0], -1)
+            replace(layer, qweight=pack_nibbles(codes.t().contiguous()), scales=layer.scales.t().contiguous(),
+                    zeros=zeros.t().contiguous())
+            return
+        scales = layer.weight_scale.contiguous()
+        if self.symmetric:
+            zeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
+        else:  # packed along rows: unpack the transpose
+            zeros = unpack_nibbles(layer.weight_zero_point.t().contiguous()).t()[:scales.shape[0]].contiguous()
+        replace(layer, qweight=layer.weight_packed.contiguous(), scales=scales, zeros=zeros)
+
+    def dequantize(self, layer: Layer) -> torch.Tensor:
+        return dequantize_rows(layer.qweight, layer.scales, layer.zeros, layer.int4_group)
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from mmserve.models.quantization.triton_kernels import int4_linear
+
+            return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        out = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        if out is not None:
+            return out
+        return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: _rows(layer, a, b))
+
+    def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("qweight", "scales", "zeros")}
+
+
+def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the layer's W, float32: by the C kernel where it runs."""
+    args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group, start, stop)
+    rows = cpu_gemv.int4_rows(*args)
+    return dequantize_rows(*args) if rows is None else rows
+
+
+def _along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:
+    """The rank's slice of W's split axis as a shard of a tensor holding that axis on `dim`,
+    `unit` of W's rows or columns per entry (a packed word, a group)."""
+    return None if shard is None else Shard(dim, shard.start // unit, shard.length // unit)
+
+
+def _check_aligned(shard: Shard | None, unit: int) -> None:
+    if shard is not None and (shard.start % unit or shard.length % unit):
+        raise ValueError(f"a tensor-parallel shard [{shard.start}, {shard.start + shard.length}) of a quantized "
+                         f"weight does not start and end on its packing unit ({unit})")
+

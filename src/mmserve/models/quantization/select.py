@@ -1,0 +1,48 @@
+"""Which method each linear layer of a model takes, from the checkpoint's quantization."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mmserve.models.quantization.base import LinearMethod
+from mmserve.models.quantization.config import QuantSpec
+from mmserve.models.quantization.fp8 import Fp8BlockMethod, Fp8RowMethod
+from mmserve.models.quantization.int4 import Int4Method
+
+
+def make_method(spec: QuantSpec) -> LinearMethod:
+    """The one method instance every quantized layer of a checkpoint shares."""
+    if spec.is_int4:
+        return Int4Method(spec.format, spec.group_size, spec.symmetric)
+    if spec.format == "fp8_block":
+        return Fp8BlockMethod(spec.block)
+    if spec.format == "fp8_online":
+        return Fp8RowMethod("online")
+    return Fp8RowMethod("checkpoint", spec.per_tensor)
+
+
+def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: dict[str, str]) -> int:
+    """Give every linear layer `spec` covers its method (call on the meta device, before loading);
+    `checkpoint_names` maps a module's name here to the checkpoint's (older layouts differ).
+    Returns the number of layers quantized."""
+    from mmserve.models.parallel import ParallelLinear
+
+    if spec is None:
+        return 0
+    method, count = make_method(spec), 0
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLinear) and spec.quantizes(checkpoint_names.get(name, name)):
+            module.set_method(method)
+            count += 1
+    return count
+
+
+def describe_quantization(model: nn.Module) -> str:
+    """The methods of the model's linear layers and how many each holds, e.g. "awq x 21, dense x 30"."""
+    from mmserve.models.parallel import ParallelLinear
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, ParallelLinear):
+            counts[module.method.name] = counts.get(module.method.name, 0) + 1
+    return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())) or "no linear"

@@ -1,0 +1,208 @@
+"""Quantized copies of tiny checkpoints in the published layouts, and their dequantized twins.
+
+Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
+`WQLinear_GEMM.from_linear` packs (`awq/modules/linear/gemm.py`), W4A16 as compressed-tensors'
+`pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), FP8 block-wise as
+transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
+compressed-tensors' float-quantized format (`weight_scale` [out, 1]). `quantize_copy` writes the
+quantized checkpoint and a plain float32 one holding exactly the weights it stands for, which
+transformers runs as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+DECODER_LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+VISION = ("visual", "vision_tower", "multi_modal_projector")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
+FP8_MAX = 448.0
+FORMATS = ("awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes [rows, cols] (0..15) -> int32 [rows, cols / 8] as AutoAWQ packs columns."""
+    packed = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for col in range(codes.shape[1] // 8):
+        for i in range(8):
+            packed[:, col] |= codes[:, col * 8 + AWQ_ORDER[i]].to(torch.int64) << (i * 4)
+    return _to_int32(packed)
+
+
+def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
+    """int4 values -8..7 -> int32 as compressed-tensors' `pack_to_int32` (offset 8, along `packed_dim`)."""
+    value = (signed.to(torch.int64) + 8)
+    if packed_dim == 0:
+        value = value.t()
+    packed = torch.zeros(value.shape[0], -(-value.shape[1] // 8), dtype=torch.int64)
+    for i in range(8):
+        part = value[:, i::8]
+        packed[:, :part.shape[1]] |= part << (4 * i)
+    packed = _to_int32(packed)
+    return packed.t().contiguous() if packed_dim == 0 else packed
+
+
+def _awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half()  # [out, G]
+    zeros = (-lo / scales.float()).round().clamp(0, 15)
+    codes = (g / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15).reshape(out, inp)
+    deq = ((codes.reshape(out, -1, group) - zeros[..., None]) * scales.float()[..., None]).reshape(out, inp)
+    tensors = {"qweight": awq_pack(codes.t().contiguous()), "qzeros": awq_pack(zeros.t().contiguous()),
+               "scales": scales.t().contiguous()}
+    return tensors, deq
+
+
+def _w4a16(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-5).bfloat16()
+        zp = torch.zeros_like(scale, dtype=torch.int64)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo).clamp(min=1e-5) / 15).bfloat16()
+        zp = (-8 - lo / scale.float()).round().clamp(-8, 7).to(torch.int64)
+    q = (g / scale.float()[..., None] + zp[..., None]).round().clamp(-8, 7)
+    deq = ((q - zp[..., None]) * scale.float()[..., None]).reshape(out, inp)
+    tensors = {"weight_packed": ct_pack(q.reshape(out, inp)), "weight_scale": scale,
+               "weight_shape": torch.tensor([out, inp])}
+    if not symmetric:
+        tensors["weight_zero_point"] = ct_pack(zp, packed_dim=0)
+    return tensors, deq
+
+
+def _fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    out, inp = w.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out, :inp] = w
+    tiles = padded.reshape(rows, block, cols, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-8)  # [rows, cols]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out, :inp]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale_inv": scale}, q.float() * full
+
+
+def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8: (codes, scale [out]) with each row's largest magnitude at 448."""
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    q, scale = fp8_rows(w)
+    return {"weight": q, "weight_scale": scale[:, None]}, q.float() * scale[:, None]
+
+
+def quantization_config(fmt: str, group: int, block: int) -> dict[str, Any]:
+    """`config.json`'s `quantization_config` as each publisher writes it."""
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": list(VISION)}
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head", *VISION, "model.visual"]}
+    ignore = ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
+    if fmt == "fp8-channel":
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+        fmt_name = "float-quantized"
+    else:
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
+                   "symmetric": fmt == "w4a16", "dynamic": False, "actorder": None}
+        acts, fmt_name = None, "pack-quantized"
+    return {"quant_method": "compressed-tensors", "format": fmt_name, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "ignore": ignore}
+
+
+def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight [out, in] in `fmt`: (the checkpoint tensors by suffix, the float W they stand for)."""
+    if fmt == "awq":
+        return _awq(w, group)
+    if fmt in ("w4a16", "w4a16-asym"):
+        return _w4a16(w, group, symmetric=fmt == "w4a16")
+    if fmt == "fp8-block":
+        return _fp8_block(w, block)
+    return _fp8_channel(w)
+
+
+def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32) -> tuple[str, str]:
+    """(the quantized checkpoint, its dequantized float32 twin) of the one-file checkpoint `src`:
+    every decoder projection quantized in `fmt`; the vision tower and projector left as they are."""
+    quant, plain = dst / f"{fmt}-q", dst / f"{fmt}-deq"
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    q_tensors, deq_tensors = {}, {}
+    for name, w in tensors.items():
+        if DECODER_LINEAR.search(name) and not any(v in name for v in VISION):
+            stored, deq = quantize_tensor(fmt, w.float(), group, block)
+            prefix = name.removesuffix(".weight")
+            q_tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
+            deq_tensors[name] = deq.contiguous()
+        else:
+            q_tensors[name] = deq_tensors[name] = w
+    for folder, ts, quantized in ((quant, q_tensors, True), (plain, deq_tensors, False)):
+        shutil.copytree(src, folder)
+        save_file(ts, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((folder / "config.json").read_text())
+        if quantized:
+            config["quantization_config"] = quantization_config(fmt, group, block)
+        (folder / "config.json").write_text(json.dumps(config))
+    return str(quant), str(plain)
+
+
+def online_fp8_twin(src: str, dst: Path) -> str:
+    """The float32 checkpoint `--quantization fp8` stands for: each decoder projection's rows
+    quantized to FP8 at 448 / max|row| and dequantized."""
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    for name, w in tensors.items():
+        if DECODER_LINEAR.search(name) and not any(v in name for v in VISION):
+            q, scale = fp8_rows(w.float())
+            tensors[name] = (q.float() * scale[:, None]).contiguous()
+    shutil.copytree(src, dst)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+
+def checkpoint_bytes(path: str) -> int:
+    """Bytes of every tensor a one-file checkpoint stores."""
+    return sum(t.nbytes for t in load_file(str(Path(path) / "model.safetensors")).values())
+
+
+def random_int4(N: int, K: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 weight in the resident form (int4.py): random words, scales and zero codes."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, generator=gen)
+    scales = torch.rand(N, K // group, generator=gen) * 0.1
+    zeros = torch.randint(0, 16, (N, K // group), dtype=torch.uint8, generator=gen)
+    return qweight, scales, zeros
+
+
+def random_fp8(N: int, K: int, block: tuple[int, int] | None,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An FP8 weight in the resident form (fp8.py): every e4m3fn code but NaN, with scales per row
+    (`block` None) or per block; and W, the float matrix it stands for (torch's decoding)."""
+    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=gen)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    weight = codes.view(torch.float8_e4m3fn)
+    if block is None:
+        scale = torch.rand(N, generator=gen)
+        full = scale[:, None].expand(N, K)
+    else:
+        scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=gen)
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:N, :K]
+    return weight, scale, weight.float() * full

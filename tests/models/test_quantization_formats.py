@@ -1,0 +1,147 @@
+"""The quantized formats' packing, loading and refusals, without the engine: the test packer
+against an unpacking written from each format's description, every loaded layer's weight
+against the float weight its checkpoint stands for (bit for bit), resident bytes, and the
+one-line refusal of what is not read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, awq_pack, checkpoint_bytes, ct_pack, quantize_copy)
+from helpers.tiny_models import make_qwen_checkpoint
+from mmserve.models.loader import load_model
+from mmserve.models.parallel import FusedLinear, ParallelLinear
+from mmserve.models.quantization.config import QuantSpec, read_quant_spec
+
+
+def _nibble(word: int, k: int) -> int:
+    return (word & 0xFFFFFFFF) >> (4 * k) & 0xF
+
+
+def test_awq_packer_puts_column_8c_plus_order_k_in_nibble_k():
+    codes = torch.randint(0, 16, (3, 16))
+    packed = awq_pack(codes)
+    assert packed.shape == (3, 2) and packed.dtype == torch.int32
+    for r in range(3):
+        for c in range(2):
+            for k in range(8):  # AutoAWQ: qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << (i * 4)
+                assert _nibble(int(packed[r, c]), k) == codes[r, 8 * c + AWQ_ORDER[k]]
+
+
+@pytest.mark.parametrize("packed_dim", [0, 1])
+def test_compressed_tensors_packer_offsets_by_8_in_sequential_nibbles(packed_dim):
+    values = torch.randint(-8, 8, (16, 16))
+    packed = ct_pack(values, packed_dim)
+    for r in range(16):
+        for c in range(16):
+            word = packed[r, c // 8] if packed_dim == 1 else packed[r // 8, c]
+            k = c % 8 if packed_dim == 1 else r % 8
+            assert _nibble(int(word), k) == values[r, c] + 8
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> str:
+    return make_qwen_checkpoint(tmp_path_factory.mktemp("dense"), family="qwen2_5_vl")
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Each linear holding a weight (a fused group under its first layer's name) by name."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            found[name] = module
+        elif (isinstance(module, ParallelLinear) and getattr(module, module.weight_names[0]).numel()
+              and module.fused is None and "visual" not in name):  # fused siblings' own weights are freed
+            found[name] = module
+    return found
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loaded_layers_are_the_checkpoints_weights_bit_for_bit(fmt, source, tmp_path):
+    quantized, dequantized = quantize_copy(source, tmp_path, fmt)
+    model, plain = load_model(quantized), load_model(dequantized)
+    reference = _linears(plain)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    for name, layer in _linears(model).items():
+        assert layer.method.name != "dense", name
+        want = reference[name].method.dequantize(reference[name])
+        assert torch.equal(layer.method.dequantize(layer), want), name
+        if want.shape[1] == x.shape[1]:
+            torch.testing.assert_close(layer(x), reference[name](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_resident_weights_are_the_checkpoints_bytes(fmt, source, tmp_path):
+    quantized, _ = quantize_copy(source, tmp_path, fmt)
+    model, dense = load_model(quantized), load_model(source)
+    assert abs(model.weight_bytes / checkpoint_bytes(quantized) - 1) < 0.15
+    assert model.weight_bytes < 0.8 * dense.weight_bytes
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' of"),
+    ({"quant_method": "gguf"}, "'gguf' of"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "AWQ with 8 bits"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}, "AWQ version 'marlin'"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+])
+def test_unsupported_quantization_is_refused_in_one_line(config, message, source, tmp_path):
+    folder = tmp_path / "q"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**json.loads((Path(source) / "config.json").read_text()),
+                                                    "quantization_config": config}))
+    with pytest.raises(ValueError, match=message) as info:
+        read_quant_spec(str(folder))
+    assert "\n" not in str(info.value)
+
+
+def test_online_fp8_refuses_an_already_quantized_checkpoint(source, tmp_path):
+    quantized, _ = quantize_copy(source, tmp_path, "awq")
+    with pytest.raises(ValueError, match="already quantized"):
+        read_quant_spec(quantized, "fp8")
+
+
+def test_skip_lists_match_module_names_as_their_publishers_do():
+    awq = QuantSpec("awq", skip_substrings=("visual",))  # vLLM: a substring of the module's name
+    assert not awq.quantizes("visual.blocks.0.mlp.up_proj") and awq.quantizes("model.layers.0.mlp.up_proj")
+    fp8 = QuantSpec("fp8_block", skip_names=("lm_head", "model.visual", "gate"))  # transformers' rules
+    assert not fp8.quantizes("model.visual.blocks.0.attn.qkv")  # a prefix ending at a dot
+    assert not fp8.quantizes("model.layers.3.mlp.gate")  # a last part
+    assert fp8.quantizes("model.layers.3.mlp.gate_proj") and fp8.quantizes("model.visualx.proj")
+    ct = QuantSpec("w4a16", skip_names=("lm_head", "re:.*visual.*"))  # compressed-tensors: re.match
+    assert not ct.quantizes("model.visual.merger.mlp.0") and ct.quantizes("model.language_model.layers.0.mlp.up_proj")
+    online = QuantSpec("fp8_online", decoder_only=True)
+    assert not online.quantizes("multi_modal_projector.linear_1")
+    assert online.quantizes("model.layers.0.self_attn.q_proj")
+
+
+def test_online_fp8_holds_one_float_weight_at_a_time_while_loading(source, monkeypatch):
+    """`--quantization fp8`: each layer's float weight is allocated when its tensor is read and
+    quantized at once, so loading never holds the whole float model."""
+    from mmserve.models.quantization.fp8 import Fp8RowMethod
+
+    seen: list[int] = []
+    real = Fp8RowMethod.process_weights
+
+    def counting(self, layer):
+        model_layers = [m for m in layer_registry if m.method is self]
+        seen.append(sum(not m.weight.is_meta and m.weight.dtype == torch.float32 for m in model_layers))
+        real(self, layer)
+
+    layer_registry: list[ParallelLinear] = []
+    real_set = ParallelLinear.set_method
+
+    def register(self, method):
+        real_set(self, method)
+        layer_registry.append(self)
+
+    monkeypatch.setattr(Fp8RowMethod, "process_weights", counting)
+    monkeypatch.setattr(ParallelLinear, "set_method", register)
+    model = load_model(source, quantization="fp8")
+    assert len(seen) == len(layer_registry) > 0 and max(seen) == 1
+    assert all(m.method.name == "fp8_online" for m in layer_registry)
+    assert model.weight_bytes < 0.8 * load_model(source).weight_bytes

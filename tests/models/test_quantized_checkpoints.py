@@ -1,0 +1,84 @@
+"""Quantized checkpoints (AWQ, W4A16, FP8 block-wise and per channel, `--quantization fp8`):
+greedy float32 tokens equal transformers running the dequantized weights, on Qwen3-VL, Qwen2.5-VL
+and LLaVA, with the weights held quantized.
+
+The quantized checkpoints are written here from random weights in the published layouts
+(`helpers/quant_checkpoints.py`, written from AutoAWQ's, compressed-tensors' and transformers'
+code); their twins hold the float weights they stand for, which transformers runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers.hf_reference import hf_greedy, hf_qwen_greedy
+from helpers.parity_runs import run_greedy
+from helpers.quant_checkpoints import FORMATS, checkpoint_bytes, online_fp8_twin, quantize_copy
+from mmserve.models.quantization.select import describe_quantization
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+
+pytestmark = pytest.mark.slow  # runs transformers and the engine on each format (deselect with -m 'not slow')
+
+MAX_NEW = 6
+METHOD = {"awq": "awq", "w4a16": "w4a16", "w4a16-asym": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
+FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
+
+
+def _checkpoint(family: str, folder: Path) -> str:
+    if family == "llava":
+        return make_checkpoint(folder)
+    return make_qwen_checkpoint(folder, family=family, min_pixels=28 * 28 * 4, max_pixels=32 * 32 * 16)
+
+
+def _prompts(family: str) -> list[dict]:
+    image = make_image(0, (64, 48))
+    if family == "llava":
+        return [{"prompt": "USER: hello there ASSISTANT:"},
+                {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}}]
+    pads = "<|vision_start|><|image_pad|><|vision_end|>"
+    return [{"prompt": "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"},
+            {"prompt": f"<|im_start|>user\n{pads}What is this?<|im_end|>\n<|im_start|>assistant\n",
+             "multi_modal_data": {"image": image}}]
+
+
+def _reference(family: str, path: str, items: list[dict]) -> list[list[int]]:
+    return (hf_greedy if family == "llava" else hf_qwen_greedy)(path, items, MAX_NEW)[0]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("dense")
+    return {family: _checkpoint(family, folder) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_equals_transformers_on_the_dequantized_weights(fmt, family, sources, tmp_path):
+    quantized, dequantized = quantize_copy(sources[family], tmp_path, fmt)
+    items = _prompts(family)
+    got, llm = run_greedy(quantized, items, MAX_NEW)
+    assert got == _reference(family, dequantized, items)
+    stats = llm.engine.core.stats()  # the metric's source: resident bytes as held
+    assert abs(stats.weight_bytes / checkpoint_bytes(quantized) - 1) < 0.15
+    assert METHOD[fmt] in describe_quantization(llm.engine.core.executor.runner.model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sources, tmp_path):
+    items = _prompts(family)
+    got, _ = run_greedy(sources[family], items, MAX_NEW, quantization="fp8")
+    assert got == _reference(family, online_fp8_twin(sources[family], tmp_path / "twin"), items)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "w4a16-asym", "fp8-block", "fp8-channel"])
+def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, sources, tmp_path):
+    """Each rank reads its slice of the packed tensors (words of 8, groups, blocks): two ranks
+    give transformers' tokens on the dequantized weights, as one does."""
+    quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt)
+    items = _prompts("qwen3_vl")
+    got, llm = run_greedy(quantized, items, MAX_NEW, tensor_parallel_size=2)
+    assert got == _reference("qwen3_vl", dequantized, items)
+    both = llm.engine.core.stats().weight_bytes  # the ranks' shards and the replicated tensors twice
+    assert checkpoint_bytes(quantized) < both < 2 * checkpoint_bytes(quantized)
