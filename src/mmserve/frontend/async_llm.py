@@ -187,8 +187,10 @@ class AsyncLLM:
             try:
                 if not finished:
                     self._abort_now([request_id])
-                if candidate and (flight := self.flights.get(request_id)) is not None:
-                    self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
+                if candidate:
+                    flight = self.flights.get(request_id)
+                    self.verifier.finished(request_id, prompt, params, last if finished else None,
+                                           None if flight is None else flight.rank)
             finally:
                 self.flights.land(request_id)
                 self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
@@ -251,7 +253,7 @@ class AsyncLLM:
             self.admission.resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
-            if out.first_logits is not None:
+            if out.first_logits is not None and out.request_id in self.requests:  # a closed one's would stay
                 self.verifier.keep_logits(out.request_id, out.first_logits)
             if out.error is None:
                 ok.append(out)
