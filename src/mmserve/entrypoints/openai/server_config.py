@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mmserve.config import check_finite
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -44,6 +46,7 @@ class ServerConfig:
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.log_level not in LOG_LEVELS:
