@@ -12,8 +12,8 @@ import zmq
 from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.kv_cache import KVCacheManager
-from mmserve.engine.kv_events import (BlockRemoved, BlockStored, KVEventBatch, KVEventLog, ZmqEventPublisher,
-                                      to_events)
+from mmserve.engine.kv_event_publisher import ZmqEventPublisher
+from mmserve.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventLog, to_events
 from mmserve.engine.request import Request
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.kv_events_config import KVEventsConfig
