@@ -40,7 +40,8 @@ from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-from mmserve.entrypoints.openai.response_store import ResponseStore
+from mmserve.entrypoints.openai.response_store import KeptResponses, ResponseStore
+from mmserve.entrypoints.openai.response_store_client import ResponseStoreClient
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
@@ -61,11 +62,12 @@ HEALTH_POLL_S = 0.5
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
-              responses_store_bytes: int = 256 << 20) -> FastAPI:
+              responses_store_bytes: int = 256 << 20, responses_store: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
-    for previous_response_id in `responses_store_bytes`."""
+    for previous_response_id in `responses_store_bytes`, or in the node's store at the address
+    `responses_store` (a launcher's, shared by its API servers)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -80,7 +82,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
-    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
+    store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
+    responses = OpenAIServingResponses(chat, KeptResponses(store))
     v1 = _v1_routes(engine, served_model_names, chat, OpenAIServingCompletion(engine, served_model_names, metrics),
                     responses, api_key)
 
@@ -230,7 +233,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
-                        int(server_config.responses_store_mb * (1 << 20)))
+                        int(server_config.responses_store_mb * (1 << 20)),
+                        attachment.responses if attachment is not None else None)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s))

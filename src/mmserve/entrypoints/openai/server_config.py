@@ -36,8 +36,8 @@ class ServerConfig:
                 "the model family's format (hermes for Qwen2.5-VL and Qwen3-VL; none known for LLaVA).",
         "choices": ("hermes",)})
     responses_store_mb: float = field(default=256.0, metadata={
-        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB per API server "
-                "(least recently used evicted first; 0 keeps none)."})
+        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB for the node (one store "
+                "for every API server; least recently used evicted first; 0 keeps none)."})
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
