@@ -11,9 +11,9 @@ an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
 
 With `--data-parallel-size N` there are N engine cores (`EngineRanks`); `DPRouter` picks each
 request's rank, and one output task per rank feeds the same queues. When a rank dies, requests
-that showed their caller nothing yet (a stream before its first output; a whole answer before
-its end) start again on a live rank, the others fail with `EngineDeadError`, and the rank is
-restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
+that showed their caller nothing yet start again on a live rank, streams that showed output
+resume there from the tokens already sent (the caller sees a pause; `failover.py`), and the rank
+is restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
 With `--api-server-count` > 1 this is one of several API servers (`attachment`): the launcher
 owns the engine cores and the coordinator routes for every server (`RemoteRouter`).
 """

@@ -123,7 +123,7 @@ class Launcher:
             self.engines.start(rank)
         attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None,
                                 self.metrics_dir, self.store.address if self.store else None,
-                                self.store.info if self.store else None, self.responses.address)
+                                self.store.info if self.store else None, self.responses.address, os.getpid())
         ctx = multiprocessing.get_context("spawn")
         ready = [ctx.Event() for _ in range(parallel.api_server_count)]
         for index, event in enumerate(ready):

@@ -224,6 +224,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
     from mmserve.frontend.async_llm import AsyncLLM
 
     reserve = process.reserve
+    launcher = attachment.launcher_pid if attachment is not None else None  # it may die while the engine starts
 
     engine = AsyncLLM(engine_config, attachment)
     keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
@@ -242,7 +243,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         server = uvicorn.Server(config)
         process.serve()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
-        supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
+        supervisor = asyncio.create_task(_supervise(server, engine, model, state, started, launcher))
         try:
             await server.serve(sockets=None if sock is None else [sock])
         finally:
@@ -255,10 +256,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
 
 
 async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState,
-                     started: Callable[[], None] | None) -> None:
+                     started: Callable[[], None] | None, launcher: int | None) -> None:
     """Announce readiness (or call `started`), then stop the server (non-zero exit) if the engine core
     dies — or, for one of a launcher's API servers, if the launcher does (its engine cores go with it)."""
-    launcher = os.getppid() if started is not None else None
     while not server.started:
         await asyncio.sleep(0.05)
     if started is not None:

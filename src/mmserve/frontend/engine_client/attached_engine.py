@@ -41,6 +41,7 @@ class Attachment:
     store: str | None = None
     store_info: bytes | None = dataclasses.field(default=None, repr=False)
     responses: str | None = None
+    launcher_pid: int | None = None  # whose death stops the API server (even one still starting)
 
 
 def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:
