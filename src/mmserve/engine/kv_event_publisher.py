@@ -3,9 +3,10 @@
 The engine step hands its records to a bounded queue (`publish`, never blocking); the publishing
 thread turns them into vLLM's batches (`kv_events.py`), numbers them (0, 1, 2, ... from the core's
 start: a restarted core starts at 0 again) and sends them. Batch 0 is `AllBlocksCleared`, and the
-first batch of changes opens with another one, so a subscriber that joined after the start (ZMQ's
-slow joiner, a router reconnecting after the core's restart) still drops what the core's previous
-life held before it reads the new blocks.
+first batch of changes opens with another one, sent no sooner than `JOIN_GRACE_S` after the start
+(the changes wait in the queue meanwhile), so a subscriber that joins after the start (ZMQ's slow
+joiner, a router's SUB socket reconnecting after the core's restart: every 100 ms by default)
+still drops what the core's previous life held before it reads the new blocks.
 
 Replay (vLLM's protocol, with a `replay_endpoint`): a ROUTER socket, served by its own thread so
 a client that reaches it never delays live events, answers (client, b"", 8-byte sequence number)
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.1  # how often the threads check that they should stop
+JOIN_GRACE_S = 1.0  # the first change waits this long after the start for subscribers to (re)connect
 
 
 class ReplayBuffer:
@@ -139,6 +141,7 @@ class ZmqEventPublisher:
         encoder = msgspec.msgpack.Encoder()
         seq = count()
         self._send(encoder, next(seq), [AllBlocksCleared()])  # a new engine core holds nothing yet
+        joined_by = time.monotonic() + JOIN_GRACE_S
         cleared_again = False
         while not self._stop.is_set():
             try:
@@ -149,6 +152,7 @@ class ZmqEventPublisher:
                 return
             events: list[Any] = to_events(records, self.block_size)
             if not cleared_again:  # for subscribers that joined after batch 0
+                self._stop.wait(max(0.0, joined_by - time.monotonic()))
                 events.insert(0, AllBlocksCleared())
                 cleared_again = True
             self._send(encoder, next(seq), events)
