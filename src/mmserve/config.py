@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_type_hints
@@ -225,7 +226,7 @@ class MultiModalConfig:
         for modality, limit in self.limit_mm_per_prompt.items():
             if modality not in ("image", "video"):
                 raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (image or video)")
-            if not isinstance(limit, int) or limit < 0:
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
         if self.max_media_bytes < 1 or self.max_media_pixels < 1:
             raise ValueError("max_media_bytes and max_media_pixels must be positive")
@@ -389,6 +390,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
+    def __post_init__(self) -> None:
+        for layer in (self.model, self.cache, self.scheduler, self.multimodal, self.parallel, self.device):
+            check_finite(layer)
+
     @property
     def needs_item_hash(self) -> bool:
         """Whether any layer keys on an item's content hash (processor, IPC or shm store, encoder
@@ -426,6 +431,14 @@ class EngineConfig:
                 raise ValueError(f"unknown engine argument {key!r}")
             parts[layer][key] = value
         return cls(**{name: _LAYERS[name](**kw) for name, kw in parts.items()})
+
+
+def check_finite(config: Any) -> None:
+    """ValueError naming the first float field of a config dataclass that is NaN or infinite."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} (--{f.name.replace('_', '-')}) must be a finite number; got {value}")
 
 
 def _layer_of(key: str) -> str | None:

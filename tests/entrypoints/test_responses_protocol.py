@@ -57,14 +57,13 @@ def test_an_answer_replays_as_one_assistant_turn():
 
 
 def test_the_store_evicts_the_least_recently_used_by_bytes():
-    turn = [{"role": "user", "content": "x" * 100}]
-    size = len(msgspec.json.encode(turn))
-    store = ResponseStore(3 * size)
+    turn = msgspec.json.encode([{"role": "user", "content": "x" * 100}])
+    store = ResponseStore(3 * ResponseStore.entry_bytes("a", turn))
     for name in "abc":
         store.put(name, turn)
     assert store.get("a") == turn  # a is now the most recent
     store.put("d", turn)
     assert store.get("b") is None and store.get("a") == turn and len(store) == 3
-    store.put("huge", [{"role": "user", "content": "x" * 1000}])  # larger than the store: not kept
+    store.put("huge", b"x" * 1000)  # larger than the store: not kept
     assert store.get("huge") is None and len(store) == 3
     store.check_integrity()

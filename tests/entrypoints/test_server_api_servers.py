@@ -118,3 +118,20 @@ def test_nothing_outlives_a_killed_launcher(model_path):
     while time.monotonic() < deadline and any(pid_alive(p) for p in children):
         time.sleep(0.5)
     assert not any(pid_alive(p) for p in children)
+
+
+def test_previous_response_id_is_found_whichever_server_takes_the_follow_up(server):
+    """The node keeps one response store, in the launcher (regression: each API server kept its own,
+    and 12 of 20 follow-ups on new connections were 404s)."""
+    import httpx
+
+    body = {"model": server.model, "input": "Hello there.", "max_output_tokens": 3, "temperature": 0}
+    first = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    for _ in range(20):  # a new connection each: the kernel spreads them over the two servers
+        follow = {**body, "input": "And now?", "previous_response_id": first.json()["id"]}
+        r = httpx.post(server.base_url + "/v1/responses", json=follow, timeout=60, headers={"Connection": "close"})
+        assert r.status_code == 200, r.text
+    salted = {**follow, "cache_salt": "another tenant"}
+    r = httpx.post(server.base_url + "/v1/responses", json=salted, timeout=60)
+    assert r.status_code == 404 and "cache_salt" in r.json()["error"]["message"]

@@ -147,3 +147,37 @@ def test_each_data_parallel_rank_publishes_its_own_events(tmp_path):
         for sub in subs:
             sub.close(linger=0)
         ctx.term()
+
+
+def test_a_restarted_engine_core_tells_subscribers_to_clear_before_its_new_blocks(tmp_path):
+    """Regression (issue 49): after kill -9 of the engine core, the restarted core's AllBlocksCleared
+    went out before the subscriber had reconnected, so a router kept the dead core's blocks."""
+    import os
+    import signal
+
+    from helpers.server_process import children_titled
+
+    model = make_checkpoint(tmp_path / "model")
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"}
+    ctx = zmq.Context()
+    server = ServerProcess(model, "--served-model-name", "m", "--max-model-len", "256",
+                           "--kv-events-config", json.dumps(config))
+    sub = subscribe(ctx, endpoint)
+    try:
+        time.sleep(0.5)
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        chat(server, "Before.", data_url(make_image(30)))
+        assert any(isinstance(e, BlockStored) for e in receive(sub, decoder))
+        victim = children_titled(server, "engine_dp0")["mmserve::engine_dp0"]
+        os.kill(victim, signal.SIGKILL)
+        chat(server, "After.", data_url(make_image(31)))  # waits for the restart
+        events = receive(sub, decoder)
+        kinds = [type(e).__name__ for e in events]
+        assert "AllBlocksCleared" in kinds and "BlockStored" in kinds, kinds
+        assert kinds.index("AllBlocksCleared") < kinds.index("BlockStored")
+    finally:
+        server.stop()
+        sub.close(linger=0)
+        ctx.term()
+    assert not os.path.exists(endpoint[len("ipc://"):])  # removed at a normal stop

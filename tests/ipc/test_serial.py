@@ -16,9 +16,10 @@ import mmserve
 import mmserve.ipc.launcher_messages as launcher_messages
 import mmserve.ipc.messages as messages
 from mmserve.ipc.items import ShmHandle
-from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, RouteAnswer, RouteAsk,
-                                           RouteLanded, RouteSent, StoreAnswer, StoreDiscard, StoreFinish,
-                                           StoreInput, StoreLookup, StoreReserve, StoreSeal, StoreStatsAsk)
+from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, ResponseAnswer, ResponseGet,
+                                           ResponsePut, RouteAnswer, RouteAsk, RouteLanded, RouteSent, StoreAnswer,
+                                           StoreDiscard, StoreFinish, StoreInput, StoreLookup, StoreReserve, StoreSeal,
+                                           StoreStatsAsk)
 from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
                                   EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                   EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
@@ -82,6 +83,10 @@ def samples() -> list[Any]:
         StoreStatsAsk(3),
         StoreAnswer(2, ShmHandle("k", 128, 7, 4096, bytes(16)), fresh=True),
         StoreAnswer(3, stats=[1, 2, 3]),
+        ResponsePut(5, "scope:resp_1", b'[{"role":"user"}]'),
+        ResponseGet(6, "scope:resp_1"),
+        ResponseAnswer(6, b"[]"),
+        ResponseAnswer(7, error="KeyError: x"),
     ]
 
 

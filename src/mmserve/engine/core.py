@@ -14,7 +14,7 @@ from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
-from mmserve.engine.kv_events import KVEvents, make_kv_events
+from mmserve.engine.kv_event_publisher import KVEvents, make_kv_events
 from mmserve.engine.poison import Poison
 from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus

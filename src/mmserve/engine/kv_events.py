@@ -14,14 +14,16 @@ since its PR #42892; `"event_encoding": "array"` sends the earlier positional ev
 
 sent as the multipart message (topic, 8-byte big-endian sequence number, payload); with a
 `replay_endpoint`, a ROUTER socket answers a sequence number with every kept batch from it on,
-then (-1, b""). Block hashes are our digests (bytes); `parent_block_hash` is None for a prompt's
-first block; `extra_keys[i]` is block i's extra keys exactly as `block_hash.py` hashed them
+then (-1, b"") (`kv_event_publisher.py`). Block hashes are our digests (bytes);
+`parent_block_hash` is None for a prompt's first block; `extra_keys[i]` is block i's extra keys
+exactly as `block_hash.py` hashed them
 (`("mm", mm_hash, offset, ...)` per item overlapping the block, then `("salt", salt)`), None for
 a block without any. `medium` is "GPU", vLLM's name for an engine's own KV cache.
 
 One key, one story: a `BlockStored` when a hash first gets a block in the pool, a `BlockRemoved`
 when the last block holding it is handed out again, and `AllBlocksCleared` when the publisher
-starts (a new or restarted engine core holds nothing).
+starts (a new or restarted engine core holds nothing) and again in front of its first change, so
+a subscriber that joined after the start still drops what the engine core's previous life held.
 
 Cost in the step: `KVEventLog` appends tuples (the block's hash, parent, token slice and extra
 keys); at the end of a step the list goes to the publisher thread's queue, which builds the
@@ -30,26 +32,16 @@ structs, encodes and sends.
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
-from collections import deque
-from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from mmserve.engine.block_hash import BlockHash
-from mmserve.kv_events_config import KVEventsConfig
 
 if TYPE_CHECKING:
     from mmserve.engine.request import Request
 
-logger = logging.getLogger(__name__)
-
 MEDIUM = "GPU"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -135,104 +127,3 @@ def to_events(records: list[Record], block_size: int) -> list[BlockStored | Bloc
             events.append(BlockStored([block_hash], parent, list(tokens), block_size, None, MEDIUM, None,
                                       [keys or None]))
     return events
-
-
-class ZmqEventPublisher:
-    """Publishes one rank's batches from a thread: PUB socket, optional ROUTER for replay."""
-
-    def __init__(self, config: KVEventsConfig, rank: int, data_parallel_size: int, block_size: int) -> None:
-        import zmq
-
-        self.rank = rank
-        self.block_size = block_size
-        self.positional = config.event_encoding == "array"
-        endpoint, replay, topic = config.for_rank(rank, data_parallel_size)
-        self.topic = topic.encode()
-        self._queue: queue.Queue[list[Record] | None] = queue.Queue(maxsize=config.max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(config.hwm)
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)  # vLLM's rule: bind a wildcard or local address, else connect
-        else:
-            self._pub.connect(endpoint)
-        self._replay = None
-        if replay is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay)
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-        self._thread.start()
-        logger.info("publishing KV events on %s (topic %r)", endpoint, topic)
-
-    def publish(self, records: list[Record]) -> None:
-        """Queue one step's records (dropped, with a warning, when the queue is full)."""
-        try:
-            self._queue.put_nowait(records)
-        except queue.Full:
-            logger.warning("KV events queue full: %d records dropped", len(records))
-
-    def shutdown(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=2.0)
-        self._ctx.destroy(linger=0)
-
-    def _run(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
-        seq = count()
-        self._send(encoder, next(seq), [AllBlocksCleared()])  # a new engine core holds nothing yet
-        while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
-            try:
-                records = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if records is None:
-                return
-            self._send(encoder, next(seq), to_events(records, self.block_size))
-
-    def _send(self, encoder: msgspec.msgpack.Encoder, seq: int, events: list[Any]) -> None:
-        if self.positional:
-            events = [[type(e).__name__, *msgspec.structs.astuple(e)] for e in events]
-        payload = encoder.encode(EventBatch(time.time(), events, self.rank))
-        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
-
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
-
-
-class KVEvents:
-    """An engine core's KV events: the log the scheduler and pool write, the rank's publisher."""
-
-    def __init__(self, config: KVEventsConfig, rank: int, data_parallel_size: int, block_size: int) -> None:
-        self.log = KVEventLog(block_size)
-        self.publisher = ZmqEventPublisher(config, rank, data_parallel_size, block_size)
-
-    def end_step(self) -> None:
-        """Hand the step's records to the publisher thread (nothing when there are none)."""
-        records = self.log.take()
-        if records:
-            self.publisher.publish(records)
-
-    def shutdown(self) -> None:
-        self.end_step()
-        self.publisher.shutdown()
-
-
-def make_kv_events(config: KVEventsConfig | None, rank: int, data_parallel_size: int,
-                   block_size: int) -> KVEvents | None:
-    """The engine core's KV events, or None when none are published."""
-    if config is None or not config.publishes:
-        return None
-    return KVEvents(config, rank, data_parallel_size, block_size)

@@ -11,9 +11,9 @@ an item it was sent by hash (drift), P0 starts a new IPC epoch and resends.
 
 With `--data-parallel-size N` there are N engine cores (`EngineRanks`); `DPRouter` picks each
 request's rank, and one output task per rank feeds the same queues. When a rank dies, requests
-that showed their caller nothing yet (a stream before its first output; a whole answer before
-its end) start again on a live rank, the others fail with `EngineDeadError`, and the rank is
-restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
+that showed their caller nothing yet start again on a live rank, streams that showed output
+resume there from the tokens already sent (the caller sees a pause; `failover.py`), and the rank
+is restarted (`--engine-restart-limit`); P0 is dead only once no rank serves or can come back.
 With `--api-server-count` > 1 this is one of several API servers (`attachment`): the launcher
 owns the engine cores and the coordinator routes for every server (`RemoteRouter`).
 """
@@ -188,8 +188,10 @@ class AsyncLLM:
             try:
                 if not finished:
                     self._abort_now([request_id])
-                if candidate and (flight := self.flights.get(request_id)) is not None:
-                    self.verifier.finished(request_id, prompt, params, last if finished else None, flight.rank)
+                if candidate:
+                    flight = self.flights.get(request_id)
+                    self.verifier.finished(request_id, prompt, params, last if finished else None,
+                                           None if flight is None else flight.rank)
             finally:
                 self.flights.land(request_id)
                 self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
@@ -252,7 +254,7 @@ class AsyncLLM:
             self.admission.resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
-            if out.first_logits is not None:
+            if out.first_logits is not None and out.request_id in self.requests:  # a closed one's would stay
                 self.verifier.keep_logits(out.request_id, out.first_logits)
             if out.error is None:
                 ok.append(out)

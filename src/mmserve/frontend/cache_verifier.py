@@ -96,17 +96,24 @@ class CacheVerifier:
         return self.rate > 0 and params.n == 1 and self._random.random() < self.rate
 
     def keep_logits(self, request_id: str, logits: bytes) -> None:
+        """Keep an open candidate's first logits row until it ends (`finished` takes it back)."""
         self._logits[request_id] = logits
 
-    def finished(self, request_id: str, prompt: Any, params: SamplingParams, final: RequestOutput | None,
-                 rank: int) -> None:
-        """A candidate ended: verify it if caches served it.
+    @property
+    def kept(self) -> int:
+        """Logits rows held (each of an open candidate or shadow; 0 when none is open)."""
+        return len(self._logits)
 
-        A candidate ended (`final` None: it failed or was aborted): verify it when caches served
-        it and no other shadow runs."""
+    def finished(self, request_id: str, prompt: Any, params: SamplingParams, final: RequestOutput | None,
+                 rank: int | None) -> None:
+        """A candidate ended: its logits row is dropped, and it is verified if caches served it.
+
+        A candidate ended (`final` None: it failed or was aborted; `rank` None: it never reached
+        one): verify it when caches served it and no other shadow runs."""
         logits = self._logits.pop(request_id, None)
         report = final.cache_report if final is not None else None
-        if final is None or report is None or not report.hit_layers or final.outputs[0].finish_reason == "abort":
+        if final is None or report is None or not report.hit_layers or final.outputs[0].finish_reason == "abort" \
+                or rank is None:
             return
         if self.busy:
             return

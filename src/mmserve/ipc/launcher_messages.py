@@ -121,3 +121,30 @@ class StoreAnswer(msgspec.Struct, tag="store_answer"):
 
 
 StoreInput = StoreLookup | StoreReserve | StoreSeal | StoreDiscard | StoreFinish | StoreStatsAsk
+
+
+# ---- API servers <-> the node's response store (--api-server-count > 1, launcher/response_store_server.py) --
+
+
+class ResponsePut(msgspec.Struct, tag="response_put"):
+    """Keep `data` (a conversation's JSON) under `key` (scope and response id); answered once kept."""
+
+    seq: int
+    key: str
+    data: bytes
+
+
+class ResponseGet(msgspec.Struct, tag="response_get"):
+    seq: int
+    key: str
+
+
+class ResponseAnswer(msgspec.Struct, tag="response_answer"):
+    """To a get: the JSON kept under its key (None: not kept). To a put: an acknowledgement."""
+
+    seq: int
+    data: bytes | None = None
+    error: str | None = None  # the owner failed on this ask (the asker raises at once)
+
+
+ResponseInput = ResponsePut | ResponseGet

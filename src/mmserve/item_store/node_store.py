@@ -27,28 +27,25 @@ the leak never outlives the store.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
 
 import msgspec
 import torch
-import zmq
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
 from mmserve.ipc.launcher_messages import (StoreAnswer, StoreDiscard, StoreFinish, StoreInput, StoreLookup,
                                            StoreReserve, StoreSeal, StoreStatsAsk)
 from mmserve.ipc.queues import ipc_address
+from mmserve.ipc.round_trips import Asker, ServiceThread
 from mmserve.item_store.shm_layout import layout, write_payload
 from mmserve.item_store.shm_ring import HEADER_BYTES
 from mmserve.ipc.shm_segment import open_segment, unmap_segment
 from mmserve.item_store.shm_store import ShmStore, ShmStoreStats
 from mmserve.item_store.shm_store_reader import ShmLease, ShmStoreReader
 
-logger = logging.getLogger(__name__)
 
-_POLL_MS = 200  # how often the server thread checks that it should stop
 _ANSWER_TIMEOUT_S = 10.0
 
 
@@ -56,18 +53,14 @@ class NodeStoreServer:
     """The node store's owner, a thread in the launcher.
 
     The store's owner (in the launcher): binds `address` in `ipc_dir`; `start()` runs the
-    thread, `close()` stops it and unlinks the segment."""
+    thread (`ipc/round_trips.py: ServiceThread`), `close()` stops it and unlinks the segment."""
 
     def __init__(self, store: ShmStore, ipc_dir: str) -> None:
         self.store = store
-        self.address = ipc_address(ipc_dir, "node_store")
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.address)
-        self._decoder = msgspec.msgpack.Decoder(StoreInput)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mmserve-node-store", daemon=True)
+        self._service = ServiceThread(ipc_address(ipc_dir, "node_store"), msgspec.msgpack.Decoder(StoreInput),
+                                      self.handle, lambda seq, error: StoreAnswer(seq, error=error),
+                                      "mmserve-node-store")
+        self.address = self._service.address
 
     @property
     def info(self) -> bytes:
@@ -75,32 +68,11 @@ class NodeStoreServer:
         return msgspec.msgpack.encode(self.store.info)
 
     def start(self) -> None:
-        self._thread.start()
+        self._service.start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        self._ctx.destroy(linger=0)
+        self._service.close()
         self.store.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(_POLL_MS, zmq.POLLIN):
-                continue
-            identity, frame = self._sock.recv_multipart()
-            msg: StoreInput | None = None
-            try:
-                msg = self._decoder.decode(frame)
-                answer = self.handle(msg)
-            except Exception as e:  # one bad message must not stop the store for everyone
-                logger.exception("the node store could not handle a message")
-                seq = getattr(msg, "seq", 0)
-                if not seq:  # no ask to answer (a one-way message, or one that did not decode)
-                    continue
-                answer = StoreAnswer(seq, error=f"{type(e).__name__}: {e}")  # the asker fails at once
-            if answer is not None:
-                self._sock.send_multipart([identity, msgspec.msgpack.encode(answer)])
 
     def handle(self, msg: StoreInput) -> StoreAnswer | None:
         """Apply one message to the store; the answer to send back, if it asks for one."""
@@ -128,22 +100,17 @@ class NodeStoreClient:
     """An API server's writer and reader of the node's store.
 
     An API server's side: the `ShmStore` interface `ShmItemWriter` uses, answered by the owner
-    at `address`, plus `fetch` for the processor cache. Thread-safe (one lock around the socket
-    and the reader: worker threads fetch while the event loop looks up and puts)."""
+    at `address`, plus `fetch` for the processor cache. Thread-safe (the asker's lock around the
+    socket, one around the reader: worker threads fetch while the event loop looks up and puts)."""
 
     def __init__(self, address: str, info: ShmStoreInfo, server_index: int) -> None:
         self.info = info
         self._prefix = f"s{server_index}:"
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._asker = Asker(address, StoreAnswer, "the node's item store", _ANSWER_TIMEOUT_S)
         self._fd, self._map = open_segment(info.name, writable=True)
         self._buf = memoryview(self._map)
         self._reader = ShmStoreReader(info)
-        self._decoder = msgspec.msgpack.Decoder(StoreAnswer)
-        self._lock = threading.Lock()
-        self._seq = 0
+        self._lock = threading.Lock()  # around the reader
 
     def lookup(self, key: str, request_id: str | None = None) -> ShmHandle | None:
         """The handle of `key` (a counted query), pinned for `request_id`; or None."""
@@ -202,25 +169,14 @@ class NodeStoreClient:
             self._reader.close()
             unmap_segment(self._buf, self._map)
             os.close(self._fd)
-            self._ctx.destroy(linger=0)
+        self._asker.close()
 
     def _pin(self, request_id: str | None) -> str | None:
         return None if request_id is None else self._prefix + request_id
 
     def _send(self, msg: StoreInput) -> None:
-        with self._lock:
-            self._sock.send(msgspec.msgpack.encode(msg))
+        self._asker.send(msg)
 
     def _ask(self, make: Callable[[int], StoreInput]) -> StoreAnswer:
-        """One round trip; RuntimeError if the owner does not answer within `_ANSWER_TIMEOUT_S`."""
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-            self._sock.send(msgspec.msgpack.encode(make(seq)))
-            while self._sock.poll(int(_ANSWER_TIMEOUT_S * 1000), zmq.POLLIN):
-                answer = self._decoder.decode(self._sock.recv())
-                if answer.seq == seq and answer.error is not None:
-                    raise RuntimeError(f"the node's item store failed: {answer.error}")
-                if answer.seq == seq:  # an answer that came too late is dropped
-                    return answer
-        raise RuntimeError(f"the node's item store did not answer within {_ANSWER_TIMEOUT_S:g} s")
+        """One round trip; RuntimeError if the owner fails or does not answer within `_ANSWER_TIMEOUT_S`."""
+        return self._asker.ask(make)

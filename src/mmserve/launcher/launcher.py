@@ -7,6 +7,8 @@ The launcher (title `mmserve::launcher`):
 - makes one ipc directory for every socket between API servers and engine cores, and sets
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
 - with data parallelism, runs the `Coordinator` (one routing picture for every API server);
+- owns the node's response store (`launcher/response_store_server.py`): a follow-up's
+  `previous_response_id` is found whichever API server takes it;
 - with `--mm-cache-type shm` (the default here: `deployment_defaults.py`), owns the node's item
   store (`item_store/node_store.py`): every API server writes into it and finds there what the others
   processed; every engine core reads it;
@@ -43,6 +45,7 @@ from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
 from mmserve.launcher.coordinator import Coordinator
+from mmserve.launcher.response_store_server import ResponseStoreServer
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
 from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 from mmserve.item_store.node_store import NodeStoreServer
@@ -97,6 +100,7 @@ class Launcher:
         self.model_dir = ""
         self.coordinator: Coordinator | None = None
         self.store: NodeStoreServer | None = None
+        self.responses: ResponseStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
         self.metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
         self.sock: socket.socket | None = None
@@ -114,11 +118,13 @@ class Launcher:
             mm = config.multimodal
             self.store = NodeStoreServer(ShmStore.from_flags(mm.mm_shm_cache_gb, mm.mm_shm_max_object_mb), self.ipc_dir)
             self.store.start()
+        self.responses = ResponseStoreServer(int(self.server_config.responses_store_mb * (1 << 20)), self.ipc_dir)
+        self.responses.start()
         for rank in range(parallel.data_parallel_size):
             self.engines.start(rank)
         attachment = Attachment(self.ipc_dir, self.coordinator.route_address if self.coordinator else None,
                                 self.metrics_dir, self.store.address if self.store else None,
-                                self.store.info if self.store else None)
+                                self.store.info if self.store else None, self.responses.address, os.getpid())
         ctx = multiprocessing.get_context("spawn")
         ready = [ctx.Event() for _ in range(parallel.api_server_count)]
         for index, event in enumerate(ready):
@@ -186,6 +192,8 @@ class Launcher:
             self.coordinator.close()
         if self.store is not None:
             self.store.close()
+        if self.responses is not None:
+            self.responses.close()
         if self.sock is not None:
             self.sock.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

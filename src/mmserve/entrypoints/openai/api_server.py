@@ -40,7 +40,8 @@ from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-from mmserve.entrypoints.openai.response_store import ResponseStore
+from mmserve.entrypoints.openai.response_store import KeptResponses, ResponseStore
+from mmserve.entrypoints.openai.response_store_client import ResponseStoreClient
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.models.hub import resolve_engine_model
 from mmserve.malloc_tuning import HeapReserve
@@ -62,11 +63,12 @@ HEALTH_POLL_S = 0.5
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
-              responses_store_bytes: int = 256 << 20) -> FastAPI:
+              responses_store_bytes: int = 256 << 20, responses_store: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
-    for previous_response_id in `responses_store_bytes`."""
+    for previous_response_id in `responses_store_bytes`, or in the node's store at the address
+    `responses_store` (a launcher's, shared by its API servers)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -81,7 +83,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
-    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
+    store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
+    responses = OpenAIServingResponses(chat, KeptResponses(store))
     v1 = _v1_routes(engine, served_model_names, chat, OpenAIServingCompletion(engine, served_model_names, metrics),
                     responses, api_key)
 
@@ -223,6 +226,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
     from mmserve.frontend.async_llm import AsyncLLM
 
     reserve = process.reserve
+    launcher = attachment.launcher_pid if attachment is not None else None  # it may die while the engine starts
 
     engine = AsyncLLM(engine_config, attachment)
     keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
@@ -232,7 +236,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         limit = server_config.max_request_body_mb
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
-                        int(server_config.responses_store_mb * (1 << 20)))
+                        int(server_config.responses_store_mb * (1 << 20)),
+                        attachment.responses if attachment is not None else None)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s))
@@ -240,7 +245,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         server = uvicorn.Server(config)
         process.serve()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
-        supervisor = asyncio.create_task(_supervise(server, engine, model, state, started))
+        supervisor = asyncio.create_task(_supervise(server, engine, model, state, started, launcher))
         try:
             await server.serve(sockets=None if sock is None else [sock])
         finally:
@@ -253,10 +258,9 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
 
 
 async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState,
-                     started: Callable[[], None] | None) -> None:
+                     started: Callable[[], None] | None, launcher: int | None) -> None:
     """Announce readiness (or call `started`), then stop the server (non-zero exit) if the engine core
     dies — or, for one of a launcher's API servers, if the launcher does (its engine cores go with it)."""
-    launcher = os.getppid() if started is not None else None
     while not server.started:
         await asyncio.sleep(0.05)
     if started is not None:

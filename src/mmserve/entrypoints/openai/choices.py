@@ -143,9 +143,10 @@ class ChoiceStream:
                 step.append(self._usage(UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens,
                                                      self.record.cached_tokens)))
             self.record.finish(outcome_of(out))
+            await self._finished()
         except Exception as exc:  # the status line is sent: report it in the stream
             self.record.finish("error")
-            step.append(f"data: {to_openai_error(exc).body().model_dump_json()}\n\n")
+            step.append(self._failed(exc))
         finally:
             await self.close()
         yield "".join(step) + "data: [DONE]\n\n"
@@ -157,6 +158,13 @@ class ChoiceStream:
 
     def _open(self) -> list[str]:
         return []
+
+    async def _finished(self) -> None:
+        """Called once the request finished well, before the last events are written."""
+
+    def _failed(self, exc: Exception) -> str:
+        """The event that reports a failure after the status line was sent."""
+        return f"data: {to_openai_error(exc).body().model_dump_json()}\n\n"
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
         raise NotImplementedError

@@ -5,7 +5,9 @@ then per output item `response.output_item.added`, for a message `response.conte
 and `response.output_text.delta`s, for a call `response.function_call_arguments.delta`s; at the
 end each open item's `...done` events (`response.output_text.done`, `response.content_part.done`,
 `response.function_call_arguments.done`, `response.output_item.done`) and `response.completed`
-with the whole response and its usage. Every event carries `type` and a `sequence_number`.
+with the whole response and its usage. Every event carries `type` and a `sequence_number`. A
+failure after the first event ends the stream with `response.failed`: the whole response so far,
+its `status` "failed" and its `error` (`code`, `message`).
 The tool-call parsing is chat's (`tool_calls.py: ChoiceTools`): text that turns out to be a call
 is never streamed as text.
 """
@@ -13,9 +15,10 @@ is never streamed as text.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream
+from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.responses_output import (ResponseShape, function_call_item, message_item,
                                                          new_item_id)
@@ -24,10 +27,11 @@ from mmserve.entrypoints.openai.tool_parsers import ToolCall
 
 
 class ResponsesStream(ChoiceStream):
-    """One response's events; `on_done(items)` is called with its output items once it completes."""
+    """One response's events; `on_done(items)` is awaited with its output items once it completes,
+    before its last events are written (a follow-up that read them finds the response kept)."""
 
     def __init__(self, *args: Any, shape: ResponseShape, tools: ToolMode | None,
-                 on_done: Callable[[list[dict[str, Any]]], None]) -> None:
+                 on_done: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> None:
         super().__init__(*args)
         self.shape = shape
         self.on_done = on_done
@@ -103,8 +107,16 @@ class ResponsesStream(ChoiceStream):
                                           output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         body = self.shape.body("completed", self.items, usage, self.finish_reason)
-        self.on_done(self.items)
         return "".join(events) + self._event("response.completed", response=body)
+
+    async def _finished(self) -> None:
+        await self.on_done(self.items)
+
+    def _failed(self, exc: Exception) -> str:
+        error = to_openai_error(exc)
+        body = self.shape.body("in_progress", self.items)
+        body.update(status="failed", error={"code": error.code or "server_error", "message": error.message})
+        return self._event("response.failed", response=body)
 
     def _message(self) -> dict[str, Any]:
         return next(item for item in self.items if item["type"] == "message")

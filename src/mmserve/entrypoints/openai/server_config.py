@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mmserve.config import check_finite
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -34,8 +36,8 @@ class ServerConfig:
                 "the model family's format (hermes for Qwen2.5-VL and Qwen3-VL; none known for LLaVA).",
         "choices": ("hermes",)})
     responses_store_mb: float = field(default=256.0, metadata={
-        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB per API server "
-                "(least recently used evicted first; 0 keeps none)."})
+        "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB for the node (one store "
+                "for every API server; least recently used evicted first; 0 keeps none)."})
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
@@ -44,6 +46,7 @@ class ServerConfig:
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.log_level not in LOG_LEVELS:

@@ -5,7 +5,8 @@ A request becomes chat messages (`protocol_responses.py`: the stored conversatio
 chat completion does (`OpenAIServingChat.start`: tool modes and forced-call grammars, the chat
 template, every cache layer), and is answered as a response object (`responses_output.py`) or
 as the Responses API's events (`responses_stream.py`). A finished response's conversation is kept
-(`response_store.py`) unless the request says `store: false`.
+(`response_store.py`, scoped by the request's API key and `cache_salt`) unless the request says
+`store: false`; kept before its last bytes are sent, so a follow-up that read them finds it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
-from mmserve.entrypoints.openai.response_store import Conversation, ResponseStore
+from mmserve.entrypoints.openai.response_store import Conversation, KeptResponses, scope_of
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
 from mmserve.entrypoints.openai.serving_chat import (ChatTurns, OpenAIServingChat, RequestRecord, first_output,
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 class OpenAIServingResponses:
     """The responses handler: the chat handler's machinery plus the store of finished responses."""
 
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: KeptResponses) -> None:
         self.chat = chat
         self.store = store
 
@@ -49,7 +50,8 @@ class OpenAIServingResponses:
         if request.unknown_fields():
             logger.warning("request %s: ignoring unknown field(s): %s", response_id,
                            ", ".join(request.unknown_fields()))
-        history = self._history(request.previous_response_id) + request.input_messages()
+        scope = scope_of(_bearer(raw_request), request.cache_salt)
+        history = await self._history(scope, request.previous_response_id) + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         defaults = self.chat.engine.generation_defaults
         params = request.to_sampling_params(defaults.max_tokens(self.chat.engine.max_model_len),
@@ -62,9 +64,9 @@ class OpenAIServingResponses:
         outputs = await self.chat.start(raw_request, response_id, turns, params, bool(request.stream))
         shape = ResponseShape(response_id, model, request)
 
-        def keep(items: list[dict[str, Any]]) -> None:
+        async def keep(items: list[dict[str, Any]]) -> None:
             if request.store is not False:
-                self.store.put(response_id, history + [history_turn(items)])
+                await self.store.put(scope, response_id, history + [history_turn(items)])
 
         handed_over = False
         try:
@@ -83,15 +85,24 @@ class OpenAIServingResponses:
         content, calls = tools.extract(choice.text) if tools is not None else (choice.text, [])
         usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
         body, items = shape.whole(content, calls, usage, choice.finish_reason)
-        keep(items)
+        await keep(items)
         return JSONResponse(body, headers=cache_headers(record.report))
 
-    def _history(self, previous_response_id: str | None) -> Conversation:
+    async def _history(self, scope: str, previous_response_id: str | None) -> Conversation:
         if previous_response_id is None:
             return []
-        history = self.store.get(previous_response_id)
+        history = await self.store.get(scope, previous_response_id)
         if history is None:
-            raise OpenAIError(404, f"previous response {previous_response_id!r} not found: this server keeps "
-                              "finished responses in memory, a bounded number of them (--responses-store-mb)",
+            raise OpenAIError(404, f"previous response {previous_response_id!r} not found: it was never kept "
+                              "(store: false, or it did not finish), was kept under another API key or cache_salt, "
+                              "or was evicted from the responses kept in memory (--responses-store-mb)",
                               code="previous_response_not_found", param="previous_response_id")
         return history
+
+
+def _bearer(raw_request: Request) -> str | None:
+    """The API key the request was sent with (the `Authorization: Bearer` token), if any."""
+    header = raw_request.headers.get("authorization")
+    if header is None or not header.lower().startswith("bearer "):
+        return None
+    return header[len("bearer "):].strip()

@@ -5,9 +5,14 @@ Contract.
   through the item transport and counts it on its rank; each change before the send is
   registered in the caller's `UndoLog`. `resend` sends it again, whole, to the same rank (P1
   lacked an item it got by reference).
-- A flight keeps the whole request while it may still be sent again: until its first output
-  reaches a streaming caller, until its last output for a caller that shows only the end
-  (`shown`). Only such a flight can move when its rank dies (`orphans`), and only once (`moves`).
+- A flight keeps the whole request while it may still be sent again: until it ends, fails or is
+  aborted. When its rank dies (`orphans`) a flight whose caller has seen nothing starts over on a
+  live rank; one that has streamed output (`started`) resumes there (`resumed`: its prompt and
+  the tokens already sent as the new prompt, the rest of its budget), which continues a greedy or
+  seeded request exactly (a seeded draw depends on (seed, position) alone: `worker/model_runner.py:
+  _step_seed`). A streamed request that cannot resume exactly (`resumable`: n > 1, a grammar,
+  frequency or presence penalties) stops being movable at its first output. Either way a flight
+  moves at most once (`moves`; `RankFailover`).
 - `land` ends a flight (finished, failed or aborted) and frees its place on its rank; it also
   counts what the rank served. `abort` tells each rank to stop its requests.
 """
@@ -15,6 +20,8 @@ Contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
 
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.dp.dp_router import Route, Router
@@ -25,6 +32,7 @@ from mmserve.frontend.request.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures, RankFigures
+from mmserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -35,6 +43,27 @@ class Flight:
     stream: bool
     report: CacheReport | None = None  # what the caches did for it (the transport counts its layer)
     moves: int = 0  # times it was sent again because its rank died (`RankFailover`: at most once)
+    started: bool = False  # its caller has seen output: it resumes rather than starts over
+    origin: EngineCoreRequest | None = None  # the request as admitted, once it has resumed
+
+
+def resumable(params: SamplingParams) -> bool:
+    """Whether a request that has streamed output can go on exactly from its prompt and those tokens:
+    one completion, and no state beyond the tokens (no grammar, no output-only penalties)."""
+    return (params.n == 1 and params.structured_outputs is None and params.frequency_penalty == 0
+            and params.presence_penalty == 0)
+
+
+def resumed(request: EngineCoreRequest, generated: list[int]) -> EngineCoreRequest | None:
+    """The request that goes on after `generated` tokens: they join the prompt and leave the budget
+    (None when nothing is left to generate)."""
+    params = request.sampling_params
+    left = params.max_tokens - len(generated)
+    if left < 1:
+        return None
+    params = msgspec.structs.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(generated)))
+    return msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids + generated,
+                                   sampling_params=params, return_first_logits=False)
 
 
 class RequestFlights:
@@ -96,12 +125,17 @@ class RequestFlights:
         self.ranks.client(flight.rank).add_request(message)
 
     def shown(self, result: RequestOutput) -> None:
-        """An output is on its way to the caller: a streamed one (or the last) can no longer start over."""
+        """An output is on its way to the caller: after a streamed one the request can only resume, and
+        only if `resumable`; after the last one it is not sent again."""
         flight = self._flights.get(result.request_id)
         if flight is None:
             return
-        if flight.stream or result.finished:
+        if result.finished:
             flight.request = None
+        elif flight.stream and not flight.started and flight.request is not None:
+            flight.started = True
+            if not resumable(flight.request.sampling_params):
+                flight.request = None
         if result.finished:
             served = self._served[flight.rank]
             served[0] += 1

@@ -31,14 +31,17 @@ class Attachment:
 
     What API server `config.parallel.api_server_index` needs from its launcher: the `ipc_dir` of
     the engine cores' sockets, the coordinator's address (None without data parallelism), the
-    `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR), and with
-    `--mm-cache-type shm` the node store's address and `ShmStoreInfo` (msgpack; holds the secret)."""
+    `metrics_dir` where the servers share their figures (also PROMETHEUS_MULTIPROC_DIR), with
+    `--mm-cache-type shm` the node store's address and `ShmStoreInfo` (msgpack; holds the secret),
+    and the address of the node's response store (`launcher/response_store_server.py`)."""
 
     ipc_dir: str
     coordinator: str | None
     metrics_dir: str
     store: str | None = None
     store_info: bytes | None = dataclasses.field(default=None, repr=False)
+    responses: str | None = None
+    launcher_pid: int | None = None  # whose death stops the API server (even one still starting)
 
 
 def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:

@@ -1,11 +1,14 @@
 """What P0 does when a data-parallel rank's engine core dies (`AsyncLLM`'s failover part).
 
-The rank is retired (`EngineRanks.mark_dead`); requests that showed their caller nothing yet
-are parked and sent again to a live rank (at once, or once the rank is back when none lives),
-the others fail with `EngineDeadError`. A request is sent again at most once (`MAX_MOVES`): one
-that was on a second rank that died is the likely cause, and fails with an `EngineRequestError`
-(a 500 naming the deaths) instead of taking down a third, so a poison request cannot spend the
-restarts; the rank is restarted in the background while
+The rank is retired (`EngineRanks.mark_dead`); its requests are parked and sent again to a live
+rank (at once, or once the rank is back when none lives): one that showed its caller nothing
+starts over, one that streamed output resumes from its prompt and the tokens already sent
+(`flights.py: resumed`; its output state here goes on, so the caller's text continues without a
+duplicated or lost character and it sees a pause, not an error); a streamed request that cannot
+resume exactly (`flights.py: resumable`) fails with `EngineDeadError`. A request is sent again
+at most once (`MAX_MOVES`): one that was on a second rank that died is the likely cause, and fails
+with an `EngineRequestError` (a 500 naming the deaths; one log line names it) instead of taking
+down a third, so a poison request cannot spend the restarts; the rank is restarted in the background while
 `--engine-restart-limit` allows, its IPC mirror starting a new epoch. P0 is dead (`fail_all`)
 only once no rank serves and none can come back. A new request that finds no rank serving while
 one restarts waits for it (`wait_for_live_rank`, up to `RANK_WAIT_S`) instead of failing.
@@ -21,7 +24,7 @@ from mmserve.errors import EngineRequestError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.figures import EngineFigures
-from mmserve.frontend.dp.flights import RequestFlights
+from mmserve.frontend.dp.flights import Flight, RequestFlights, resumed
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.frontend.output.output_processor import OutputProcessor
@@ -126,17 +129,35 @@ class RankFailover:
             flight = self.flights.get(rid)
             if flight is None or flight.request is None or rid not in self.requests:
                 continue
-            self.output_processor.abort_requests([rid])
             flight.moves += 1
             if flight.report is not None:
                 flight.report.moved()
+            if flight.started:
+                self._resume(rid, flight)
+                continue
+            self.output_processor.abort_requests([rid])
             self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
-            undo = UndoLog()
-            try:
-                self.flights.send(rid, flight, undo)
-            except Exception as e:
-                undo.run()
-                self.requests.fail(rid, e)
+            self._send(rid, flight)
         if parked:
             logger.warning("moved %d request(s) of a dead engine rank to live ranks", len(parked))
+
+    def _resume(self, rid: str, flight: Flight) -> None:
+        """Send a streamed request on from the tokens its caller has; its output state goes on."""
+        assert flight.request is not None
+        flight.origin = flight.origin or flight.request
+        generated = self.output_processor.generated(rid)
+        going_on = None if generated is None else resumed(flight.origin, generated)
+        if going_on is None:
+            self.requests.fail(rid, EngineDeadError(f"engine rank {flight.rank} died with the request"))
+            return
+        flight.request = going_on  # what a resend (P1 lacked an item) sends again
+        self._send(rid, flight)
+
+    def _send(self, rid: str, flight: Flight) -> None:
+        undo = UndoLog()
+        try:
+            self.flights.send(rid, flight, undo)
+        except Exception as e:
+            undo.run()
+            self.requests.fail(rid, e)
 

@@ -70,6 +70,13 @@ class OutputProcessor:
                        for i in range(params.n)]
         self.states[request.request_id] = RequestState(request, prompt, completions, report=report)
 
+    def generated(self, request_id: str) -> list[int] | None:
+        """The tokens a single-completion request has produced so far (None: not open here, or n > 1)."""
+        state = self.states.get(request_id)
+        if state is None or len(state.completions) != 1:
+            return None
+        return list(state.completions[0].token_ids)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
