@@ -81,9 +81,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
-    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_bytes))
-    v1 = _v1_routes(engine, served_model_names, chat, OpenAIServingCompletion(engine, served_model_names, metrics),
-                    responses, api_key)
+    text = OpenAIServingCompletion(engine, served_model_names, metrics)
+    responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser,
+                                       ResponseStore(responses_store_bytes))
+    v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
 
     @app.get("/health")
     async def health() -> Response:
