@@ -31,7 +31,6 @@ from fastapi.responses import Response
 from mmserve.cache_report import CacheReport, cache_headers
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ParameterError
-from mmserve.entrypoints.openai.routing import routing
 from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
 from mmserve.entrypoints.openai.tool_calls import ToolMode
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
@@ -125,6 +124,17 @@ class ServeContext(Generic[R]):
     def stream(self) -> bool:
         return bool(self.request.stream)
 
+    def routing(self) -> dict[str, Any]:
+        """How the engine may place the request on a data-parallel rank: `stream` (a whole answer
+        can start over on another rank until its end) and the rank an `X-Data-Parallel-Rank` header forces."""
+        header = self.raw_request.headers.get("x-data-parallel-rank")
+        if header is None:
+            return {"stream": self.stream}
+        if not header.strip().isdigit():
+            raise ParameterError("X-Data-Parallel-Rank", f"the X-Data-Parallel-Rank header must be a rank number; "
+                                 f"got {header!r}")
+        return {"stream": self.stream, "data_parallel_rank": int(header)}
+
 
 class OpenAIServing:
     """The base of the OpenAI handlers over an `AsyncLLM`-like engine."""
@@ -188,9 +198,8 @@ class OpenAIServing:
 
     def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,
                  request_id: str | None = None) -> Outputs:
-        """The engine's outputs for `prompt`, routed as the request asks (`routing.py`)."""
-        return self.engine.generate(request_id or ctx.request_id, prompt, params or ctx.params,
-                                    **routing(ctx.raw_request, ctx.stream))
+        """The engine's outputs for `prompt`, routed as the request asks (`ServeContext.routing`)."""
+        return self.engine.generate(request_id or ctx.request_id, prompt, params or ctx.params, **ctx.routing())
 
     async def respond(self, ctx: ServeContext[Any], outputs: Outputs,
                       stream: Callable[[RequestOutput], EventStream] | None,
