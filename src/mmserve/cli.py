@@ -8,7 +8,7 @@ import os
 import sys
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
-from mmserve.config import add_cli_args, engine_args_from_cli
+from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
 from mmserve.gc_tuning import pause_collection
 
 
@@ -66,7 +66,6 @@ def run_server(args: argparse.Namespace) -> int:
 
     ValueError for bad flags; RuntimeError if the engine core cannot start.
     """
-    from mmserve.config import EngineConfig
     from mmserve.entrypoints.openai.api_server import serve_api_server
     from mmserve.entrypoints.openai.server_config import ServerConfig
     from mmserve.models.hub import resolve_engine_model
