@@ -159,8 +159,6 @@ def test_the_frontends_request_path_does_not_import_the_engine_core():
 
 
 JUSTIFIED_CIRCLES = [  # docs/ARCHITECTURE.md, "Import circles": one line each on why it stays
-    {"entrypoints.openai.api_server", "launcher.launcher"},
-    {"entrypoints.openai.choices", "entrypoints.openai.serving_chat", "entrypoints.openai.streaming"},
     {"entrypoints.openai.protocol", "entrypoints.openai.sampling_extras"},
     {"entrypoints.openai.tool_parsers", "entrypoints.openai.tool_parsers.hermes"},
     {"frontend.engine_client.engine_process", "frontend.engine_client.ray_engine"},

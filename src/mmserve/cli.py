@@ -8,7 +8,7 @@ import os
 import sys
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
-from mmserve.config import add_cli_args, engine_args_from_cli
+from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
 from mmserve.gc_tuning import pause_collection
 
 
@@ -51,8 +51,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     pause_collection()  # until the server serves (`ServingProcess.serve`); else it exits
-    from mmserve.entrypoints.openai.api_server import run_server
-
     if args.model_tag is not None:
         args.model = args.model_tag
     try:
@@ -60,6 +58,26 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # the engine core could not start
         print(f"mmserve: error: {e}", file=sys.stderr)
         return 1
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / Ctrl-C (exit 0) or the engine core's death (`ENGINE_DEAD_EXIT_CODE`):
+    one API server here, or with --api-server-count > 1 the launcher and its servers.
+
+    ValueError for bad flags; RuntimeError if the engine core cannot start.
+    """
+    from mmserve.entrypoints.openai.api_server import serve_api_server
+    from mmserve.entrypoints.openai.server_config import ServerConfig
+    from mmserve.models.hub import resolve_engine_model
+
+    server_config = ServerConfig.from_cli(args)
+    # the model is downloaded or found here, once, before any other process starts (models/hub.py)
+    engine_config = resolve_engine_model(EngineConfig.from_kwargs(**engine_args_from_cli(args)))
+    if engine_config.parallel.api_server_count > 1:
+        from mmserve.launcher.launcher import run_launcher
+
+        return run_launcher(server_config, engine_config)
+    return serve_api_server(server_config, engine_config)
 
 
 def _generate(args: argparse.Namespace) -> int:

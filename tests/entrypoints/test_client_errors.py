@@ -23,7 +23,7 @@ from helpers.fake_engine import GOOD, MODEL, FakeEngine, post
 class QuirkyEngine(FakeEngine):
     """The fake engine whose prompt building raises what the user text names."""
 
-    async def build_prompt(self, messages, cache_salt=None, tools=None):
+    async def build_prompt(self, messages, tools=None, settings=None):
         text = messages[-1]["content"][-1]["text"]
         if text == "internal":
             raise ValueError("a bug's message, not the client's fault")
@@ -31,7 +31,7 @@ class QuirkyEngine(FakeEngine):
             raise ClientError("the client's fault", param="messages")
         if text in ("engine", "refused"):
             raise engine_error("the engine failed on this request: boom", INTERNAL if text == "engine" else CLIENT)
-        return await super().build_prompt(messages, cache_salt, tools)
+        return await super().build_prompt(messages, tools, settings)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from mmserve.frontend.request.chat import parse_chat_messages
+from mmserve.frontend.request.prompt import PromptSettings
 from mmserve.multimodal.media import MediaError, MediaLimits, load_image
 
 
@@ -111,7 +112,7 @@ def test_uuid_parts_may_leave_out_the_url() -> None:
         {"type": "image_url", "image_url": {"url": png_url((2, 2, 2))}}]}])
     assert inputs.uuids == ["a", "b", "c", None]
     assert inputs.images[1:3] == [None, None]
-    prompt = inputs.prompt("text", cache_salt="tenant")
+    prompt = inputs.prompt("text", PromptSettings(cache_salt="tenant")).to_dict()
     assert prompt["multi_modal_uuids"] == {"image": ["a", "b", "c", None]} and prompt["cache_salt"] == "tenant"
     with pytest.raises(ValueError, match="uuid"):
         parse_chat_messages([{"role": "user", "content": [{"type": "image_url", "uuid": ""}]}])
@@ -122,6 +123,6 @@ def test_video_parts_become_video_sources():
         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
         {"type": "video_url", "video_url": None, "uuid": "clip"}, {"type": "text", "text": "hi"}]}])
     assert inputs.conversation[0]["content"][:2] == [{"type": "video"}, {"type": "video"}]
-    prompt = inputs.prompt("rendered")
+    prompt = inputs.prompt("rendered").to_dict()
     assert prompt["multi_modal_data"]["video"] == ["data:video/mp4;base64,AAAA", None]
     assert prompt["multi_modal_uuids"] == {"video": [None, "clip"]}

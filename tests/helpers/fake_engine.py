@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from mmserve.config import EngineConfig
 from mmserve.errors import ClientError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.ipc.messages import SchedulerStats
 from mmserve.models.generation_config import GenerationDefaults
 from mmserve.multimodal.media import MediaError
@@ -49,8 +50,8 @@ class FakeEngine:
     def stats(self) -> SchedulerStats | None:
         return self._stats
 
-    async def build_prompt(self, messages: list[dict], cache_salt: str | None = None,
-                           tools: list[dict] | None = None) -> dict:
+    async def build_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                           settings: PromptSettings | None = None) -> Prompt:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ClientError(f"bad role {m['role']!r}")
@@ -62,15 +63,14 @@ class FakeEngine:
         parts = [p for m in messages for p in (m["content"] if isinstance(m["content"], list)
                                                else [{"type": "text", "text": m["content"]}])]
         text = " ".join(p["text"] for p in parts if p["type"] == "text")
-        prompt = {"prompt": text, "multi_modal_data": {"image": []}}
-        self.prompts.append({"messages": messages, **prompt})
-        return prompt
+        self.prompts.append({"messages": messages, "prompt": text})
+        return Prompt(text, settings=settings or PromptSettings())
 
-    async def generate(self, request_id: str, prompt: dict, params: SamplingParams,
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        **routing: object) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise EngineDeadError("engine core died")
-        if "too long" in prompt["prompt"]:
+        if "too long" in prompt.text:
             raise ClientError("the prompt has 999 tokens, but max_model_len is 64")
         self.params.append(params)
         n = min(params.max_tokens, len(PIECES))
@@ -84,7 +84,7 @@ class FakeEngine:
                 ids.append(100 + i)
                 done = i == n - 1
                 reason = ("length" if n == params.max_tokens else "stop") if done else None
-                yield RequestOutput(request_id, prompt["prompt"], PROMPT_IDS, [CompletionOutput(
+                yield RequestOutput(request_id, prompt.text, PROMPT_IDS, [CompletionOutput(
                     0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done,
                     num_cached_tokens=CACHED)
         finally:

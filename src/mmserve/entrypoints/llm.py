@@ -97,7 +97,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             inputs = parse_chat_messages(conversation)
-            prompts.append(inputs.prompt(render(inputs.conversation, tools)))
+            prompts.append(inputs.prompt(render(inputs.conversation, tools)).to_dict())  # LLMEngine's form
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:

@@ -41,6 +41,7 @@ from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.open_requests import OpenRequests
+from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.models.hf_config import eos_token_id
 from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -133,23 +134,21 @@ class AsyncLLM:
         """Per rank: up, restarts, stats, what it served; the routing decisions (for /metrics)."""
         return self.figures.dp_figures()
 
-    async def build_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None = None,
-                           tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """OpenAI messages (and function `tools`) -> a prompt dict naming its images.
+    async def build_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                           settings: PromptSettings | None = None) -> Prompt:
+        """OpenAI messages (and function `tools`, rendered by the template) -> the request's prompt
+        naming its media, with `settings` (ValueError for bad input); the template renders in a
+        worker thread and the media are read, hashed and processed by `generate`, also off the event loop."""
+        return await asyncio.to_thread(self._render_prompt, messages, tools, settings)
 
-        OpenAI messages (and function `tools`, rendered by the template) -> a prompt dict naming
-        its images (ValueError for bad input); the template renders in a worker thread and the
-        images are read, hashed and processed by `generate`, also off the event loop."""
-        return await asyncio.to_thread(self._render_prompt, messages, cache_salt, tools)
-
-    def _render_prompt(self, messages: list[dict[str, Any]], cache_salt: str | None,
-                       tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def _render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       settings: PromptSettings | None) -> Prompt:
         inputs = parse_chat_messages(messages)
         checked = check_tools(tools) if tools is not None else None
         text = self.input_processor.processor.apply_chat_template(inputs.conversation, checked)
-        return inputs.prompt(text, cache_salt)
+        return inputs.prompt(text, settings)
 
-    async def generate(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+    async def generate(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                        stream: bool = True, data_parallel_rank: int | None = None, shadow: bool = False,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.

@@ -14,7 +14,8 @@ from typing import Any, Callable, cast
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig, compute_encoder_budget
-from mmserve.frontend.video_input import VideoInputs, check_uuids
+from mmserve.frontend.request.prompt import Prompt
+from mmserve.frontend.video_input import VideoInputs
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.generation_config import announce, load_generation_defaults
 from mmserve.models.hf_config import load_model_config
@@ -27,9 +28,6 @@ from mmserve.multimodal.processing import create_processor
 from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_outputs import check_schema
-
-_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs",
-                "media_io_kwargs"}
 
 
 class InputProcessor:
@@ -63,7 +61,7 @@ class InputProcessor:
         self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)
         self._pending_lock = threading.Lock()
 
-    def process(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+    def process(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                 commit: bool = True, bypass_caches: bool = False,
                 report: CacheReport | None = None) -> EngineCoreRequest:
         """The request for the engine, or a ValueError (and then nothing of it stays).
@@ -74,18 +72,19 @@ class InputProcessor:
         `bypass_caches` (a shadow run) processes every item from its source and marks the request
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
-        text, images, uuids, salt = _split_prompt(prompt)
+        prompt = Prompt.parse(prompt)
+        text, images = prompt.text, prompt.images
+        salt, mm_kwargs = prompt.settings.cache_salt, prompt.settings.mm_processor_kwargs
         self.check_prompt_length(text)
-        mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         limit = self.config.multimodal.max_images
         if len(images) > limit:
             raise ClientError(f"the prompt has {len(images)} images, more than the limit of {limit} "
                              f"(--limit-mm-per-prompt)")
         self.processor.check_image_count(text, len(images))
-        resolved = self.items.resolve(images, uuids, salt, mm_kwargs, bypass_caches)
+        resolved = self.items.resolve(images, prompt.image_uuids, salt, mm_kwargs, bypass_caches)
         videos: list[ResolvedItem] = []
         try:
-            videos = self.videos.resolve(prompt, text, salt, mm_kwargs, bypass_caches)  # [] without videos
+            videos = self.videos.resolve(prompt, bypass_caches)  # [] without videos
             self._check_item_sizes(resolved)
             self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
@@ -179,33 +178,3 @@ def _encoder_limit(config: EngineConfig, max_item_tokens: int) -> int:
     if config.scheduler.disable_chunked_mm_input:
         limit = min(limit, config.scheduler.max_num_batched_tokens)
     return limit
-
-
-def _split_prompt(prompt: str | dict[str, Any]) -> tuple[str, list[Any], list[str | None], str | None]:
-    """(text, image sources, per-image uuids, cache salt); a ValueError for a malformed prompt."""
-    if isinstance(prompt, str):
-        return prompt, [], [], None
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
-        raise ClientError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
-    unknown = set(prompt) - _PROMPT_KEYS
-    if unknown:
-        raise ClientError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
-    images = _image_list(prompt.get("multi_modal_data"), "multi_modal_data")
-    uuids = _image_list(prompt.get("multi_modal_uuids"), "multi_modal_uuids") or [None] * len(images)
-    check_uuids(images, uuids, "image")
-    kwargs = prompt.get("mm_processor_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ClientError("mm_processor_kwargs must be an object of processor settings")
-    salt = prompt.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ClientError("cache_salt must be a non-empty string")
-    return prompt["prompt"], images, uuids, salt
-
-
-def _image_list(mm: Any, name: str) -> list[Any]:
-    if mm is None:
-        return []
-    if not isinstance(mm, dict) or set(mm) - {"image", "video"}:
-        raise ClientError(f"{name} takes only the keys 'image' and 'video' (one value or a list each)")
-    value = mm.get("image", [])
-    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,17 +1,16 @@
 """The video half of P0's input processing (`InputProcessor.process` calls it).
 
-A prompt dict may carry videos as `multi_modal_data["video"]` (one or a list: a URL / path string,
-encoded bytes, or `(frames, fps)` with frames a T x H x W x 3 uint8 array), their ids as
-`multi_modal_uuids["video"]`, and loading options as `media_io_kwargs["video"]`. Videos are
+A `Prompt` may carry videos (a URL / path string, encoded bytes, or `(frames, fps)` with frames a
+T x H x W x 3 uint8 array), their uuids, and loading options as `media_io_kwargs["video"]`. Videos are
 resolved through the processor cache (multimodal/video_items.py); the prompt is expanded with
 images and videos together, and every video becomes one item per temporal group.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 from mmserve.errors import ClientError
+from mmserve.frontend.request.prompt import Prompt
 from mmserve.config import EngineConfig
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.multimodal.hasher import ItemHasher
@@ -39,10 +38,9 @@ class VideoInputs:
                                           mm.max_video_bytes, mm.media_io_kwargs.get("video"),
                                           config.needs_item_hash, budget, inflight)
 
-    def resolve(self, prompt: str | dict[str, Any], text: str, salt: str | None,
-                mm_kwargs: dict[str, Any] | None, bypass: bool = False) -> list[ResolvedItem]:
+    def resolve(self, prompt: Prompt, bypass: bool = False) -> list[ResolvedItem]:
         """The prompt's videos, resolved (ValueError / MediaError for anything refused)."""
-        videos, uuids, media_io = _split_videos(prompt)
+        videos, settings = prompt.videos, prompt.settings
         if not videos:
             return []
         if self.resolver is None or self.video_processor is None:
@@ -50,9 +48,9 @@ class VideoInputs:
         if len(videos) > self.max_videos:
             raise ClientError(f"the prompt has {len(videos)} videos, more than the limit of {self.max_videos} "
                              f"(--limit-mm-per-prompt)")
-        self.video_processor.check_video_count(text, len(videos))
-        opts = self.resolver.options(mm_kwargs, media_io)
-        return self.resolver.resolve(videos, uuids, salt, opts, bypass)
+        self.video_processor.check_video_count(prompt.text, len(videos))
+        opts = self.resolver.options(settings.mm_processor_kwargs, settings.media_io_kwargs)
+        return self.resolver.resolve(videos, prompt.video_uuids, settings.cache_salt, opts, bypass)
 
     def check_sizes(self, videos: list[ResolvedItem], limit: int) -> None:
         """ValueError when a video's temporal group has more embedding tokens than the encoder's
@@ -73,31 +71,3 @@ class VideoInputs:
         text = self.video_processor.expand_videos(text, [as_processed(v.data) for v in videos])
         token_ids, ranges = self.processor.expand(text, image_counts)
         return token_ids, ranges, group_items(self.video_processor, token_ids, videos)
-
-
-def _split_videos(prompt: str | dict[str, Any]) -> tuple[list[Any], list[str | None], dict[str, Any] | None]:
-    """(video sources, per-video uuids, media_io_kwargs); ValueError for a malformed field."""
-    if not isinstance(prompt, dict):
-        return [], [], None
-    data = prompt.get("multi_modal_data") or {}
-    value = data.get("video", []) if isinstance(data, dict) else []
-    videos = list(value) if isinstance(value, list) else [value]
-    ids = prompt.get("multi_modal_uuids") or {}
-    uuids = ids.get("video") if isinstance(ids, dict) else None
-    uuids = [None] * len(videos) if uuids is None else (list(uuids) if isinstance(uuids, list) else [uuids])
-    check_uuids(videos, uuids, "video")
-    media_io = prompt.get("media_io_kwargs")
-    if media_io is not None and not isinstance(media_io, dict):
-        raise ClientError("media_io_kwargs must be an object")
-    return videos, uuids, media_io
-
-
-def check_uuids(sources: list[Any], uuids: list[Any], kind: str) -> None:
-    """ValueError unless there is one uuid (a non-empty string or None) per source, and a source
-    is None only where its uuid is given."""
-    if len(uuids) != len(sources):
-        raise ClientError(f"multi_modal_uuids has {len(uuids)} {kind} uuid(s) for {len(sources)} {kind}(s)")
-    if not all(u is None or (isinstance(u, str) and u) for u in uuids):
-        raise ClientError(f"each {kind} uuid must be a non-empty string (or None)")
-    if any(source is None and u is None for source, u in zip(sources, uuids)):
-        raise ClientError(f"each {kind} may be None only when its uuid is given")

@@ -13,7 +13,6 @@ with `ENGINE_DEAD_EXIT_CODE` within a few seconds, for a supervisor to restart t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -28,7 +27,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mmserve.config import EngineConfig, engine_args_from_cli
+from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import family_tool_parser
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
@@ -43,7 +42,6 @@ from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.response_store import KeptResponses, ResponseStore
 from mmserve.entrypoints.openai.response_store_client import ResponseStoreClient
 from mmserve.metrics import CONTENT_TYPE, ServerMetrics
-from mmserve.models.hub import resolve_engine_model
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
 from mmserve.lazy_imports import keep_triton_out
@@ -84,9 +82,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                                 getattr(engine, "verify_figures", None))
     chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
-    responses = OpenAIServingResponses(chat, KeptResponses(store))
-    v1 = _v1_routes(engine, served_model_names, chat, OpenAIServingCompletion(engine, served_model_names, metrics),
-                    responses, api_key)
+    text = OpenAIServingCompletion(engine, served_model_names, metrics)
+    responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store))
+    v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -161,21 +159,6 @@ def _api_key_check(api_key: str | None) -> Any:
 @dataclass
 class _RunState:
     exit_code: int = 0
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / Ctrl-C (exit 0) or the engine core's death (`ENGINE_DEAD_EXIT_CODE`).
-
-    ValueError for bad flags; RuntimeError if the engine core cannot start.
-    """
-    server_config = ServerConfig.from_cli(args)
-    # the model is downloaded or found here, once, before any other process starts (models/hub.py)
-    engine_config = resolve_engine_model(EngineConfig.from_kwargs(**engine_args_from_cli(args)))
-    if engine_config.parallel.api_server_count > 1:
-        from mmserve.launcher.launcher import run_launcher
-
-        return run_launcher(server_config, engine_config)
-    return serve_api_server(server_config, engine_config)
 
 
 def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None = None,

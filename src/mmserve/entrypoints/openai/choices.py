@@ -1,6 +1,6 @@
-"""What the chat and completions handlers share about choices: the `n` completions of one
-`RequestOutput` as streamed deltas (`ChoiceStream`, the SSE loop both streams run), a request's
-outcome, and log probabilities in OpenAI's two shapes.
+"""What the endpoints share about choices: the `n` completions of one `RequestOutput` as streamed
+deltas (`ChoiceStream`, the SSE loop chat, completions and responses streams run), and log
+probabilities in OpenAI's two shapes.
 
 Log probabilities come from the engine as one `{token id: Logprob}` per token (the sampled token
 and its top K, see `SamplingParams`); a masked alternative (-inf, e.g. a token a JSON schema forbids)
@@ -12,14 +12,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncGenerator
+from typing import Any, AsyncGenerator
 
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.entrypoints.openai.serving_base import RequestRecord, outcome_of
 from mmserve.outputs import Logprob, RequestOutput
-
-if TYPE_CHECKING:
-    from mmserve.entrypoints.openai.serving_chat import RequestRecord
 
 FLOOR = -9999.0
 
@@ -59,15 +57,6 @@ class ChoiceTracker:
             if delta.text or delta.token_ids or delta.finish_reason:
                 result.append(delta)
         return result
-
-
-def outcome_of(out: RequestOutput) -> str:
-    """`success` for a request finished by stop or length (every choice), else `abort`."""
-    return "success" if out.finished and all(c.finish_reason in ("stop", "length") for c in out.outputs) else "abort"
-
-
-def completion_tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
 
 
 def _value(lp: Logprob) -> float:

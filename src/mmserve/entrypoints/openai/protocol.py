@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
+from mmserve.frontend.request.prompt import PromptSettings
 from mmserve.sampling_params import SamplingParams
 
 
@@ -185,6 +186,9 @@ class ChatCompletionRequest(SamplingExtras):
             **self.extra_sampling_values(),
         }
         return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
+
+    def prompt_settings(self) -> PromptSettings:
+        return PromptSettings(self.cache_salt, self.mm_processor_kwargs, self.media_io_kwargs)
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """The messages as plain OpenAI-style dicts, for `AsyncLLM.build_prompt`."""

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.protocol import ParameterError, StreamOptions, UsageInfo
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
+from mmserve.frontend.request.prompt import PromptSettings
 from mmserve.sampling_params import MAX_N, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -70,10 +71,13 @@ class CompletionRequest(SamplingExtras):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def to_sampling_params(self, max_model_len: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def prompt_settings(self) -> PromptSettings:
+        return PromptSettings(self.cache_salt)
+
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """As `ChatCompletionRequest.to_sampling_params`."""
         values: dict[str, Any] = {
-            "max_tokens": max_model_len if self.max_tokens is None else self.max_tokens,
+            "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "n": self.n, "logprobs": self.logprobs, "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.entrypoints.openai.protocol import ParameterError
 from mmserve.entrypoints.openai.sampling_extras import structured_outputs_of
+from mmserve.frontend.request.prompt import PromptSettings
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
 
@@ -71,6 +72,12 @@ class ResponsesRequest(BaseModel):
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+    def check_supported(self) -> None:
+        """Every field a response honours is checked where it is read (`text.format`, `tools`)."""
+
+    def prompt_settings(self) -> PromptSettings:
+        return PromptSettings(self.cache_salt, self.mm_processor_kwargs)
 
     def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a bad value); `defaults` fill unset fields."""

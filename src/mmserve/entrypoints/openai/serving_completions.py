@@ -1,82 +1,67 @@
 """`POST /v1/completions`: text prompts as they are (no chat template), answered whole or streamed.
 
-The request path is the chat handler's (`serving_chat.py`: model check, the engine generator closed
-however the request ends, errors before the first output as HTTP errors, after it as an SSE error
-event); only the body and the response shapes differ. Streamed chunks carry `text` per choice and,
-with `logprobs`, the legacy log-probability lists of that chunk's tokens.
+The request's path is the serving base's (`serving_base.py`); only the prompts and the response
+shapes are completions' own. Several prompts run as one request (`prompt_batch.py`). Streamed
+chunks carry `text` per choice and, with `logprobs`, the legacy log-probability lists of that
+chunk's tokens.
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs
 from mmserve.cache_report import cache_headers
-from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
+from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
-from mmserve.entrypoints.openai.routing import routing
-from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat, RequestRecord, first_output, last_output
-from mmserve.entrypoints.openai.streaming import SSEResponse
-
-logger = logging.getLogger(__name__)
+from mmserve.entrypoints.openai.serving_base import OpenAIServing, Outputs, ServeContext
+from mmserve.frontend.request.prompt import Prompt
+from mmserve.outputs import RequestOutput
 
 
-class OpenAIServingCompletion(OpenAIServingChat):
-    """The completions handler; shares the chat handler's engine, names, metrics and model check."""
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions handler."""
 
     async def create_completion(self, raw_request: Request) -> Response:
-        return await self.recorded(self._create_completion, raw_request)
+        return await self.serve(raw_request, CompletionRequest, "cmpl-", self._create)
 
-    async def _create_completion(self, raw_request: Request, record: RequestRecord) -> Response:
-        request = CompletionRequest.model_validate_json(await raw_request.body())
-        model = self.check_model(request.model)
-        request.check_supported()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        if request.unknown_fields():
-            logger.warning("request %s: ignoring unknown field(s): %s", request_id, ", ".join(request.unknown_fields()))
-        defaults = self.engine.generation_defaults
-        params = request.to_sampling_params(defaults.max_tokens(self.engine.max_model_len), defaults.request_defaults)
-        prompts: list[str | dict] = [text if request.cache_salt is None else
-                                     {"prompt": text, "cache_salt": request.cache_salt} for text in request.prompts]
-        route = routing(raw_request, bool(request.stream))
+    async def _create(self, ctx: ServeContext[CompletionRequest]) -> Response:
+        request = ctx.request
+        prompts = [Prompt(text, settings=ctx.settings) for text in request.prompts]
+        outputs: Outputs
         if len(prompts) == 1:
-            outputs = self.engine.generate(request_id, prompts[0], params, **route)
+            outputs = self.generate(ctx, prompts[0])
         else:
-            outputs = merged_outputs(request_id, [self.engine.generate(f"{request_id}-{p}", prompt, params, **route)
-                                                  for p, prompt in enumerate(prompts)], params.n)
-        handed_over = False
-        try:
-            first = await first_output(outputs)
-            record.observe(first)
-            top = request.logprobs or 0
-            if request.stream:
-                include_usage = request.stream_options is not None and request.stream_options.include_usage
-                stream = CompletionStream(request_id, model, outputs, first, record, include_usage, top)
-                handed_over = True
-                return SSEResponse(stream, cache_headers(record.report))
-            final = await last_output(outputs, first, record)
+            outputs = merged_outputs(ctx.request_id, [self.generate(ctx, prompt, request_id=f"{ctx.request_id}-{p}")
+                                                      for p, prompt in enumerate(prompts)], ctx.params.n)
+        top = request.logprobs or 0
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        def stream(first: RequestOutput) -> CompletionStream:
+            return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top)
+
+        async def whole(final: RequestOutput) -> Response:
             choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                         logprobs=None if c.logprobs is None else
                                         completion_logprobs(c.token_ids, c.logprobs, top))
                        for c in final.outputs]
+            record = ctx.record
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
-            return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices,
+            return JSONResponse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
                                                    usage=usage).model_dump(), headers=cache_headers(record.report))
-        finally:
-            if not handed_over:
-                await outputs.aclose()
+
+        return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
 class CompletionStream(ChoiceStream):
     """Completions chunks: per choice and step its new text (with the legacy log-probability lists
     of those tokens when asked for), the finish reason in the chunk of its last text."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # characters sent per choice, for text_offset
 

@@ -2,8 +2,8 @@
 
 A request becomes chat messages (`protocol_responses.py`: the stored conversation of its
 `previous_response_id`, its `instructions` as the system turn, its input items), then runs exactly as a
-chat completion does (`OpenAIServingChat.start`: tool modes and forced-call grammars, the chat
-template, every cache layer), and is answered as a response object (`responses_output.py`) or
+chat completion does (`serving_base.py: OpenAIServing.start_chat`: tool modes and forced-call
+grammars, the chat template, every cache layer), and is answered as a response object (`responses_output.py`) or
 as the Responses API's events (`responses_stream.py`). A finished response's conversation is kept
 (`response_store.py`, scoped by the request's API key and `cache_salt`) unless the request says
 `store: false`; kept before its last bytes are sent, so a follow-up that read them finds it.
@@ -11,9 +11,7 @@ as the Responses API's events (`responses_stream.py`). A finished response's con
 
 from __future__ import annotations
 
-import logging
-import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -25,68 +23,54 @@ from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from mmserve.entrypoints.openai.response_store import Conversation, KeptResponses, scope_of
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
-from mmserve.entrypoints.openai.serving_chat import (ChatTurns, OpenAIServingChat, RequestRecord, first_output,
-                                                     last_output)
-from mmserve.entrypoints.openai.streaming import SSEResponse
+from mmserve.entrypoints.openai.serving_base import OpenAIServing, ServeContext
 from mmserve.entrypoints.openai.tool_calls import tool_mode
+from mmserve.metrics import ServerMetrics
+from mmserve.outputs import RequestOutput
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from mmserve.frontend.async_llm import AsyncLLM
 
 
-class OpenAIServingResponses:
-    """The responses handler: the chat handler's machinery plus the store of finished responses."""
+class OpenAIServingResponses(OpenAIServing):
+    """The responses handler: the serving base plus the store of finished responses."""
 
-    def __init__(self, chat: OpenAIServingChat, store: KeptResponses) -> None:
-        self.chat = chat
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
+                 auto_tool_parser: str | None, store: KeptResponses) -> None:
+        super().__init__(engine, served_model_names, metrics, auto_tool_parser)
         self.store = store
 
     async def create_response(self, raw_request: Request) -> Response:
-        return await self.chat.recorded(self._create, raw_request)
+        return await self.serve(raw_request, ResponsesRequest, "resp_", self._create)
 
-    async def _create(self, raw_request: Request, record: RequestRecord) -> Response:
-        request = ResponsesRequest.model_validate_json(await raw_request.body())
-        model = self.chat.check_model(request.model)
-        response_id = f"resp_{uuid.uuid4().hex}"
-        if request.unknown_fields():
-            logger.warning("request %s: ignoring unknown field(s): %s", response_id,
-                           ", ".join(request.unknown_fields()))
-        scope = scope_of(_bearer(raw_request), request.cache_salt)
+    async def _create(self, ctx: ServeContext[ResponsesRequest]) -> Response:
+        request, response_id = ctx.request, ctx.request_id
+        scope = scope_of(_bearer(ctx.raw_request), request.cache_salt)
         history = await self._history(scope, request.previous_response_id) + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        defaults = self.chat.engine.generation_defaults
-        params = request.to_sampling_params(defaults.max_tokens(self.chat.engine.max_model_len),
-                                            defaults.request_defaults)
         tool_specs = request.chat_tools()
-        tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls,
-                          self.chat.auto_tool_parser)
-        turns = ChatTurns(system + history, tools, tool_specs, request.cache_salt,
-                          {"mm_processor_kwargs": request.mm_processor_kwargs}, format_param="text.format")
-        outputs = await self.chat.start(raw_request, response_id, turns, params, bool(request.stream))
-        shape = ResponseShape(response_id, model, request)
+        tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls, self.auto_tool_parser)
+        outputs = await self.start_chat(ctx, system + history, tools, tool_specs, format_param="text.format")
+        shape = ResponseShape(response_id, ctx.model, request)
 
         async def keep(items: list[dict[str, Any]]) -> None:
             if request.store is not False:
                 await self.store.put(scope, response_id, history + [history_turn(items)])
 
-        handed_over = False
-        try:
-            first = await first_output(outputs)
-            record.observe(first)
-            if request.stream:
-                stream = ResponsesStream(response_id, model, outputs, first, record, True, 0, shape=shape,
-                                         tools=tools, on_done=keep)
-                handed_over = True
-                return SSEResponse(stream, cache_headers(record.report))
-            final = await last_output(outputs, first, record)
-        finally:
-            if not handed_over:
-                await outputs.aclose()
-        choice = final.outputs[0]
-        content, calls = tools.extract(choice.text) if tools is not None else (choice.text, [])
-        usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
-        body, items = shape.whole(content, calls, usage, choice.finish_reason)
-        await keep(items)
-        return JSONResponse(body, headers=cache_headers(record.report))
+        def stream(first: RequestOutput) -> ResponsesStream:
+            return ResponsesStream(response_id, ctx.model, outputs, first, ctx.record, True, 0, shape=shape,
+                                   tools=tools, on_done=keep)
+
+        async def whole(final: RequestOutput) -> Response:
+            choice = final.outputs[0]
+            content, calls = tools.extract(choice.text) if tools is not None else (choice.text, [])
+            record = ctx.record
+            usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
+            body, items = shape.whole(content, calls, usage, choice.finish_reason)
+            await keep(items)
+            return JSONResponse(body, headers=cache_headers(record.report))
+
+        return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
     async def _history(self, scope: str, previous_response_id: str | None) -> Conversation:
         if previous_response_id is None:

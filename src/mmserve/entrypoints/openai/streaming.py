@@ -7,21 +7,32 @@ if it still runs, so a client that disconnects before or during its answer frees
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from mmserve.entrypoints.openai.choices import ChoiceStream
 from mmserve.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST
+
+
+class EventStream(Protocol):
+    """A streamed request's SSE events (`choices.py: ChoiceStream` and its kinds)."""
+
+    def events(self) -> AsyncGenerator[str, None]:
+        """One string per engine output, the last ending in `data: [DONE]`."""
+        ...
+
+    async def close(self) -> None:
+        """End the request (its engine generator closed, which aborts it if it still runs)."""
+        ...
 
 
 class SSEResponse(StreamingResponse):
     """A `text/event-stream` response that ends its request however the stream stops.
 
     The first step's events are written before anything else is set up: the first string of
-    `ChoiceStream.events()` is made first, then the status line and it leave back to back (the
+    `EventStream.events()` is made first, then the status line and it leave back to back (the
     client wakes once for both, not once for the headers and again for the first token), with no
     task started on the way (Starlette's `StreamingResponse` starts its sender in a task group
     first, a few event-loop turns later).
@@ -29,7 +40,7 @@ class SSEResponse(StreamingResponse):
     Closing here makes sure the engine generator is closed (and the request aborted) in every case.
     """
 
-    def __init__(self, stream: ChoiceStream, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, stream: EventStream, headers: dict[str, str] | None = None) -> None:
         """`headers`: more response headers (the cache report, known from the first output)."""
         self.events = stream.events()
         super().__init__(self.events, media_type="text/event-stream",

@@ -21,6 +21,7 @@ from mmserve.frontend.dp.dp_router import Route
 from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.request.open_requests import OpenRequests, OutputQueue
+from mmserve.frontend.request.prompt import Prompt
 from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.transport.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest
@@ -40,7 +41,7 @@ class Admission:
         self.requests = requests
         self.failover = failover
 
-    async def admit(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+    async def admit(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                     stream: bool, rank: int | None, shadow: bool = False,
                     return_first_logits: bool = False) -> OutputQueue:
         """Resolve the request, register it and send it to P1: the one place that owns the undo.
@@ -52,6 +53,7 @@ class Admission:
         resolves (the client left) runs the undo once that thread has ended, since it goes on
         regardless. A `shadow` request (the cache verifier's) has its items processed again;
         `return_first_logits` asks P1 for the first token's logits row."""
+        prompt = Prompt.parse(prompt)  # a malformed prompt is refused before anything is done for it
         queue = self.requests.open(request_id)  # reserves the id before anything else is done for it
         undo = UndoLog()
         undo.push(self.requests.close, request_id)
@@ -65,7 +67,7 @@ class Admission:
             if rank is None and not self.failover.ranks.live():
                 await self.failover.wait_for_live_rank()  # the rank died while the request was resolved
             picked = await self.flights.pick(request, rank)  # a remote router's round trip, awaited
-            flight = Flight(0, request, prompt if isinstance(prompt, str) else prompt.get("prompt"), stream, report)
+            flight = Flight(0, request, prompt.text, stream, report)
             self._register(flight, undo, rank, picked, wire)
         except asyncio.CancelledError:
             if resolving is None:
@@ -79,7 +81,7 @@ class Admission:
         self.input_processor.accept(request_id)
         return queue
 
-    def _resolve(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams, shadow: bool,
+    def _resolve(self, request_id: str, prompt: Prompt, params: SamplingParams, shadow: bool,
                  first_logits: bool, report: CacheReport, undo: UndoLog,
                  ) -> tuple[EngineCoreRequest, EngineCoreRequest | None]:
         """In the worker thread: the processed request, and its message through the node's store

@@ -13,6 +13,7 @@ from typing import Any
 from PIL import Image
 
 from mmserve.errors import ClientError
+from mmserve.frontend.request.prompt import Prompt, PromptSettings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "image_url", "image_pil", "image", "video_url", "video")
@@ -28,18 +29,9 @@ class ChatInputs:
     videos: list[Any] = field(default_factory=list)  # URL strings or (frames, fps); None: by uuid
     video_uuids: list[str | None] = field(default_factory=list)
 
-    def prompt(self, text: str, cache_salt: str | None = None) -> dict[str, Any]:
-        """The prompt dict `LLM.generate` / `AsyncLLM.generate` take, for the rendered `text`."""
-        prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": {"image": self.images}}
-        if any(u is not None for u in self.uuids):
-            prompt["multi_modal_uuids"] = {"image": self.uuids}
-        if self.videos:
-            prompt["multi_modal_data"]["video"] = self.videos
-            if any(u is not None for u in self.video_uuids):
-                prompt.setdefault("multi_modal_uuids", {})["video"] = self.video_uuids
-        if cache_salt is not None:
-            prompt["cache_salt"] = cache_salt
-        return prompt
+    def prompt(self, text: str, settings: PromptSettings | None = None) -> Prompt:
+        """The request's prompt, for the rendered `text`: this conversation's media and `settings`."""
+        return Prompt(text, self.images, self.uuids, self.videos, self.video_uuids, settings or PromptSettings())
 
 
 def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:

@@ -1,0 +1,238 @@
+"""The serving base: what every OpenAI endpoint does with a request around its own part.
+
+vLLM's `serving_engine.py: OpenAIServing` gives the shape: one base owns the engine, the served
+model names and the metrics, and `OpenAIServingChat`, `OpenAIServingCompletion` and
+`OpenAIServingResponses` subclass it, keeping only their request and response shapes.
+- `serve`: the preamble (the body parsed into the endpoint's request type, the model checked, the
+  parameters checked, the checkpoint's generation-config defaults under the request's own values
+  in `SamplingParams`, the request's `PromptSettings`) into a `ServeContext`, and the request counted
+  once in /metrics however it ends (`RequestRecord`).
+- `start_chat`: a conversation rendered into the request's one `Prompt` (a forced tool call becomes
+  the grammar) and started; `generate` starts any prompt with the request's routing.
+- `respond`: the first output awaited, then the rest streamed (`streaming.py: SSEResponse`) or
+  awaited and answered whole. The engine generator is closed however the request ends, which aborts
+  it in the engine core if still running. Errors before the first output are HTTP errors (4xx /
+  503); once a stream has started they are an SSE `error` event followed by `[DONE]` (`ChoiceStream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable, Generic, Protocol, TypeVar
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from mmserve.cache_report import CacheReport, cache_headers
+from mmserve.entrypoints.openai.errors import OpenAIError
+from mmserve.entrypoints.openai.protocol import ParameterError
+from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
+from mmserve.entrypoints.openai.tool_calls import ToolMode
+from mmserve.frontend.request.prompt import Prompt, PromptSettings
+from mmserve.metrics import ServerMetrics
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmserve.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+Outputs = AsyncGenerator[RequestOutput, None]
+
+
+class OpenAIRequest(Protocol):
+    """What the preamble asks of an endpoint's request body (`protocol*.py`)."""
+
+    model: str | None
+    stream: bool | None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray) -> Any: ...
+
+    def check_supported(self) -> None: ...
+
+    def unknown_fields(self) -> list[str]: ...
+
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+                           ) -> SamplingParams: ...
+
+    def prompt_settings(self) -> PromptSettings: ...
+
+
+R = TypeVar("R", bound=OpenAIRequest)
+
+
+def outcome_of(out: RequestOutput) -> str:
+    """`success` for a request finished by stop or length (every choice), else `abort`."""
+    return "success" if out.finished and all(c.finish_reason in ("stop", "length") for c in out.outputs) else "abort"
+
+
+def completion_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
+
+
+@dataclass
+class RequestRecord:
+    """One request's token counts and times (perf_counter seconds), counted once when it ends."""
+
+    metrics: ServerMetrics
+    arrival: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    report: CacheReport | None = None  # what each cache layer did for the prompt (`x-mmserve-cache`)
+    first_token_time: float | None = None
+    finished: bool = False
+
+    def observe(self, out: RequestOutput) -> None:
+        self.prompt_tokens = len(out.prompt_token_ids)
+        self.generation_tokens = completion_tokens(out)
+        self.cached_tokens = out.num_cached_tokens or 0
+        self.report = out.cache_report or self.report
+        if self.first_token_time is None and self.generation_tokens:
+            self.first_token_time = time.perf_counter()
+
+    def finish(self, outcome: str) -> None:
+        """Count the request under `outcome`; later calls do nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        self.metrics.on_request_finished(outcome, self.prompt_tokens, self.generation_tokens, ttft,
+                                         time.perf_counter() - self.arrival)
+
+
+@dataclass
+class ServeContext(Generic[R]):
+    """One request past the preamble, as its endpoint serves it (vLLM's name)."""
+
+    raw_request: Request
+    request: R
+    request_id: str
+    model: str  # the served model name to answer with
+    params: SamplingParams  # the request's values over the checkpoint's generation-config defaults
+    settings: PromptSettings
+    record: RequestRecord
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+    def routing(self) -> dict[str, Any]:
+        """How the engine may place the request on a data-parallel rank: `stream` (a whole answer
+        can start over on another rank until its end) and the rank an `X-Data-Parallel-Rank` header forces."""
+        header = self.raw_request.headers.get("x-data-parallel-rank")
+        if header is None:
+            return {"stream": self.stream}
+        if not header.strip().isdigit():
+            raise ParameterError("X-Data-Parallel-Rank", f"the X-Data-Parallel-Rank header must be a rank number; "
+                                 f"got {header!r}")
+        return {"stream": self.stream, "data_parallel_rank": int(header)}
+
+
+class OpenAIServing:
+    """The base of the OpenAI handlers over an `AsyncLLM`-like engine."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
+                 auto_tool_parser: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+        self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
+
+    async def serve(self, raw_request: Request, request_type: type[R], id_prefix: str,
+                    handler: Callable[[ServeContext[R]], Awaitable[Response]]) -> Response:
+        """Run the preamble, then `handler`; every exception is counted as an error (abort if
+        cancelled) and re-raised."""
+        record = RequestRecord(self.metrics, time.perf_counter())
+        try:
+            return await handler(await self._preamble(raw_request, request_type, id_prefix, record))
+        except asyncio.CancelledError:
+            record.finish("abort")
+            raise
+        except BaseException:
+            record.finish("error")
+            raise
+
+    async def _preamble(self, raw_request: Request, request_type: type[R], id_prefix: str,
+                        record: RequestRecord) -> ServeContext[R]:
+        request: R = request_type.model_validate_json(await raw_request.body())
+        model = self.check_model(request.model)
+        request.check_supported()
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
+        if request.unknown_fields():
+            logger.warning("request %s: ignoring unknown field(s): %s", request_id,
+                           ", ".join(request.unknown_fields()))
+        defaults = self.engine.generation_defaults  # the engine stops at max_model_len
+        params = request.to_sampling_params(defaults.max_tokens(self.engine.max_model_len), defaults.request_defaults)
+        return ServeContext(raw_request, request, request_id, model, params, request.prompt_settings(), record)
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; a 404 for a name this server does not serve."""
+        if name is None:
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, self.served_model_names))}", code="model_not_found",
+                              param="model")
+        return name
+
+    async def start_chat(self, ctx: ServeContext[Any], messages: list[dict[str, Any]], tools: ToolMode | None,
+                         tool_specs: list[dict[str, Any]] | None, format_param: str = "response_format") -> Outputs:
+        """Start a conversation, as chat and responses both do: a forced tool call becomes the
+        grammar (refused next to another structure, named by `format_param`), the chat template
+        renders the messages with `tool_specs` into the request's prompt. Returns the engine's outputs."""
+        params = ctx.params
+        if tools is not None and tools.forced:
+            if params.structured_outputs is not None:
+                raise ParameterError(format_param, f"{format_param} cannot be combined with a forced tool call")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured())
+        prompt = await self.engine.build_prompt(messages, tool_specs, ctx.settings)
+        return self.generate(ctx, prompt, params)
+
+    def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> Outputs:
+        """The engine's outputs for `prompt`, routed as the request asks (`ServeContext.routing`)."""
+        return self.engine.generate(request_id or ctx.request_id, prompt, params or ctx.params, **ctx.routing())
+
+    async def respond(self, ctx: ServeContext[Any], outputs: Outputs,
+                      stream: Callable[[RequestOutput], EventStream] | None,
+                      whole: Callable[[RequestOutput], Awaitable[Response]]) -> Response:
+        """Await the first output; then hand the rest to `stream(first)`'s SSE response or await the
+        last output and answer `whole(final)`. `outputs` is closed unless a stream took it."""
+        handed_over = False
+        try:
+            first = await first_output(outputs)
+            ctx.record.observe(first)
+            if stream is not None:
+                events = stream(first)
+                handed_over = True
+                return SSEResponse(events, cache_headers(ctx.record.report))
+            final = await last_output(outputs, first, ctx.record)
+        finally:
+            if not handed_over:
+                await outputs.aclose()
+        return await whole(final)
+
+
+async def first_output(outputs: Outputs) -> RequestOutput:
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        raise RuntimeError("the engine ended a request without any output") from None
+
+
+async def last_output(outputs: Outputs, first: RequestOutput, record: RequestRecord) -> RequestOutput:
+    """Wait for the request's last output (observed in `record`, counted as its outcome)."""
+    final = first
+    async for out in outputs:
+        record.observe(out)
+        final = out
+    record.finish(outcome_of(final))
+    return final
