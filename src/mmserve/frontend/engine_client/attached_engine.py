@@ -68,9 +68,11 @@ class AttachedEngineProcess:
     is_local = True
     host = None
 
-    def __init__(self) -> None:
+    def __init__(self, launcher_pid: int | None = None) -> None:
         self.pid: int | None = None
-        self.launcher = os.getppid()
+        # the launcher's pid as it handed it down: a restart begun after the launcher died must not
+        # take the re-parented parent (init) for the launcher and wait out startup_timeout_s
+        self.launcher = os.getppid() if launcher_pid is None else launcher_pid
 
     def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
               output_addr: str | Sequence[str], shm_info: bytes | None) -> None:
@@ -81,7 +83,7 @@ class AttachedEngineProcess:
 
     def is_alive(self) -> bool:
         if self.pid is None:
-            return os.getppid() == self.launcher
+            return os.getppid() == self.launcher and pid_alive(self.launcher)
         return pid_alive(self.pid)
 
     def join(self, timeout_s: float) -> None:
