@@ -65,7 +65,8 @@ class EngineRanks:
         att = self.attachment
         if att is None:
             return EngineCoreClient(self.config.for_rank(rank, restarts), self.model_dir, shm_info=self.shm_info)
-        client = EngineCoreClient(self.config.for_rank(rank), self.model_dir, engine=AttachedEngineProcess(att.launcher_pid),
+        client = EngineCoreClient(self.config.for_rank(rank), self.model_dir,
+                                  engine=AttachedEngineProcess(att.launcher_pid),
                                   addresses=engine_addresses(att.ipc_dir, self.config.parallel.api_server_index, rank))
         self.restarts[rank] = client.restarts  # the launcher's supervisor counts this rank's restarts
         return client
