@@ -40,3 +40,13 @@ def test_heavy_imports_wait_for_a_structured_request_and_ctrl_c_is_quiet(tmp_pat
     output = server.output()
     assert code == 0, output
     assert "nanobind" not in output and "Traceback" not in output, output[-3000:]
+
+
+def test_the_engine_cores_start_up_lines_reach_the_servers_output(tmp_path):
+    """The engine core is a spawned process: it logs at the server's --log-level (its KV blocks, the
+    model's resident weight bytes), not at logging's unconfigured default, which dropped them."""
+    server = ServerProcess(make_checkpoint(tmp_path), "--max-model-len", "256")
+    code = server.stop(signal.SIGINT)
+    output = server.output()
+    assert code == 0, output
+    assert "engine core ready" in output and "MiB resident" in output, output[-3000:]

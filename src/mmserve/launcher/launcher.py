@@ -40,7 +40,8 @@ from multiprocessing.synchronize import Event
 
 from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import with_item_transport
-from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, configure_logging, serve_api_server
+from mmserve import log_levels
+from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, serve_api_server
 from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
@@ -61,7 +62,7 @@ SERVER_STOP_S = 10.0  # how long an API server may take to stop after SIGTERM be
 
 
 def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    configure_logging(server_config.log_level)
+    log_levels.configure(server_config.log_level)
     process = ServingProcess("launcher", retain_freed=False)
     engine_config = with_item_transport(engine_config)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from mmserve import log_levels
 from mmserve.config import EngineConfig
 from mmserve.ipc.lifecycle import describe_exit
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, ModelRunnerOutput, SchedulerOutput, ShutdownWorker,
@@ -139,7 +140,8 @@ class MultiprocExecutor:
         info = msgspec.msgpack.encode(res.broadcast.info)
         for rank in range(self.tp_size):
             args = WorkerArgs(rank, self.tp_size, config, model_dir, info, result_address,
-                              os.path.join(res.ipc_dir, "dist-store"), os.getpid(), shm_store)
+                              os.path.join(res.ipc_dir, "dist-store"), os.getpid(), shm_store,
+                              log_levels.current())
             proc = spawn.Process(target=run_worker, args=(args,), name=f"mmserve-tp-rank-{rank}", daemon=True)
             proc.start()
             res.procs.append(proc)

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve import log_levels
 from mmserve.gc_tuning import pause_collection
 from mmserve.serving_process import ServingProcess
 from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
@@ -63,10 +64,12 @@ class WorkerArgs:
     dist_store_path: str
     parent_pid: int
     shm_store: bytes | None = None
+    log_level: int = logging.WARNING  # the engine core's (`log_levels.current()`)
 
 
 def run_worker(args: WorkerArgs) -> None:
     pause_collection()  # until the worker serves (`ServingProcess.serve`)
+    log_levels.adopt(args.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     results: QueueSender = QueueSender(ctx, args.result_address, MsgpackEncoder(), bind=False, linger_ms=_LINGER_MS)

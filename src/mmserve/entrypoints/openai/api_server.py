@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mmserve import log_levels
 from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import family_tool_parser
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
@@ -166,7 +167,7 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     """One API server until SIGTERM / Ctrl-C (0) or its engine cores' death. With `attachment` it is
     API server `engine_config.parallel.api_server_index` of a launcher's several: it serves on the
     launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
-    configure_logging(server_config.log_level)
+    log_levels.configure(server_config.log_level)
     # before any other thread starts; the processor cache keeps each new item's pixels
     process = ServingProcess(f"api_server_{engine_config.parallel.api_server_index}",
                              min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
@@ -280,8 +281,3 @@ def _bound_port(server: uvicorn.Server) -> int:
     return server.config.port
 
 
-def configure_logging(level: str) -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mmserve").setLevel(level.upper())

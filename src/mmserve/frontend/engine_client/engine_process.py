@@ -23,6 +23,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
+from mmserve import log_levels
 from mmserve.config import EngineConfig
 from mmserve.gc_tuning import pause_collection
 from mmserve.ipc.lifecycle import describe_exit
@@ -105,7 +106,8 @@ class LocalEngineProcess:
         """Also (for the launcher of several API servers): an address per server, and the coordinator's `stats_addr`."""
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_run_engine_core, args=(config, model_dir, input_addr, output_addr, shm_info, stats_addr),
+            target=_run_engine_core,
+            args=(log_levels.current(), config, model_dir, input_addr, output_addr, shm_info, stats_addr),
             name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
         self.process.start()
 
@@ -141,9 +143,11 @@ class LocalEngineProcess:
         _reap(proc)
 
 
-def _run_engine_core(*args: Any) -> None:
-    """P1's entry point: collection paused before the engine core's imports (torch, the model)."""
+def _run_engine_core(log_level: int, *args: Any) -> None:
+    """P1's entry point: collection paused before the engine core's imports (torch, the model);
+    mmserve's records logged at the parent's `log_level`."""
     pause_collection()
+    log_levels.adopt(log_level)
     from mmserve.engine.core_proc import run_engine_core
 
     run_engine_core(*args)
