@@ -28,7 +28,7 @@ from mmserve.frontend.dp.dp_router import Route, Router
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.transport.item_transport import ItemTransport
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures, RankFigures

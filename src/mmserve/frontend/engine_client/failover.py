@@ -28,7 +28,7 @@ from mmserve.frontend.dp.flights import Flight, RequestFlights, resumed
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.frontend.output.output_processor import OutputProcessor
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 
 logger = logging.getLogger(__name__)
 

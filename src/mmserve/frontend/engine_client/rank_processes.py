@@ -21,7 +21,7 @@ from mmserve.frontend.dp.dp_router import DPRouter
 from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
-from mmserve.frontend.request.undo import UndoLog
+from mmserve.transport.undo import UndoLog
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
