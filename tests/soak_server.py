@@ -117,7 +117,7 @@ def _state(engine: AsyncLLM) -> dict[str, tuple[Any, Any]]:
     state: dict[str, tuple[Any, Any]] = {
         "requests running": (stats.num_running, 0), "requests waiting": (stats.num_waiting, 0),
         "free KV blocks": (stats.num_free_blocks, stats.num_total_blocks),
-        "P0 request queues": (sorted(engine.requests.queues), []), "P0 request flights": (engine.flights.ids(), []),
+        "P0 request queues": (sorted(engine.requests.queues), []), "P0 requests sent": (engine.requests.ids(), []),
         "P0 output state": (engine.output_processor.has_unfinished_requests(), False),
         "P0 items pending commit": (sorted(processor._pending), []),
         "P0 items in flight": (sorted(processor.items.inflight.futures), []),

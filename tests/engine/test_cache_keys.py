@@ -135,8 +135,8 @@ def check_partial(llm: LLM, ra: EngineCoreRequest, rb: EngineCoreRequest) -> tup
 def check_pair(llm: LLM, a: dict, b: dict) -> None:
     hasher = BlockHasher(BS)
     params = SamplingParams(max_tokens=1)
-    ra = llm.engine.input_processor.process("a", a, params, commit=True)
-    rb = llm.engine.input_processor.process("b", b, params, commit=True)
+    ra = llm.engine.input_processor.process("a", a, params)
+    rb = llm.engine.input_processor.process("b", b, params)
     ka, kb = keys(hasher, ra), keys(hasher, rb)
     pa, pb = positions(llm, ra), positions(llm, rb)
     full_a, full_b = len(ka) - 1, len(kb) - 1
@@ -184,8 +184,8 @@ def test_a_new_question_after_the_same_items_copies_all_it_can(family_llm):
     for shared, tail_a, tail_b in (([("image", 0)], [("text", "see the clip")], [("text", "see the b")]),
                                    ([("video", 2.0), ("text", "and then")], [("text", "a b")], [("text", "now")]),
                                    ([("text", "a b")], [("image", 0)], [("image", 1)])):
-        ra = llm.engine.input_processor.process("a", build(shared + tail_a, family), params, commit=True)
-        rb = llm.engine.input_processor.process("b", build(shared + tail_b, family), params, commit=True)
+        ra = llm.engine.input_processor.process("a", build(shared + tail_a, family), params)
+        rb = llm.engine.input_processor.process("b", build(shared + tail_b, family), params)
         start, k = check_partial(llm, ra, rb)
         n = min(len(ra.prompt_token_ids), len(rb.prompt_token_ids))
         same = [x == y for x, y in zip(ra.prompt_token_ids, rb.prompt_token_ids)]
@@ -213,8 +213,8 @@ def test_a_clip_at_another_fps_is_answered_as_fresh(tmp_path_factory):
     assert refs[0] != refs[1], "the model must tell the two frame rates apart for this test to mean anything"
 
     llm = LLM(model=path, block_size=BS)
-    ra = llm.engine.input_processor.process("probe-a", slow, params, commit=True)
-    rb = llm.engine.input_processor.process("probe-b", fast, params, commit=True)
+    ra = llm.engine.input_processor.process("probe-a", slow, params)
+    rb = llm.engine.input_processor.process("probe-b", fast, params)
     assert ra.prompt_token_ids == rb.prompt_token_ids
     assert [i.mm_hash for i in ra.mm_items] == [i.mm_hash for i in rb.mm_items]
 

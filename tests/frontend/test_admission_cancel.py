@@ -32,7 +32,8 @@ def engine(request, tmp_path_factory):
 
 def p0_leftovers(engine: AsyncLLM) -> dict:
     processor = engine.input_processor
-    return {"pending": dict(processor._pending), "inflight": dict(processor.items.inflight.futures),
+    return {"pending": {r.request_id: r.pending for r in engine.requests.values() if r.pending},
+            "inflight": dict(processor.items.inflight.futures),
             "queues": dict(engine.requests.queues), "outputs": engine.output_processor.has_unfinished_requests()}
 
 

@@ -68,15 +68,15 @@ def test_an_abort_that_raises_leaks_no_pins(tmp_path_factory):
 
     try:
         generate(engine, one(4), "warm")
-        real, engine.flights.abort = engine.flights.abort, broken  # type: ignore[method-assign]
+        real, engine.sender.abort = engine.sender.abort, broken  # type: ignore[method-assign]
         try:
             with pytest.raises(RuntimeError, match="the abort failed"):
                 asyncio.run(leave_early())
         finally:
-            engine.flights.abort = real  # type: ignore[method-assign]
+            engine.sender.abort = real  # type: ignore[method-assign]
         assert {k: c.pins for k, c in store._entries.items() if c.pins} == {}
         assert not store._requests
-        assert "leaves" not in engine.flights
+        assert "leaves" not in engine.requests
         assert generate(engine, one(4), "after") == generate(engine, one(4), "after, again")
     finally:
         engine.shutdown()

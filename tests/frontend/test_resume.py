@@ -17,7 +17,7 @@ from mmserve import SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.errors import EngineRequestError
 from mmserve.frontend.async_llm import AsyncLLM
-from mmserve.frontend.dp.flights import resumable
+from mmserve.frontend.request.open_request import resumable
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.structured_outputs import StructuredOutputsParams
 

@@ -32,9 +32,10 @@ def pipeline(path):
 def send(pipeline, rid: str, shadow: bool = False):
     inputs, transport = pipeline
     report = CacheReport()
-    request = inputs.process(rid, one(3), PARAMS, commit=False, bypass_caches=shadow, report=report)
+    pending: list = []
+    request = inputs.process(rid, one(3), PARAMS, pending, bypass_caches=shadow, report=report)
     message, _ = transport.to_wire(request, UndoLog(), report=report)
-    inputs.accept(rid)
+    inputs.accept(pending)
     return message, report
 
 

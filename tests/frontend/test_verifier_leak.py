@@ -48,7 +48,7 @@ def test_a_candidate_cancelled_before_its_first_output_leaves_no_row(engine):
 
         for _ in range(5):
             task = asyncio.ensure_future(consume())
-            while engine.flights.get("gone") is None and not task.done():
+            while getattr(engine.requests.get("gone"), "rank", None) is None and not task.done():
                 await asyncio.sleep(0)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -36,10 +36,11 @@ from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineD
 from mmserve.frontend.dp.dp_router import DPRouter, Router
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.frontend.figures import EngineFigures, SharedFigures
-from mmserve.frontend.dp.flights import RequestFlights
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.transport.item_transport import ItemTransport
+from mmserve.frontend.request.open_request import OpenRequest
 from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.models.hf_config import eos_token_id
@@ -91,20 +92,20 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config, self.model_dir, self.max_model_len, eos_token_id(self.model_dir),
                                               known_tokens=self.transport.known_tokens, fetch=self.transport.fetch,
                                               processor=processor)
-        self.flights = RequestFlights(self.ranks, router, self.transport)
+        self.sender = RankSender(self.ranks, router, self.transport)
         self.tokenizer = self.input_processor.tokenizer
         self.generation_defaults = self.input_processor.generation  # the OpenAI layer's sampling defaults
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests = OpenRequests(self.output_processor, self.flights, config.scheduler.stalled_stream_abort_s)
+        self.requests = OpenRequests(self.sender, self.transport, config.scheduler.stalled_stream_abort_s)
+        self.output_processor = OutputProcessor(self.tokenizer, self.requests.output_states)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
         shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
-        self.figures = EngineFigures(self.input_processor.processor_cache, self.transport, self.flights, shared)
-        self.failover = RankFailover(self.ranks, self.flights, self.transport, self.output_processor, self.requests,
-                                     self.figures, self._ensure_task, self._ensure_output_task)
-        self.admission = Admission(self.input_processor, self.output_processor, self.flights, self.requests,
+        self.figures = EngineFigures(self.input_processor.processor_cache, self.transport, self.sender, shared)
+        self.failover = RankFailover(self.ranks, self.sender, self.transport, self.output_processor, self.requests,
+                                     self.figures)
+        self.admission = Admission(self.input_processor, self.output_processor, self.sender, self.requests,
                                    self.failover)
-        self.verifier = CacheVerifier(config.cache.cache_verify_rate, self.ranks.client(0).dtype, self._run_shadow)
+        self.verifier = CacheVerifier(config.cache.cache_verify_rate, self.ranks.client(0).dtype)
 
     @property
     def client(self) -> EngineCoreClient:
@@ -160,6 +161,17 @@ class AsyncLLM:
         rank serves and one restarts, the request waits for it (`wait_for_live_rank`). `shadow`: the
         cache verifier's re-run, past every cache (`cache_verifier.py`).
         """
+        await self._until_serving(data_parallel_rank)
+        candidate = not shadow and self.verifier.wants(params)
+        request = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
+        try:
+            while not request.finished:
+                yield await request.next_output()
+        finally:
+            self._release(request)
+
+    async def _until_serving(self, data_parallel_rank: int | None) -> None:
+        """Return once a request can be admitted (EngineDeadError, or ClientError for a forced rank down)."""
         self._ensure_output_task()
         if not self.is_healthy:
             raise EngineDeadError(self.requests.dead_error or "the engine core process is not running")
@@ -168,47 +180,27 @@ class AsyncLLM:
         if data_parallel_rank is not None and data_parallel_rank not in self.ranks.live():
             raise ClientError(f"data parallel rank {data_parallel_rank} is not serving (ranks: "
                              f"{', '.join(str(h['rank']) + ' ' + str(h['status']) for h in self.ranks.health())})")
-        candidate = not shadow and self.verifier.wants(params)
-        queue = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
-        finished = False
-        last: RequestOutput | None = None
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                last = item
-                yield item
-        finally:
-            self.requests.close(request_id)
-            self.transport.finish(request_id)  # unpinned first: an abort that raises leaks no pins
-            try:
-                if not finished:
-                    self._abort_now([request_id])
-                if candidate:
-                    flight = self.flights.get(request_id)
-                    self.verifier.finished(request_id, prompt, params, last if finished else None,
-                                           None if flight is None else flight.rank)
-            finally:
-                self.flights.land(request_id)
-                self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
-    def _run_shadow(self, request_id: str, prompt: Any, params: SamplingParams,
-                    rank: int) -> AsyncGenerator[RequestOutput, None]:
-        return self.generate(request_id, prompt, params, stream=False, data_parallel_rank=rank, shadow=True)
+    def _release(self, request: OpenRequest) -> None:
+        """The request ended, whatever ended it: P0 lets go of it (`OpenRequests.release`); a
+        cache-served candidate gets its shadow re-run."""
+        try:
+            self.requests.release(request)
+            if request.candidate:
+                case = self.verifier.finished(request.request_id, request.prompt, request.params,
+                                              request.last if request.finished else None, request.rank)
+                if case is not None:
+                    self.verifier.verify(case, self.generate(case.shadow_id, case.prompt, case.shadow_params,
+                                                             stream=False, data_parallel_rank=case.rank, shadow=True))
+        finally:
+            self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
     def verify_figures(self) -> VerifyFigures:
         """The shadow cache verifier's counts (for /metrics)."""
         return self.verifier.figures
 
     async def abort(self, request_id: str) -> None:
-        self._abort_now([request_id])
-
-    def _abort_now(self, request_ids: list[str]) -> None:
-        self.output_processor.abort_requests(request_ids)
-        self.flights.abort(request_ids)
+        self.requests.abort([request_id])
 
     # ---- the output loops -------------------------------------------------------------------
 
@@ -229,6 +221,12 @@ class AsyncLLM:
         if task is None or task.done():
             self._tasks[name] = asyncio.get_running_loop().create_task(make())
 
+    async def _restart(self, rank: int) -> None:
+        """Restart a dead rank; once it serves, its output loop runs and the parked requests move."""
+        if await self.failover.restart(rank):
+            self._ensure_output_task()
+            self.failover.move_parked()
+
     async def _output_loop(self, rank: int) -> None:
         client = self.ranks.client(rank)
         try:
@@ -236,7 +234,8 @@ class AsyncLLM:
                 self._dispatch(rank, await client.get_output_async())
                 await asyncio.sleep(0)  # the requests' generators run first, then the receive is re-armed
         except EngineDeadError as e:
-            self.failover.rank_died(rank, str(e))
+            if self.failover.rank_died(rank, str(e)):
+                self._ensure_task(f"restart{rank}", lambda: self._restart(rank))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests hanging
@@ -246,7 +245,7 @@ class AsyncLLM:
     def _dispatch(self, rank: int, batch: EngineCoreOutputs) -> None:
         if batch.stats is not None:
             self.figures.record(rank, stats := batch.stats)
-            if (router := self.flights.router) is not None:
+            if (router := self.sender.router) is not None:
                 used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
                 router.set_load(rank, stats.num_running + stats.num_waiting, used)
         for request_id, missing in batch.resend.items():
@@ -261,9 +260,8 @@ class AsyncLLM:
                 self.requests.fail(out.request_id, engine_error(out.error, out.error_kind))
         processed = self.output_processor.process_outputs(ok)
         if processed.to_abort:
-            self._abort_now(processed.to_abort)
+            self.requests.abort(processed.to_abort)
         for result in processed.outputs:
-            self.flights.shown(result)
             self.requests.put(result)
 
     def shutdown(self) -> None:
@@ -272,6 +270,6 @@ class AsyncLLM:
             task.cancel()
         self.ranks.shutdown()
         self.transport.close()
-        if isinstance(self.flights.router, RemoteRouter):
-            self.flights.router.close()
+        if isinstance(self.sender.router, RemoteRouter):
+            self.sender.router.close()
 

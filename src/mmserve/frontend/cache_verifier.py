@@ -27,7 +27,7 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import msgspec
 import numpy as np
@@ -42,9 +42,6 @@ logger = logging.getLogger(__name__)
 # another order than a fresh one: float rounding only)
 ATOL = {"float32": 1e-3, "bfloat16": 1e-1, "float16": 5e-2}
 
-RunShadow = Callable[[str, Any, SamplingParams, int], AsyncIterator[RequestOutput]]
-
-
 @dataclass
 class Case:
     """A finished request to verify: what it was asked and what the caches answered."""
@@ -57,6 +54,14 @@ class Case:
     logits: bytes | None  # float32 row; None when the first-token cache answered
     layers: list[str]
     item_hashes: list[str]
+
+    @property
+    def shadow_id(self) -> str:
+        return f"{self.request_id}-shadow"
+
+    @property
+    def shadow_params(self) -> SamplingParams:
+        return shadow_params(self.params, len(self.tokens))
 
 
 @dataclass
@@ -73,14 +78,13 @@ class Verdict:
 class CacheVerifier:
     """Picks, runs and judges shadow re-runs of cache-served requests.
 
-    Chooses candidates (`wants`), keeps their first logits (`keep_logits`) and verifies the ones
-    that caches served once they finish (`finished`); `run(id, prompt, params, rank)` generates a
-    shadow request on that engine rank."""
+    Chooses candidates (`wants`), keeps their first logits (`keep_logits`), says which finished
+    ones to verify (`finished`: the caches served them) and judges their shadow's outputs
+    (`verify`, which its owner hands the shadow run's outputs: the verifier runs no request itself)."""
 
-    def __init__(self, rate: float, dtype: str, run: RunShadow, seed: int | None = None) -> None:
+    def __init__(self, rate: float, dtype: str, seed: int | None = None) -> None:
         self.rate = rate
         self.atol = ATOL[dtype]
-        self.run = run
         self.figures = VerifyFigures()
         self._random = random.Random(seed)
         self._logits: dict[str, bytes] = {}
@@ -105,33 +109,36 @@ class CacheVerifier:
         return len(self._logits)
 
     def finished(self, request_id: str, prompt: Any, params: SamplingParams, final: RequestOutput | None,
-                 rank: int | None) -> None:
-        """A candidate ended: its logits row is dropped, and it is verified if caches served it.
+                 rank: int | None) -> Case | None:
+        """A candidate ended: its logits row is dropped; the case to verify if caches served it.
 
         A candidate ended (`final` None: it failed or was aborted; `rank` None: it never reached
-        one): verify it when caches served it and no other shadow runs."""
+        one): a case when caches served it and no other shadow runs (its shadow: `Case.shadow_id`,
+        `shadow_params`, on `Case.rank`), else None."""
         logits = self._logits.pop(request_id, None)
         report = final.cache_report if final is not None else None
         if final is None or report is None or not report.hit_layers or final.outputs[0].finish_reason == "abort" \
                 or rank is None:
-            return
+            return None
         if self.busy:
-            return
-        case = Case(request_id, prompt, params, rank, list(final.outputs[0].token_ids), logits, report.hit_layers,
+            return None
+        return Case(request_id, prompt, params, rank, list(final.outputs[0].token_ids), logits, report.hit_layers,
                     list(report.item_hashes))
-        self._task = asyncio.get_running_loop().create_task(self._verify(case))
 
-    async def _verify(self, case: Case) -> None:
-        shadow_id = f"{case.request_id}-shadow"
+    def verify(self, case: Case, shadow: AsyncIterator[RequestOutput]) -> None:
+        """Judge `case` against its `shadow` run's outputs, in the background (one at a time)."""
+        self._task = asyncio.get_running_loop().create_task(self._verify(case, shadow))
+
+    async def _verify(self, case: Case, shadow: AsyncIterator[RequestOutput]) -> None:
         final: RequestOutput | None = None
         try:
-            async for out in self.run(shadow_id, case.prompt, shadow_params(case.params, len(case.tokens)), case.rank):
+            async for out in shadow:
                 final = out
         except Exception as e:  # e.g. an image given by uuid alone: nothing to process again
             logger.info("cache verification of %s skipped: %s", case.request_id, e)
             return
         finally:
-            logits = self._logits.pop(shadow_id, None)
+            logits = self._logits.pop(case.shadow_id, None)
         if final is None:
             return
         verdict = compare(case, final.outputs[0].token_ids, logits)

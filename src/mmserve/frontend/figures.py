@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from mmserve.frontend.dp.flights import RequestFlights
+from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.transport.item_transport import ItemTransport
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.messages import CacheStats, SchedulerStats, sum_scheduler_stats, sum_stats
@@ -63,14 +63,14 @@ class SharedFigures:
 class EngineFigures:
     """The ranks' latest stats (`record`, `forget`) and every figure built from them.
 
-    `processor_cache` is P0's processor cache, `transport` its item transport, `flights` what each
+    `processor_cache` is P0's processor cache, `transport` its item transport, `sender` what each
     rank served; `shared` (several API servers) the other servers' figures."""
 
-    def __init__(self, processor_cache: ProcessorCache, transport: ItemTransport, flights: RequestFlights,
+    def __init__(self, processor_cache: ProcessorCache, transport: ItemTransport, sender: RankSender,
                  shared: SharedFigures | None) -> None:
         self.processor_cache = processor_cache
         self.transport = transport
-        self.flights = flights
+        self.sender = sender
         self.shared = shared
         self.latest: dict[int, SchedulerStats] = {}  # per rank, absent while it is down
         self.changed = False  # a request ended since the last `publish`
@@ -118,7 +118,7 @@ class EngineFigures:
     def dp_figures(self) -> DataParallelFigures:
         """Per rank: up, restarts, stats, what it served; and the routing decisions (for /metrics)."""
         others = self._others()
-        figures = self.flights.figures(self.engine_stats(others))
+        figures = self.sender.figures(self.engine_stats(others))
         for other in others:
             for rank, (requests, prompt, generated) in zip(figures.ranks, other.served):
                 rank.requests += requests
@@ -132,7 +132,7 @@ class EngineFigures:
         if self.shared is not None:
             ranks = range(len(self.transport.senders))
             self.shared.publish(ServerShare(self.processor_cache.stats(),
-                                            [self.transport.stats(r)["ipc"] for r in ranks], self.flights.served()))
+                                            [self.transport.stats(r)["ipc"] for r in ranks], self.sender.served()))
 
     async def share_periodically(self) -> None:
         """Publish within `SHARE_EVERY_S` of a request's end, for as long as the server runs."""

@@ -7,7 +7,6 @@ through the processor cache (`multimodal/items.py`); a request that fails leaves
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable, cast
 
@@ -58,17 +57,16 @@ class InputProcessor:
                                   self.items.inflight)
         self.vocab_size = model_config.text.vocab_size
         self.max_prompt_chars = max_model_len * max_token_chars(self.tokenizer)
-        self._pending: dict[str, list[ResolvedItem]] = {}  # resolved, not yet committed (see `process`)
-        self._pending_lock = threading.Lock()
 
     def process(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
-                commit: bool = True, bypass_caches: bool = False,
+                pending: list[ResolvedItem] | None = None, bypass_caches: bool = False,
                 report: CacheReport | None = None) -> EngineCoreRequest:
         """The request for the engine, or a ValueError (and then nothing of it stays).
 
-        With `commit` False the freshly processed items stay out of the processor cache (and in
-        flight) until the caller says `accept(request_id)` once the engine has the request, or
-        `reject(request_id)` when a later step failed: a request that fails anywhere leaves no entry.
+        Given a `pending` list the freshly processed items go there and stay out of the processor
+        cache (and in flight) until the caller says `accept(pending)` once the engine has the
+        request, or `reject(pending)` when a later step failed: a request that fails anywhere leaves
+        no entry (the list is its owner's: `open_request.py: OpenRequest.pending`).
         `bypass_caches` (a shadow run) processes every item from its source and marks the request
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
@@ -95,11 +93,10 @@ class InputProcessor:
             self.items.release(resolved + videos)  # one in-flight table for every modality
             raise
         resolved += videos
-        if commit:
+        if pending is None:
             self.items.commit(resolved)
         else:
-            with self._pending_lock:
-                self._pending[request_id] = resolved
+            pending += resolved
         position_key = self.processor.position_key
         items = [MultiModalItem("image", r.mm_hash, r.data, rng, position_key=position_key(cast(dict, r.data)))
                  for r, rng in zip(resolved, ranges)]
@@ -110,17 +107,14 @@ class InputProcessor:
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt, bypass_caches=bypass_caches)
 
-
-    def accept(self, request_id: str) -> None:
+    def accept(self, pending: list[ResolvedItem]) -> None:
         """The engine has the request: its fresh items join the processor cache."""
-        with self._pending_lock:
-            resolved = self._pending.pop(request_id, [])
+        resolved, pending[:] = list(pending), []
         self.items.commit(resolved)
 
-    def reject(self, request_id: str) -> None:
+    def reject(self, pending: list[ResolvedItem]) -> None:
         """A step after `process` failed: end the request's in-flight items, keep nothing."""
-        with self._pending_lock:
-            resolved = self._pending.pop(request_id, [])
+        resolved, pending[:] = list(pending), []
         self.items.release(resolved)
 
     def check_prompt_length(self, text: str) -> None:

@@ -3,13 +3,14 @@
 The rank is retired (`EngineRanks.mark_dead`); its requests are parked and sent again to a live
 rank (at once, or once the rank is back when none lives): one that showed its caller nothing
 starts over, one that streamed output resumes from its prompt and the tokens already sent
-(`flights.py: resumed`; its output state here goes on, so the caller's text continues without a
+(`open_request.py: resumed`; its output state here goes on, so the caller's text continues without a
 duplicated or lost character and it sees a pause, not an error); a streamed request that cannot
-resume exactly (`flights.py: resumable`) fails with `EngineDeadError`. A request is sent again
+resume exactly (`open_request.py: resumable`) fails with `EngineDeadError`. A request is sent again
 at most once (`MAX_MOVES`): one that was on a second rank that died is the likely cause, and fails
 with an `EngineRequestError` (a 500 naming the deaths; one log line names it) instead of taking
 down a third, so a poison request cannot spend the restarts; the rank is restarted in the background while
-`--engine-restart-limit` allows, its IPC mirror starting a new epoch. P0 is dead (`fail_all`)
+`--engine-restart-limit` allows (`rank_died` says so; its owner runs `restart`, then `move_parked`),
+its IPC mirror starting a new epoch. P0 is dead (`fail_all`)
 only once no rank serves and none can come back. A new request that finds no rank serving while
 one restarts waits for it (`wait_for_live_rank`, up to `RANK_WAIT_S`) instead of failing.
 """
@@ -18,16 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Coroutine
 
 from mmserve.errors import EngineRequestError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.frontend.figures import EngineFigures
-from mmserve.frontend.dp.flights import Flight, RequestFlights, resumed
-from mmserve.transport.item_transport import ItemTransport
-from mmserve.frontend.request.open_requests import OpenRequests
 from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.frontend.request.open_request import OpenRequest, resumed
+from mmserve.frontend.request.open_requests import OpenRequests
+from mmserve.transport.item_transport import ItemTransport
 from mmserve.transport.undo import UndoLog
 
 logger = logging.getLogger(__name__)
@@ -37,26 +38,17 @@ _RANK_POLL_S = 0.05
 MAX_MOVES = 1  # times a request is sent again after its rank died; past it, it is the suspect
 
 
-Spawn = Callable[[str, Callable[[], Coroutine[Any, Any, None]]], None]
-
-
 class RankFailover:
-    """Retires, restarts and re-admits ranks; moves their movable requests.
+    """Retires, restarts and re-admits ranks; moves their movable requests."""
 
-    `spawn(name, make)` runs `make()` as a named background task (once at a time);
-    `serve_outputs()` (re)starts the output loop of every rank that has a client."""
-
-    def __init__(self, ranks: EngineRanks, flights: RequestFlights, transport: ItemTransport,
-                 output_processor: OutputProcessor, requests: OpenRequests, figures: EngineFigures,
-                 spawn: Spawn, serve_outputs: Callable[[], None]) -> None:
+    def __init__(self, ranks: EngineRanks, sender: RankSender, transport: ItemTransport,
+                 output_processor: OutputProcessor, requests: OpenRequests, figures: EngineFigures) -> None:
         self.ranks = ranks
-        self.flights = flights
+        self.sender = sender
         self.transport = transport
         self.output_processor = output_processor
         self.requests = requests
         self.figures = figures
-        self.spawn = spawn
-        self.serve_outputs = serve_outputs
         self.parked: list[str] = []  # requests to move, waiting for a rank to come back
 
     @property
@@ -77,35 +69,38 @@ class RankFailover:
                     "" if not self.is_healthy else f" (none came back within {timeout_s:g} s)"))
             await asyncio.sleep(_RANK_POLL_S)
 
-    def rank_died(self, rank: int, message: str) -> None:
-        """Retire the rank; move what it ran that can start over, fail the rest; restart it."""
+    def rank_died(self, rank: int, message: str) -> bool:
+        """Retire the rank; move what it ran that can start over, fail the rest. True: restart it
+        (`restart`, in the background)."""
         logger.error("engine rank %d died: %s", rank, message)
         self.ranks.mark_dead(rank, message)
         self.figures.forget(rank)
-        movable, lost = self.flights.orphans(rank)
+        movable, lost = self.requests.orphans(rank)
         for rid in lost:
             self.requests.fail(rid, EngineDeadError(f"engine rank {rank} died: {message}"))
-        self.parked += [rid for rid in movable if rid in self.requests and not self._suspect(rid, rank, message)]
-        if self.ranks.can_restart(rank):
-            self.spawn(f"restart{rank}", lambda: self._restart(rank))
-        elif not self.is_healthy:
+        self.parked += [rid for rid in movable if not self._suspect(rid, rank, message)]
+        restart = self.ranks.can_restart(rank)
+        if not restart and not self.is_healthy:
             self.requests.fail_all(f"no engine rank can serve; rank {rank}: {message}")
-            return
-        self._move_parked()
+            return False
+        self.move_parked()
+        return restart
 
     def _suspect(self, request_id: str, rank: int, message: str) -> bool:
         """Fail a request that was moved already (a second rank died under it): True if it was."""
-        flight = self.flights.get(request_id)
-        if flight is None or flight.moves < MAX_MOVES:
+        request = self.requests.get(request_id)
+        if request is None or request.moves < MAX_MOVES:
             return False
         logger.error("request %s was on %d engine ranks that died; failing it, not sending it again",
-                     request_id, flight.moves + 1)
+                     request_id, request.moves + 1)
         self.requests.fail(request_id, EngineRequestError(
             f"the engine failed while serving this request: engine rank {rank} died with it ({message}) after "
-            f"it had been moved from {flight.moves} rank(s) that died; it is not sent again"))
+            f"it had been moved from {request.moves} rank(s) that died; it is not sent again"))
         return True
 
-    async def _restart(self, rank: int) -> None:
+    async def restart(self, rank: int) -> bool:
+        """Restart `rank` while its restarts last: True once it serves again (its output loop and
+        `move_parked` are then its owner's to run); P0 is dead when it cannot and none serves."""
         while self.ranks.can_restart(rank):
             try:
                 client = await self.ranks.restart(rank)
@@ -113,51 +108,50 @@ class RankFailover:
                 logger.error("engine rank %d did not restart: %s", rank, e)
                 continue
             self.transport.restarted(rank, remote=not client.is_local)
-            self.serve_outputs()
             logger.warning("engine rank %d is serving again", rank)
-            self._move_parked()
-            return
+            return True
         if not self.is_healthy:
             self.requests.fail_all(f"no engine rank can serve; rank {rank}: {self.ranks.last_error[rank]}")
+        return False
 
-    def _move_parked(self) -> None:
+    def move_parked(self) -> None:
         """Send the parked requests (their rank died before they showed anything) to live ranks."""
         if not self.ranks.live():
             return
         parked, self.parked = self.parked, []
         for rid in parked:
-            flight = self.flights.get(rid)
-            if flight is None or flight.request is None or rid not in self.requests:
+            request = self.requests.get(rid)
+            if request is None or request.resend is None:
                 continue
-            flight.moves += 1
-            if flight.report is not None:
-                flight.report.moved()
-            if flight.started:
-                self._resume(rid, flight)
+            request.moves += 1
+            request.report.moved()
+            if request.started:
+                self._resume(request)
                 continue
             self.output_processor.abort_requests([rid])
-            self.output_processor.add_request(flight.request, flight.prompt_text, flight.report)
-            self._send(rid, flight)
+            self.output_processor.add_request(request.resend, request.prompt.text, request.report)
+            self._send(request)
         if parked:
             logger.warning("moved %d request(s) of a dead engine rank to live ranks", len(parked))
 
-    def _resume(self, rid: str, flight: Flight) -> None:
+    def _resume(self, request: OpenRequest) -> None:
         """Send a streamed request on from the tokens its caller has; its output state goes on."""
-        assert flight.request is not None
-        flight.origin = flight.origin or flight.request
-        generated = self.output_processor.generated(rid)
-        going_on = None if generated is None else resumed(flight.origin, generated)
+        assert request.resend is not None
+        request.origin = request.origin or request.resend
+        generated = self.output_processor.generated(request.request_id)
+        going_on = None if generated is None else resumed(request.origin, generated)
         if going_on is None:
-            self.requests.fail(rid, EngineDeadError(f"engine rank {flight.rank} died with the request"))
+            self.requests.fail(request.request_id, EngineDeadError(f"engine rank {request.rank} died with the request"))
             return
-        flight.request = going_on  # what a resend (P1 lacked an item) sends again
-        self._send(rid, flight)
+        request.resend = going_on  # what a resend (P1 lacked an item) sends again
+        self._send(request)
 
-    def _send(self, rid: str, flight: Flight) -> None:
+    def _send(self, request: OpenRequest) -> None:
+        assert request.resend is not None
         undo = UndoLog()
         try:
-            self.flights.send(rid, flight, undo)
+            request.rank = self.sender.send(request.resend, undo, request.report)
         except Exception as e:
             undo.run()
-            self.requests.fail(rid, e)
-
+            request.rank = None  # on no rank's wire: nothing to abort or land
+            self.requests.fail(request.request_id, e)

@@ -24,6 +24,7 @@ from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hub import resolve_engine_model
 from mmserve.models.hf_config import eos_token_id
+from mmserve.multimodal.items import ResolvedItem
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
@@ -65,30 +66,31 @@ class LLMEngine:
         """Process every request, then queue them all; a fault in any raises and none stays.
 
         Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes)."""
-        processed: list[tuple[EngineCoreRequest, Prompt, CacheReport]] = []
+        processed: list[tuple[EngineCoreRequest, Prompt, CacheReport, list[ResolvedItem]]] = []
         try:
             for rid, prompt, p in zip(request_ids, prompts, params):
                 report = CacheReport()
-                processed.append((self.input_processor.process(rid, prompt, p, commit=False, report=report),
-                                  prompt, report))
+                pending: list[ResolvedItem] = []
+                processed.append((self.input_processor.process(rid, prompt, p, pending, report=report),
+                                  prompt, report, pending))
         except BaseException:
-            for request, _, _ in processed:
-                self.input_processor.reject(request.request_id)
+            for *_, pending in processed:
+                self.input_processor.reject(pending)
             raise
         sent: list[str] = []
         try:
-            for request, prompt, report in processed:
+            for request, prompt, report, _ in processed:
                 self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"),
                                                   report)
                 self.client.add_request(request, report)
                 sent.append(request.request_id)
         except BaseException:
-            for request, _, _ in processed[len(sent):]:
-                self.input_processor.reject(request.request_id)
+            for *_, pending in processed[len(sent):]:
+                self.input_processor.reject(pending)
             self.abort_requests(list(request_ids))
             raise
-        for request, _, _ in processed:
-            self.input_processor.accept(request.request_id)
+        for *_, pending in processed:
+            self.input_processor.accept(pending)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)

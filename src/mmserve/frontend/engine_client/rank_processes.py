@@ -1,8 +1,9 @@
 """N engine-core processes (one per data-parallel rank) behind the offline `OfflineClient` interface.
 
 The server's parts, driven synchronously: `EngineRanks` starts and restarts the engine cores,
-`RequestFlights` routes each request (`DPRouter`) and puts it on the wire through the
-`ItemTransport` (IPC sender cache or shm store), and each rank's outputs are polled in turn.
+`RankSender` routes each request (`DPRouter`) and puts it on the wire through the
+`ItemTransport` (IPC sender cache or shm store), and each rank's outputs are polled in turn;
+`sent` keeps each request's rank (and the request, for a resend) until it ends.
 A rank that dies raises `EngineDeadError` from `get_outputs` (its requests are lost, as when an
 in-process engine core raises from its step); it is restarted before the next request is sent,
 while its restarts (`--engine-restart-limit`) last.
@@ -12,17 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.errors import ClientError
 from mmserve.frontend.dp.dp_router import DPRouter
-from mmserve.frontend.dp.flights import Flight, RequestFlights
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.transport.undo import UndoLog
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.transport.item_transport import ItemTransport
@@ -30,6 +32,15 @@ from mmserve.transport.item_transport import ItemTransport
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.002  # how long one poll waits on a rank when no rank had outputs
+
+
+@dataclass
+class Sent:
+    """A request on a rank's wire, until it ends: where it runs, and what a resend sends again."""
+
+    rank: int
+    request: EngineCoreRequest
+    report: CacheReport
 
 
 class RankProcesses:
@@ -46,7 +57,8 @@ class RankProcesses:
             self.transport.restarted(rank, remote=not self.ranks.client(rank).is_local)
         router = DPRouter(config, [self.ranks.client(r).num_kv_blocks for r in range(len(self.ranks))]) \
             if len(self.ranks) > 1 else None
-        self.flights = RequestFlights(self.ranks, router, self.transport)
+        self.sender = RankSender(self.ranks, router, self.transport)
+        self.sent: dict[str, Sent] = {}
         self.max_model_len = self.ranks.client(0).max_model_len
         self._stats: dict[int, SchedulerStats] = {}
         self._failed: list[EngineCoreOutput] = []  # error outputs made here (an item lost by P1)
@@ -63,23 +75,30 @@ class RankProcesses:
         self._revive()
         undo = UndoLog()
         try:
-            self.flights.send(request.request_id, Flight(0, request, None, False, report), undo)
+            rank = self.sender.send(request, undo, report)
+            self.sent[request.request_id] = Sent(rank, request, report)
         except BaseException:
             undo.run()
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.flights.abort(request_ids)
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if (sent := self.sent.get(rid)) is not None:
+                by_rank.setdefault(sent.rank, []).append(rid)
+        self.sender.abort(by_rank)
         self._end(request_ids)
 
     def finished(self, outputs: list[RequestOutput]) -> None:
         for result in outputs:
-            self.flights.shown(result)
+            if (sent := self.sent.get(result.request_id)) is not None:
+                self.sender.count_served(sent.rank, result)
         self._end([result.request_id for result in outputs])
 
     def _end(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.flights.land(rid)
+            if (sent := self.sent.pop(rid, None)) is not None:
+                self.sender.land(sent.rank)
             self.transport.finish(rid)
 
     def get_outputs(self) -> list[EngineCoreOutput]:
@@ -110,13 +129,13 @@ class RankProcesses:
         """Rank `rank`'s engine core died: retire it (restarted by `_revive`); its requests are lost."""
         logger.error("engine rank %d died: %s", rank, reason)
         self.ranks.mark_dead(rank, reason)
-        self.flights.orphans(rank)  # they leave the rank's load; the caller aborts them
+        self.sender.orphaned(rank)  # its requests leave the rank's load; the caller aborts them
 
     def _dispatch(self, rank: int, batch: EngineCoreOutputs) -> list[EngineCoreOutput]:
         """A rank's batch: stats to the router, items P1 lacked sent again, the outputs returned."""
         if (stats := batch.stats) is not None:
             self._stats[rank] = stats
-            if (router := self.flights.router) is not None:
+            if (router := self.sender.router) is not None:
                 used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
                 router.set_load(rank, stats.num_running + stats.num_waiting, used)
         for request_id in batch.resend:
@@ -125,14 +144,14 @@ class RankProcesses:
 
     def _resend(self, request_id: str) -> None:
         """P1 lacked items it was sent by hash: send the request again, whole (a new IPC epoch)."""
-        flight = self.flights.get(request_id)
-        if flight is None or flight.request is None:
+        sent = self.sent.get(request_id)
+        if sent is None:
             return  # aborted meanwhile
         undo = UndoLog()
         try:
-            if any(item.data is None for item in flight.request.mm_items):
+            if any(item.data is None for item in sent.request.mm_items):
                 raise ClientError("an image given by uuid alone is no longer cached: send it again with its uuid")
-            self.flights.resend(flight, undo)
+            self.sender.resend(sent.rank, sent.request, undo, sent.report)
         except Exception as e:
             undo.run()
             self._failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(e),
@@ -154,7 +173,7 @@ class RankProcesses:
 
     def dp_figures(self) -> DataParallelFigures:
         """Per rank: up, restarts, latest stats, what it served; the routing decisions."""
-        return self.flights.figures(self._stats)
+        return self.sender.figures(self._stats)
 
     def shutdown(self) -> None:
         self.ranks.shutdown()

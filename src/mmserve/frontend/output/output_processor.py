@@ -9,6 +9,7 @@ each batch yields at most one `RequestOutput` per request, holding every complet
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from mmserve.cache_report import CacheReport
@@ -59,9 +60,14 @@ class OutputBatch:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    """Engine-core outputs -> `RequestOutput`s, over a table of each request's `RequestState`.
+
+    `states` is that table: its own by default; `AsyncLLM`'s keeps each state on its open request
+    (`open_requests.py: OutputStates`), so a request's output state has one owner."""
+
+    def __init__(self, tokenizer, states: MutableMapping[str, RequestState] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: MutableMapping[str, RequestState] = {} if states is None else states
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None, report: CacheReport | None = None) -> None:
         params = request.sampling_params
