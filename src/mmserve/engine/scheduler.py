@@ -42,8 +42,8 @@ from mmserve.engine.policies.shadows import ShadowLane
 from mmserve.engine.policies.siblings import SiblingGroups
 from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.ipc.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
-                                  NewRequestData, SchedulerOutput, TokenLogprobs)
+from mmserve.engine.runner_mirror import RunnerMirror
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
 class Scheduler:
@@ -71,8 +71,7 @@ class Scheduler:
         self.shadows = self.shadow_lane.waiting
         self.first_tokens = self.answers.cache
         self.running: list[Request] = []  # every lane's, in admission order
-        self._finished_ids: set[str] = set()  # to drop from the runner at the next step
-        self._known_to_runner: set[str] = set()
+        self.runner = RunnerMirror(kv_cache)  # what the model runner holds of each request
         self.num_preemptions = 0  # since start, for tests and metrics
         self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
@@ -121,8 +120,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: per lane, running requests first (preempting when KV blocks run out),
         then waiting ones; `free_encoder_ids` carries the encoder outputs dropped since the last step."""
-        out = SchedulerOutput([], [], {}, {}, [], sorted(self._finished_ids))
-        self._finished_ids = set()
+        out = SchedulerOutput([], [], {}, {}, [], self.runner.take_dropped())
         self.encoder_planner.start_step()
         for victim in self.users.over_share(self.running, self._running_in(self.users)):
             self._preempt(victim)
@@ -202,7 +200,7 @@ class Scheduler:
         self._admit(req, n, lane)
         self.kv_cache.allocate_slots(rid, n, hit.blocks)
         self.answers.answer(req, token)
-        out.new_requests.append(self._new_to_runner(req))
+        out.new_requests.append(self.runner.new(req))
         self._copy_block(req, hit, out)
         return True
 
@@ -212,13 +210,6 @@ class Scheduler:
         if hit.copy is not None:
             dst = self.kv_cache.get_block_ids(req.request_id)[len(hit.blocks)]
             out.kv_copies.append((hit.copy.block_id, dst))
-
-    def _new_to_runner(self, req: Request) -> NewRequestData:
-        """All the runner keeps of `req`, sent once: its tokens so far, items, parameters, blocks."""
-        self._known_to_runner.add(req.request_id)
-        return NewRequestData(req.request_id, list(req.all_token_ids), req.mm_items, req.sampling_params,
-                              self.kv_cache.get_block_ids(req.request_id).copy(), req.num_computed_tokens,
-                              req.num_prompt_tokens, req.eos_token_id, req.return_first_logits)
 
     def _admit(self, req: Request, num_hit: int, lane: Lane) -> None:
         """Move `req`, the first of `lane`'s queue, to running after its `num_hit` cached tokens;
@@ -244,10 +235,7 @@ class Scheduler:
         new_blocks = self.kv_cache.allocate_slots(rid, start + n, computed)
         assert new_blocks is not None, "caller checked can_allocate"
         self.prefix.cache_scheduled(req, start + n)
-        if rid in self._known_to_runner:
-            out.cached_requests.append(CachedRequestData(rid, new_blocks, start))
-        else:
-            out.new_requests.append(self._new_to_runner(req))
+        self.runner.scheduled(req, new_blocks, start, out)
         self.encoder_planner.commit(req, plan)
         if plan.to_encode:
             out.scheduled_encoder_inputs[rid] = plan.to_encode
@@ -343,9 +331,7 @@ class Scheduler:
         """Free the request's blocks and encoder references; the runner drops its state next step."""
         self.kv_cache.free(req.request_id)
         self.encoder_cache.free(req)
-        if req.request_id in self._known_to_runner:
-            self._known_to_runner.discard(req.request_id)
-            self._finished_ids.add(req.request_id)
+        self.runner.drop(req.request_id)
 
     def check_integrity(self) -> None:
         """Between steps: queues, block ownership and encoder references agree — every owner of

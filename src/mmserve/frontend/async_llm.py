@@ -1,6 +1,9 @@
 """P0's asyncio engine: requests go to the engine cores (P1) over ZMQ, outputs back to each request's queue.
 
 Outputs come back on one background task per rank and are routed to each request's queue.
+Everything P0 holds for a request is its `OpenRequest` (`request/open_request.py`), made by
+admission and let go of in one place (`OpenRequests.release`) whatever ends it; `generate` reads
+as the request's life: wait for a serving rank, admit, read outputs, release.
 
 Input processing (the chat template, media decoding, the HF image processor, tokenizing) always
 runs in a worker thread, so the event loop only routes (`admission.py`, which also owns the

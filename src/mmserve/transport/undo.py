@@ -1,8 +1,8 @@
 """An undo log: a request's steps in P0 before the engine accepted it, taken back when one fails.
 
 Taken back in reverse order (see `frontend/request/admission.py: Admission.admit`, which runs it).
-It sits here, under `frontend/`, because the item transport registers its own steps in it
-(`item_transport.py: ItemTransport.to_wire`) and a layer does not import the one above it.
+It sits here, in `transport/` under `frontend/`, because the item transport registers its own steps
+in it (`item_transport.py: ItemTransport.to_wire`) and a layer does not import the one above it.
 """
 
 from __future__ import annotations
