@@ -32,7 +32,7 @@ from mmserve.errors import ClientError, engine_error
 from mmserve.config import EngineConfig
 from mmserve.frontend.request.admission import Admission
 from mmserve.frontend.engine_client.attached_engine import Attachment
-from mmserve.frontend.cache_verifier import CacheVerifier
+from mmserve.frontend.cache_verifier import Case, CacheVerifier
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
@@ -153,7 +153,7 @@ class AsyncLLM:
         return inputs.prompt(text, settings)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
-                       stream: bool = True, data_parallel_rank: int | None = None, shadow: bool = False,
+                       stream: bool = True, data_parallel_rank: int | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.
 
@@ -161,17 +161,31 @@ class AsyncLLM:
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
         start over on another rank until then; `data_parallel_rank` forces one rank. While no
-        rank serves and one restarts, the request waits for it (`wait_for_live_rank`). `shadow`: the
-        cache verifier's re-run, past every cache (`cache_verifier.py`).
+        rank serves and one restarts, the request waits for it (`wait_for_live_rank`). A cache-served
+        request the verifier sampled is re-run past every cache once it ends (`_shadow`).
         """
         await self._until_serving(data_parallel_rank)
-        candidate = not shadow and self.verifier.wants(params)
-        request = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank, shadow, candidate)
+        candidate = self.verifier.wants(params)
+        request = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank,
+                                             candidate=candidate)
         try:
             while not request.finished:
                 yield await request.next_output()
         finally:
             self._release(request)
+
+    async def _shadow(self, case: Case) -> tuple[RequestOutput | None, bytes | None]:
+        """The cache verifier's re-run of `case` past every cache, on its rank: its last output and
+        first logits row."""
+        await self._until_serving(case.rank)
+        request = await self.admission.admit(case.shadow_id, case.prompt, case.shadow_params, False, case.rank,
+                                             shadow=True)
+        try:
+            while not request.finished:
+                await request.next_output()
+        finally:
+            self._release(request)
+        return request.last, request.first_logits
 
     async def _until_serving(self, data_parallel_rank: int | None) -> None:
         """Return once a request can be admitted (EngineDeadError, or ClientError for a forced rank down)."""
@@ -191,10 +205,10 @@ class AsyncLLM:
             self.requests.release(request)
             if request.candidate:
                 case = self.verifier.finished(request.request_id, request.prompt, request.params,
-                                              request.last if request.finished else None, request.rank)
+                                              request.last if request.finished else None, request.rank,
+                                              request.first_logits)
                 if case is not None:
-                    self.verifier.verify(case, self.generate(case.shadow_id, case.prompt, case.shadow_params,
-                                                             stream=False, data_parallel_rank=case.rank, shadow=True))
+                    self.verifier.verify(case, self._shadow(case))
         finally:
             self.figures.changed = True  # several API servers: shared with the others within SHARE_EVERY_S
 
@@ -255,8 +269,8 @@ class AsyncLLM:
             self.admission.resend(request_id, missing)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
-            if out.first_logits is not None and out.request_id in self.requests:  # a closed one's would stay
-                self.verifier.keep_logits(out.request_id, out.first_logits)
+            if out.first_logits is not None and (open_request := self.requests.get(out.request_id)) is not None:
+                open_request.first_logits = out.first_logits
             if out.error is None:
                 ok.append(out)
             else:

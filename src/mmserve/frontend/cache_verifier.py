@@ -27,7 +27,7 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, Awaitable
 
 import msgspec
 import numpy as np
@@ -78,16 +78,18 @@ class Verdict:
 class CacheVerifier:
     """Picks, runs and judges shadow re-runs of cache-served requests.
 
-    Chooses candidates (`wants`), keeps their first logits (`keep_logits`), says which finished
-    ones to verify (`finished`: the caches served them) and judges their shadow's outputs
-    (`verify`, which its owner hands the shadow run's outputs: the verifier runs no request itself)."""
+    Chooses candidates (`wants`), says which finished ones to verify (`finished`: the caches served
+    them) and judges their shadow run (`verify`, which its owner hands the shadow's last output and
+    first logits: the verifier runs no request itself, and a request's logits row is its own,
+    `OpenRequest.first_logits`, gone with it)."""
 
     def __init__(self, rate: float, dtype: str, seed: int | None = None) -> None:
         self.rate = rate
         self.atol = ATOL[dtype]
         self.figures = VerifyFigures()
         self._random = random.Random(seed)
-        self._logits: dict[str, bytes] = {}
+        self._case: Case | None = None  # the one under verification
+        self._shadow: asyncio.Future[tuple[RequestOutput | None, bytes | None]] | None = None  # its re-run
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -99,23 +101,19 @@ class CacheVerifier:
         """Whether a new request is a candidate (asks for its first logits)."""
         return self.rate > 0 and params.n == 1 and self._random.random() < self.rate
 
-    def keep_logits(self, request_id: str, logits: bytes) -> None:
-        """Keep an open candidate's first logits row until it ends (`finished` takes it back)."""
-        self._logits[request_id] = logits
-
     @property
     def kept(self) -> int:
-        """Logits rows held (each of an open candidate or shadow; 0 when none is open)."""
-        return len(self._logits)
+        """Logits rows held (the case under verification's; 0 when none runs)."""
+        return int(self.busy and self._case is not None and self._case.logits is not None)
 
     def finished(self, request_id: str, prompt: Any, params: SamplingParams, final: RequestOutput | None,
-                 rank: int | None) -> Case | None:
-        """A candidate ended: its logits row is dropped; the case to verify if caches served it.
+                 rank: int | None, logits: bytes | None) -> Case | None:
+        """A candidate ended: the case to verify if caches served it.
 
         A candidate ended (`final` None: it failed or was aborted; `rank` None: it never reached
-        one): a case when caches served it and no other shadow runs (its shadow: `Case.shadow_id`,
-        `shadow_params`, on `Case.rank`), else None."""
-        logits = self._logits.pop(request_id, None)
+        one; `logits` its first-token row, None when the first-token cache answered): a case when
+        caches served it and no other shadow runs (its shadow: `Case.shadow_id`, `shadow_params`, on
+        `Case.rank`), else None."""
         report = final.cache_report if final is not None else None
         if final is None or report is None or not report.hit_layers or final.outputs[0].finish_reason == "abort" \
                 or rank is None:
@@ -125,20 +123,19 @@ class CacheVerifier:
         return Case(request_id, prompt, params, rank, list(final.outputs[0].token_ids), logits, report.hit_layers,
                     list(report.item_hashes))
 
-    def verify(self, case: Case, shadow: AsyncIterator[RequestOutput]) -> None:
-        """Judge `case` against its `shadow` run's outputs, in the background (one at a time)."""
-        self._task = asyncio.get_running_loop().create_task(self._verify(case, shadow))
+    def verify(self, case: Case, shadow: Awaitable[tuple[RequestOutput | None, bytes | None]]) -> None:
+        """Judge `case` against its `shadow` run (its last output and first logits row), in the
+        background, one at a time."""
+        self._case = case
+        self._shadow = asyncio.ensure_future(shadow)
+        self._task = asyncio.get_running_loop().create_task(self._verify(case, self._shadow))
 
-    async def _verify(self, case: Case, shadow: AsyncIterator[RequestOutput]) -> None:
-        final: RequestOutput | None = None
+    async def _verify(self, case: Case, shadow: asyncio.Future[tuple[RequestOutput | None, bytes | None]]) -> None:
         try:
-            async for out in shadow:
-                final = out
+            final, logits = await shadow
         except Exception as e:  # e.g. an image given by uuid alone: nothing to process again
             logger.info("cache verification of %s skipped: %s", case.request_id, e)
             return
-        finally:
-            logits = self._logits.pop(case.shadow_id, None)
         if final is None:
             return
         verdict = compare(case, final.outputs[0].token_ids, logits)
@@ -157,8 +154,9 @@ class CacheVerifier:
                        verdict.argmax_equal, verdict.tokens_equal)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._shadow):
+            if task is not None:
+                task.cancel()
 
 
 def shadow_params(params: SamplingParams, num_tokens: int) -> SamplingParams:

@@ -11,7 +11,9 @@ needs to send it again, because those are one request's too:
 - `output` (`output_processor.py: RequestState`, the detokenizers): the output processor's;
 - `rank` and the kept `resend` copy: set by `RankSender.send`, the copy dropped by `shown`,
   `OpenRequests.fail` / `abort`;
-- the store's pins on its items (`ItemTransport.to_wire`): held by the store under its id.
+- the store's pins on its items (`ItemTransport.to_wire`): held by the store under its id;
+- `first_logits`, P1's first-token logits row of a cache-verifier candidate or shadow: set by the
+  output loop, read by the verifier once the request has ended.
 
 `OpenRequests.release` is the one place all of it ends, whatever ended the request (its last
 output, an abort, the client gone, an engine death, a failure; a shadow re-run is a request of its own).
@@ -53,6 +55,7 @@ class OpenRequest:
     started: bool = False  # its caller has seen output: it resumes rather than starts over
     finished: bool = False  # ended in P1 or failed here: nothing to abort
     last: RequestOutput | None = None  # the latest output its caller read
+    first_logits: bytes | None = None  # P1's first-token logits row (float32), asked for by the verifier
 
     async def next_output(self) -> RequestOutput:
         """The next output for the caller; the error that ended the request is raised instead."""
