@@ -119,7 +119,7 @@ def _state(engine: AsyncLLM) -> dict[str, tuple[Any, Any]]:
         "free KV blocks": (stats.num_free_blocks, stats.num_total_blocks),
         "P0 request queues": (sorted(engine.requests.queues), []), "P0 requests sent": (engine.requests.ids(), []),
         "P0 output state": (engine.output_processor.has_unfinished_requests(), False),
-        "P0 items pending commit": (sorted(processor._pending), []),
+        "P0 items pending commit": (sorted(r.request_id for r in engine.requests.values() if r.pending), []),
         "P0 items in flight": (sorted(processor.items.inflight.futures), []),
         "processor cache intact": (_intact(processor.processor_cache), True),
         "IPC sender intact": (_intact(engine.transport.sender), True),
