@@ -5,8 +5,9 @@ that the caches changed nothing.
 
 Sampling: each single-completion request is a candidate with probability R, decided at admission;
 a candidate asks P1 for its first token's raw logits row (`EngineCoreRequest.return_first_logits`).
-Once it has finished — and only when some cache layer hit for it (its `CacheReport`) — the
-verifier sends it once more as a shadow request (`bypass_caches`): its items are processed again
+Once it has finished — and only when some cache layer hit for it (its `CacheReport`) — it is
+sent once more as a shadow request (`bypass_caches`; by the verifier's owner, `AsyncLLM._shadow`,
+which hands the run to `verify`): its items are processed again
 from their sources and cross whole (no processor, IPC or shm cache); in P1 it reads and writes no
 prefix, last-block, partial-block, first-token or encoder cache (`engine/request.py: shadow_items`) and runs last,
 one at a time, only when nothing else waits (`engine/scheduler.py`). One shadow runs at a time per
