@@ -163,8 +163,10 @@ class OutputStates(MutableMapping[str, RequestState]):
         self._requests[request_id].output = state  # KeyError: a request is opened before its output state
 
     def __delitem__(self, request_id: str) -> None:
-        self[request_id]
-        self._requests[request_id].output = None
+        request = self._requests.get(request_id)
+        if request is None or request.output is None:
+            raise KeyError(request_id)
+        request.output = None
 
     def __iter__(self) -> Iterator[str]:
         return iter([rid for rid, request in self._requests.items() if request.output is not None])
