@@ -60,6 +60,12 @@ def sibling_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+def client_request_id(engine_request_id: str) -> str:
+    """The request's own id behind a completion's engine-core id (`sibling_request_id`'s inverse;
+    an id without an index is returned as it is)."""
+    return engine_request_id.rpartition("#")[0] or engine_request_id
+
+
 # ---- P1 -> P0 ---------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.frontend.output.output_processor import RequestState
 from mmserve.frontend.request.open_request import OpenRequest
 from mmserve.frontend.request.output_queue import OutputQueue
+from mmserve.ipc.messages import client_request_id
 from mmserve.outputs import RequestOutput
 from mmserve.transport.item_transport import ItemTransport
 
@@ -111,13 +112,18 @@ class OpenRequests:
             f"the request was aborted: its outputs went unread for {stalled:.0f} s", code="stream_stalled"))
 
     def abort(self, request_ids: list[str]) -> None:
-        """Stop requests: their output state goes, they can no longer start over, P1 is told."""
+        """Stop requests: their output state goes, they can no longer start over, P1 is told.
+
+        An id `request#index` (one completion of an n > 1 request, ended here by a stop string)
+        is only sent on to P1: the request's other completions run on."""
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
             if (request := self._open.get(rid)) is not None:
                 request.output = request.resend = None
-                if request.rank is not None:
-                    by_rank.setdefault(request.rank, []).append(rid)
+            elif (request := self._open.get(client_request_id(rid))) is None:
+                continue
+            if request.rank is not None:
+                by_rank.setdefault(request.rank, []).append(rid)
         self.sender.abort(by_rank)
 
     def fail(self, request_id: str, error: Exception) -> None:
