@@ -31,6 +31,15 @@ except ValueError as e:
     print("error:", e)
 """
 
+_ON_NODE = """
+import dataclasses, sys
+from mmserve.config import EngineConfig
+from mmserve.models.hub import on_this_node
+config = EngineConfig.from_kwargs(model=sys.argv[1], revision=sys.argv[2])
+config = dataclasses.replace(config, model=dataclasses.replace(config.model, model_dir=sys.argv[3]))
+print(on_this_node(config).model.checkpoint_dir)
+"""
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, dict[str, bytes]]:
@@ -142,6 +151,24 @@ def test_tokenizer_revision_takes_the_tokenizer_files_of_another_revision(hub, f
     assert (path / "generation_config.json").read_bytes() == files["main"]["generation_config.json"]
     assert (path / "model.safetensors").read_bytes() == files["main"]["model.safetensors"]
     assert resolve(env, "org/tiny", "main", "v2") == str(path)  # made once
+
+
+def test_a_ray_rank_on_another_node_resolves_the_name_where_p0s_directory_is_not(hub, tmp_path):
+    """P0 resolved `org/tiny` at v2 into its own cache; a rank whose node lacks that folder downloads
+    the same revision into its node's cache (here: another HF_HUB_CACHE); one that has it keeps it."""
+    p0 = resolve(hub_env(hub, tmp_path / "p0"), "org/tiny", "v2")
+    node = hub_env(hub, tmp_path / "node")
+
+    def on_node(model_dir: str) -> str:
+        run = subprocess.run([sys.executable, "-c", _ON_NODE, "org/tiny", "v2", model_dir], capture_output=True,
+                             text=True, env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **node}, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip().splitlines()[-1]
+
+    here = on_node(str(tmp_path / "elsewhere" / Path(p0).name))
+    assert Path(here).parent == tmp_path / "node" / "models--org--tiny" / "snapshots"
+    assert Path(here).name == Path(p0).name == hub.repos["org/tiny"].commits["v2"]
+    assert on_node(p0) == p0
 
 
 def test_names_that_are_not_repo_ids_or_directories_fail_in_process(tmp_path):

@@ -2,7 +2,8 @@
 
 `resolve_engine_model(config)` runs in the first process (`mmserve serve`'s, the launcher's, the
 offline `LLM`'s) before any API server, engine core or worker starts; they get the config with
-`model.model_dir` set and never look a name up again. A name is, in this order:
+`model.model_dir` set and never look a name up again — except a Ray rank on another node, where
+that directory is not: it resolves the same name there (`on_this_node`). A name is, in this order:
 
 - `builtin:<model>`: the built-in checkpoint, made on first use (`builtin.py`);
 - an existing directory: used as is;
@@ -51,6 +52,16 @@ def resolve_engine_model(config: EngineConfig) -> EngineConfig:
         return config
     path = locate(config.model)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, model_dir=path))
+
+
+def on_this_node(config: EngineConfig) -> EngineConfig:
+    """`config` with its checkpoint directory as this machine has it: a directory resolved on another
+    node (P0's, for a Ray rank placed elsewhere) that is not here is resolved again here, from the
+    same name, revision and download dir (the repo's snapshot, or the built-in model written here)."""
+    model_dir = config.model.model_dir
+    if model_dir is not None and os.path.isdir(model_dir):
+        return config
+    return resolve_engine_model(dataclasses.replace(config, model=dataclasses.replace(config.model, model_dir=None)))
 
 
 def locate(model: ModelConfig) -> str:

@@ -39,6 +39,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import run_engine_core
 from mmserve.frontend.engine_client.engine_process import TERM_GRACE_S
 from mmserve.ipc.lifecycle import describe_exit, is_running
+from mmserve.models.hub import on_this_node
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class EngineCoreActor:
         Runs on the actor's main thread (an actor without concurrency groups), where P1's signal
         handlers work.
         """
+        if not os.path.isdir(model_dir):  # resolved on P0's node, not this one
+            config = on_this_node(config)
+            model_dir = config.model.checkpoint_dir
         try:
             run_engine_core(config, model_dir, input_addr, output_addr, shm_info)
         except SystemExit as e:
