@@ -111,14 +111,15 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale,
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, parts: tuple[int, int] | None = None) -> torch.Tensor:
     """Full attention inside each segment (shapes above); `max_len` (the longest segment) sizes the
-    grid and picks the tiles (`tuning.py`, with the head size and dtype)."""
+    grid and picks the tiles (`tuning.py`, with the head size and dtype); `parts` overrides the
+    head's lanes (`head_parts`; the benchmark times one padded part beside them)."""
     P, H, Dh = q.shape
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     out = torch.empty_like(q)
     tiles = prefill_tiles(Dh, q.element_size(), max_len, max_len)
-    d0, d1 = head_parts(Dh)
+    d0, d1 = parts or head_parts(Dh)
     grid = (cu.shape[0] - 1, triton.cdiv(max_len, tiles.block_m), H)
     _varlen_attention_kernel[grid](
         q, k, v, out, cu, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
