@@ -127,13 +127,18 @@ class QKVParallelLinear(ParallelLinear):
         self.ranges = _touching([Shard(0, part * D + tp.rank * per, per) for part in range(3)])
         super().__init__(LinearShape(3 * per, D, self.ranges[0] if len(self.ranges) == 1 else None), None, True)
         self.tp_shards["bias"] = self.ranges[0] if len(self.ranges) == 1 else self.ranges
-        self.set_method(self.method)
+        if len(self.ranges) > 1:
+            self._hold_over_ranges(self.method)
 
     def set_method(self, method: LinearMethod) -> None:
         """Hold the weight as `method` does, its tensors read over this rank's row ranges."""
         if len(self.ranges) == 1:
             super().set_method(method)
-            return
+        else:
+            self._hold_over_ranges(method)
+
+    def _hold_over_ranges(self, method: LinearMethod) -> None:
+        """`method`'s tensors for each row range, stacked along the axis each one's shard slices."""
         for name in self.weight_names:
             delattr(self, name)
             self.tp_shards.pop(name, None)
