@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate lint test test-gpu bench bench-serve bench-gpu soak clean
+.PHONY: setup run generate lint test test-gpu bench bench-serve bench-gpu gpu-wheels gpu-session soak clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,44 @@ test-gpu:
 # tables (BENCH_GPU_ARGS="--device cpu --tiny" runs it on a CPU at a tiny size)
 bench-gpu:
 	$(GPU_RUN) benchmarks/gpu_serving.py $(BENCH_GPU_ARGS)
+
+# The next GPU session in one command. Here (with a network): `make gpu-wheels` downloads into .whl/
+# the wheels of what the GPU image lacks (its package list: the device notes' KINDS.md), each at the
+# version this venv holds, for CPython 3.12 on manylinux x86-64, without their dependencies (those
+# the image lacks are named here too). There (no network): `make gpu-session` installs them into
+# /tmp/site and runs the kit, the kernel benchmark and the benchmark, each under a timeout (together
+# 8.5 minutes at most), logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
+GPU_WHEELS := msgspec pyzmq blake3 fastapi starlette pydantic pydantic-core annotated-types typing-inspection \
+	typing-extensions anyio sniffio uvicorn httptools openai httpx2 httpcore2 truststore jiter httpx httpcore av \
+	setproctitle pybase64 xgrammar apache-tvm-ffi opentelemetry-api
+WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
+	--platform manylinux1_x86_64
+GPU_LOGS ?= $(or $(OUT),/tmp/mmserve-gpu-logs)
+GPU_SITE := /tmp/site
+GPU_SITE_RUN := env PYTHONPATH=src:tests:$(GPU_SITE) $(GPU_PY)
+GPU_TEST_S ?= 260
+GPU_KERNELS_S ?= 50
+GPU_BENCH_S ?= 200
+
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	for name in $(GPU_WHEELS); do \
+	  version=$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('$$name'))") || exit 1; \
+	  $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    $(WHEEL_PLATFORMS) -d .whl "$$name==$$version" || exit 1; \
+	done
+	@du -sh .whl; ls .whl | wc -l
+
+# each step goes on when the one before fails or runs out of time (test-gpu's two runs too: -i)
+gpu-session:
+	mkdir -p $(GPU_LOGS)
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	-PYTHONUNBUFFERED=1 timeout $(GPU_TEST_S) $(MAKE) -i --no-print-directory test-gpu GPU_RUN="$(GPU_SITE_RUN)" 2>&1 \
+	  | tee $(GPU_LOGS)/test-gpu.log
+	-PYTHONUNBUFFERED=1 timeout $(GPU_KERNELS_S) $(GPU_SITE_RUN) benchmarks/attention_kernels.py 2>&1 \
+	  | tee $(GPU_LOGS)/attention-kernels.log
+	-PYTHONUNBUFFERED=1 timeout $(GPU_BENCH_S) $(MAKE) --no-print-directory bench-gpu GPU_RUN="$(GPU_SITE_RUN)" 2>&1 \
+	  | tee $(GPU_LOGS)/bench-gpu.log
 
 # every component benchmark in benchmarks/ (one at a time: make bench ONLY=serving_overhead)
 bench: $(STAMP)

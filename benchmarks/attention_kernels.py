@@ -8,7 +8,8 @@ measured in the same run.
   device-to-device copy's bandwidth (bytes read + written per second).
 - Prefill (Qwen2.5-VL-7B's tower: 16 heads of 80, bfloat16): a 1024x768 image's full attention
   (one 4,070-row segment) and its 64-row windows, as attention FLOP/s (4 x rows x keys x heads x
-  head dim per segment) against a large bfloat16 matmul's rate.
+  head dim per segment) against a large bfloat16 matmul's rate; the head in 64 + 16 lanes as the
+  backend runs it, and in one 128-lane part (the kernel before) beside it.
 
 Run: `python benchmarks/attention_kernels.py` on a CUDA machine (without one it says so and exits
 0); `--smoke` runs the script's own code at tiny sizes on CPU under Triton's interpreter.
@@ -90,19 +91,30 @@ def decode_row(device: torch.device, batch: int, context: int, bandwidth: float,
 
 
 def prefill_rows(device: torch.device, frame_rows: int, rate: float, reps: int) -> None:
+    """The tower's segments as the backend runs them (the head in `head_parts` lanes, 64 + 16 for 80),
+    then with the head in one part padded to a power of two (128 lanes: the kernel before)."""
+    import triton
+
     from mmserve.models.attention.triton_backend import TritonBackend
+    from mmserve.models.attention.varlen_kernel import varlen_attention
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     backend = TritonBackend(device)
     q, k, v = (torch.randn(frame_rows, TOWER_HEADS, TOWER_HEAD_DIM, device=device).to(dtype) for _ in range(3))
     windows = list(range(0, frame_rows, WINDOW_ROWS)) + [frame_rows]
+    padded = (triton.next_power_of_2(TOWER_HEAD_DIM), 0)
     print(f"prefill: {TOWER_HEADS} heads of {TOWER_HEAD_DIM}, {frame_rows} rows; matmul rate {rate / 1e12:.0f} TFLOP/s")
-    print(f"{'segments':>20} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6}")
+    print(f"{'segments':>20} {'ms':>8} {'TFLOP/s':>8} {'ratio':>6} {f'{padded[0]} lanes ms':>13} {'ratio':>6} "
+          f"{'speed-up':>8}")
     for name, cu in (("one (full)", [0, frame_rows]), (f"{len(windows) - 1} windows", windows)):
         segments = backend.segments(cu, device)
         flops = sum(4 * (hi - lo) ** 2 * TOWER_HEADS * TOWER_HEAD_DIM for lo, hi in zip(cu[:-1], cu[1:]))
-        seconds = timed(functools.partial(segments.attend, q, k, v, TOWER_HEAD_DIM**-0.5), device, reps)
-        print(f"{name:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} {flops / seconds / rate:>6.2f}")
+        scale = TOWER_HEAD_DIM**-0.5
+        seconds = timed(functools.partial(segments.attend, q, k, v, scale), device, reps)
+        one_part = timed(functools.partial(varlen_attention, q, k, v, segments.cu, segments.max_len, scale, padded),
+                         device, reps)
+        print(f"{name:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} {flops / seconds / rate:>6.2f} "
+              f"{one_part * 1e3:>13.3f} {flops / one_part / rate:>6.2f} {one_part / seconds:>8.2f}")
 
 
 def main() -> None:

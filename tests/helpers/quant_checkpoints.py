@@ -108,15 +108,18 @@ def _fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor
     return {"weight": q, "weight_scale": scale[:, None]}, q.float() * scale[:, None]
 
 
-def quantization_config(fmt: str, group: int, block: int) -> dict[str, Any]:
-    """`config.json`'s `quantization_config` as each publisher writes it."""
+def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -> dict[str, Any]:
+    """`config.json`'s `quantization_config` as each publisher writes it (`tower`: its skip list
+    leaves the vision tower and projector in, as a checkpoint quantized whole has it)."""
+    vision = [] if tower else list(VISION)
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
-                "modules_to_not_convert": list(VISION)}
+                "modules_to_not_convert": vision}
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head", *VISION, "model.visual"]}
-    ignore = ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
+                "weight_block_size": [block, block],
+                "modules_to_not_convert": ["lm_head", *vision, "model.visual"] if vision else ["lm_head"]}
+    ignore = ["lm_head", *(f"re:.*{name}.*" for name in vision)]
     if fmt == "fp8-channel":
         weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
@@ -141,14 +144,24 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
     return _fp8_channel(w)
 
 
-def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32) -> tuple[str, str]:
+def _quantized(name: str, w: torch.Tensor, tower: bool) -> bool:
+    """Whether `quantize_copy` quantizes the checkpoint tensor `name`: a decoder projection, and
+    with `tower` every linear weight of the vision tower and projector too (convolutions aside)."""
+    if any(v in name for v in VISION):
+        return tower and name.endswith(".weight") and w.dim() == 2 and "embed" not in name
+    return DECODER_LINEAR.search(name) is not None
+
+
+def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32,
+                  tower: bool = False) -> tuple[str, str]:
     """(the quantized checkpoint, its dequantized float32 twin) of the one-file checkpoint `src`:
-    every decoder projection quantized in `fmt`; the vision tower and projector left as they are."""
+    every decoder projection quantized in `fmt`; the vision tower and projector left as they are,
+    or with `tower` quantized too (and not in the skip list)."""
     quant, plain = dst / f"{fmt}-q", dst / f"{fmt}-deq"
     tensors = load_file(str(Path(src) / "model.safetensors"))
     q_tensors, deq_tensors = {}, {}
     for name, w in tensors.items():
-        if DECODER_LINEAR.search(name) and not any(v in name for v in VISION):
+        if _quantized(name, w, tower):
             stored, deq = quantize_tensor(fmt, w.float(), group, block)
             prefix = name.removesuffix(".weight")
             q_tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
@@ -160,7 +173,7 @@ def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 3
         save_file(ts, str(folder / "model.safetensors"), metadata={"format": "pt"})
         config = json.loads((folder / "config.json").read_text())
         if quantized:
-            config["quantization_config"] = quantization_config(fmt, group, block)
+            config["quantization_config"] = quantization_config(fmt, group, block, tower)
         (folder / "config.json").write_text(json.dumps(config))
     return str(quant), str(plain)
 

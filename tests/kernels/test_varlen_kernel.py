@@ -75,3 +75,39 @@ def test_tiles_follow_the_head_size_the_dtype_and_the_segments():
     window = prefill_tiles(80, 2, 64, 64)  # a 64-patch window: no query rows past it
     assert (window.block_m, window.block_n, window.num_stages) == (64, 64, HALF_LARGE_HEAD.num_stages)
     assert prefill_tiles(64, 4, 17, 17) == TileConfig(32, 32, SINGLE.num_warps, SINGLE.num_stages)  # CLIP in float32
+
+
+def exact_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    """The float64 attention inside each segment (the reference both the kernel and torch round from)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = (x[lo:hi].double().transpose(0, 1) for x in (q, k, v))  # [H, n, Dh]
+        out[lo:hi] = (torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1) @ vs).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 96, 40, 24])
+def test_every_head_size_equals_float64_attention(head_dim, loops):
+    """Heads held in one part (64, 128, 24 padded to 32) and in two (80 = 64 + 16, 96 = 64 + 32,
+    40 = 32 + 16 with the second part padded): float32 within float32's rounding of the exact
+    result, over segments longer than a key tile, a one-row one, and both loop headers."""
+    cu = [0, 70, 71, 135, 200]
+    g = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(cu[-1], 2, head_dim, generator=g) for _ in range(3))
+    scale = head_dim**-0.5
+    exact = exact_segments(q, k, v, cu, scale)
+    got = TritonBackend(DEVICE).segments(cu, DEVICE).attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), scale).cpu()
+    torch_f32 = TORCH.segments(cu, torch.device("cpu")).attend(q, k, v, scale)
+    assert (got.double() - exact).abs().max() <= max(4 * (torch_f32.double() - exact).abs().max(), 1e-6)
+
+
+def test_a_head_is_held_in_the_fewest_power_of_two_lanes():
+    """Qwen2.5-VL's tower heads (1280 / 16 = 80) take 64 + 16 lanes, not 128; a power of two is one
+    part; a split that saves nothing (112: 64 + 64) is not made."""
+    from mmserve.models.attention.tuning import head_parts
+
+    assert head_parts(80) == (64, 16)
+    assert head_parts(96) == (64, 32)
+    assert head_parts(72) == (64, 16)
+    assert head_parts(64) == (64, 0) and head_parts(128) == (128, 0) and head_parts(16) == (16, 0)
+    assert head_parts(112) == (128, 0) and head_parts(24) == (32, 0) and head_parts(8) == (16, 0)

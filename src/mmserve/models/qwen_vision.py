@@ -20,7 +20,8 @@ from torch import nn
 
 from mmserve.models.attention.backend import SegmentAttention
 from mmserve.models.layers import apply_rotary
-from mmserve.models.parallel import SINGLE, RowParallelLinear, Shard, TensorParallel
+from mmserve.models.parallel import SINGLE, ParallelLinear, RowParallelLinear, Shard, TensorParallel
+from mmserve.models.quantization.base import LinearMethod, LinearShape
 from mmserve.models.qwen_config import QwenVisionConfig
 
 Grid = tuple[int, int, int]  # (t, h, w) of one image in patches
@@ -113,23 +114,75 @@ class VisionPlan:
     frames: SegmentAttention  # one segment per frame of every image
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(ParallelLinear):
     """The fused `qkv` Linear ([3 * D, D] in the checkpoint), split by heads: this rank holds its
-    heads' rows of q, then of k, then of v (three checkpoint row ranges, which the loader reads
-    and concatenates). With tp.size == 1 it is the plain [3 * D, D] Linear."""
+    heads' rows of q, then of k, then of v (three checkpoint row ranges, one when they touch, as at
+    tp.size == 1: the plain [3 * D, D] Linear). Its weight takes any `LinearMethod` (a quantized
+    tower): each of the method's tensors is read range by range along the axis its shard slices
+    (packed words, groups, blocks) and concatenated, as the ranges' rows are."""
 
     def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
         D = cfg.hidden_size
         per = tp.split(cfg.num_heads, "the vision tower's num_heads") * cfg.head_dim  # rows of q (or k, v)
-        self.weight = nn.Parameter(torch.empty(3 * per, D))
-        self.bias = nn.Parameter(torch.empty(3 * per))
-        ranges = [Shard(0, part * D + tp.rank * per, per) for part in range(3)]
-        self.tp_shards = {"weight": ranges, "bias": ranges}
+        self.ranges = _touching([Shard(0, part * D + tp.rank * per, per) for part in range(3)])
+        super().__init__(LinearShape(3 * per, D, self.ranges[0] if len(self.ranges) == 1 else None), None, True)
+        self.tp_shards["bias"] = self.ranges[0] if len(self.ranges) == 1 else self.ranges
+        if len(self.ranges) > 1:
+            self._hold_over_ranges(self.method)
+
+    def set_method(self, method: LinearMethod) -> None:
+        """Hold the weight as `method` does, its tensors read over this rank's row ranges."""
+        if len(self.ranges) == 1:
+            super().set_method(method)
+        else:
+            self._hold_over_ranges(method)
+
+    def _hold_over_ranges(self, method: LinearMethod) -> None:
+        """`method`'s tensors for each row range, stacked along the axis each one's shard slices."""
+        for name in self.weight_names:
+            delattr(self, name)
+            self.tp_shards.pop(name, None)
+        self.method = method
+        parts = [_RangeHolder(method, LinearShape(r.length, self.shape.in_features, r)) for r in self.ranges]
+        for attr in method.attrs:
+            setattr(self, attr, getattr(parts[0], attr))
+        for name in parts[0].weight_names:
+            params = [getattr(part, name) for part in parts]
+            shards = [part.tp_shards[name] for part in parts if name in part.tp_shards]
+            if len(shards) < len(parts):  # not sliced by rows (a per-tensor scale): one, whole
+                setattr(self, name, params[0])
+                continue
+            stacked = nn.Parameter(torch.cat([p.detach() for p in params], dim=shards[0].dim), requires_grad=False)
+            stacked.__dict__.update(params[0].__dict__)  # the method's marks (`register`)
+            setattr(self, name, stacked)
+            self.tp_shards[name] = shards
+        self.weight_names = list(parts[0].weight_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [P, D] -> [P, 3 * H * Dh]
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
+
+
+class _RangeHolder(nn.Module):
+    """The tensors `method` registers for one row range of a weight, and the slice of each."""
+
+    def __init__(self, method: LinearMethod, shape: LinearShape) -> None:
+        super().__init__()
+        self.tp_shards: dict[str, Shard] = {}
+        self.weight_names: list[str] = []
+        method.create_weights(self, shape)
+
+
+def _touching(ranges: list[Shard]) -> list[Shard]:
+    """Row ranges in order, each run of ranges that touch joined into one."""
+    out = [ranges[0]]
+    for r in ranges[1:]:
+        last = out[-1]
+        if last.start + last.length == r.start:
+            out[-1] = Shard(0, last.start, last.length + r.length)
+        else:
+            out.append(r)
+    return out
 
 
 class VisionAttention(nn.Module):

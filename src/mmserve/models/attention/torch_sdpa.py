@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.layers import TORCH_OPS, LayerOps, Rope
+from mmserve.worker.device import to_device
 
 
 @dataclass
@@ -231,12 +232,14 @@ class Segments:
 
     @classmethod
     def from_cu(cls, cu: list[int], device: torch.device) -> Segments:
+        """The segments of `cu`, their row indices built on the host and moved to `device` in one
+        pinned copy without blocking (the host never waits for the device's queue here)."""
         starts: dict[int, list[int]] = {}
         for lo, hi in zip(cu[:-1], cu[1:]):
             if hi > lo:
                 starts.setdefault(hi - lo, []).append(lo)
-        groups = tuple((n, (torch.tensor(s)[:, None] + torch.arange(n)).to(device)) for n, s in starts.items())
-        return cls(groups)
+        groups = tuple((n, torch.tensor(s)[:, None] + torch.arange(n)) for n, s in starts.items())
+        return cls(to_device(groups, device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q, k, v: [P, H, Dh] -> [P, H, Dh]: full (non-causal) attention within each segment."""

@@ -1,8 +1,9 @@
 """Tile sizes, warps and pipeline stages of the prefill attention kernels, per head size and dtype.
 
 Not timed here (no GPU at hand when chosen): each comes from what published Hopper kernels use for
-the same head size, written beside it. `tl.arange` needs powers of two, so a head of 80 or 96 runs
-in 128 lanes (the rest masked), as a head of 128 does.
+the same head size, written beside it. `tl.arange` (and `tl.dot`, at least 16) need powers of two:
+the paged kernel runs a head of 80 or 96 in 128 lanes (the rest masked), as a head of 128; the
+tower's variable-length kernel holds it in two parts (`head_parts`: 80 = 64 + 16, 96 = 64 + 32).
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 # float32: values take twice the bytes and `tl.dot` runs in IEEE precision (no tensor cores):
 # half the tile each way, 2 stages.
 SINGLE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def head_parts(head_dim: int) -> tuple[int, int]:
+    """(D0, D1): a head's lanes as two power-of-two parts of at least 16 (`tl.dot`'s least), D0 the
+    largest power of two <= head_dim and D1 the rest padded, when that is fewer lanes than one part
+    padded to a power of two (80: 64 + 16 = 80, not 128); else (that one part, 0)."""
+    whole = max(16, triton.next_power_of_2(head_dim))
+    first = max(16, whole // 2 if whole > head_dim else whole)
+    rest = head_dim - first
+    if rest <= 0:
+        return whole, 0
+    second = max(16, triton.next_power_of_2(rest))
+    return (first, second) if first + second < whole else (whole, 0)
 
 
 def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int) -> TileConfig:

@@ -1,0 +1,56 @@
+"""On a CUDA GPU: a Qwen vision tower call (its plan from the grids, then the run) never makes the
+host wait for the GPU — no device value read back, no blocking copy — under
+`torch.cuda.set_sync_debug_mode("error")`, with both attention backends, and its embeddings equal
+the float32 CPU tower's. `make test-gpu`; skipped (instantly) where CUDA is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.models.attention.backend import attention_backend
+from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
+from mmserve.models.qwen3_vision import Qwen3VisionTower
+from mmserve.models.qwen_config import QwenVisionConfig
+
+pytestmark = pytest.mark.gpu
+
+# heads of 80 (Qwen2.5-VL's tower) so the split-head varlen kernel runs; grids with edge windows and a video
+SHAPE = dict(hidden_size=160, intermediate_size=256, num_heads=2, out_hidden_size=64, spatial_merge_size=2,
+             temporal_patch_size=2, depth=2, in_channels=3, hidden_act="silu")
+CONFIGS = {"qwen2_5": QwenVisionConfig(**SHAPE, patch_size=14, window_size=112, fullatt_block_indexes=(1,)),
+           "qwen3": QwenVisionConfig(**SHAPE, patch_size=16, num_position_embeddings=64,
+                                     deepstack_visual_indexes=(0,))}
+TOWERS = {"qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
+GRIDS = [(1, 12, 20), (2, 8, 8), (1, 34, 18)]
+
+
+def _tower(family: str) -> torch.nn.Module:
+    tower = TOWERS[family](CONFIGS[family])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(tower.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return tower.eval()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("family", list(TOWERS))
+def test_a_tower_call_never_waits_for_the_gpu(family, backend):
+    cfg, cuda = CONFIGS[family], torch.device("cuda")
+    cpu_tower = _tower(family)
+    tower = _tower(family).to(cuda)
+    attention = attention_backend(backend, cuda)
+    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), cfg.patch_dim, generator=torch.Generator().manual_seed(1))
+    gpu_pixels = pixels.to(cuda)
+    with torch.inference_mode():
+        tower(gpu_pixels, GRIDS, attention)  # compiles the kernels and starts cuBLAS outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            embeds, deepstack = tower(gpu_pixels, GRIDS, attention)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want, want_deep = cpu_tower(pixels, GRIDS)
+    for got, ref in zip([embeds, *deepstack], [want, *want_deep]):
+        torch.testing.assert_close(got.cpu(), ref, atol=2e-3, rtol=2e-3)  # summation order aside
