@@ -7,7 +7,6 @@ after shutdown."""
 
 from __future__ import annotations
 
-import glob
 import time
 
 import pytest
@@ -15,13 +14,14 @@ import pytest
 from mmserve import LLM
 from helpers.server_process import (ServerProcess, answers_through_a_kill, children_titled, data_url, expected,
                                     post, scrape)
+from helpers.shm_listing import shm_listing
 from helpers.tiny_models import make_checkpoint, make_image
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
 
 def segments() -> set[str]:
-    return set(glob.glob("/dev/shm/mmserve_*"))
+    return {name for name in shm_listing() if name.startswith("mmserve_")}
 
 
 def test_a_repeat_on_either_server_skips_the_processor(tmp_path):

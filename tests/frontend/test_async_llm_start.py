@@ -14,12 +14,10 @@ import pytest
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from helpers.tiny_models import make_checkpoint
+from helpers.shm_listing import shm_listing
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
-
-def shm_listing() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mmserve")}
 
 
 def ipc_dirs() -> set[str]:

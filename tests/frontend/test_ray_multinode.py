@@ -4,8 +4,6 @@ other node is not given it and serves a request whose image travels in-band."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from mmserve import LLM
@@ -15,6 +13,7 @@ from mmserve.transport.item_transport import ItemTransport
 from mmserve.transport.undo import UndoLog
 from helpers.core_client_runs import ENGINE_ARGS, collect, expected_tokens, request
 from helpers.tiny_models import make_checkpoint
+from helpers.shm_listing import shm_listing
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -39,9 +38,6 @@ def cluster():
 def path(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ray_multinode"))
 
-
-def shm_listing() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mmserve")}
 
 
 def start_ranks(config: EngineConfig, path: str, shm_info: bytes | None, clients: list[EngineCoreClient]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from mmserve.config import EngineConfig
@@ -12,12 +10,10 @@ from mmserve.transport.shm_items import ShmItemReader, ShmItemWriter
 from mmserve.item_store.shm_store import ShmStore
 from helpers.mm_prompts import PARAMS, TWO, generate, one, url
 from helpers.tiny_models import make_checkpoint
+from helpers.shm_listing import shm_listing
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
-
-def shm_listing() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mmserve")}
 
 
 @pytest.fixture(scope="module")

@@ -133,9 +133,9 @@ class ZmqEventPublisher:
         try:
             self._publish_loop()
         except Exception:
-            self.failed.set()
             logger.exception("the KV events publisher of rank %d failed: KV events are off for this engine core, "
                              "which serves on", self.rank)
+            self.failed.set()  # after the log line: whoever waits on it finds the reason logged
 
     def _publish_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
