@@ -260,13 +260,14 @@ def main() -> None:
           + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
     worst: dict[str, float] = {}
     steps: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)  # a format named twice: both runs
+    read: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats.split(","):
         path, quantization = format_checkpoint(model_dir, fmt)
         bench = Bench(path, max(batches), max(contexts), args.steps, quantization)
         for batch in batches:
             for context in contexts:
                 for attention in paths:
-                    step, ratio = measure(bench, fmt, attention, batch, context, args.steps)
+                    step, ratio, read[fmt, batch, context] = measure(bench, fmt, attention, batch, context, args.steps)
                     steps[fmt, attention, batch, context].append(step)
                     if batch >= 8:
                         worst[attention] = max(worst.get(attention, 0.0), ratio)
@@ -276,15 +277,24 @@ def main() -> None:
         del bench
     for path, ratio in worst.items():
         print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
+    summarize(steps, read)
+
+
+def summarize(steps: dict[tuple[str, str, int, int], list[float]], read: dict[tuple[str, int, int], int]) -> None:
+    """Each format's speed-up over dense float32 per configuration, beside the ratio of the bytes
+    the two steps read (what a memory-bound step could gain at most)."""
     for (fmt, attention, batch, context), took in steps.items():
-        if fmt != "dense" and ("dense", attention, batch, context) in steps:
-            dense = statistics.mean(steps["dense", attention, batch, context])  # runs before and after, if named so
-            print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step "
-                  f"{dense / statistics.mean(took):.2f}x (int4 target >= 4)")
+        if fmt == "dense" or ("dense", attention, batch, context) not in steps:
+            continue
+        dense = statistics.mean(steps["dense", attention, batch, context])  # runs before and after, if named so
+        target = " (target >= 4)" if fmt in ("awq", "w4a16", "w4a16-asym") else ""
+        print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step "
+              f"{dense / statistics.mean(took):.2f}x{target}; bytes read, dense / {fmt}: "
+              f"{read['dense', batch, context] / read[fmt, batch, context]:.2f}x")
 
 
-def measure(bench: Bench, fmt: str, path: str, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """One configuration's row: (median step seconds, step / bound)."""
+def measure(bench: Bench, fmt: str, path: str, batch: int, context: int, steps: int) -> tuple[float, float, int]:
+    """One configuration's row: (median step seconds, step / bound, bytes a step reads)."""
     weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     with attention_path(path):
@@ -297,7 +307,7 @@ def measure(bench: Bench, fmt: str, path: str, batch: int, context: int, steps: 
     print(f"{fmt:>11} {path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:5.1f} "
           f"{rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} {batch / step:7.1f}  "
           + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
-    return step, step / bound
+    return step, step / bound, read
 
 
 @contextlib.contextmanager
