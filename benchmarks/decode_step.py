@@ -287,7 +287,7 @@ def summarize(steps: dict[tuple[str, str, int, int], list[float]], read: dict[tu
         if fmt == "dense" or ("dense", attention, batch, context) not in steps:
             continue
         dense = statistics.mean(steps["dense", attention, batch, context])  # runs before and after, if named so
-        target = " (target >= 4)" if fmt in ("awq", "w4a16", "w4a16-asym") else ""
+        target = " (target >= 4)" if fmt.startswith(("awq", "w4a16")) else ""
         print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step "
               f"{dense / statistics.mean(took):.2f}x{target}; bytes read, dense / {fmt}: "
               f"{read['dense', batch, context] / read[fmt, batch, context]:.2f}x")

@@ -21,23 +21,30 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-FORMATS = ("dense", "awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel", "fp8-online")
+FORMATS = ("dense", "awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel", "fp8-online", "awq-f16")
 
 
 def format_checkpoint(model_dir: str, fmt: str) -> tuple[str, str | None]:
     """(checkpoint, --quantization) of the model in `fmt`: quantized copies are written beside
-    it once: int4 in groups of 128, FP8 in 128 x 128 blocks or per row."""
+    it once: int4 in groups of 128, FP8 in 128 x 128 blocks or per row; a name ending in "-f16"
+    (e.g. "awq-f16") stores the tensors left unquantized in float16, as published releases do
+    (the others keep the model's float32)."""
     if fmt in ("dense", "fp8-online"):
         return model_dir, "fp8" if fmt == "fp8-online" else None
+    import torch
     from helpers.quant_checkpoints import quantize_copy
 
     folder = Path(model_dir).with_name(Path(model_dir).name + "-formats")
     if not (folder / f"{fmt}-q" / "config.json").exists():
+        work = folder / f"{fmt}-writing"
+        shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(folder / f"{fmt}-q", ignore_errors=True)
-        shutil.rmtree(folder / f"{fmt}-deq", ignore_errors=True)
-        folder.mkdir(exist_ok=True)
-        quantize_copy(model_dir, folder, fmt, group=128, block=128)
-        shutil.rmtree(folder / f"{fmt}-deq")
+        work.mkdir(parents=True)
+        base = fmt.removesuffix("-f16")
+        quantize_copy(model_dir, work, base, group=128, block=128,
+                      unquantized=torch.float16 if fmt.endswith("-f16") else None)
+        (work / f"{base}-q").rename(folder / f"{fmt}-q")
+        shutil.rmtree(work)
     return str(folder / f"{fmt}-q"), None
 
 
@@ -108,8 +115,13 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--rows", default="1", help="rows of x (a decode step's batch), comma-separated")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--avx2", action="store_true", help="the AVX2 kernels only (with ONEDNN_MAX_CPU_ISA=AVX2 "
+                        "in the environment, dense too: a machine without AVX-512)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from mmserve.models.quantization import cpu_gemv
+
+    cpu_gemv.WIDE = not args.avx2
     model_dir = write_model(dict(TEXT), args.model_dir)
     formats = args.formats.split(",")
     held = {fmt: resident_bytes(decoder_linears(model_dir, fmt)) for fmt in formats}

@@ -80,3 +80,16 @@ def test_the_avx512_library_takes_groups_of_128_and_rows_by_4_itself():
                                        3, 16, 256, 128, 128, 1) == 0
     assert library.mmserve_int4_gemv512(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
                                         None, y.data_ptr(), 3, 16, 256, 64, 1) != 0  # groups of 64: the other's
+
+
+@pytest.mark.parametrize("M", [1, 3, 6])
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
+def test_half_gemv_equals_upcast_then_matmul(M, stored):
+    """A 16-bit weight (subnormals, infinities' neighbours: every finite code) in float32 arithmetic."""
+    codes = torch.randint(0, 2**16, (24, 80), dtype=torch.int32, generator=GEN).to(torch.int16)
+    weight = codes.view(stored)
+    weight[~weight.float().isfinite()] = 0
+    x, bias = torch.randn(M, 80, generator=GEN) * 1e-3, torch.randn(24, generator=GEN)
+    got = cpu_gemv.half_gemv(x, weight, bias)
+    assert got is not None
+    _close(got, x, weight.float(), bias)

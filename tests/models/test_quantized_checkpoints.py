@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 from helpers.parity_runs import run_greedy
@@ -63,6 +64,17 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(fmt, family, sour
     stats = llm.engine.core.stats()  # the metric's source: resident bytes as held
     assert abs(stats.weight_bytes / checkpoint_bytes(quantized) - 1) < 0.15
     assert METHOD[fmt] in describe_quantization(llm.engine.core.executor.runner.model)
+
+
+@pytest.mark.parametrize("family, stored", [("qwen3_vl", torch.float16), ("llava", torch.bfloat16)])
+def test_16_bit_unquantized_weights_as_published_give_the_same_tokens(family, stored, sources, tmp_path):
+    """Every tensor left unquantized stored 16-bit (Qwen's AWQ releases: float16): the LM head held
+    so on the CPU and multiplied in float32, the rest upcast; transformers' tokens on the twin."""
+    quantized, dequantized = quantize_copy(sources[family], tmp_path, "awq", unquantized=stored)
+    items = _prompts(family)
+    got, llm = run_greedy(quantized, items, MAX_NEW)
+    assert got == _reference(family, dequantized, items)
+    assert llm.engine.core.executor.runner.model.lm_head.weight.dtype == stored
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "llava"])

@@ -2,7 +2,8 @@
 (models/attention/cpu_kernels.py): decode GEMVs that dequantize in registers (int4 with group
 scales and zeros, FP8 e4m3 per row or block) and the dequantized row tiles a prefill's matmul
 reads (`csrc/quant_gemv.c`, AVX2 or plain C), and the GEMVs again with AVX-512 where the machine
-has it (`csrc/quant_gemv512.c`, tried first; `WIDE` turns it off). Each function returns None
+has it (`csrc/quant_gemv512.c`, tried first; `WIDE` turns it off); and the GEMV of a quantized
+checkpoint's 16-bit weights kept as stored (`csrc/half_gemv.c`: its LM head, base.linear). Each function returns None
 (nothing done) where the kernels are off or cannot be built, or the tensors are not theirs (not
 float32 CPU, not contiguous); callers then keep their PyTorch path.
 """
@@ -19,6 +20,7 @@ from mmserve.models.attention import cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
 WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
+HALF_SOURCE = SOURCE.with_name("half_gemv.c")
 WIDE = True  # use the AVX-512 GEMVs where they are built (tests turn it off to prove the others)
 GEMV_MAX_ROWS = 128  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -51,6 +53,32 @@ def load_wide() -> ctypes.CDLL | None:
         fn = getattr(library, name)
         fn.argtypes, fn.restype = _SIGNATURES[name.replace("512", "_f32")], ctypes.c_int
     return library
+
+
+@functools.cache
+def load_half() -> ctypes.CDLL | None:
+    """The library of 16-bit weights' GEMV, or None where it cannot be had."""
+    library = cpu_kernels.build(HALF_SOURCE)
+    if library is not None:
+        library.mmserve_half_gemv.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT, _INT]
+        library.mmserve_half_gemv.restype = ctypes.c_int
+    return library
+
+
+def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [.., K] float32 @ W^T (+ bias) for a float16 or bfloat16 weight [N, K] held as the
+    checkpoint stores it (float32 arithmetic), up to `GEMV_MAX_ROWS` rows of x; else None."""
+    library, rows = load_half(), _gemv_rows(x, bias, weight)
+    if library is None or rows is None or weight.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    N, K = weight.shape
+    y = torch.empty(rows.shape[0], N)
+    done = library.mmserve_half_gemv(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], N, K,
+                                     int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+    if done != 0:
+        return None
+    y = y.reshape(*x.shape[:-1], N)
+    return y if bias is None else y + bias
 
 
 def _wide() -> ctypes.CDLL | None:
