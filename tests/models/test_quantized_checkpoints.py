@@ -84,11 +84,12 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
     assert got == _reference(family, online_fp8_twin(sources[family], tmp_path / "twin"), items)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "w4a16-asym", "fp8-block", "fp8-channel"])
-def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, sources, tmp_path):
-    """Each rank reads its slice of the packed tensors (words of 8, groups, blocks): two ranks
-    give transformers' tokens on the dequantized weights, as one does."""
-    quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt)
+@pytest.mark.parametrize("fmt, stored", [("awq", None), ("w4a16-asym", None), ("fp8-block", None),
+                                         ("fp8-channel", None), ("awq", torch.float16)])
+def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
+    """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM
+    head's rows): two ranks give transformers' tokens on the dequantized weights, as one does."""
+    quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt, unquantized=stored)
     items = _prompts("qwen3_vl")
     got, llm = run_greedy(quantized, items, MAX_NEW, tensor_parallel_size=2)
     assert got == _reference("qwen3_vl", dequantized, items)
