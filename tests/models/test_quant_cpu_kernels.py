@@ -10,6 +10,7 @@ import torch
 
 from helpers.quant_checkpoints import random_fp8, random_int4
 from mmserve.models.quantization import cpu_gemv
+from mmserve.models.quantization.base import tiled_linear
 from mmserve.models.quantization.int4 import dequantize_rows
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no C compiler for the CPU kernels")
@@ -93,3 +94,13 @@ def test_half_gemv_equals_upcast_then_matmul(M, stored):
     got = cpu_gemv.half_gemv(x, weight, bias)
     assert got is not None
     _close(got, x, weight.float(), bias)
+
+
+def test_prefill_tiles_equal_dequantize_then_matmul():
+    """Past `GEMV_MAX_ROWS` rows of x, W's dequantized row tiles through the matmul (oneDNN's, over
+    each tile packed for it): tiles of 256 rows and a partial last one."""
+    qweight, scales, zeros = random_int4(600, 128, 32, GEN)
+    W = dequantize_rows(qweight, scales, zeros, 32)
+    x, bias = torch.randn(cpu_gemv.GEMV_MAX_ROWS + 3, 128, generator=GEN), torch.randn(600, generator=GEN)
+    got = tiled_linear(x, bias, 600, lambda start, stop: cpu_gemv.int4_rows(qweight, scales, zeros, 32, start, stop))
+    _close(got, x, W, bias)

@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
 WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
 HALF_SOURCE = SOURCE.with_name("half_gemv.c")
 WIDE = True  # use the AVX-512 GEMVs where they are built (tests turn it off to prove the others)
-GEMV_MAX_ROWS = 128  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
+GEMV_MAX_ROWS = 256  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "mmserve_int4_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
