@@ -58,7 +58,7 @@ import torch
 from mmserve.models.attention import cpu_kernels, torch_sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_formats import FORMATS, format_checkpoint  # noqa: E402
+from quant_formats import FORMATS, format_checkpoint, summarize  # noqa: E402
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
             intermediate_size=3072, max_position_embeddings=8192)
@@ -286,26 +286,6 @@ def main() -> None:
     for path, ratio in worst.items():
         print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
     summarize(steps, cpu, read)
-
-
-Runs = dict[tuple[str, str, int, int], list[float]]
-
-
-def summarize(steps: Runs, cpu: Runs, read: dict[tuple[str, int, int], int]) -> None:
-    """Each format's speed-up over dense float32 per configuration, in wall and in CPU time (on a
-    shared machine with one thread, CPU time leaves out the time others held the core), beside
-    the ratio of the bytes the two steps read (what a memory-bound step could gain at most)."""
-    for key, took in steps.items():
-        fmt, attention, batch, context = key
-        dense_key = ("dense", attention, batch, context)
-        if fmt == "dense" or dense_key not in steps:
-            continue
-        wall = statistics.mean(steps[dense_key]) / statistics.mean(took)  # runs before and after, if named so
-        work = statistics.mean(cpu[dense_key]) / statistics.mean(cpu[key])
-        target = " (target >= 4)" if fmt.startswith(("awq", "w4a16")) else ""
-        bytes_ratio = read["dense", batch, context] / read[fmt, batch, context]
-        print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step {wall:.2f}x, in CPU time "
-              f"{work:.2f}x{target}; bytes read, dense / {fmt}: {bytes_ratio:.2f}x")
 
 
 def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,

@@ -1,4 +1,5 @@
-"""The weight formats `decode_step.py` compares: quantized copies of its model in the published
+"""The weight formats `decode_step.py` compares (and its summary of them, `summarize`): quantized
+copies of its model in the published
 layouts, written once beside it by the tests' packer (tests/helpers/quant_checkpoints.py).
 
 Run alone (`python benchmarks/quant_formats.py [--model-dir DIR] [--formats dense,awq] [--rows 1,8]
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +48,26 @@ def format_checkpoint(model_dir: str, fmt: str) -> tuple[str, str | None]:
         (work / f"{base}-q").rename(folder / f"{fmt}-q")
         shutil.rmtree(work)
     return str(folder / f"{fmt}-q"), None
+
+
+Runs = dict[tuple[str, str, int, int], list[float]]
+
+
+def summarize(steps: Runs, cpu: Runs, read: dict[tuple[str, int, int], int]) -> None:
+    """Each format's speed-up over dense float32 per configuration, in wall and in CPU time (on a
+    shared machine with one thread, CPU time leaves out the time others held the core), beside
+    the ratio of the bytes the two steps read (what a memory-bound step could gain at most)."""
+    for key, took in steps.items():
+        fmt, attention, batch, context = key
+        dense_key = ("dense", attention, batch, context)
+        if fmt == "dense" or dense_key not in steps:
+            continue
+        wall = statistics.mean(steps[dense_key]) / statistics.mean(took)  # runs before and after, if named so
+        work = statistics.mean(cpu[dense_key]) / statistics.mean(cpu[key])
+        target = " (target >= 4)" if fmt.startswith(("awq", "w4a16")) else ""
+        bytes_ratio = read["dense", batch, context] / read[fmt, batch, context]
+        print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step {wall:.2f}x, in CPU time "
+              f"{work:.2f}x{target}; bytes read, dense / {fmt}: {bytes_ratio:.2f}x")
 
 
 def decoder_linears(model_dir: str, fmt: str) -> list[Any]:
