@@ -1,6 +1,6 @@
 """The weight formats `decode_step.py` compares (and its summary of them, `summarize`): quantized
-copies of its model in the published
-layouts, written once beside it by the tests' packer (tests/helpers/quant_checkpoints.py).
+copies of its model in the published layouts, written once beside it by the tests' packer
+(tests/helpers/quant_checkpoints.py).
 
 Run alone (`python benchmarks/quant_formats.py [--model-dir DIR] [--formats dense,awq] [--rows 1,8]
 [--threads N]`), it times the kernels without the engine: `--rows` tokens (rows of x, a decode
