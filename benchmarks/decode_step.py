@@ -10,8 +10,9 @@ greedy decode steps are timed one by one.
 Before each configuration the pool's free blocks are shuffled (a cache after hours of traffic:
 no request's blocks lie side by side), so decode attention cannot lean on contiguous blocks.
 
-Per configuration it prints the median step time, the bytes a step must read (the text decoder's
-weights and LM head, and every request's cached K/V), and the roofline bound of a step: the
+Per configuration it prints the median step time (and its CPU time, every thread's), the bytes a
+step must read (the text decoder's weights and LM head, and every request's cached K/V), and the
+roofline bound of a step: the
 larger of its bytes at the bandwidth a large copy achieves in the same run (read + write bytes
 per second) and its floating-point work (2 per weight per token, 4 per cached key and query
 head) at the rate a large matmul achieves in the same run, both measured before each
@@ -26,7 +27,9 @@ PyTorch's kernels over padded copies (the path without a C compiler), with the r
 `--formats dense,awq,fp8-block,...` runs the grid once per weight format, in turn (quantized
 copies of the model written in the published layouts: int4 in groups of 128, FP8 in 128 x 128
 blocks or per row; `fp8-online` is `--quantization fp8`); each format's bound counts the bytes
-its weights hold, and the end prints each format's speed-up over dense float32 per configuration.
+its weights hold, and the end prints each format's speed-up over dense float32 per configuration
+(wall and CPU time) beside the ratio of the bytes the two steps read: the most a memory-bound
+step could gain.
 
 Run: `python benchmarks/decode_step.py [--quick] [--steps N] [--batches 1,8,32] [--contexts 512,4096]
 [--text-config '{"hidden_size": 2048}'] [--model-dir DIR] [--formats dense,awq]
@@ -55,7 +58,7 @@ import torch
 from mmserve.models.attention import cpu_kernels, torch_sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_formats import FORMATS, format_checkpoint  # noqa: E402
+from quant_formats import FORMATS, format_checkpoint, summarize  # noqa: E402
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
             intermediate_size=3072, max_position_embeddings=8192)
@@ -142,6 +145,7 @@ class Bench:
         self.clock = PhaseClock()
         self._instrument()
         self._ids = 0
+        self.cpu_took: list[float] = []  # CPU seconds of each timed step (`run`)
 
     def _instrument(self) -> None:
         import mmserve.worker.model_runner as mr
@@ -221,11 +225,12 @@ class Bench:
         for _ in range(warmup):
             self.core.step()
         self.clock.totals.clear()
-        took = []
+        took, self.cpu_took = [], []
         for _ in range(steps):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             outputs = self.core.step().outputs
             took.append(time.perf_counter() - t)
+            self.cpu_took.append(time.process_time() - cpu)
             if sum(len(o.new_token_ids) for o in outputs) != batch:
                 raise RuntimeError(f"a step decoded {len(outputs)} requests of {batch}")
         self.core.abort_requests(ids)
@@ -255,19 +260,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
           f"{'built' if cpu_kernels.load() is not None else 'unavailable'}")
     paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
-    print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'MB read':>8} {'GB/s':>5} "
+    print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} {'GB/s':>5} "
           f"{'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
           + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
     worst: dict[str, float] = {}
     steps: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)  # a format named twice: both runs
+    cpu: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
+    read: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats.split(","):
         path, quantization = format_checkpoint(model_dir, fmt)
         bench = Bench(path, max(batches), max(contexts), args.steps, quantization)
         for batch in batches:
             for context in contexts:
                 for attention in paths:
-                    step, ratio = measure(bench, fmt, attention, batch, context, args.steps)
+                    step, ratio, read[fmt, batch, context], cpu_step = measure(bench, fmt, attention, batch, context,
+                                                                               args.steps)
                     steps[fmt, attention, batch, context].append(step)
+                    cpu[fmt, attention, batch, context].append(cpu_step)
                     if batch >= 8:
                         worst[attention] = max(worst.get(attention, 0.0), ratio)
                 if len(paths) == 2:
@@ -276,28 +285,27 @@ def main() -> None:
         del bench
     for path, ratio in worst.items():
         print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
-    for (fmt, attention, batch, context), took in steps.items():
-        if fmt != "dense" and ("dense", attention, batch, context) in steps:
-            dense = statistics.mean(steps["dense", attention, batch, context])  # runs before and after, if named so
-            print(f"{fmt}: batch {batch}, context {context}: dense step / {fmt} step "
-                  f"{dense / statistics.mean(took):.2f}x (int4 target >= 4)")
+    summarize(steps, cpu, read)
 
 
-def measure(bench: Bench, fmt: str, path: str, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """One configuration's row: (median step seconds, step / bound)."""
+def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,
+            steps: int) -> tuple[float, float, int, float]:
+    """One configuration's row: (median step seconds, step / bound, bytes a step reads, median CPU
+    seconds of a step: every thread's)."""
     weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     with attention_path(path):
         took, phases = bench.run(batch, context, steps)
-    step = statistics.median(took)
+    step, cpu = statistics.median(took), statistics.median(bench.cpu_took)
     keys = batch * (context + 2 + steps // 2)
     read = weights + per_token * keys
     flops = 2 * bench.weight_count() * batch + bench.attention_flops_per_key() * keys
     bound, of = max((read / bandwidth, "mem"), (flops / rate, "flop"))
-    print(f"{fmt:>11} {path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {read / 1e6:8.0f} {bandwidth / 1e9:5.1f} "
-          f"{rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} {batch / step:7.1f}  "
+    print(f"{fmt:>11} {path:>6} {batch:5d} {context:5d} {step * 1e3:8.1f} {cpu * 1e3:7.1f} {read / 1e6:8.0f} "
+          f"{bandwidth / 1e9:5.1f} {rate / 1e9:7.0f} {bound * 1e3:8.1f} {of:>4} {step / bound:6.2f} "
+          f"{batch / step:7.1f}  "
           + " ".join(f"{phases.get(p, 0.0) * 1e3 / len(took):10.2f}" for p in PHASES), flush=True)
-    return step, step / bound
+    return step, step / bound, read, cpu
 
 
 @contextlib.contextmanager

@@ -55,7 +55,10 @@ from mmserve.bench.launch import LaunchedServer  # noqa: E402
 
 # llama.cpp's converter, run with the pre-tokenizer named: it knows tokenizers by a hash of how they
 # split a test text, and the built-in writer's small BPE tokenizer is none of them. Token ids go to
-# llama-server as ids and its tokens come back as ids, so its pre-tokenizer is never used.
+# llama-server as ids and its tokens come back as ids, so its pre-tokenizer is never used. Qwen's
+# converter tries a SentencePiece `tokenizer.model` first and takes the BPE path on
+# FileNotFoundError; newer converters import `sentencepiece` before looking for the file, so
+# without that package the checkpoint (which has no such file) gets the error it would get with it.
 CONVERT = """
 import runpy, sys
 from pathlib import Path
@@ -64,6 +67,10 @@ sys.path.insert(0, str(Path(convert).parent))
 sys.path.insert(1, str(Path(convert).parent / "gguf-py"))
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+def no_sentencepiece_model(self):
+    raise FileNotFoundError(self.dir_model / "tokenizer.model")
+if not (Path(sys.argv[2]) / "tokenizer.model").is_file():
+    base.TextModel._create_vocab_sentencepiece = no_sentencepiece_model
 sys.argv = sys.argv[1:]
 runpy.run_path(convert, run_name="__main__")
 """
@@ -247,6 +254,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model-dir", help="the checkpoint (written there when missing)")
+    parser.add_argument("--equal-bits-only", action="store_true",
+                        help="only the rows at equal bit widths (AWQ / Q4_0, FP8 / Q8_0)")
     args = parser.parse_args()
     binary = os.environ.get("LLAMA_SERVER")
     if not binary or not os.environ.get("LLAMA_CONVERT"):
@@ -256,10 +265,18 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     model_dir = write_model(dict(TEXT), args.model_dir)
-    gguf, mmproj = convert(model_dir, Path(tempfile.mkdtemp(prefix="peer-gguf-")))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    budget = image_tokens(model_dir, 1024, 768)
-    print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers")
+    with tempfile.TemporaryDirectory(prefix="peer-gguf-") as folder:  # ~0.8 GB of GGUF per run: removed after
+        gguf, mmproj = convert(model_dir, Path(folder))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        budget = image_tokens(model_dir, 1024, 768)
+        print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers")
+        if not args.equal_bits_only:
+            float_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
+        quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
+
+
+def float_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int, budget: int) -> None:
+    """Every row of the float32 model on both servers (see the module docstring)."""
     mm_args = ["--max-num-seqs", "32", "--served-model-name", "m", "--max-media-bytes", str(64 << 20)]
     with (LaunchedServer(model_dir, mm_args) as mm,
           LlamaServer(binary, gguf, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
@@ -267,22 +284,22 @@ def main() -> None:
         checks = prompt_ids(tokenizer, 4, 64)
         agree = sum(peers.complete("mmserve", ids, 16) == peers.complete("llama", ids, 16) for ids in checks)
         print(f"greedy outputs equal on {agree}/{len(checks)} prompts (16 tokens each)")
-        decode = decode_row(peers, checks[0], args.runs)
+        decode = decode_row(peers, checks[0], runs)
         print(f"decode, one sequence: mmserve {decode['mmserve'] * 1e3:.1f} ms/token, llama-server "
               f"{decode['llama'] * 1e3:.1f} ms/token, ratio {decode['mmserve'] / decode['llama']:.2f}")
         repeat = prompt_ids(tokenizer, 1, 485, first=900)[0]
         for which in ("mmserve", "llama"):
             peers.complete(which, repeat, 1)
         rows = {"exact repeat of a 485-token prompt, TTFT":
-                turns(peers, args.runs, lambda w: peers.timed(w, [repeat], 1, 1)),
-                "a new question after a cached 485-token prefix, TTFT": turns_indexed(peers, args.runs, new_question)}
-        rows.update(image_rows(peers, args.runs))
+                turns(peers, runs, lambda w: peers.timed(w, [repeat], 1, 1)),
+                "a new question after a cached 485-token prefix, TTFT": turns_indexed(peers, runs, new_question)}
+        rows.update(image_rows(peers, runs))
         for label, t in rows.items():
             print(f"{label}: mmserve {t['mmserve'] * 1e3:.1f} ms, llama-server {t['llama'] * 1e3:.1f} ms, "
                   f"ratio {t['mmserve'] / t['llama']:.2f}")
         prompts = prompt_ids(tokenizer, 32, 480)
         cold = {w: peers.timed(w, prompts, 32, 8) for w in ("mmserve", "llama")}
-        warm = turns(peers, args.runs, lambda w: peers.timed(w, prompts, 32, 8))
+        warm = turns(peers, runs, lambda w: peers.timed(w, prompts, 32, 8))
         for label, t in (("32 prompts, conc. 8, 32 tokens: cold", cold), ("the same again (cached): warm", warm)):
             print(f"{label}: mmserve {32 / t['mmserve']:.2f} req/s ({32 * 32 / t['mmserve']:.1f} tok/s), "
                   f"llama-server {32 / t['llama']:.2f} req/s ({32 * 32 / t['llama']:.1f} tok/s), "
@@ -290,7 +307,6 @@ def main() -> None:
         memory = {"mmserve": resident_mib(mm), "llama": resident_mib(ll)}
         print(f"resident memory after the runs (PSS of every process): mmserve {memory['mmserve']:,.0f} MiB, "
               f"llama-server {memory['llama']:,.0f} MiB, ratio {memory['mmserve'] / memory['llama']:.2f}")
-    quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
 
 
 if __name__ == "__main__":

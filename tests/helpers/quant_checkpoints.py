@@ -152,11 +152,13 @@ def _quantized(name: str, w: torch.Tensor, tower: bool) -> bool:
     return DECODER_LINEAR.search(name) is not None
 
 
-def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32,
-                  tower: bool = False) -> tuple[str, str]:
+def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32, tower: bool = False,
+                  unquantized: torch.dtype | None = None) -> tuple[str, str]:
     """(the quantized checkpoint, its dequantized float32 twin) of the one-file checkpoint `src`:
     every decoder projection quantized in `fmt`; the vision tower and projector left as they are,
-    or with `tower` quantized too (and not in the skip list)."""
+    or with `tower` quantized too (and not in the skip list). With `unquantized` (e.g. float16, as
+    Qwen's AWQ releases store them) every float tensor not quantized is stored in that dtype, the
+    twin holding the same values in float32."""
     quant, plain = dst / f"{fmt}-q", dst / f"{fmt}-deq"
     tensors = load_file(str(Path(src) / "model.safetensors"))
     q_tensors, deq_tensors = {}, {}
@@ -166,6 +168,9 @@ def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 3
             prefix = name.removesuffix(".weight")
             q_tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
             deq_tensors[name] = deq.contiguous()
+        elif unquantized is not None and w.is_floating_point():
+            q_tensors[name] = w.to(unquantized)
+            deq_tensors[name] = q_tensors[name].float()
         else:
             q_tensors[name] = deq_tensors[name] = w
     for folder, ts, quantized in ((quant, q_tensors, True), (plain, deq_tensors, False)):
@@ -189,7 +194,6 @@ def online_fp8_twin(src: str, dst: Path) -> str:
     shutil.copytree(src, dst)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return str(dst)
-
 
 
 def checkpoint_bytes(path: str) -> int:

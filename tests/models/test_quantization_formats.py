@@ -82,6 +82,20 @@ def test_resident_weights_are_the_checkpoints_bytes(fmt, source, tmp_path):
     assert model.weight_bytes < 0.8 * dense.weight_bytes
 
 
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16])
+def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, source, tmp_path):
+    """Its values as stored (upcasting is exact), multiplied in float32: the logits of its twin,
+    whose head holds the same values in float32; a dense float32 checkpoint keeps its head."""
+    quantized, dequantized = quantize_copy(source, tmp_path, "awq", unquantized=stored)
+    model, plain = load_model(quantized), load_model(dequantized)
+    assert model.lm_head.weight.dtype == stored and plain.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight.float(), plain.lm_head.weight)
+    for rows in (1, 3, 300):  # the GEMV of a decode step, and a prefill's upcast tiles
+        hidden = torch.randn(rows, plain.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(model.lm_head(hidden), plain.lm_head(hidden), rtol=1e-5, atol=1e-5)
+    assert load_model(source).lm_head.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' of"),
     ({"quant_method": "gguf"}, "'gguf' of"),

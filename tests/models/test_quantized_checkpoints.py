@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 from helpers.parity_runs import run_greedy
@@ -65,6 +66,17 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(fmt, family, sour
     assert METHOD[fmt] in describe_quantization(llm.engine.core.executor.runner.model)
 
 
+@pytest.mark.parametrize("family, stored", [("qwen3_vl", torch.float16), ("llava", torch.bfloat16)])
+def test_16_bit_unquantized_weights_as_published_give_the_same_tokens(family, stored, sources, tmp_path):
+    """Every tensor left unquantized stored 16-bit (Qwen's AWQ releases: float16): the LM head held
+    so on the CPU and multiplied in float32, the rest upcast; transformers' tokens on the twin."""
+    quantized, dequantized = quantize_copy(sources[family], tmp_path, "awq", unquantized=stored)
+    items = _prompts(family)
+    got, llm = run_greedy(quantized, items, MAX_NEW)
+    assert got == _reference(family, dequantized, items)
+    assert llm.engine.core.executor.runner.model.lm_head.weight.dtype == stored
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
 def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sources, tmp_path):
     items = _prompts(family)
@@ -72,11 +84,12 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
     assert got == _reference(family, online_fp8_twin(sources[family], tmp_path / "twin"), items)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "w4a16-asym", "fp8-block", "fp8-channel"])
-def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, sources, tmp_path):
-    """Each rank reads its slice of the packed tensors (words of 8, groups, blocks): two ranks
-    give transformers' tokens on the dequantized weights, as one does."""
-    quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt)
+@pytest.mark.parametrize("fmt, stored", [("awq", None), ("w4a16-asym", None), ("fp8-block", None),
+                                         ("fp8-channel", None), ("awq", torch.float16)])
+def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
+    """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM
+    head's rows): two ranks give transformers' tokens on the dequantized weights, as one does."""
+    quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt, unquantized=stored)
     items = _prompts("qwen3_vl")
     got, llm = run_greedy(quantized, items, MAX_NEW, tensor_parallel_size=2)
     assert got == _reference("qwen3_vl", dequantized, items)

@@ -27,6 +27,7 @@ from mmserve.models.attention.backend import attention_backend
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import SINGLE, ParallelLinear, Shard, TensorParallel, fuse_projections
 from mmserve.models.quantization.base import keeps_dtype
+from mmserve.models.quantization.select import keep_half_head
 from mmserve.models.quantization.config import read_quant_spec
 from mmserve.models.quantization.select import assign_methods
 from mmserve.models.registry import model_class
@@ -43,7 +44,8 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
     its weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
     chosen for `device`. Its linear layers take the methods the checkpoint's `quantization_config`
     (or `quantization`, `--quantization`) names (models/quantization/); sibling projections are
-    fused (`fuse_projections`). `model.weight_bytes`: the bytes its parameters hold."""
+    fused (`fuse_projections`). A quantized checkpoint's 16-bit LM head stays 16-bit on the CPU
+    (`keep_half_head`). `model.weight_bytes`: the bytes its parameters hold."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
@@ -53,6 +55,8 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
     with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
         assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {})
+        if spec is not None and device.type == "cpu" and dtype == torch.float32 and not cfg.tie_word_embeddings:
+            keep_half_head(model, checkpoint_dtype(model_dir, cls, "lm_head.weight"))
     if device.type != "meta":
         _materialize(model, dtype, device)
         _load_weights(model, cls, cfg, model_dir, dtype, device)
@@ -81,6 +85,17 @@ def checkpoint_module_names(model_dir: str, cls) -> dict[str, str]:
         module = name.rpartition(".")[0]
         names[cls.canonical_name(name).rpartition(".")[0]] = module
     return names
+
+
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def checkpoint_dtype(model_dir: str, cls, name: str) -> torch.dtype | None:
+    """The dtype the checkpoint stores tensor `name` (this model's name for it) in, or None."""
+    for stored, tensor_slice in iter_checkpoint(model_dir):
+        if cls.canonical_name(stored) == name:
+            return _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype())
+    return None
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, ParallelLinear]:

@@ -254,5 +254,5 @@ class ParallelLMHead(nn.Module):
         self.tp_shards = {"weight": Shard(0, start, real)}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))  # [R, size * per]
+        logits = self.tp.all_gather(linear(hidden, self.weight))  # [R, size * per]
         return logits[:, :self.vocab_size]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _STANDARD_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+HALF_FLOATS = (torch.float16, torch.bfloat16)
 Layer = Any  # a module holding a method's tensors as attributes: a ParallelLinear or a FusedLinear
 PREFILL_TILE_ROWS = 256  # output rows dequantized at a time for a prefill's matmul
 
@@ -81,10 +82,24 @@ def keeps_dtype(param: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or oneDNN's matmul when the weight is packed (an mkldnn tensor, `DenseMethod.pack`)."""
+    """`F.linear`, or oneDNN's matmul when the weight is packed (an mkldnn tensor, `DenseMethod.pack`),
+    or float32 arithmetic over a 16-bit weight kept as the checkpoint stores it (`half_linear`)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dtype in HALF_FLOATS and x.dtype == torch.float32 and x.device.type == "cpu":
+        return half_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ b) in float32 for a float16 / bfloat16 W: the C GEMV for a decode step's rows,
+    else W upcast `PREFILL_TILE_ROWS` rows at a time (the values are W's: upcasting is exact)."""
+    from mmserve.models.quantization import cpu_gemv
+
+    out = cpu_gemv.half_gemv(x, weight, bias)
+    if out is not None:
+        return out
+    return tiled_linear(x, bias, weight.shape[0], lambda start, stop: weight[start:stop].float())
 
 
 def tiled_linear(x: torch.Tensor, bias: torch.Tensor | None, rows: int,
@@ -94,8 +109,18 @@ def tiled_linear(x: torch.Tensor, bias: torch.Tensor | None, rows: int,
     out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
     for start in range(0, rows, PREFILL_TILE_ROWS):
         stop = min(rows, start + PREFILL_TILE_ROWS)
-        out[..., start:stop] = F.linear(x, weight_rows(start, stop).to(x.dtype))
+        out[..., start:stop] = _tile_linear(x, weight_rows(start, stop).to(x.dtype))
     return out if bias is None else out + bias
+
+
+def _tile_linear(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+    """x @ tile^T: on the CPU in float32 by oneDNN over the tile packed for it (the packing costs a
+    copy; oneDNN's matmul measured 2x MKL's there), else `F.linear`."""
+    if tile.device.type == "cpu" and tile.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(tile, None)
+        rows = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, None, "none", [], "")
+        return rows.reshape(*x.shape[:-1], tile.shape[0])
+    return F.linear(x, tile)
 
 
 class LinearMethod:

@@ -1,9 +1,11 @@
-"""Quantized weights' CPU kernels in C (`csrc/quant_gemv.c`, built per machine as the decode
-attention kernel is: models/attention/cpu_kernels.py): decode GEMVs that dequantize in registers
-(int4 with group scales and zeros, FP8 e4m3 per row or block), and the dequantized row tiles a
-prefill's matmul reads. Each function returns None (nothing done) where the kernels are off or
-cannot be built, or the tensors are not theirs (not float32 CPU, not contiguous); callers then
-keep their PyTorch path.
+"""Quantized weights' CPU kernels in C, built per machine as the decode attention kernel is
+(models/attention/cpu_kernels.py): decode GEMVs that dequantize in registers (int4 with group
+scales and zeros, FP8 e4m3 per row or block) and the dequantized row tiles a prefill's matmul
+reads (`csrc/quant_gemv.c`, AVX2 or plain C), and the GEMVs again with AVX-512 where the machine
+has it (`csrc/quant_gemv512.c`, tried first; `WIDE` turns it off); and the GEMV of a quantized
+checkpoint's 16-bit weights kept as stored (`csrc/half_gemv.c`: its LM head, base.linear). Each function returns None
+(nothing done) where the kernels are off or cannot be built, or the tensors are not theirs (not
+float32 CPU, not contiguous); callers then keep their PyTorch path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 from mmserve.models.attention import cpu_kernels
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
-GEMV_MAX_ROWS = 16  # rows of x up to which a GEMV beats dequantized tiles through the matmul
+WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
+HALF_SOURCE = SOURCE.with_name("half_gemv.c")
+WIDE = True  # use the AVX-512 GEMVs where they are built (tests turn it off to prove the others)
+GEMV_MAX_ROWS = 256  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "mmserve_int4_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
@@ -36,6 +41,48 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(library, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return library
+
+
+@functools.cache
+def load_wide() -> ctypes.CDLL | None:
+    """The AVX-512 library, or None where it cannot be had or the machine lacks AVX-512."""
+    library = cpu_kernels.build(WIDE_SOURCE)
+    if library is None or not library.mmserve_q512_built():
+        return None
+    for name in ("mmserve_int4_gemv512", "mmserve_fp8_gemv512"):
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = _SIGNATURES[name.replace("512", "_f32")], ctypes.c_int
+    return library
+
+
+@functools.cache
+def load_half() -> ctypes.CDLL | None:
+    """The library of 16-bit weights' GEMV, or None where it cannot be had."""
+    library = cpu_kernels.build(HALF_SOURCE)
+    if library is not None:
+        library.mmserve_half_gemv.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT, _INT]
+        library.mmserve_half_gemv.restype = ctypes.c_int
+    return library
+
+
+def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [.., K] float32 @ W^T (+ bias) for a float16 or bfloat16 weight [N, K] held as the
+    checkpoint stores it (float32 arithmetic), up to `GEMV_MAX_ROWS` rows of x; else None."""
+    library, rows = load_half(), _gemv_rows(x, bias, weight)
+    if library is None or rows is None or weight.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    N, K = weight.shape
+    y = torch.empty(rows.shape[0], N)
+    done = library.mmserve_half_gemv(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], N, K,
+                                     int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+    if done != 0:
+        return None
+    y = y.reshape(*x.shape[:-1], N)
+    return y if bias is None else y + bias
+
+
+def _wide() -> ctypes.CDLL | None:
+    return load_wide() if WIDE else None
 
 
 def _ours(*tensors: torch.Tensor | None) -> bool:
@@ -67,9 +114,11 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return None
     N, K = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty(rows.shape[0], N)
-    done = library.mmserve_int4_gemv_f32(rows.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                                         _ptr(bias), y.data_ptr(), rows.shape[0], N, K, group,
-                                         torch.get_num_threads())
+    args = (rows.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), _ptr(bias), y.data_ptr(),
+            rows.shape[0], N, K, group, torch.get_num_threads())
+    wide = _wide()
+    done = 1 if wide is None else wide.mmserve_int4_gemv512(*args)
+    done = done and library.mmserve_int4_gemv_f32(*args)
     return y.reshape(*x.shape[:-1], N) if done == 0 else None
 
 
@@ -96,8 +145,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     N, K = weight.shape
     bo, bi = block or (0, 0)
     y = torch.empty(rows.shape[0], N)
-    done = library.mmserve_fp8_gemv_f32(rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), _ptr(bias),
-                                        y.data_ptr(), rows.shape[0], N, K, bo, bi, torch.get_num_threads())
+    args = (rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), _ptr(bias), y.data_ptr(), rows.shape[0], N, K,
+            bo, bi, torch.get_num_threads())
+    wide = _wide()
+    done = 1 if wide is None else wide.mmserve_fp8_gemv512(*args)
+    done = done and library.mmserve_fp8_gemv_f32(*args)
     return y.reshape(*x.shape[:-1], N) if done == 0 else None
 
 

@@ -1,10 +1,12 @@
-"""Which method each linear layer of a model takes, from the checkpoint's quantization."""
+"""Which method each linear layer of a model takes, from the checkpoint's quantization, and the
+LM head a quantized checkpoint keeps at its 16-bit width on the CPU."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from mmserve.models.quantization.base import LinearMethod
+from mmserve.models.quantization.base import HALF_FLOATS, LinearMethod
 from mmserve.models.quantization.config import QuantSpec
 from mmserve.models.quantization.fp8 import Fp8BlockMethod, Fp8RowMethod
 from mmserve.models.quantization.int4 import Int4Method
@@ -46,3 +48,17 @@ def describe_quantization(model: nn.Module) -> str:
         if isinstance(module, ParallelLinear):
             counts[module.method.name] = counts.get(module.method.name, 0) + 1
     return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())) or "no linear"
+
+
+def keep_half_head(model: nn.Module, stored: torch.dtype | None) -> bool:
+    """Hold the (meta) LM head in `stored`, the checkpoint's dtype, where that is float16 or
+    bfloat16 (a quantized checkpoint on the CPU: its head is a large share of a decode step's
+    bytes, and upcast to float32 it would double; `base.linear` multiplies it in float32, its
+    values unchanged). True when it did."""
+    head = getattr(model, "lm_head", None)
+    if head is None or stored not in HALF_FLOATS or not head.weight.is_meta:
+        return False
+    weight = nn.Parameter(torch.empty(head.weight.shape, dtype=stored, device="meta"), requires_grad=False)
+    weight.keep_dtype = True  # type: ignore[attr-defined]
+    head.weight = weight
+    return True
