@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator
 
@@ -38,7 +39,7 @@ from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
 from mmserve.frontend.dp.dp_router import DPRouter, Router
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
-from mmserve.frontend.engine_client.failover import RankFailover
+from mmserve.frontend.engine_client.failover import RANK_POLL_S, RANK_WAIT_S, RankFailover
 from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.frontend.figures import EngineFigures, SharedFigures
 from mmserve.frontend.input_processor import InputProcessor
@@ -164,10 +165,8 @@ class AsyncLLM:
         rank serves and one restarts, the request waits for it (`wait_for_live_rank`). A cache-served
         request the verifier sampled is re-run past every cache once it ends (`_shadow`).
         """
-        await self._until_serving(data_parallel_rank)
         candidate = self.verifier.wants(params)
-        request = await self.admission.admit(request_id, prompt, params, stream, data_parallel_rank,
-                                             candidate=candidate)
+        request = await self._admit(request_id, prompt, params, stream, data_parallel_rank, candidate)
         try:
             while not request.finished:
                 yield await request.next_output()
@@ -186,6 +185,21 @@ class AsyncLLM:
         finally:
             self._release(request)
         return request.last, request.first_logits
+
+    async def _admit(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
+                     stream: bool, rank: int | None, candidate: bool) -> OpenRequest:
+        """Admit the request once a rank serves. A rank whose process ends between admission's check
+        and its send (before its output loop retires it) fails the send; the request, undone whole,
+        is then admitted again once a rank serves, unless a rank was forced or none can come back."""
+        deadline = time.monotonic() + RANK_WAIT_S
+        while True:
+            await self._until_serving(rank)
+            try:
+                return await self.admission.admit(request_id, prompt, params, stream, rank, candidate=candidate)
+            except EngineDeadError:
+                if rank is not None or not self.is_healthy or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(RANK_POLL_S)
 
     async def _until_serving(self, data_parallel_rank: int | None) -> None:
         """Return once a request can be admitted (EngineDeadError, or ClientError for a forced rank down)."""

@@ -34,7 +34,7 @@ from mmserve.transport.undo import UndoLog
 logger = logging.getLogger(__name__)
 
 RANK_WAIT_S = 120.0  # longest a new request waits for a restarting rank (a restart loads the model)
-_RANK_POLL_S = 0.05
+RANK_POLL_S = 0.05
 MAX_MOVES = 1  # times a request is sent again after its rank died; past it, it is the suspect
 
 
@@ -67,7 +67,7 @@ class RankFailover:
             if not self.is_healthy or loop.time() >= deadline:
                 raise EngineDeadError("no engine rank is serving" + (
                     "" if not self.is_healthy else f" (none came back within {timeout_s:g} s)"))
-            await asyncio.sleep(_RANK_POLL_S)
+            await asyncio.sleep(RANK_POLL_S)
 
     def rank_died(self, rank: int, message: str) -> bool:
         """Retire the rank; move what it ran that can start over, fail the rest. True: restart it
