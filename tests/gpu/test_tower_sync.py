@@ -9,19 +9,13 @@ import pytest
 import torch
 
 from mmserve.models.attention.backend import attention_backend
-from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
-from mmserve.models.qwen3_vision import Qwen3VisionTower
-from mmserve.models.qwen_config import QwenVisionConfig
+from helpers.qwen_towers import TOWERS, tower_configs, tower_shape
 
 pytestmark = pytest.mark.gpu
 
 # heads of 80 (Qwen2.5-VL's tower) so the split-head varlen kernel runs; grids with edge windows and a video
-SHAPE = dict(hidden_size=160, intermediate_size=256, num_heads=2, out_hidden_size=64, spatial_merge_size=2,
-             temporal_patch_size=2, depth=2, in_channels=3, hidden_act="silu")
-CONFIGS = {"qwen2_5": QwenVisionConfig(**SHAPE, patch_size=14, window_size=112, fullatt_block_indexes=(1,)),
-           "qwen3": QwenVisionConfig(**SHAPE, patch_size=16, num_position_embeddings=64,
-                                     deepstack_visual_indexes=(0,))}
-TOWERS = {"qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
+SHAPE = tower_shape(160, 256, 64)
+CONFIGS = tower_configs(SHAPE, window_size=112)
 GRIDS = [(1, 12, 20), (2, 8, 8), (1, 34, 18)]
 
 

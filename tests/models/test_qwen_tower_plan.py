@@ -11,17 +11,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.models.attention.torch_sdpa import TORCH
-from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
-from mmserve.models.qwen3_vision import Qwen3VisionTower
-from mmserve.models.qwen_config import QwenVisionConfig
 from mmserve.models.qwen_vision import VisionPatchEmbed
+from helpers.qwen_towers import TOWERS, tower_configs, tower_shape
 
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, spatial_merge_size=2,
-             temporal_patch_size=2, depth=2, in_channels=3, hidden_act="silu")
-CONFIGS = {"qwen2_5": QwenVisionConfig(**SHAPE, patch_size=14, window_size=56, fullatt_block_indexes=(1,)),
-           "qwen3": QwenVisionConfig(**SHAPE, patch_size=16, num_position_embeddings=64,
-                                     deepstack_visual_indexes=(0,))}
-TOWERS = {"qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
+SHAPE = tower_shape(32, 64, 48)
+CONFIGS = tower_configs(SHAPE, window_size=56)
 GRIDS = [(1, 4, 6), (2, 4, 4), (1, 10, 14)]
 
 
@@ -142,7 +136,7 @@ def test_the_qwen2_5_plan_equals_what_transformers_computes_from_the_grid_tensor
     with torch.no_grad():
         cos, sin = (hf.permute_input_for_window_attn(e, window_index, seq_len=P)
                     for e in hf.rotary_pos_emb(x, get_vision_position_ids(grid_thw, 2)))
-    tower = Qwen2_5VisionTower(cfg)
+    tower = TOWERS["qwen2_5"](cfg)
     plan = tower.plan(GRIDS, TORCH, torch.device("cpu"))
     our_cos, our_sin = tower.rotary_pos_emb(plan.angles)  # each [P, 1, Dh]
     torch.testing.assert_close(our_cos[:, 0], cos.reshape(P, -1), atol=1e-6, rtol=1e-6)
@@ -159,7 +153,7 @@ def test_the_qwen3_plan_equals_what_transformers_computes_from_the_grid_tensor()
                                           get_vision_position_ids)
 
     cfg = CONFIGS["qwen3"]
-    tower = _random(Qwen3VisionTower(cfg))
+    tower = _random(TOWERS["qwen3"](cfg))
     grid_thw = torch.tensor(GRIDS)
     index, weight = get_vision_interpolation_indices_and_weights(grid_thw, tower.side, "bilinear", True, 2)
     table = tower.pos_embed.weight.detach()
