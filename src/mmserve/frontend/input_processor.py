@@ -41,7 +41,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.generation = load_generation_defaults(model_dir, config.model.generation_config)
-        if config.parallel.api_server_index == 0:
+        if config.parallel.api_server_count == 1:  # with several, the launcher says it (launcher.py)
             announce(self.generation)
         mm = config.multimodal
         self.media_limits = mm.media_limits()

@@ -52,6 +52,7 @@ from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 from mmserve.item_store.node_store import NodeStoreServer
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.item_store.shm_store import ShmStore
+from mmserve.models.generation_config import announce, load_generation_defaults
 from mmserve.models.hub import resolve_engine_model
 from mmserve.serving_process import ServingProcess
 
@@ -110,6 +111,8 @@ class Launcher:
         self.config = config = resolve_engine_model(self.config)  # once, before any process starts
         parallel = config.parallel
         self.model_dir = config.model.checkpoint_dir
+        # said once, here, before the API servers start (each loads them again, quietly)
+        announce(load_generation_defaults(self.model_dir, config.model.generation_config))
         self.sock = listen_socket(self.server_config.host, self.server_config.port)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # the API servers inherit it
         if parallel.data_parallel_size > 1:
