@@ -184,11 +184,11 @@ def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 3
 
 
 def online_fp8_twin(src: str, dst: Path) -> str:
-    """The float32 checkpoint `--quantization fp8` stands for: each decoder projection's rows
-    quantized to FP8 at 448 / max|row| and dequantized."""
+    """The float32 checkpoint `--quantization fp8` stands for: the rows of every linear weight, the
+    vision tower's and projector's too, quantized to FP8 at 448 / max|row| and dequantized."""
     tensors = load_file(str(Path(src) / "model.safetensors"))
     for name, w in tensors.items():
-        if DECODER_LINEAR.search(name) and not any(v in name for v in VISION):
+        if _quantized(name, w, tower=True):
             q, scale = fp8_rows(w.float())
             tensors[name] = (q.float() * scale[:, None]).contiguous()
     shutil.copytree(src, dst)

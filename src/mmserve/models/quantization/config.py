@@ -19,6 +19,9 @@ Formats read (each key and its meaning as the named source writes or reads it):
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
   `"pack-quantized"` with 4-bit `int` weights by `group` or `channel` (W4A16); `ignore` entries
   match a module's name exactly, or as a regular expression after `re:` (`re.match`).
+- `--quantization fp8` (vLLM's online `Fp8Config`): every linear layer, the vision tower's and the
+  projector's too, as vLLM's Qwen-VL and LLaVA models hand it their quant config (only GPTQ is
+  kept off the tower, `_maybe_ignore_quant_config`); the LM head and convolutions stay.
 """
 
 from __future__ import annotations
@@ -48,12 +51,9 @@ class QuantSpec:
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
-    decoder_only: bool = False  # fp8_online: the vision tower and projector stay as loaded
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear layer `module` (the checkpoint's name for it) is quantized."""
-        if self.decoder_only and ("visual" in module or "vision" in module or "projector" in module):
-            return False
         if any(part in module for part in self.skip_substrings):
             return False
         return not any(_matches(module, entry) for entry in self.skip_names)
@@ -83,7 +83,7 @@ def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | No
         if q:
             raise ValueError(f"--quantization {online} was given for a checkpoint already quantized "
                              f"({q.get('quant_method')!r})")
-        return QuantSpec("fp8_online", decoder_only=True)
+        return QuantSpec("fp8_online")
     if not q:
         return None
     method = q.get("quant_method")
