@@ -1,7 +1,8 @@
 """Decode attention by our C kernel (`models/attention/cpu_kernels.py`, `csrc/paged_decode.c`)
 against attention written out by hand: block tables of scattered blocks, contexts ending inside a
-block or on its edge, grouped query heads, contexts split across threads; and the loader (built
-once per machine into its cache folder, off by `MMSERVE_CPU_KERNELS=0`)."""
+block or on its edge, grouped query heads, contexts split across threads, float32, bfloat16 and
+float16 caches (every float16 value widened exactly); and the loader (built once per machine into
+its cache folder, off by `MMSERVE_CPU_KERNELS=0`)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ def scattered_tables(seq_lens: list[int], block: int, num_blocks: int, g: torch.
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(8, 4, 16, 4), (4, 4, 32, 16), (6, 1, 24, 8),
                                                            (16, 2, 128, 16), (2, 2, 80, 32)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, block, splits):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, block, splits, dtype):
     g = torch.Generator().manual_seed(heads * 31 + head_dim + block)
     seq_lens = [1, block, block + 1, 7 * block, 40 * block - 3, 3]  # in the first block, on edges, past them
     num_blocks = sum(-(-n // block) for n in seq_lens) + 5
     tables = scattered_tables(seq_lens, block, num_blocks, g)
     width = max(len(t) for t in tables) + 2  # tables padded past their keys
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)  # the reference reads
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)  # the same values
     q = torch.randn(len(seq_lens) + 2, heads, head_dim, generator=g)  # two rows that do not decode
     rows = torch.tensor([i + 1 for i in range(len(seq_lens))])
     out = torch.full_like(q, float("nan"))
@@ -60,22 +62,40 @@ def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, bloc
 
 
 @needs_kernel
-def test_a_step_by_the_kernel_equals_the_padded_one_and_bfloat16_takes_the_padded_path():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_value_is_widened_exactly(dtype):
+    """One key: the output is its value row as float32, for every bit pattern but infinities and
+    NaNs (float16: zeros, subnormals, the largest finite values, both signs)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype)
+    values = values[values.isfinite()]
+    head_dim = 64
+    values = values[: values.numel() // head_dim * head_dim].view(-1, 1, 1, head_dim)  # one key per block
+    k_cache = torch.zeros_like(values)
+    q, out = torch.zeros(values.shape[0], 1, head_dim), torch.zeros(values.shape[0], 1, head_dim)
+    tables = torch.arange(values.shape[0])[:, None]
+    assert cpu_kernels.paged_decode(q, k_cache, values, tables, torch.ones(values.shape[0], dtype=torch.int64),
+                                    torch.arange(values.shape[0]), out, 1.0, 1)
+    assert torch.equal(out, values[:, 0].float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_step_by_the_kernel_equals_the_padded_one(dtype):
     """`paged_attention` with decodes and prefill chunks in one step: the kernel (CPU) and the
-    padded copies (other devices) agree; a cache the kernel does not take falls back."""
+    padded copies (other devices) agree, q and the cache of the model's dtype."""
     g = torch.Generator().manual_seed(1)
     block, seq_lens, query_lens = 4, [13, 9, 30, 5], [1, 3, 1, 1]
     tables = scattered_tables(seq_lens, block, 40, g)
-    T = sum(query_lens)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        k_cache, v_cache = (torch.randn(40, block, 2, 8, generator=g).to(dtype) for _ in range(2))
-        q, k, v = (torch.randn(T, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
-        outs = []
-        for in_place in (True, False):
-            meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, in_place)
-            assert (meta.kernel_splits > 0) == in_place
-            outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 8**-0.5))
-        torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    T, tol = sum(query_lens), 1e-5 if dtype == torch.float32 else 2e-2
+    k_cache, v_cache = (torch.randn(40, block, 2, 8, generator=g).to(dtype) for _ in range(2))
+    q, k, v = (torch.randn(T, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
+    outs = []
+    for in_place in (True, False):
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, in_place)
+        assert (meta.kernel_splits > 0) == in_place
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 8**-0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
 def test_splits_give_every_thread_work_and_keep_parts_of_four_blocks():

@@ -6,7 +6,9 @@
  * loaded, found by its soname): each request's context in `splits` parts (more than one when the
  * batch has too few requests to keep every thread busy), merged by their log-sum-exps at the end.
  *
- * Layouts (float32, row-major): q, out [T, H, Dh]; k_cache, v_cache [N, S, Hkv, Dh];
+ * Layouts (row-major): q, out [T, H, Dh] float32; k_cache, v_cache [N, S, Hkv, Dh] float32
+ * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values), each
+ * element widened to float32 as it is read;
  * tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
  * this step's included); rows [B] int64 (each request's row of q and out). Query head i reads
  * key/value head i / (H / Hkv), as torch's enable_gqa does.
@@ -21,15 +23,95 @@
 /* below any score: no infinities, so the file builds with -ffast-math (vectorised expf) */
 #define NO_SCORE -1e30f
 
+/* the `lines` cache lines of key t's rows (all KV heads) in the block at `next` */
+static inline void fetch_key(const void *next, int64_t t, int64_t lines) {
+    for (int64_t c = 0; c < lines; c++) __builtin_prefetch((const char *)next + (t * lines + c) * 64);
+}
+
+/* scores[i * S + t] = scale * q_i . k_t for every query head i and the n keys of one block (kb:
+ * its first key's rows), while the next block's K (k_next) is fetched a key's rows at a time: it
+ * lies anywhere in the cache, out of the hardware prefetcher's sight */
+#define BLOCK_SCORES(NAME, ELEM, WIDEN)                                                                \
+    static void NAME(const float *q, const void *k_block, const void *k_next, int64_t n, int64_t H,    \
+                     int64_t group, int64_t Dh, int64_t S, float scale, float *scores) {               \
+        const ELEM *kb = k_block;                                                                       \
+        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            fetch_key(k_next, t, lines);                                                                \
+            for (int64_t i = 0; i < H; i++) {                                                           \
+                const ELEM *kt = kb + t * token_stride + i / group * Dh;                                \
+                const float *qi = q + i * Dh;                                                           \
+                float dot = 0.0f;                                                                       \
+                _Pragma("omp simd reduction(+ : dot)")                                                  \
+                for (int64_t d = 0; d < Dh; d++) dot += qi[d] * WIDEN(kt[d]);                           \
+                scores[i * S + t] = dot * scale;                                                        \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+/* acc[i] += p[i * S + t] * v_t for every query head i and the n values of one block, while the next
+ * block's V (v_next) is fetched a key's rows at a time */
+#define BLOCK_VALUES(NAME, ELEM, WIDEN)                                                                \
+    static void NAME(float *acc, const void *v_block, const void *v_next, int64_t n, int64_t H,        \
+                     int64_t group, int64_t Dh, int64_t S, const float *p) {                           \
+        const ELEM *vb = v_block;                                                                       \
+        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            fetch_key(v_next, t, lines);                                                                \
+            for (int64_t i = 0; i < H; i++) {                                                           \
+                const ELEM *vt = vb + t * token_stride + i / group * Dh;                                \
+                const float w = p[i * S + t];                                                           \
+                float *ai = acc + i * Dh;                                                               \
+                _Pragma("omp simd")                                                                     \
+                for (int64_t d = 0; d < Dh; d++) ai[d] += w * WIDEN(vt[d]);                             \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float16's magnitude bits moved into float32's place, scaled by 2^(127 - 15) to rebias the
+ * exponent (subnormals included), and its sign: integer and float operations that vectorise */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)(h & 0x7fff) << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    f *= 0x1p112f;
+    memcpy(&bits, &f, sizeof f);
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+BLOCK_SCORES(scores_f32, float, )
+BLOCK_VALUES(values_f32, float, )
+BLOCK_SCORES(scores_bf16, uint16_t, bf16_to_f32)
+BLOCK_VALUES(values_bf16, uint16_t, bf16_to_f32)
+BLOCK_SCORES(scores_f16, uint16_t, f16_to_f32)
+BLOCK_VALUES(values_f16, uint16_t, f16_to_f32)
+
+/* How one element type of the cache is read */
+typedef struct {
+    void (*scores)(const float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   float, float *);
+    void (*values)(float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   const float *);
+    int64_t size;  /* bytes */
+} Elem;
+
 /* One part of one request's context, every head: blocks [first, last) of its table, each block
  * read in memory order (token by token, each token's heads side by side). acc[i][d] (query head
  * i) is left unnormalised, with the running max m[i] and sum l[i] of exp(score - m). */
-static void attend_part(const float *q, const float *k_cache, const float *v_cache,
+static void attend_part(const Elem *e, const float *q, const char *k_cache, const char *v_cache,
                         const int64_t *table, int64_t seq_len, int64_t first, int64_t last,
                         int64_t H, int64_t Hkv, int64_t Dh, int64_t S, float scale,
                         float *acc, float *m, float *l, float *scores /* [H, S] */) {
-    const int64_t group = H / Hkv, token_stride = Hkv * Dh;
-    const int64_t token_lines = (token_stride * (int64_t)sizeof(float) + 63) / 64;  /* a token's K (or V) rows */
+    const int64_t group = H / Hkv, block_bytes = S * Hkv * Dh * e->size;
     for (int64_t i = 0; i < H; i++) {
         m[i] = NO_SCORE;
         l[i] = 0.0f;
@@ -37,22 +119,8 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
     memset(acc, 0, sizeof(float) * H * Dh);
     for (int64_t j = first; j < last; j++) {
         const int64_t n = seq_len - j * S < S ? seq_len - j * S : S;
-        const float *kb = k_cache + table[j] * S * token_stride;
-        const float *vb = v_cache + table[j] * S * token_stride;
-        /* the next block lies anywhere in the cache, out of the hardware prefetcher's sight: fetch
-         * it a token's rows at a time while this block's are read (the last block fetches itself) */
-        const int64_t ahead = table[j + 1 < last ? j + 1 : j] * S * token_stride;
-        const char *k_next = (const char *)(k_cache + ahead), *v_next = (const char *)(v_cache + ahead);
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t c = 0; c < token_lines; c++) __builtin_prefetch(k_next + (t * token_lines + c) * 64);
-            for (int64_t i = 0; i < H; i++) {
-                const float *kt = kb + t * token_stride + i / group * Dh, *qi = q + i * Dh;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < Dh; d++) dot += qi[d] * kt[d];
-                scores[i * S + t] = dot * scale;
-            }
-        }
+        const int64_t block = table[j] * block_bytes, next = table[j + 1 < last ? j + 1 : j] * block_bytes;
+        e->scores(q, k_cache + block, k_cache + next, n, H, group, Dh, S, scale, scores);
         for (int64_t i = 0; i < H; i++) {
             float *si = scores + i * S, block_max = NO_SCORE;
             for (int64_t t = 0; t < n; t++) block_max = si[t] > block_max ? si[t] : block_max;
@@ -72,23 +140,15 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
                 for (int64_t d = 0; d < Dh; d++) ai[d] *= rescale;
             }
         }
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t c = 0; c < token_lines; c++) __builtin_prefetch(v_next + (t * token_lines + c) * 64);
-            for (int64_t i = 0; i < H; i++) {
-                const float p = scores[i * S + t], *vt = vb + t * token_stride + i / group * Dh;
-                float *ai = acc + i * Dh;
-#pragma omp simd
-                for (int64_t d = 0; d < Dh; d++) ai[d] += p * vt[d];
-            }
-        }
+        e->values(acc, v_cache + block, v_cache + next, n, H, group, Dh, S, scores);
     }
 }
 
 /* Returns 0, or -1 when a shape is beyond the kernel's limits (the caller then uses another path). */
-int mmserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int64_t *tables, const int64_t *seq_lens, const int64_t *rows,
-                             float *out, int64_t B, int64_t W, int64_t H, int64_t Hkv, int64_t Dh,
-                             int64_t S, float scale, int64_t splits, int threads) {
+static int paged_decode(const Elem *e, const float *q, const void *k_cache, const void *v_cache,
+                        const int64_t *tables, const int64_t *seq_lens, const int64_t *rows, float *out, int64_t B,
+                        int64_t W, int64_t H, int64_t Hkv, int64_t Dh, int64_t S, float scale, int64_t splits,
+                        int threads) {
     if (Dh > MAX_HEAD_DIM || S > MAX_BLOCK || splits < 1 || H % Hkv) return -1;
     const int64_t items = B * splits;
     /* per item: acc [H, Dh], m [H], l [H], scores [H, S] */
@@ -103,8 +163,8 @@ int mmserve_paged_decode_f32(const float *q, const float *k_cache, const float *
         const int64_t first = part * per_part < blocks ? part * per_part : blocks;
         const int64_t last = first + per_part < blocks ? first + per_part : blocks;
         float *acc = work + item * per_item, *m = acc + H * Dh, *l = m + H;
-        attend_part(q + rows[b] * H * Dh, k_cache, v_cache, tables + b * W, seq_lens[b], first, last,
-                    H, Hkv, Dh, S, scale, acc, m, l, l + H);
+        attend_part(e, q + rows[b] * H * Dh, k_cache, v_cache, tables + b * W, seq_lens[b], first, last, H, Hkv,
+                    Dh, S, scale, acc, m, l, l + H);
     }
     /* merge each request's parts and normalise */
     for (int64_t b = 0; b < B; b++) {
@@ -135,3 +195,19 @@ int mmserve_paged_decode_f32(const float *q, const float *k_cache, const float *
     free(work);
     return 0;
 }
+
+/* The entry points, one per element type of the cache (the same arguments) */
+#define ENTRY(NAME, ELEM)                                                                              \
+    int NAME(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,          \
+             const int64_t *seq_lens, const int64_t *rows, float *out, int64_t B, int64_t W, int64_t H, \
+             int64_t Hkv, int64_t Dh, int64_t S, float scale, int64_t splits, int threads) {          \
+        return paged_decode(&ELEM, q, k_cache, v_cache, tables, seq_lens, rows, out, B, W, H, Hkv, Dh, \
+                            S, scale, splits, threads);                                                \
+    }
+
+static const Elem F32 = {scores_f32, values_f32, sizeof(float)};
+static const Elem BF16 = {scores_bf16, values_bf16, sizeof(uint16_t)};
+static const Elem F16 = {scores_f16, values_f16, sizeof(uint16_t)};
+ENTRY(mmserve_paged_decode_f32, F32)
+ENTRY(mmserve_paged_decode_bf16, BF16)
+ENTRY(mmserve_paged_decode_f16, F16)
