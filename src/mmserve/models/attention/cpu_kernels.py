@@ -1,8 +1,8 @@
 """Our C kernels for the CPU (`csrc/`), compiled on first use for this machine and called by ctypes.
 
 `paged_decode` is paged decode attention that reads K/V where they lie: each decoding request's
-blocks through its block table, with an online softmax, on OpenMP threads; the cache float32,
-bfloat16 or float16 (read as it lies, widened in registers). The library is built
+blocks through its block table, with an online softmax, on OpenMP threads; float32, bfloat16 or
+float16 (16-bit values widened as they are read, summed in float32). The library is built
 by the C compiler (`$CC`, else `cc`) with `-O3 -march=native -ffast-math -fopenmp` into a cache
 folder (`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or
 `~/.cache/mmserve/kernels`) under a name made of the source, the compiler's version, the flags
@@ -37,7 +37,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 LINK_FLAGS = ("-shared", "-fopenmp")
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-# the kernel of each KV cache dtype (q and out float32; other q dtypes are converted around the call)
+# the kernel of each dtype (q, out and the KV cache all of it)
 ENTRY_POINTS = {torch.float32: "mmserve_paged_decode_f32", torch.bfloat16: "mmserve_paged_decode_bf16",
                 torch.float16: "mmserve_paged_decode_f16"}
 
@@ -134,25 +134,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  splits: int) -> bool:
     """Write into `out` [T, H, Dh] the attention of each decoding request's query row `rows[b]`
     of `q` [T, H, Dh] over its `seq_lens[b]` keys in `k_cache`, `v_cache` [N, S, Hkv, Dh]
-    through `tables` [B, W] (int64); each context in `splits` parts across threads. The cache
-    float32, bfloat16 or float16, q and out of one of those dtypes (computed in float32); other
-    rows of `out` are left alone. False (and nothing written) when the kernel is not loaded or
-    the shapes or dtypes are not its own."""
+    through `tables` [B, W] (int64); each context in `splits` parts across threads. q, out and
+    the cache of one dtype: float32, bfloat16 or float16 (summed in float32); other rows of `out`
+    are left alone. False (and nothing written) when the kernel is not loaded or the shapes or
+    dtypes are not its own."""
     library = load()
     entry = ENTRY_POINTS.get(k_cache.dtype)
-    if library is None or entry is None or v_cache.dtype != k_cache.dtype or q.dtype not in ENTRY_POINTS \
-            or out.dtype != q.dtype:
+    if library is None or entry is None or not q.dtype == out.dtype == v_cache.dtype == k_cache.dtype:
         return False
     for t in (q, k_cache, v_cache, tables, seq_lens, rows, out):
         if not t.is_contiguous() or t.device.type != "cpu":
             return False
     N, S, Hkv, Dh = k_cache.shape
     B, W = tables.shape
-    q32 = q if q.dtype == torch.float32 else q.float()
-    out32 = out if out.dtype == torch.float32 else torch.empty(out.shape)
     done = getattr(library, entry)(
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-        rows.data_ptr(), out32.data_ptr(), B, W, q.shape[1], Hkv, Dh, S, scale, splits, torch.get_num_threads())
-    if done == 0 and out32 is not out:
-        out[rows] = out32[rows].to(out.dtype)
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+        rows.data_ptr(), out.data_ptr(), B, W, q.shape[1], Hkv, Dh, S, scale, splits, torch.get_num_threads())
     return done == 0

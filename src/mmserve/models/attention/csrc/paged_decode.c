@@ -6,9 +6,10 @@
  * loaded, found by its soname): each request's context in `splits` parts (more than one when the
  * batch has too few requests to keep every thread busy), merged by their log-sum-exps at the end.
  *
- * Layouts (row-major): q, out [T, H, Dh] float32; k_cache, v_cache [N, S, Hkv, Dh] float32
- * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values), each
- * element widened to float32 as it is read;
+ * Layouts (row-major): q, out [T, H, Dh]; k_cache, v_cache [N, S, Hkv, Dh]; all float32
+ * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values): each
+ * 16-bit element widened to float32 as it is read, the sums float32, each output rounded to the
+ * nearest 16-bit value;
  * tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
  * this step's included); rows [B] int64 (each request's row of q and out). Query head i reads
  * key/value head i / (H / Hkv), as torch's enable_gqa does.
@@ -95,13 +96,55 @@ BLOCK_VALUES(values_bf16, uint16_t, bf16_to_f32)
 BLOCK_SCORES(scores_f16, uint16_t, f16_to_f32)
 BLOCK_VALUES(values_f16, uint16_t, f16_to_f32)
 
-/* How one element type of the cache is read */
+/* to[x] = from[x] (n of them) widened to float32 */
+static void widen_bf16(float *to, const void *from, int64_t n) {
+    const uint16_t *h = from;
+#pragma omp simd
+    for (int64_t x = 0; x < n; x++) to[x] = bf16_to_f32(h[x]);
+}
+
+static void widen_f16(float *to, const void *from, int64_t n) {
+    const uint16_t *h = from;
+#pragma omp simd
+    for (int64_t x = 0; x < n; x++) to[x] = f16_to_f32(h[x]);
+}
+
+/* to[x] = from[x] (finite, n of them) rounded to the nearest 16-bit value, ties to even */
+static void narrow_bf16(void *to, const float *from, int64_t n) {
+    uint16_t *h = to;
+    for (int64_t x = 0; x < n; x++) {
+        uint32_t bits;
+        memcpy(&bits, from + x, sizeof bits);
+        h[x] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
+static void narrow_f16(void *to, const float *from, int64_t n) {
+    uint16_t *h = to;
+    for (int64_t x = 0; x < n; x++) {
+        const float a = fabsf(from[x]);
+        uint32_t bits, sign;
+        memcpy(&bits, from + x, sizeof bits);
+        sign = bits >> 16 & 0x8000;
+        memcpy(&bits, &a, sizeof bits);
+        if (a >= 65520.0f) /* past the largest finite value's rounding range */
+            h[x] = (uint16_t)(sign | 0x7c00);
+        else if (a < 0x1p-14f) /* subnormal: in units of the smallest one */
+            h[x] = (uint16_t)(sign | (uint32_t)lrintf(a * 0x1p24f));
+        else /* rounded at float16's last mantissa bit, the exponent rebiased */
+            h[x] = (uint16_t)(sign | (((bits + 0xfff + (bits >> 13 & 1)) >> 13) - ((127 - 15) << 10)));
+    }
+}
+
+/* How one element type is read and written: the cache's blocks, q's rows and out's */
 typedef struct {
     void (*scores)(const float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                    float, float *);
     void (*values)(float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                    const float *);
-    int64_t size;  /* bytes */
+    void (*widen)(float *, const void *, int64_t);   /* NULL: float32 */
+    void (*narrow)(void *, const float *, int64_t);  /* NULL: float32 */
+    int64_t size;                                    /* bytes */
 } Elem;
 
 /* One part of one request's context, every head: blocks [first, last) of its table, each block
@@ -145,14 +188,14 @@ static void attend_part(const Elem *e, const float *q, const char *k_cache, cons
 }
 
 /* Returns 0, or -1 when a shape is beyond the kernel's limits (the caller then uses another path). */
-static int paged_decode(const Elem *e, const float *q, const void *k_cache, const void *v_cache,
-                        const int64_t *tables, const int64_t *seq_lens, const int64_t *rows, float *out, int64_t B,
+static int paged_decode(const Elem *e, const void *q, const void *k_cache, const void *v_cache,
+                        const int64_t *tables, const int64_t *seq_lens, const int64_t *rows, void *out, int64_t B,
                         int64_t W, int64_t H, int64_t Hkv, int64_t Dh, int64_t S, float scale, int64_t splits,
                         int threads) {
     if (Dh > MAX_HEAD_DIM || S > MAX_BLOCK || splits < 1 || H % Hkv) return -1;
     const int64_t items = B * splits;
-    /* per item: acc [H, Dh], m [H], l [H], scores [H, S] */
-    const int64_t per_item = H * (Dh + 2 + S);
+    /* per item: acc [H, Dh], m [H], l [H], scores [H, S], q's row widened [H, Dh] */
+    const int64_t per_item = H * (Dh + 2 + S + Dh);
     float *work = malloc(sizeof(float) * items * per_item);
     if (!work) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -162,9 +205,13 @@ static int paged_decode(const Elem *e, const float *q, const void *k_cache, cons
         const int64_t per_part = (blocks + splits - 1) / splits;
         const int64_t first = part * per_part < blocks ? part * per_part : blocks;
         const int64_t last = first + per_part < blocks ? first + per_part : blocks;
-        float *acc = work + item * per_item, *m = acc + H * Dh, *l = m + H;
-        attend_part(e, q + rows[b] * H * Dh, k_cache, v_cache, tables + b * W, seq_lens[b], first, last, H, Hkv,
-                    Dh, S, scale, acc, m, l, l + H);
+        float *acc = work + item * per_item, *m = acc + H * Dh, *l = m + H, *qf = l + H + H * S;
+        if (e->widen)
+            e->widen(qf, (const char *)q + rows[b] * H * Dh * e->size, H * Dh);
+        else
+            qf = (float *)q + rows[b] * H * Dh;
+        attend_part(e, qf, k_cache, v_cache, tables + b * W, seq_lens[b], first, last, H, Hkv, Dh, S, scale, acc,
+                    m, l, l + H);
     }
     /* merge each request's parts and normalise */
     for (int64_t b = 0; b < B; b++) {
@@ -174,7 +221,7 @@ static int paged_decode(const Elem *e, const float *q, const void *k_cache, cons
                 const float mp = work[(b * splits + p) * per_item + H * Dh + i];
                 m_all = mp > m_all ? mp : m_all;
             }
-            float *o = out + (rows[b] * H + i) * Dh;
+            float o16[MAX_HEAD_DIM], *o = e->narrow ? o16 : (float *)out + (rows[b] * H + i) * Dh;
             float total = 0.0f;
             memset(o, 0, sizeof(float) * Dh);
             for (int64_t p = 0; p < splits; p++) {
@@ -190,6 +237,7 @@ static int paged_decode(const Elem *e, const float *q, const void *k_cache, cons
             const float inv = 1.0f / total;
 #pragma omp simd
             for (int64_t d = 0; d < Dh; d++) o[d] *= inv;
+            if (e->narrow) e->narrow((char *)out + (rows[b] * H + i) * Dh * e->size, o, Dh);
         }
     }
     free(work);
@@ -198,16 +246,16 @@ static int paged_decode(const Elem *e, const float *q, const void *k_cache, cons
 
 /* The entry points, one per element type of the cache (the same arguments) */
 #define ENTRY(NAME, ELEM)                                                                              \
-    int NAME(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,          \
-             const int64_t *seq_lens, const int64_t *rows, float *out, int64_t B, int64_t W, int64_t H, \
+    int NAME(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,           \
+             const int64_t *seq_lens, const int64_t *rows, void *out, int64_t B, int64_t W, int64_t H,  \
              int64_t Hkv, int64_t Dh, int64_t S, float scale, int64_t splits, int threads) {          \
         return paged_decode(&ELEM, q, k_cache, v_cache, tables, seq_lens, rows, out, B, W, H, Hkv, Dh, \
                             S, scale, splits, threads);                                                \
     }
 
-static const Elem F32 = {scores_f32, values_f32, sizeof(float)};
-static const Elem BF16 = {scores_bf16, values_bf16, sizeof(uint16_t)};
-static const Elem F16 = {scores_f16, values_f16, sizeof(uint16_t)};
+static const Elem F32 = {scores_f32, values_f32, NULL, NULL, sizeof(float)};
+static const Elem BF16 = {scores_bf16, values_bf16, widen_bf16, narrow_bf16, sizeof(uint16_t)};
+static const Elem F16 = {scores_f16, values_f16, widen_f16, narrow_f16, sizeof(uint16_t)};
 ENTRY(mmserve_paged_decode_f32, F32)
 ENTRY(mmserve_paged_decode_bf16, BF16)
 ENTRY(mmserve_paged_decode_f16, F16)
