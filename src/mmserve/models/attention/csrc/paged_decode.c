@@ -8,9 +8,9 @@
  *
  * Layouts (row-major): q, out [T, H, Dh]; k_cache, v_cache [N, S, Hkv, Dh]; all float32
  * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values): each
- * 16-bit element widened to float32 as it is read, the sums float32, each output rounded to the
- * nearest 16-bit value;
- * tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
+ * 16-bit element widened to float32 as it is read (float16 by F16C's conversions where the
+ * machine has them, else by integer and float operations), the sums float32, each output rounded
+ * to the nearest 16-bit value; tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
  * this step's included); rows [B] int64 (each request's row of q and out). Query head i reads
  * key/value head i / (H / Hkv), as torch's enable_gqa does.
  */
@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define MAX_HEAD_DIM 1024
 #define MAX_BLOCK 1024
@@ -29,46 +32,7 @@ static inline void fetch_key(const void *next, int64_t t, int64_t lines) {
     for (int64_t c = 0; c < lines; c++) __builtin_prefetch((const char *)next + (t * lines + c) * 64);
 }
 
-/* scores[i * S + t] = scale * q_i . k_t for every query head i and the n keys of one block (kb:
- * its first key's rows), while the next block's K (k_next) is fetched a key's rows at a time: it
- * lies anywhere in the cache, out of the hardware prefetcher's sight */
-#define BLOCK_SCORES(NAME, ELEM, WIDEN)                                                                \
-    static void NAME(const float *q, const void *k_block, const void *k_next, int64_t n, int64_t H,    \
-                     int64_t group, int64_t Dh, int64_t S, float scale, float *scores) {               \
-        const ELEM *kb = k_block;                                                                       \
-        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
-        for (int64_t t = 0; t < n; t++) {                                                               \
-            fetch_key(k_next, t, lines);                                                                \
-            for (int64_t i = 0; i < H; i++) {                                                           \
-                const ELEM *kt = kb + t * token_stride + i / group * Dh;                                \
-                const float *qi = q + i * Dh;                                                           \
-                float dot = 0.0f;                                                                       \
-                _Pragma("omp simd reduction(+ : dot)")                                                  \
-                for (int64_t d = 0; d < Dh; d++) dot += qi[d] * WIDEN(kt[d]);                           \
-                scores[i * S + t] = dot * scale;                                                        \
-            }                                                                                           \
-        }                                                                                               \
-    }
-
-/* acc[i] += p[i * S + t] * v_t for every query head i and the n values of one block, while the next
- * block's V (v_next) is fetched a key's rows at a time */
-#define BLOCK_VALUES(NAME, ELEM, WIDEN)                                                                \
-    static void NAME(float *acc, const void *v_block, const void *v_next, int64_t n, int64_t H,        \
-                     int64_t group, int64_t Dh, int64_t S, const float *p) {                           \
-        const ELEM *vb = v_block;                                                                       \
-        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
-        for (int64_t t = 0; t < n; t++) {                                                               \
-            fetch_key(v_next, t, lines);                                                                \
-            for (int64_t i = 0; i < H; i++) {                                                           \
-                const ELEM *vt = vb + t * token_stride + i / group * Dh;                                \
-                const float w = p[i * S + t];                                                           \
-                float *ai = acc + i * Dh;                                                               \
-                _Pragma("omp simd")                                                                     \
-                for (int64_t d = 0; d < Dh; d++) ai[d] += w * WIDEN(vt[d]);                             \
-            }                                                                                           \
-        }                                                                                               \
-    }
-
+/* float32 as it lies, bfloat16 widened by a shift, float16 by a rebias (below) */
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -89,12 +53,103 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-BLOCK_SCORES(scores_f32, float, )
-BLOCK_VALUES(values_f32, float, )
-BLOCK_SCORES(scores_bf16, uint16_t, bf16_to_f32)
-BLOCK_VALUES(values_bf16, uint16_t, bf16_to_f32)
-BLOCK_SCORES(scores_f16, uint16_t, f16_to_f32)
-BLOCK_VALUES(values_f16, uint16_t, f16_to_f32)
+/* q . k and a += w * v over n elements, k and v of each type (WIDEN_LOOPS: plain loops the
+ * compiler vectorises); float16 by the F16C conversions where the machine has them */
+#define WIDEN_LOOPS(DOT, AXPY, ELEM, WIDEN)                                                          \
+    static inline float DOT(const float *q, const ELEM *k, int64_t n) {                             \
+        float dot = 0.0f;                                                                           \
+        _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < n; d++) dot += q[d] * WIDEN(k[d]); \
+        return dot;                                                                                 \
+    }                                                                                               \
+    static inline void AXPY(float *a, float w, const ELEM *v, int64_t n) {                          \
+        _Pragma("omp simd") for (int64_t d = 0; d < n; d++) a[d] += w * WIDEN(v[d]);                \
+    }
+
+WIDEN_LOOPS(dot_f32, axpy_f32, float, )
+WIDEN_LOOPS(dot_bf16, axpy_bf16, uint16_t, bf16_to_f32)
+#if defined(__AVX512F__) || (defined(__F16C__) && defined(__FMA__))
+#if defined(__AVX512F__)
+#define HW 16
+typedef __m512 hvec;
+#define H_LOAD(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F_LOAD _mm512_loadu_ps
+#define F_STORE _mm512_storeu_ps
+#define H_FMA _mm512_fmadd_ps
+#define H_SET1 _mm512_set1_ps
+#define H_ZERO _mm512_setzero_ps
+#define H_SUM(v) _mm512_reduce_add_ps(v)
+#else
+#define HW 8
+typedef __m256 hvec;
+#define H_LOAD(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define F_LOAD _mm256_loadu_ps
+#define F_STORE _mm256_storeu_ps
+#define H_FMA _mm256_fmadd_ps
+#define H_SET1 _mm256_set1_ps
+#define H_ZERO _mm256_setzero_ps
+static inline float H_SUM(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+static inline float dot_f16(const float *q, const uint16_t *k, int64_t n) {
+    hvec a = H_ZERO(), b = H_ZERO();  /* two chains */
+    int64_t d = 0;
+    for (; d + 2 * HW <= n; d += 2 * HW) {
+        a = H_FMA(F_LOAD(q + d), H_LOAD(k + d), a);
+        b = H_FMA(F_LOAD(q + d + HW), H_LOAD(k + d + HW), b);
+    }
+    float dot = H_SUM(a) + H_SUM(b);
+    for (; d < n; d++) dot += q[d] * f16_to_f32(k[d]);
+    return dot;
+}
+
+static inline void axpy_f16(float *a, float w, const uint16_t *v, int64_t n) {
+    const hvec wv = H_SET1(w);
+    int64_t d = 0;
+    for (; d + HW <= n; d += HW) F_STORE(a + d, H_FMA(wv, H_LOAD(v + d), F_LOAD(a + d)));
+    for (; d < n; d++) a[d] += w * f16_to_f32(v[d]);
+}
+#else
+WIDEN_LOOPS(dot_f16, axpy_f16, uint16_t, f16_to_f32)
+#endif
+
+/* scores[i * S + t] = scale * q_i . k_t for every query head i and the n keys of one block (kb:
+ * its first key's rows), while the next block's K (k_next) is fetched a key's rows at a time: it
+ * lies anywhere in the cache, out of the hardware prefetcher's sight */
+#define BLOCK_SCORES(NAME, ELEM, DOT)                                                                  \
+    static void NAME(const float *q, const void *k_block, const void *k_next, int64_t n, int64_t H,    \
+                     int64_t group, int64_t Dh, int64_t S, float scale, float *scores) {               \
+        const ELEM *kb = k_block;                                                                       \
+        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            fetch_key(k_next, t, lines);                                                                \
+            for (int64_t i = 0; i < H; i++)                                                             \
+                scores[i * S + t] = DOT(q + i * Dh, kb + t * token_stride + i / group * Dh, Dh) * scale; \
+        }                                                                                               \
+    }
+
+/* acc[i] += p[i * S + t] * v_t for every query head i and the n values of one block, while the next
+ * block's V (v_next) is fetched a key's rows at a time */
+#define BLOCK_VALUES(NAME, ELEM, AXPY)                                                                 \
+    static void NAME(float *acc, const void *v_block, const void *v_next, int64_t n, int64_t H,        \
+                     int64_t group, int64_t Dh, int64_t S, const float *p) {                           \
+        const ELEM *vb = v_block;                                                                       \
+        const int64_t token_stride = H / group * Dh, lines = (token_stride * (int64_t)sizeof(ELEM) + 63) / 64; \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            fetch_key(v_next, t, lines);                                                                \
+            for (int64_t i = 0; i < H; i++)                                                             \
+                AXPY(acc + i * Dh, p[i * S + t], vb + t * token_stride + i / group * Dh, Dh);           \
+        }                                                                                               \
+    }
+
+BLOCK_SCORES(scores_f32, float, dot_f32)
+BLOCK_VALUES(values_f32, float, axpy_f32)
+BLOCK_SCORES(scores_bf16, uint16_t, dot_bf16)
+BLOCK_VALUES(values_bf16, uint16_t, axpy_bf16)
+BLOCK_SCORES(scores_f16, uint16_t, dot_f16)
+BLOCK_VALUES(values_f16, uint16_t, axpy_f16)
 
 /* to[x] = from[x] (n of them) widened to float32 */
 static void widen_bf16(float *to, const void *from, int64_t n) {
