@@ -1,7 +1,8 @@
 """Our C kernels for the CPU (`csrc/`), compiled on first use for this machine and called by ctypes.
 
 `paged_decode` is paged decode attention that reads K/V where they lie: each decoding request's
-blocks through its block table, with an online softmax, on OpenMP threads. The library is built
+blocks through its block table, with an online softmax, on OpenMP threads; float32, bfloat16 or
+float16 (16-bit values widened as they are read, summed in float32). The library is built
 by the C compiler (`$CC`, else `cc`) with `-O3 -march=native -ffast-math -fopenmp` into a cache
 folder (`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or
 `~/.cache/mmserve/kernels`) under a name made of the source, the compiler's version, the flags
@@ -36,6 +37,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 LINK_FLAGS = ("-shared", "-fopenmp")
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
+# the kernel of each dtype (q, out and the KV cache all of it)
+ENTRY_POINTS = {torch.float32: "mmserve_paged_decode_f32", torch.bfloat16: "mmserve_paged_decode_bf16",
+                torch.float16: "mmserve_paged_decode_f16"}
 
 
 def enabled() -> bool:
@@ -53,10 +57,11 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU attention kernels unavailable (%s); decode attention uses PyTorch's kernels", exc)
         return None
-    fn = library.mmserve_paged_decode_f32
-    fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I64,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for name in ENTRY_POINTS.values():
+        fn = getattr(library, name)
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I64,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
     return library
 
 
@@ -129,17 +134,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  splits: int) -> bool:
     """Write into `out` [T, H, Dh] the attention of each decoding request's query row `rows[b]`
     of `q` [T, H, Dh] over its `seq_lens[b]` keys in `k_cache`, `v_cache` [N, S, Hkv, Dh]
-    through `tables` [B, W] (int64); each context in `splits` parts across threads. False (and
-    nothing written) when the kernel is not loaded or the shapes or dtypes are not its own."""
+    through `tables` [B, W] (int64); each context in `splits` parts across threads. q, out and
+    the cache of one dtype: float32, bfloat16 or float16 (summed in float32); other rows of `out`
+    are left alone. False (and nothing written) when the kernel is not loaded or the shapes or
+    dtypes are not its own."""
     library = load()
-    if library is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+    entry = ENTRY_POINTS.get(k_cache.dtype)
+    if library is None or entry is None or not q.dtype == out.dtype == v_cache.dtype == k_cache.dtype:
         return False
     for t in (q, k_cache, v_cache, tables, seq_lens, rows, out):
         if not t.is_contiguous() or t.device.type != "cpu":
             return False
     N, S, Hkv, Dh = k_cache.shape
     B, W = tables.shape
-    done = library.mmserve_paged_decode_f32(
+    done = getattr(library, entry)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
         rows.data_ptr(), out.data_ptr(), B, W, q.shape[1], Hkv, Dh, S, scale, splits, torch.get_num_threads())
     return done == 0
