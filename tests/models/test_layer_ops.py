@@ -1,8 +1,9 @@
-"""The torch path's small ops between a layer's GEMMs (`LayerOps`: RMSNorm, residual add + RMSNorm,
-rotary of q and k) against transformers' own functions, bit for bit: each of ours computes the
-same products and sums in fewer calls (no casts of float32, updates in place, one roll and a
-signed sin for rotate-half), on the shapes a decode step and a prefill chunk give them
-(hidden rows, per-head q / k, strided views of a fused projection's output) in every dtype."""
+"""The torch path's small ops between a layer's GEMMs (`LayerOps`: RMSNorm, residual add +
+RMSNorm, Qwen3's q / k norms, rotary of q and k) against transformers' own functions, bit for
+bit: ours compute the same products and sums in fewer calls (no casts of float32, updates in
+place, q's and k's heads normalised together, one roll and a signed sin for rotate-half), on the
+shapes a decode step and a prefill chunk give them (hidden rows, per-head q / k, strided views
+of a fused projection's output) in every dtype."""
 
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def test_rms_norm_equals_transformers(shape, dtype):
         assert torch.equal(TORCH_OPS.rms_norm(x, weight, 1e-6), want)
         wide = torch.cat([x, x], dim=-1)[..., :shape[-1]]  # q / k: a strided view of the fused output
         assert torch.equal(rms_norm(wide, weight, 1e-6), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, H, Hkv, Dh", [(1, 8, 4, 128), (8, 8, 4, 128), (5, 4, 2, 64), (3, 2, 1, 80)])
+def test_qk_norm_equals_transformers_norm_of_each(T, H, Hkv, Dh, dtype):
+    """Qwen3's q / k norms: each head of q and of k as transformers normalises it with its own
+    weight, whether the heads are normalised together (float32) or apart; rows that the decode
+    kernel reads whole come out contiguous."""
+    for seed, scale in enumerate([1.0, 1e-3, 300.0]):
+        qkv = rand(T, (H + 2 * Hkv) * Dh, seed=seed, scale=scale).to(dtype)
+        q, k = qkv[:, :H * Dh].view(T, H, Dh), qkv[:, H * Dh:(H + Hkv) * Dh].view(T, Hkv, Dh)  # strided views
+        q_weight, k_weight = rand(Dh, seed=seed + 10).to(dtype), rand(Dh, seed=seed + 20).to(dtype)
+        got_q, got_k = TORCH_OPS.qk_norm(q, k, q_weight, k_weight, 1e-6)
+        assert torch.equal(got_q, hf_norm(q, q_weight, 1e-6)) and torch.equal(got_k, hf_norm(k, k_weight, 1e-6))
+        assert got_q.is_contiguous() and got_k.shape == (T, Hkv, Dh)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

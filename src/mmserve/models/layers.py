@@ -63,6 +63,18 @@ class LayerOps:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, Dh], k: [T, Hkv, Dh] -> each `rms_norm`ed over Dh times its weight [Dh]
+        (Qwen3's per-head norms). In float32 the heads of both are normalised together, the
+        same operations on each row as `rms_norm`'s in fewer calls."""
+        if not q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == torch.float32:
+            return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, Dh]
+        qk.mul_(qk.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_())
+        H = q.shape[1]
+        return qk[:, :H] * q_weight, qk[:, H:] * k_weight
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: [T, I] (two tensors, or the halves of one [T, 2I]) -> SiLU(gate) * up [T, I]."""
         return F.silu(gate) * up
