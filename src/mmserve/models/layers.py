@@ -154,9 +154,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.T
 
 @functools.cache
 def _half_signs(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[dim]: -1 on the first half, 1 on the second."""
-    half = dim // 2
-    return torch.cat((torch.full((half,), -1.0), torch.ones(dim - half))).to(dtype=dtype, device=device)
+    """[dim]: -1 on the first half, 1 on the second; made on `device` (no host tensor: a tower's
+    run after its plan stays on the device)."""
+    signs = torch.ones(dim, dtype=dtype, device=device)
+    signs[:dim // 2] = -1
+    return signs
 
 
 def default_scale(head_dim: int) -> float:
