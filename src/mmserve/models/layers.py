@@ -142,8 +142,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin [..., Dh] (Dh even) with its first half negated: rotate_half(x) * sin is cat(x2, x1) * this,
-    bit for bit (negating a factor negates the product exactly), and cat(x2, x1) is one roll."""
+    """sin [..., Dh] (Dh even) with its first half negated: rotate_half(x) * sin is
+    cat(x2, x1) * this, bit for bit (negating a factor negates the product exactly), and
+    cat(x2, x1) is one roll."""
     return sin * _half_signs(sin.shape[-1], sin.dtype, sin.device)
 
 
