@@ -62,6 +62,18 @@ def test_fp8_gemv_equals_dequantize_then_matmul(M, N, K, block, wide):
     assert torch.equal(cpu_gemv.fp8_rows(weight, scale, block, 2, N), W[2:])
 
 
+def test_a_gemv_takes_any_leading_dims_and_strided_rows():
+    """x [.., K] of any leading dims, or rows that are a strided view, give x's rows' products
+    bit for bit, shaped [.., N] (the wrappers reshape and copy only what needs it)."""
+    qweight, scales, zeros = random_int4(16, 128, 64, GEN)
+    x = torch.randn(6, 128, generator=GEN)
+    flat = cpu_gemv.int4_gemv(x, qweight, scales, zeros, 64, None)
+    batched = cpu_gemv.int4_gemv(x.view(2, 3, 128), qweight, scales, zeros, 64, None)
+    strided = cpu_gemv.int4_gemv(torch.cat([x, x], dim=1)[:, :128], qweight, scales, zeros, 64, None)
+    assert flat is not None and batched is not None and strided is not None
+    assert batched.shape == (2, 3, 16) and torch.equal(batched.view(6, 16), flat) and torch.equal(strided, flat)
+
+
 def test_more_rows_than_a_gemv_takes_are_left_to_the_tiles():
     qweight, scales, zeros = random_int4(8, 64, 32, GEN)
     x = torch.randn(cpu_gemv.GEMV_MAX_ROWS + 1, 64)

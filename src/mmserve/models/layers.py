@@ -6,6 +6,7 @@ Shapes: T = tokens of the whole step (all requests flattened), H = heads, Dh = h
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,9 +31,19 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D] normalised over D in float32, back in x's dtype, times weight [D]."""
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return _rms_norm_f32(x, weight, eps)
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of float32 x and weight: the same operations on the same values (no casts; the
+    sum, scale and product updated in place; x * r * weight is weight * (x * r) bit for bit, a
+    product of two floats being commutative), in fewer calls: this runs several times a layer."""
+    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+    return (x * scale).mul_(weight)
 
 
 class LayerOps:
@@ -52,6 +63,18 @@ class LayerOps:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, Dh], k: [T, Hkv, Dh] -> each `rms_norm`ed over Dh times its weight [Dh]
+        (Qwen3's per-head norms). In float32 the heads of both are normalised together, the
+        same operations on each row as `rms_norm`'s in fewer calls."""
+        if not q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == torch.float32:
+            return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, Dh]
+        qk.mul_(qk.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_())
+        H = q.shape[1]
+        return qk[:, :H] * q_weight, qk[:, H:] * k_weight
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: [T, I] (two tensors, or the halves of one [T, 2I]) -> SiLU(gate) * up [T, I]."""
         return F.silu(gate) * up
@@ -59,7 +82,8 @@ class LayerOps:
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, Dh], k: [T, Hkv, Dh] rotated by cos, sin: [T, 1, Dh] (rotate-half layout)."""
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        signed = signed_sin(sin)
+        return _rotate(q, cos, signed), _rotate(k, cos, signed)
 
 
 TORCH_OPS = LayerOps()
@@ -112,13 +136,30 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, Dh] rotated by position."""
-    return x * cos + _rotate_half(x) * sin
+    """x: [T, heads, Dh] rotated by position: x * cos + rotate_half(x) * sin, rotate_half(x)
+    being cat(-x2, x1) of x's halves (transformers' `apply_rotary_pos_emb`)."""
+    return _rotate(x, cos, signed_sin(sin))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., Dh] (Dh even) with its first half negated: rotate_half(x) * sin is
+    cat(x2, x1) * this, bit for bit (negating a factor negates the product exactly), and
+    cat(x2, x1) is one roll."""
+    return sin * _half_signs(sin.shape[-1], sin.dtype, sin.device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, given `signed_sin(sin)`."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed
+
+
+@functools.cache
+def _half_signs(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[dim]: -1 on the first half, 1 on the second; made on `device` (no host tensor: a tower's
+    run after its plan stays on the device)."""
+    signs = torch.ones(dim, dtype=dtype, device=device)
+    signs[:dim // 2] = -1
+    return signs
 
 
 def default_scale(head_dim: int) -> float:

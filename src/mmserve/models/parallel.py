@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.hf_config import TextConfig
-from mmserve.models.quantization.base import DENSE, LinearMethod, LinearShape, Shard, linear
+from mmserve.models.quantization.base import DENSE, LinearMethod, LinearShape, Shard, linear, onednn_packed
 
 __all__ = ["Shard", "linear"]  # re-exported: the loader and models name them from here
 
@@ -201,11 +201,12 @@ def fuse_projections(model: nn.Module) -> int:
 def pack_linears(model: nn.Module) -> int:
     """Fuse sibling projections (`fuse_projections`), then repack each linear layer's resident
     weight for its device's fastest matmul where its method has one (`LinearMethod.pack`: oneDNN's
-    packed float32 weights on the CPU). The loader must have loaded the weights first. Returns
-    the number of matrices packed."""
+    packed float32 weights on the CPU), and the LM head's where it is float32 and untied. The
+    loader must have loaded the weights first. Returns the number of matrices packed."""
     fuse_projections(model)
-    return sum(module.method.pack(module) for module in model.modules()
-               if isinstance(module, (ParallelLinear, FusedLinear)))
+    packed = sum(module.method.pack(module) for module in model.modules()
+                 if isinstance(module, (ParallelLinear, FusedLinear)))
+    return packed + sum(module.pack(model) for module in model.modules() if isinstance(module, ParallelLMHead))
 
 
 def project(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
@@ -252,6 +253,16 @@ class ParallelLMHead(nn.Module):
         start, real, per = _vocab_rows(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(per, dim))
         self.tp_shards = {"weight": Shard(0, start, real)}
+
+    def pack(self, model: nn.Module) -> bool:
+        """Pack the weight for oneDNN as a dense layer's (`onednn_packed`), unless another module
+        of `model` holds it too (a head tied to the embedding table, which reads its rows).
+        True when it did."""
+        shared = any(p is self.weight for m in model.modules() if m is not self for p in m.parameters(recurse=False))
+        packed = None if shared else onednn_packed(self.weight)
+        if packed is not None:
+            self.weight = packed
+        return packed is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(linear(hidden, self.weight))  # [R, size * per]

@@ -56,10 +56,9 @@ class QwenAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        ops = meta.ops
-        if self.q_norm is not None and self.k_norm is not None:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:  # one eps: both are built from rms_norm_eps
+            q, k = meta.ops.qk_norm(q, k, q_norm.weight, k_norm.weight, q_norm.eps)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
         return self.o_proj(out.reshape(T, -1))
 

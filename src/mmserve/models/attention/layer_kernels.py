@@ -107,6 +107,10 @@ class TritonLayerOps(LayerOps):
         self._norm(x, residual, weight, eps, x)
         return x, residual
 
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         T, width = gate.shape
         out = torch.empty(T, width, dtype=gate.dtype, device=gate.device)

@@ -170,16 +170,23 @@ class DenseMethod(LinearMethod):
         return {"weight": torch.cat([layer.weight.detach() for layer in layers])}
 
     def pack(self, layer: Layer) -> bool:
-        """oneDNN's packed copy of a float32 CPU weight, which `linear` multiplies by: `F.linear`
-        (MKL's sgemm) is several times slower on a decode step's skinny matmuls, and slower on
-        prefill's too, where it was measured (`benchmarks/decode_step.py`)."""
-        weight = layer.weight
-        if (not torch.backends.mkldnn.is_available() or weight.device.type != "cpu"
-                or weight.dtype != torch.float32 or weight.is_mkldnn or weight.numel() == 0):
+        """The layer's weight packed for oneDNN (`onednn_packed`)."""
+        packed = onednn_packed(layer.weight)
+        if packed is None:
             return False
-        layer.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-                                    requires_grad=False)
+        layer.weight = packed
         return True
+
+
+def onednn_packed(weight: torch.Tensor) -> nn.Parameter | None:
+    """oneDNN's packed copy of a float32 CPU weight [out, in], which `linear` multiplies by, or
+    None where it does not apply: `F.linear` (MKL's sgemm) is several times slower on a decode
+    step's skinny matmuls, and slower on prefill's too, where it was measured
+    (`benchmarks/decode_step.py`)."""
+    if (not torch.backends.mkldnn.is_available() or weight.device.type != "cpu"
+            or weight.dtype != torch.float32 or weight.is_mkldnn or weight.numel() == 0):
+        return None
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
 
 
 DENSE = DenseMethod()

@@ -77,7 +77,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
                                      int(weight.dtype == torch.bfloat16), torch.get_num_threads())
     if done != 0:
         return None
-    y = y.reshape(*x.shape[:-1], N)
+    y = _shaped(y, x)
     return y if bias is None else y + bias
 
 
@@ -86,7 +86,11 @@ def _wide() -> ctypes.CDLL | None:
 
 
 def _ours(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+    """Every tensor given is a contiguous CPU tensor (a plain loop: this runs per GEMV call)."""
+    for t in tensors:
+        if t is not None and not (t.is_cpu and t.is_contiguous()):
+            return False
+    return True
 
 
 def _gemv_rows(x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor | None:
@@ -102,7 +106,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _shaped(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y [M, N] as x's leading dims [.., N]."""
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -119,7 +128,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     wide = _wide()
     done = 1 if wide is None else wide.mmserve_int4_gemv512(*args)
     done = done and library.mmserve_int4_gemv_f32(*args)
-    return y.reshape(*x.shape[:-1], N) if done == 0 else None
+    return _shaped(y, x) if done == 0 else None
 
 
 def int4_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, start: int,
@@ -150,7 +159,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     wide = _wide()
     done = 1 if wide is None else wide.mmserve_fp8_gemv512(*args)
     done = done and library.mmserve_fp8_gemv_f32(*args)
-    return y.reshape(*x.shape[:-1], N) if done == 0 else None
+    return _shaped(y, x) if done == 0 else None
 
 
 def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, start: int,
