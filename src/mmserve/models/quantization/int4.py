@@ -22,14 +22,16 @@ the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, 
 `weight_shape` int [2] = (out, in). W = (q - zp) * scale.
 
 Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
-(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul.
+(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul. With `--cpu-activation-quant
+int8` a decode step's rows on the CPU take q8_gemv.py's kernel instead: x rounded to int8 per group,
+integer dot products over the same resident form; not exact (prefill's tiles stay exact).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mmserve.models.quantization import cpu_gemv
+from mmserve.models.quantization import cpu_gemv, q8_gemv
 from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, Shard, register, replace, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column 8c + AWQ_ORDER[k]
@@ -61,12 +63,13 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 class Int4Method(LinearMethod):
     """One resident form and its kernels for both published int4 layouts (`format`: "awq" or
-    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy)."""
+    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy);
+    `activations` "int8": CPU decode rows by the int8-activation GEMV (`--cpu-activation-quant`)."""
 
     attrs = ("int4_group",)
 
-    def __init__(self, format: str, group: int, symmetric: bool) -> None:
-        self.format, self.group, self.symmetric = format, group, symmetric
+    def __init__(self, format: str, group: int, symmetric: bool, activations: str = "none") -> None:
+        self.format, self.group, self.symmetric, self.activations = format, group, symmetric, activations
         self.name = format
 
     def _group(self, shape: LinearShape) -> int:
@@ -130,7 +133,9 @@ class Int4Method(LinearMethod):
             from mmserve.models.quantization.triton_kernels import int4_linear
 
             return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
-        out = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        args = (x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        out = q8_gemv.int4_q8_gemv(*args) if self.activations == "int8" else None
+        out = cpu_gemv.int4_gemv(*args) if out is None else out
         if out is not None:
             return out
         return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: _rows(layer, a, b))
