@@ -61,10 +61,11 @@ class ModelConfig:
                                     "row). Quantized checkpoints are read from their quantization_config without it.",
                                     choices=("fp8",))
     cpu_activation_quant: str = _opt(
-        "none", "On the CPU, multiply a 4-bit (AWQ / W4A16) checkpoint's weights by decode steps' activations "
-        "rounded to int8 per group (integer dot products, as llama.cpp's Q4_0 x Q8_0): faster, not exact. none "
-        "keeps activations float32 (exact to the dequantized model); prefill stays exact either way. Refused on a "
-        "GPU, with a dtype other than float32, or with a checkpoint without int4 layers.",
+        "none", "On the CPU, multiply a 4-bit (AWQ / W4A16) checkpoint's weights by activations rounded to int8 per "
+        "group (integer dot products, as llama.cpp's Q4_0 x Q8_0) in steps of up to 256 tokens (decode, short "
+        "prefill chunks): faster, not exact. none keeps activations float32 (exact to the dequantized model); "
+        "longer steps stay exact either way. Refused on a GPU, with a dtype other than float32, or with a "
+        "checkpoint without int4 layers.",
         choices=_CPU_ACTIVATION_QUANT)
 
     def __post_init__(self) -> None:

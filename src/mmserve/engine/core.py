@@ -24,6 +24,7 @@ from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutput
                                   SchedulerOutput, SchedulerStats)
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
+from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS
 from mmserve.worker.device import rank_device, resolve_dtype
 from mmserve.worker.executor import make_executor
 
@@ -199,8 +200,9 @@ def check_quantization(config: EngineConfig, model_dir: str) -> None:
         device = rank_device(config, 0)
         check_cpu_activation_quant(mode, spec, device.type, str(resolve_dtype(config.model.dtype, device))
                                    .removeprefix("torch."))
-        logger.info("--cpu-activation-quant %s: decode steps' activations are rounded to %s per group of the "
-                    "int4 weights' columns for integer dot products (not exact; prefill stays exact)", mode, mode)
+        logger.info("--cpu-activation-quant %s: activations are rounded to %s per group of the int4 weights' "
+                    "columns for integer dot products in steps of up to %d tokens (not exact; longer steps are)",
+                    mode, mode, GEMV_MAX_ROWS)
 
 
 def kv_cache_blocks(config: EngineConfig, executor) -> tuple[int, bool]:

@@ -23,8 +23,9 @@ the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, 
 
 Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
 (triton_kernels.py), each proven equal to `dequantize_rows` then a matmul. With `--cpu-activation-quant
-int8` a decode step's rows on the CPU take q8_gemv.py's kernel instead: x rounded to int8 per group,
-integer dot products over the same resident form; not exact (prefill's tiles stay exact).
+int8` the GEMV's rows (a decode step, a short prefill chunk) take q8_gemv.py's kernel instead: x
+rounded to int8 per group, integer dot products over the same resident form; not exact (longer
+steps' tiles stay exact).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 class Int4Method(LinearMethod):
     """One resident form and its kernels for both published int4 layouts (`format`: "awq" or
     "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy);
-    `activations` "int8": CPU decode rows by the int8-activation GEMV (`--cpu-activation-quant`)."""
+    `activations` "int8": the GEMV's rows on the CPU by the int8-activation one (`--cpu-activation-quant`)."""
 
     attrs = ("int4_group",)
 
