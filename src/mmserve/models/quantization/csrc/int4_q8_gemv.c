@@ -8,9 +8,10 @@
  *
  * Each row of x is quantized per block of the weight's group (`quantize`): xs = max|x| * (1/127)
  * (the float32 constant), code = round-half-even(x * (127 / max|x|)) in -127..127 (all zeros for
- * a block of zeros), and the block's sum of codes kept. Then per row o of W and group g:
- *   dot = sum_i code_w[o, i] * code_x[i] over the group's columns (exact, in int32),
- *   y[m, o] += scales[o, g] * xs[m, g] * (dot - zeros[o, g] * sum_x[m, g])   (float32).
+ * a block of zeros), and the block's sum of codes kept (as xs * sum_x, `cx`). Then per row o of W:
+ *   dot[g] = sum_i code_w[o, i] * code_x[i] over group g's columns (exact, in int32),
+ *   y[m, o] = bias[o] + sum_g scales[o, g] * xs[m, g] * dot[g] - sum_g scales[o, g] * zeros[o, g] * cx[m, g]
+ * in float32: scales * xs * (dot - zero * sum_x) up to float rounding.
  * The integers are the same on every path: AVX-512 VNNI (`vpdpbusd`: u8 weight codes x s8
  * activation codes, four products per int32 lane), AVX2 (`vpmaddubsw` into int16 pairs, at most
  * 2 * 15 * 127, then `vpmaddwd` by ones) and plain C; only the order of the float sums differs.
