@@ -43,10 +43,11 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
     """Build the model (this rank's shard of it) from `model_dir/config.json` on `device` and load
     its weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
     chosen for `device`. Its linear layers take the methods the checkpoint's `quantization_config`
-    (or `quantization`, `--quantization`) names (models/quantization/), int4 ones multiplying decode
-    rows by int8-rounded activations with `activation_quant` "int8" (`--cpu-activation-quant`); sibling projections are
-    fused (`fuse_projections`). A quantized checkpoint's 16-bit LM head stays 16-bit on the CPU
-    (`keep_half_head`). `model.weight_bytes`: the bytes its parameters hold."""
+    (or `quantization`, `--quantization`) names (models/quantization/), int4 ones multiplying
+    GEMV-sized steps by int8-rounded activations with `activation_quant` "int8"
+    (`--cpu-activation-quant`); sibling projections are fused (`fuse_projections`). A quantized
+    checkpoint's 16-bit LM head stays 16-bit on the CPU (`keep_half_head`). `model.weight_bytes`:
+    the bytes its parameters hold."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
