@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(q8_gemv.load() is None, reason="no C compiler fo
 
 GEN = torch.Generator().manual_seed(0)
 LEVELS = [0, 1, 2]
-SHAPES = [(16, 128, 128), (40, 384, 128), (24, 512, 256), (8, 256, 256), (33, 1024, 128)]
+SHAPES = [(16, 128, 128), (48, 384, 128), (32, 512, 256), (16, 256, 256), (64, 1024, 128)]
 
 
 @pytest.fixture(params=LEVELS, ids=["plain", "avx2", "avx512vnni"])
@@ -56,7 +56,8 @@ def reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 
 def _gemv(x, qweight, scales, zeros, group, bias=None) -> torch.Tensor:
-    got = q8_gemv.int4_q8_gemv(x, qweight, scales, zeros, group, bias)
+    """The kernel's product for an int4 weight in the resident form (interleaved for it here)."""
+    got = q8_gemv.int4_q8_gemv(x, *q8_gemv.interleave(qweight, scales, zeros), group, bias)
     assert got is not None
     return got
 
@@ -124,14 +125,21 @@ def test_every_path_gives_the_same_result(M):
         torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-5)
 
 
-def test_groups_not_of_128_and_prefill_rows_are_refused():
-    """The kernel's layout needs groups of a multiple of 128 columns; past `GEMV_MAX_ROWS` rows the
-    exact tiles run (None: the caller keeps its path)."""
-    qweight, scales, zeros = random_int4(8, 256, 64, GEN)
-    assert q8_gemv.int4_q8_gemv(torch.randn(1, 256), qweight, scales, zeros, 64, None) is None
-    qweight, scales, zeros = random_int4(8, 256, 128, GEN)
+def test_weights_it_does_not_take_and_prefill_rows_are_refused():
+    """The layouts need groups of a multiple of 128 columns and rows of W by 16; past
+    `GEMV_MAX_ROWS` rows of x the exact tiles run (None: the caller keeps its path)."""
+    assert not q8_gemv.can_interleave(random_int4(16, 256, 64, GEN)[0], 64)
+    assert not q8_gemv.can_interleave(random_int4(24, 256, 128, GEN)[0], 128)
+    qweight, scales, zeros = q8_gemv.interleave(*random_int4(16, 256, 128, GEN))
     x = torch.randn(cpu_gemv.GEMV_MAX_ROWS + 1, 256)
     assert q8_gemv.int4_q8_gemv(x, qweight, scales, zeros, 128, None) is None
+
+
+def test_deinterleave_gives_the_resident_rows_back():
+    tensors = random_int4(48, 256, 128, GEN)
+    interleaved = q8_gemv.interleave(*tensors)
+    for got, want in zip(q8_gemv.deinterleave(*interleaved, 16, 48), tensors):
+        assert torch.equal(got, want[16:48])
 
 
 class _Layer:
@@ -140,19 +148,24 @@ class _Layer:
     def __init__(self, N: int, K: int, group: int) -> None:
         self.qweight, self.scales, self.zeros = random_int4(N, K, group, GEN)
         self.int4_group = group
+        self.weight_names = ["qweight", "scales", "zeros"]
 
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_the_method_takes_the_int8_kernel_only_when_asked(rows):
-    """Off (the default), decode rows are the exact GEMV's to the bit; on, the int8 kernel's;
-    prefill rows are the exact tiles' either way."""
-    layer, bias = _Layer(24, 256, 128), torch.randn(24, generator=GEN)
-    x = torch.randn(2, rows, 256, generator=GEN)
-    args = (x, layer.qweight, layer.scales, layer.zeros, 128, bias)
+    """Off (the default), decode rows are the exact GEMV's to the bit and packing leaves the weight
+    as it is; on, packing interleaves it and decode rows are the int8 kernel's, while prefill rows
+    are the exact tiles' to the bit either way, as is the dequantized W."""
     off, on = Int4Method("awq", 128, False), Int4Method("awq", 128, False, "int8")
-    exact = cpu_gemv.int4_gemv(*args)
-    assert torch.equal(off.apply(layer, x, bias), exact)
-    assert torch.equal(on.apply(layer, x, bias), q8_gemv.int4_q8_gemv(*args))
-    assert not torch.equal(on.apply(layer, x, bias), exact)
+    plain, packed, bias = _Layer(32, 256, 128), _Layer(32, 256, 128), torch.randn(32, generator=GEN)
+    for name in packed.weight_names:
+        setattr(packed, name, getattr(plain, name))
+    x = torch.randn(2, rows, 256, generator=GEN)
+    args = (x, plain.qweight, plain.scales, plain.zeros, 128, bias)
+    assert not off.pack(plain) and on.pack(packed)
+    assert torch.equal(off.apply(plain, x, bias), cpu_gemv.int4_gemv(*args))
+    assert torch.equal(on.apply(packed, x, bias), _gemv(*args))
+    assert not torch.equal(on.apply(packed, x, bias), off.apply(plain, x, bias))
     prefill = torch.randn(cpu_gemv.GEMV_MAX_ROWS + 2, 256, generator=GEN)
-    assert torch.equal(on.apply(layer, prefill, bias), off.apply(layer, prefill, bias))
+    assert torch.equal(on.apply(packed, prefill, bias), off.apply(plain, prefill, bias))
+    assert torch.equal(on.dequantize(packed), dequantize_rows(plain.qweight, plain.scales, plain.zeros, 128))

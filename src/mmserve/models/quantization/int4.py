@@ -127,7 +127,7 @@ class Int4Method(LinearMethod):
         replace(layer, qweight=layer.weight_packed.contiguous(), scales=scales, zeros=zeros)
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
-        return dequantize_rows(layer.qweight, layer.scales, layer.zeros, layer.int4_group)
+        return dequantize_rows(*_resident(layer), layer.int4_group)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
@@ -135,19 +135,41 @@ class Int4Method(LinearMethod):
 
             return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
         args = (x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
-        out = q8_gemv.int4_q8_gemv(*args) if self.activations == "int8" else None
-        out = cpu_gemv.int4_gemv(*args) if out is None else out
+        interleaved = getattr(layer, "int4_interleaved", False)
+        out = q8_gemv.int4_q8_gemv(*args) if interleaved else cpu_gemv.int4_gemv(*args)
         if out is not None:
             return out
-        return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: _rows(layer, a, b))
+        rows = layer.qweight.shape[0] * (q8_gemv.LANES if interleaved else 1)
+        return tiled_linear(x, bias, rows, lambda a, b: _rows(layer, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        if any(getattr(layer, "int4_interleaved", False) for layer in layers):
+            return None
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("qweight", "scales", "zeros")}
+
+    def pack(self, layer: Layer) -> bool:
+        """With int8 activations, W's rows interleaved by 16 for the int8 kernel (q8_gemv.py), where
+        it takes the weight; the same bytes."""
+        if (self.activations != "int8" or getattr(layer, "int4_interleaved", False)
+                or not q8_gemv.can_interleave(layer.qweight, layer.int4_group)):
+            return False
+        qweight, scales, zeros = q8_gemv.interleave(layer.qweight.data, layer.scales.data, layer.zeros.data)
+        replace(layer, qweight=qweight, scales=scales, zeros=zeros)
+        layer.int4_interleaved = True
+        return True
+
+
+def _resident(layer: Layer, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [start, stop) of the layer's resident tensors (qweight, scales, zeros), in the resident form."""
+    if getattr(layer, "int4_interleaved", False):
+        return q8_gemv.deinterleave(layer.qweight, layer.scales, layer.zeros, start, stop)
+    return layer.qweight[start:stop], layer.scales[start:stop], layer.zeros[start:stop]
 
 
 def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of the layer's W, float32: by the C kernel where it runs."""
-    args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group, start, stop)
+    qweight, scales, zeros = (t.contiguous() for t in _resident(layer, start, stop))
+    args = (qweight, scales, zeros, layer.int4_group, 0, stop - start)
     rows = cpu_gemv.int4_rows(*args)
     return dequantize_rows(*args) if rows is None else rows
 
