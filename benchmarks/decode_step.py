@@ -26,7 +26,8 @@ PyTorch's kernels over padded copies (the path without a C compiler), with the r
 
 `--formats dense,awq,fp8-block,...` runs the grid once per weight format, in turn (quantized
 copies of the model written in the published layouts: int4 in groups of 128, FP8 in 128 x 128
-blocks or per row; `fp8-online` is `--quantization fp8`); each format's bound counts the bytes
+blocks or per row; `fp8-online` is `--quantization fp8`; `awq-int8` / `w4a16-int8` the int4 checkpoint
+with `--cpu-activation-quant int8`, not exact); each format's bound counts the bytes
 its weights hold, and the end prints each format's speed-up over dense float32 per configuration
 (wall and CPU time) beside the ratio of the bytes the two steps read: the most a memory-bound
 step could gain.
@@ -58,7 +59,7 @@ import torch
 from mmserve.models.attention import cpu_kernels, torch_sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_formats import FORMATS, format_checkpoint, summarize  # noqa: E402
+from quant_formats import FORMATS, activation_quant, format_checkpoint, summarize  # noqa: E402
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
             intermediate_size=3072, max_position_embeddings=8192)
@@ -126,7 +127,7 @@ class Bench:
     """One engine core, its runner's KV cache filled with random values, and the phase clock."""
 
     def __init__(self, model_dir: str, max_batch: int, max_context: int, steps: int,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, cpu_activation_quant: str = "none") -> None:
         from mmserve.config import EngineConfig
         from mmserve.engine.core import EngineCore
 
@@ -136,7 +137,7 @@ class Bench:
         blocks = max_batch * (-(-longest // 16) + 1) + 8
         config = EngineConfig.from_kwargs(model=model_dir, num_kv_blocks=blocks, max_num_seqs=max_batch,
                                           max_model_len=longest, enable_prefix_caching=False,
-                                          quantization=quantization)
+                                          quantization=quantization, cpu_activation_quant=cpu_activation_quant)
         self.core = EngineCore(config, model_dir)
         self.runner = self.core.executor.runner
         for k, v in self.runner.kv_caches:
@@ -269,7 +270,7 @@ def main() -> None:
     read: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats.split(","):
         path, quantization = format_checkpoint(model_dir, fmt)
-        bench = Bench(path, max(batches), max(contexts), args.steps, quantization)
+        bench = Bench(path, max(batches), max(contexts), args.steps, quantization, activation_quant(fmt))
         for batch in batches:
             for context in contexts:
                 for attention in paths:

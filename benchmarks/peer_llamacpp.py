@@ -18,8 +18,9 @@ alternating), medians of `--runs`:
   one-token chat request, a new photo per run;
 - resident memory after the runs: the PSS of each server's processes;
 - decode of one sequence at equal bit widths, each pair on its own servers: mmserve's AWQ
-  checkpoint beside llama.cpp's Q4_0, mmserve's FP8 (per channel) beside Q8_0 (`llama-quantize`
-  of the f32 GGUF).
+  checkpoint beside llama.cpp's Q4_0 (exact, and `awq-int8`: with `--cpu-activation-quant int8`,
+  int8 activations as llama.cpp's Q8_0 dot products have them), mmserve's FP8 (per channel) beside
+  Q8_0 (`llama-quantize` of the f32 GGUF); `--equal-bits` picks the pairs.
 llama-server encodes an image into the tokens mmserve's processor gives it (`--image-min-tokens`
 = `--image-max-tokens`), so the image rows compare equal work. The first line names the CPU.
 Ratios are mmserve / llama-server time (below 1: mmserve ahead).
@@ -112,19 +113,25 @@ def convert(model_dir: str, folder: Path) -> tuple[str, str]:
     return gguf, mmproj
 
 
+EQUAL_BITS = {"awq": "Q4_0", "awq-int8": "Q4_0", "fp8-channel": "Q8_0"}  # mmserve's format -> llama.cpp's
+
+
 def quantized_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int,
-                   budget: int) -> None:
-    """Decode of one sequence at equal bit widths: mmserve's AWQ (4-bit) beside llama.cpp's Q4_0,
-    mmserve's FP8 (8-bit, per channel) beside Q8_0 (both from `llama-quantize`, found beside
-    llama-server or at LLAMA_QUANTIZE)."""
-    from quant_formats import format_checkpoint
+                   budget: int, formats: list[str]) -> None:
+    """Decode of one sequence at equal bit widths, per format of `formats`: mmserve's AWQ (4-bit;
+    "awq-int8" with int8 activations) beside llama.cpp's Q4_0, mmserve's FP8 (8-bit, per channel)
+    beside Q8_0 (both from `llama-quantize`, found beside llama-server or at LLAMA_QUANTIZE)."""
+    from quant_formats import activation_quant, format_checkpoint
 
     quantize = os.environ.get("LLAMA_QUANTIZE") or str(Path(binary).with_name("llama-quantize"))
-    for fmt, kind in (("awq", "Q4_0"), ("fp8-channel", "Q8_0")):
+    for fmt in formats:
+        kind = EQUAL_BITS[fmt]
         target = gguf.replace("-f32.gguf", f"-{kind.lower()}.gguf")
-        subprocess.run([quantize, gguf, target, kind], check=True, capture_output=True)
+        if not Path(target).exists():
+            subprocess.run([quantize, gguf, target, kind], check=True, capture_output=True)
         checkpoint, _ = format_checkpoint(model_dir, fmt)
-        with (LaunchedServer(checkpoint, ["--served-model-name", "m"]) as mm,
+        mm_args = ["--served-model-name", "m", "--cpu-activation-quant", activation_quant(fmt)]
+        with (LaunchedServer(checkpoint, mm_args) as mm,
               LlamaServer(binary, target, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
             decode = decode_row(Peers(mm, ll, tokenizer), prompt_ids(tokenizer, 1, 64)[0], runs)
             print(f"decode, one sequence, mmserve {fmt} / llama-server {kind}: mmserve {decode['mmserve'] * 1e3:.1f} "
@@ -256,6 +263,8 @@ def main() -> None:
     parser.add_argument("--model-dir", help="the checkpoint (written there when missing)")
     parser.add_argument("--equal-bits-only", action="store_true",
                         help="only the rows at equal bit widths (AWQ / Q4_0, FP8 / Q8_0)")
+    parser.add_argument("--equal-bits", default=",".join(EQUAL_BITS),
+                        help=f"mmserve's formats in the equal-bit rows, of {', '.join(EQUAL_BITS)}")
     args = parser.parse_args()
     binary = os.environ.get("LLAMA_SERVER")
     if not binary or not os.environ.get("LLAMA_CONVERT"):
@@ -272,7 +281,7 @@ def main() -> None:
         print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers")
         if not args.equal_bits_only:
             float_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
-        quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
+        quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget, args.equal_bits.split(","))
 
 
 def float_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int, budget: int) -> None:

@@ -23,14 +23,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-FORMATS = ("dense", "awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel", "fp8-online", "awq-f16")
+FORMATS = ("dense", "awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel", "fp8-online", "awq-f16", "awq-int8",
+           "w4a16-int8")
+INT8_ACTIVATIONS = "-int8"  # an int4 format's name + this: the same checkpoint, --cpu-activation-quant int8
+
+
+def activation_quant(fmt: str) -> str:
+    """`--cpu-activation-quant` of a format name: "int8" for e.g. "awq-int8", else "none"."""
+    return "int8" if fmt.endswith(INT8_ACTIVATIONS) else "none"
 
 
 def format_checkpoint(model_dir: str, fmt: str) -> tuple[str, str | None]:
     """(checkpoint, --quantization) of the model in `fmt`: quantized copies are written beside
     it once: int4 in groups of 128, FP8 in 128 x 128 blocks or per row; a name ending in "-f16"
     (e.g. "awq-f16") stores the tensors left unquantized in float16, as published releases do
-    (the others keep the model's float32)."""
+    (the others keep the model's float32); one ending in "-int8" is the int4 format's checkpoint
+    run with int8 activations (`activation_quant`)."""
+    fmt = fmt.removesuffix(INT8_ACTIVATIONS)
     if fmt in ("dense", "fp8-online"):
         return model_dir, "fp8" if fmt == "fp8-online" else None
     import torch
@@ -76,7 +85,7 @@ def decoder_linears(model_dir: str, fmt: str) -> list[Any]:
     from mmserve.models.parallel import FusedLinear, ParallelLinear, pack_linears
 
     path, quantization = format_checkpoint(model_dir, fmt)
-    model = load_model(path, quantization=quantization)
+    model = load_model(path, quantization=quantization, activation_quant=activation_quant(fmt))
     pack_linears(model)
     return [m for name, m in model.named_modules() if isinstance(m, (ParallelLinear, FusedLinear))
             and "visual" not in name and getattr(m, m.weight_names[0]).numel() > 0]

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cuda", "cpu")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # models/attention/backend.py
+_CPU_ACTIVATION_QUANT = ("none", "int8")  # models/quantization/q8_gemv.py
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -59,6 +60,13 @@ class ModelConfig:
     quantization: str | None = _opt(None, "Quantize a float checkpoint's decoder weights at load: fp8 (per output "
                                     "row). Quantized checkpoints are read from their quantization_config without it.",
                                     choices=("fp8",))
+    cpu_activation_quant: str = _opt(
+        "none", "On the CPU, multiply a 4-bit (AWQ / W4A16) checkpoint's weights by activations rounded to int8 per "
+        "group (integer dot products, as llama.cpp's Q4_0 x Q8_0) in steps of up to 256 tokens (decode, short "
+        "prefill chunks): faster, not exact. none keeps activations float32 (exact to the dequantized model); "
+        "longer steps stay exact either way. Refused on a GPU, with a dtype other than float32, or with a "
+        "checkpoint without int4 layers.",
+        choices=_CPU_ACTIVATION_QUANT)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -72,6 +80,9 @@ class ModelConfig:
                              "package, which is not installed")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset); got {self.quantization!r}")
+        if self.cpu_activation_quant not in _CPU_ACTIVATION_QUANT:
+            raise ValueError(f"cpu_activation_quant must be one of {', '.join(_CPU_ACTIVATION_QUANT)}; "
+                             f"got {self.cpu_activation_quant!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):

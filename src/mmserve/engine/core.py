@@ -23,7 +23,9 @@ from mmserve.engine.grammar_gate import GrammarGate
 from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                   SchedulerOutput, SchedulerStats)
 from mmserve.models.hf_config import ModelConfig, load_model_config
-from mmserve.models.quantization.config import read_quant_spec
+from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
+from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS
+from mmserve.worker.device import rank_device, resolve_dtype
 from mmserve.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class EngineCore:
         self._stopped = False
         self.model_config = load_model_config(model_dir)
         compute_encoder_budget(config.scheduler, self.model_config.max_item_tokens)  # refuse before loading
-        read_quant_spec(model_dir, config.model.quantization)  # an unsupported quantization, in one line
+        check_quantization(config, model_dir)  # an unsupported quantization, in one line
         self.executor = make_executor(config, model_dir, shm_store)  # TP > 1: worker processes
         try:
             num_blocks, profiled = kv_cache_blocks(config, self.executor)
@@ -187,6 +189,20 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.shutdown()
         self.executor.shutdown()
+
+
+def check_quantization(config: EngineConfig, model_dir: str) -> None:
+    """Refuse before loading, in one line, a quantization the engine does not read or a
+    `--cpu-activation-quant` that cannot apply; say once when that mode is on."""
+    spec = read_quant_spec(model_dir, config.model.quantization)
+    mode = config.model.cpu_activation_quant
+    if mode != "none":
+        device = rank_device(config, 0)
+        check_cpu_activation_quant(mode, spec, device.type, str(resolve_dtype(config.model.dtype, device))
+                                   .removeprefix("torch."))
+        logger.info("--cpu-activation-quant %s: activations are rounded to %s per group of the int4 weights' "
+                    "columns for integer dot products in steps of up to %d tokens (not exact; longer steps are)",
+                    mode, mode, GEMV_MAX_ROWS)
 
 
 def kv_cache_blocks(config: EngineConfig, executor) -> tuple[int, bool]:

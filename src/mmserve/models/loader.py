@@ -39,13 +39,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorParallel = SINGLE,
                device: str | torch.device = "cpu", attention: str = "torch",
-               quantization: str | None = None) -> VisionLanguageModel:
+               quantization: str | None = None, activation_quant: str = "none") -> VisionLanguageModel:
     """Build the model (this rank's shard of it) from `model_dir/config.json` on `device` and load
     its weights (eval mode, no grad); it attends with the `attention` backend (`--attention-backend`)
     chosen for `device`. Its linear layers take the methods the checkpoint's `quantization_config`
-    (or `quantization`, `--quantization`) names (models/quantization/); sibling projections are
-    fused (`fuse_projections`). A quantized checkpoint's 16-bit LM head stays 16-bit on the CPU
-    (`keep_half_head`). `model.weight_bytes`: the bytes its parameters hold."""
+    (or `quantization`, `--quantization`) names (models/quantization/), int4 ones multiplying
+    GEMV-sized steps by int8-rounded activations with `activation_quant` "int8"
+    (`--cpu-activation-quant`); sibling projections are fused (`fuse_projections`). A quantized
+    checkpoint's 16-bit LM head stays 16-bit on the CPU (`keep_half_head`). `model.weight_bytes`:
+    the bytes its parameters hold."""
     cfg = load_model_config(model_dir)
     cls = model_class(cfg)
     cls.check_shardable(cfg, tp)
@@ -54,7 +56,8 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
     device = torch.device(device)
     with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
-        assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {})
+        assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {},
+                       activation_quant)
         if spec is not None and device.type == "cpu" and dtype == torch.float32 and not cfg.tie_word_embeddings:
             keep_half_head(model, checkpoint_dtype(model_dir, cls, "lm_head.weight"))
     if device.type != "meta":

@@ -55,7 +55,7 @@ class ModelRunner:
         self.device = rank_device(config, tp.rank)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend,
-                                config.model.quantization)
+                                config.model.quantization, config.model.cpu_activation_quant)
         if self.device.type == "cpu":
             pack_linears(self.model)  # oneDNN's packed weights: the decoder's matmuls, several times faster
             release_freed_memory()  # the dense copies packing freed (glibc keeps freed memory otherwise)

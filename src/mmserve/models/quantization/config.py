@@ -138,3 +138,20 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
         return QuantSpec("w4a16", group_size=group, symmetric=bool(weights.get("symmetric", True)), skip_names=skip)
     raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r} "
                      "is not supported (FP8 by channel or tensor, W4A16 by group or channel)")
+
+
+def check_cpu_activation_quant(mode: str, spec: QuantSpec | None, device: str, dtype: str) -> None:
+    """ValueError in one line where `--cpu-activation-quant` `mode` cannot apply: anything but
+    "none" needs the CPU (`device`), float32 activations (`dtype`) and int4 layers (AWQ or W4A16)."""
+    if mode == "none":
+        return
+    flag = f"--cpu-activation-quant {mode}"
+    if device != "cpu":
+        raise ValueError(f"{flag} is for the CPU's int4 kernels; this engine runs on {device} (use --device cpu, "
+                         "or leave it none)")
+    if dtype != "float32":
+        raise ValueError(f"{flag} quantizes float32 activations; --dtype is {dtype} (use float32 or auto)")
+    if spec is None or not spec.is_int4:
+        held = "not quantized" if spec is None else f"quantized as {spec.format}"
+        raise ValueError(f"{flag} needs a checkpoint with 4-bit weights (AWQ or compressed-tensors W4A16); "
+                         f"this one is {held}")

@@ -68,7 +68,7 @@ def load_half() -> ctypes.CDLL | None:
 def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [.., K] float32 @ W^T (+ bias) for a float16 or bfloat16 weight [N, K] held as the
     checkpoint stores it (float32 arithmetic), up to `GEMV_MAX_ROWS` rows of x; else None."""
-    library, rows = load_half(), _gemv_rows(x, bias, weight)
+    library, rows = load_half(), gemv_rows(x, bias, weight)
     if library is None or rows is None or weight.dtype not in (torch.float16, torch.bfloat16):
         return None
     N, K = weight.shape
@@ -93,7 +93,7 @@ def _ours(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def _gemv_rows(x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor | None:
+def gemv_rows(x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor | None:
     """x as float32 rows [M, K] for a GEMV, or None where the GEMV is not the kernel's to do."""
     if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         return None
@@ -118,7 +118,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [.., K] float32 @ W^T (+ bias) for an int4 weight (int4.py's resident form), up to
     `GEMV_MAX_ROWS` rows of x; else None."""
-    library, rows = load(), _gemv_rows(x, bias, qweight, scales, zeros)
+    library, rows = load(), gemv_rows(x, bias, qweight, scales, zeros)
     if library is None or rows is None:
         return None
     N, K = qweight.shape[0], qweight.shape[1] * 8
@@ -148,7 +148,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
              bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [.., K] float32 @ W^T (+ bias) for an FP8 weight (fp8.py's resident form: `scale` [N]
     per row when `block` is None, else per block), up to `GEMV_MAX_ROWS` rows; else None."""
-    library, rows = load(), _gemv_rows(x, bias, weight, scale)
+    library, rows = load(), gemv_rows(x, bias, weight, scale)
     if library is None or rows is None:
         return None
     N, K = weight.shape

@@ -22,14 +22,17 @@ the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, 
 `weight_shape` int [2] = (out, in). W = (q - zp) * scale.
 
 Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
-(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul.
+(triton_kernels.py), each proven equal to `dequantize_rows` then a matmul. With `--cpu-activation-quant
+int8` the GEMV's rows (a decode step, a short prefill chunk) take q8_gemv.py's kernel instead: x
+rounded to int8 per group, integer dot products over the same resident form; not exact (longer
+steps' tiles stay exact).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mmserve.models.quantization import cpu_gemv
+from mmserve.models.quantization import cpu_gemv, q8_gemv
 from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, Shard, register, replace, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column 8c + AWQ_ORDER[k]
@@ -61,12 +64,13 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 class Int4Method(LinearMethod):
     """One resident form and its kernels for both published int4 layouts (`format`: "awq" or
-    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy)."""
+    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy);
+    `activations` "int8": the GEMV's rows on the CPU by the int8-activation one (`--cpu-activation-quant`)."""
 
     attrs = ("int4_group",)
 
-    def __init__(self, format: str, group: int, symmetric: bool) -> None:
-        self.format, self.group, self.symmetric = format, group, symmetric
+    def __init__(self, format: str, group: int, symmetric: bool, activations: str = "none") -> None:
+        self.format, self.group, self.symmetric, self.activations = format, group, symmetric, activations
         self.name = format
 
     def _group(self, shape: LinearShape) -> int:
@@ -123,25 +127,49 @@ class Int4Method(LinearMethod):
         replace(layer, qweight=layer.weight_packed.contiguous(), scales=scales, zeros=zeros)
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
-        return dequantize_rows(layer.qweight, layer.scales, layer.zeros, layer.int4_group)
+        return dequantize_rows(*_resident(layer), layer.int4_group)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
             from mmserve.models.quantization.triton_kernels import int4_linear
 
             return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
-        out = cpu_gemv.int4_gemv(x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        args = (x, layer.qweight, layer.scales, layer.zeros, layer.int4_group, bias)
+        interleaved = getattr(layer, "int4_interleaved", False)
+        out = q8_gemv.int4_q8_gemv(*args) if interleaved else cpu_gemv.int4_gemv(*args)
         if out is not None:
             return out
-        return tiled_linear(x, bias, layer.qweight.shape[0], lambda a, b: _rows(layer, a, b))
+        rows = layer.qweight.shape[0] * (q8_gemv.LANES if interleaved else 1)
+        return tiled_linear(x, bias, rows, lambda a, b: _rows(layer, a, b))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        if any(getattr(layer, "int4_interleaved", False) for layer in layers):
+            return None
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("qweight", "scales", "zeros")}
+
+    def pack(self, layer: Layer) -> bool:
+        """With int8 activations, W's rows interleaved by 16 for the int8 kernel (q8_gemv.py), where
+        it takes the weight; the same bytes."""
+        if (self.activations != "int8" or getattr(layer, "int4_interleaved", False)
+                or not q8_gemv.can_interleave(layer.qweight, layer.int4_group)):
+            return False
+        qweight, scales, zeros = q8_gemv.interleave(layer.qweight.data, layer.scales.data, layer.zeros.data)
+        replace(layer, qweight=qweight, scales=scales, zeros=zeros)
+        layer.int4_interleaved = True
+        return True
+
+
+def _resident(layer: Layer, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [start, stop) of the layer's resident tensors (qweight, scales, zeros), in the resident form."""
+    if getattr(layer, "int4_interleaved", False):
+        return q8_gemv.deinterleave(layer.qweight, layer.scales, layer.zeros, start, stop)
+    return layer.qweight[start:stop], layer.scales[start:stop], layer.zeros[start:stop]
 
 
 def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of the layer's W, float32: by the C kernel where it runs."""
-    args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group, start, stop)
+    qweight, scales, zeros = (t.contiguous() for t in _resident(layer, start, stop))
+    args = (qweight, scales, zeros, layer.int4_group, 0, stop - start)
     rows = cpu_gemv.int4_rows(*args)
     return dequantize_rows(*args) if rows is None else rows
 

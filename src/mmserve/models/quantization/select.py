@@ -12,10 +12,11 @@ from mmserve.models.quantization.fp8 import Fp8BlockMethod, Fp8RowMethod
 from mmserve.models.quantization.int4 import Int4Method
 
 
-def make_method(spec: QuantSpec) -> LinearMethod:
-    """The one method instance every quantized layer of a checkpoint shares."""
+def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod:
+    """The one method instance every quantized layer of a checkpoint shares (`activation_quant`:
+    `--cpu-activation-quant`, which int4 methods take)."""
     if spec.is_int4:
-        return Int4Method(spec.format, spec.group_size, spec.symmetric)
+        return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant)
     if spec.format == "fp8_block":
         return Fp8BlockMethod(spec.block)
     if spec.format == "fp8_online":
@@ -23,7 +24,8 @@ def make_method(spec: QuantSpec) -> LinearMethod:
     return Fp8RowMethod("checkpoint", spec.per_tensor)
 
 
-def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: dict[str, str]) -> int:
+def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: dict[str, str],
+                   activation_quant: str = "none") -> int:
     """Give every linear layer `spec` covers its method (call on the meta device, before loading);
     `checkpoint_names` maps a module's name here to the checkpoint's (older layouts differ).
     Returns the number of layers quantized."""
@@ -31,7 +33,7 @@ def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: d
 
     if spec is None:
         return 0
-    method, count = make_method(spec), 0
+    method, count = make_method(spec, activation_quant), 0
     for name, module in model.named_modules():
         if isinstance(module, ParallelLinear) and spec.quantizes(checkpoint_names.get(name, name)):
             module.set_method(method)
