@@ -24,7 +24,6 @@ from mmserve.models.quantization import cpu_gemv
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_q8_gemv.c"
 LANES = 16  # rows of W interleaved
-MODES = ("none", "int8")  # --cpu-activation-quant
 LEVEL = 2  # the widest path used, where built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
