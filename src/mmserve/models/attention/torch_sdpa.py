@@ -143,7 +143,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_held, v_held = k.to(k_cache.dtype), v.to(v_cache.dtype)  # k, v themselves when the dtypes agree
     k_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, k_held)
     v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v_held)
-    k, v = k_held.to(q.dtype), v_held.to(q.dtype)
     gqa = q.shape[1] != Hkv
     out = torch.empty_like(q)
     decoded = meta.kernel_splits > 0 and meta.decode_lens is not None and cpu_kernels.paged_decode(
@@ -158,6 +157,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)  # [Bd, H, 1, Dh]
         out[meta.decode_index] = o[:, :, 0]
+    if meta.prefills and k_held is not k:  # the chunks' own keys and values as the cache holds them
+        k, v = k_held.to(q.dtype), v_held.to(q.dtype)
     for p in meta.prefills:
         if p.start == 0:  # the chunk is the whole context so far: plain causal attention
             o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k[p.lo:p.hi].transpose(0, 1)[None],
