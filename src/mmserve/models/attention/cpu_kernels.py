@@ -81,8 +81,9 @@ def _build(source: Path = SOURCE) -> Path:
     compiled into the cache folder when not there yet."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, *COMPILE_FLAGS, *LINK_FLAGS,
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{key}.so"
     if target.exists():

@@ -152,6 +152,16 @@ BLOCK_VALUES(values_bf16, uint16_t, axpy_bf16)
 BLOCK_SCORES(scores_f16, uint16_t, dot_f16)
 BLOCK_VALUES(values_f16, uint16_t, axpy_f16)
 
+/* float32 q over a 16-bit cache: by query head pair where the machine has the vector widening */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#include "grouped_16bit.h"
+#else
+#define scores_gf16 scores_f16
+#define values_gf16 values_f16
+#define scores_gbf16 scores_bf16
+#define values_gbf16 values_bf16
+#endif
+
 /* to[x] = from[x] (n of them) widened to float32 */
 static void widen_bf16(float *to, const void *from, int64_t n) {
     const uint16_t *h = from;
@@ -316,7 +326,7 @@ static const Elem F16 = {scores_f16, values_f16, widen_f16, narrow_f16, sizeof(u
 ENTRY(mmserve_paged_decode_f32, F32)
 ENTRY(mmserve_paged_decode_bf16, BF16)
 ENTRY(mmserve_paged_decode_f16, F16)
-static const Elem F32_BF16KV = {scores_bf16, values_bf16, NULL, NULL, sizeof(uint16_t)};
-static const Elem F32_F16KV = {scores_f16, values_f16, NULL, NULL, sizeof(uint16_t)};
+static const Elem F32_BF16KV = {scores_gbf16, values_gbf16, NULL, NULL, sizeof(uint16_t)};
+static const Elem F32_F16KV = {scores_gf16, values_gf16, NULL, NULL, sizeof(uint16_t)};
 ENTRY(mmserve_paged_decode_f32_bf16kv, F32_BF16KV)
 ENTRY(mmserve_paged_decode_f32_f16kv, F32_F16KV)
