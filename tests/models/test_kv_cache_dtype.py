@@ -9,6 +9,7 @@ cache is allocated and sized in its own dtype; fp8 and unknown names are refused
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -112,11 +113,15 @@ def test_auto_keeps_the_models_dtype_and_outputs(float32_cache):
         assert got.token_ids == want.token_ids and _logprob_gap(got, want) == 0
 
 
-def test_blocks_are_sized_by_the_caches_itemsize():
-    """A float32 model's 16-bit cache: half the bytes a block, twice the blocks in the same memory."""
+def test_blocks_are_sized_by_the_caches_itemsize(caplog):
+    """A float32 model's 16-bit cache: half the bytes a block, twice the blocks in the same memory;
+    the engine's start line names the cache's dtype."""
     blocks, per_block = {}, {}
     for dtype in ("auto", "float16"):
-        llm = LLM(model=MODEL, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
+        with caplog.at_level(logging.INFO, logger="mmserve.engine.core"):
+            llm = LLM(model=MODEL, kv_cache_memory_gb=0.01, kv_cache_dtype=dtype)
+        ready = [r.getMessage() for r in caplog.records if "engine core ready" in r.getMessage()]
+        assert f"in {'float32' if dtype == 'auto' else dtype} (" in ready[-1]
         runner = llm.engine.core.executor.runner
         per_block[dtype] = runner.kv_cache_bytes_per_block()
         blocks[dtype] = runner.kv_caches[0][0].shape[0]
