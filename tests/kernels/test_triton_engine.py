@@ -2,8 +2,8 @@
 the torch backend's, which tests/engine/*parity* hold equal to transformers', for both built-in
 families and a Qwen2.5-VL checkpoint (window attention). Each runs with a prefix-cache hit and
 chunked prefill, so decoder chunks start after cached blocks, and with an image, so the vision
-tower attends through the varlen kernel. Also: the CPU default stays torch, and a backend that
-cannot run is refused at start-up."""
+tower attends through the varlen kernel; and with a float16 KV cache under the float32 model.
+Also: the CPU default stays torch, and a backend that cannot run is refused at start-up."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ TEMPLATES = {  # (chat template, an image's text) of each family
 }
 
 
-def run(model: str, path: str, backend: str) -> tuple[list[list[int]], str]:
+def run(model: str, path: str, backend: str, **engine_args) -> tuple[list[list[int]], str]:
     """Greedy tokens of two batches (the second's prompt extends one of the first: a prefix hit
     and a chunk after its cached blocks), and the backend the model attended with."""
-    llm = LLM(model=path, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128)
+    llm = LLM(model=path, attention_backend=backend, num_kv_blocks=64, max_num_batched_tokens=128, **engine_args)
     (template, marker), image = TEMPLATES[model], make_image(3, (56, 56))
     first = [{"prompt": template.format(marker + "What is this?"), "multi_modal_data": {"image": image}},
              {"prompt": template.format("a cat and a dog")}]
@@ -45,6 +45,15 @@ def test_the_triton_backend_equals_the_torch_backend(model, tmp_path):
     want, torch_name = run(model, path, "torch")
     got, name = run(model, path, "triton")
     assert (name, torch_name) == ("triton", "torch")
+    assert got == want
+
+
+def test_a_16_bit_cache_under_a_float32_model_equals_the_torch_backends():
+    """`--kv-cache-dtype float16`: the kernels round K/V as they store them (the rotary write too)
+    and widen what they load to q's float32, as the torch backend does."""
+    pytest.importorskip("triton")
+    want, _ = run("builtin:tiny-qwen3-vl", "builtin:tiny-qwen3-vl", "torch", kv_cache_dtype="float16")
+    got, _ = run("builtin:tiny-qwen3-vl", "builtin:tiny-qwen3-vl", "triton", kv_cache_dtype="float16")
     assert got == want
 
 

@@ -96,15 +96,18 @@ def test_16_bit_values_are_widened_and_rounded_exactly(dtype, pairs):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_step_by_the_kernel_equals_the_padded_one(dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.float16), (torch.float32, torch.float16),
+                                                (torch.float32, torch.bfloat16)])
+def test_a_step_by_the_kernel_equals_the_padded_one(dtype, cache_dtype):
     """`paged_attention` with decodes and prefill chunks in one step: the kernel (CPU) and the
-    padded copies (other devices) agree, q and the cache of the model's dtype."""
+    padded copies (other devices) agree, q of the model's dtype and the cache of the model's or
+    a 16-bit one under float32 (`--kv-cache-dtype`)."""
     g = torch.Generator().manual_seed(1)
     block, seq_lens, query_lens = 4, [13, 9, 30, 5], [1, 3, 1, 1]
     tables = scattered_tables(seq_lens, block, 40, g)
     T, tol = sum(query_lens), 1e-5 if dtype == torch.float32 else 2e-2
-    k_cache, v_cache = (torch.randn(40, block, 2, 8, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(40, block, 2, 8, generator=g).to(cache_dtype) for _ in range(2))
     q, k, v = (torch.randn(T, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
     outs = []
     for in_place in (True, False):

@@ -25,7 +25,7 @@ from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutput
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
 from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS
-from mmserve.worker.device import rank_device, resolve_dtype
+from mmserve.worker.device import kv_cache_dtype_of, rank_device, resolve_dtype
 from mmserve.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,9 @@ class EngineCore:
         self.poison = Poison.from_env()  # a debugging hook: unset, None
         self.grammar_gate = GrammarGate(None if runner is None else runner.grammars,
                                         config.scheduler.max_grammar_compile_s)
-        logger.info("engine core ready: %d KV blocks of %d tokens, max_model_len %d",
-                    num_blocks, config.cache.block_size, self.max_model_len)
+        logger.info("engine core ready: %d KV blocks of %d tokens in %s (%.1f MiB per rank), max_model_len %d",
+                    num_blocks, config.cache.block_size, str(kv_cache_dtype_of(config)).removeprefix("torch."),
+                    num_blocks * self.executor.kv_cache_bytes_per_block() / 2**20, self.max_model_len)
 
     def _kv_events(self) -> KVEvents | None:
         """The rank's KV event publisher (`--kv-events-config`), fed by the KV cache manager."""

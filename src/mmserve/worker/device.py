@@ -46,6 +46,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype` -> the KV cache's torch dtype (auto: the model's, `model_dtype`)."""
+    return model_dtype if name == "auto" else _DTYPES[name]
+
+
+def kv_cache_dtype_of(config: EngineConfig) -> torch.dtype:
+    """The KV cache's dtype every rank of `config` allocates (rank 0's device decides `auto`)."""
+    return resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype,
+                                                                              rank_device(config, 0)))
+
+
 def to_device(tree: T, device: torch.device) -> T:
     """The same tree (tensors, lists, tuples, dicts, dataclasses) with every CPU tensor on
     `device`, all of them copied as one pinned buffer without blocking; on CPU, `tree` itself."""

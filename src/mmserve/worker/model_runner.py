@@ -3,7 +3,8 @@
 It keeps what the scheduler sends only once: each request's tokens, items, block table and
 sampling state (`RunnerRequest`), and encoder outputs by `mm_hash` — shared by every request
 whose items have that hash — until the scheduler names the hash in `free_encoder_ids`. The KV
-cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh] tensors per decoder layer.
+cache is one (K, V) pair of [num_blocks, block_size, Hkv, Dh] tensors per decoder layer, in
+`--kv-cache-dtype` (`kv_cache_dtype.py`; the model's dtype by default).
 
 Positions: 1-D token indices, or for M-RoPE models (Qwen-VL) the [3, L] positions the model
 computes once per request from its tokens and items (`mrope_positions`), continued past them by
@@ -32,7 +33,7 @@ from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.models.quantization.select import describe_quantization
 from mmserve.ipc.items import MultiModalItem
-from mmserve.worker.device import rank_device, resolve_dtype, staged, to_device
+from mmserve.worker.device import rank_device, resolve_dtype, resolve_kv_cache_dtype, staged, to_device
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.grammar import GrammarCache
@@ -54,6 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = rank_device(config, tp.rank)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # --kv-cache-dtype
         self.model = load_model(model_dir, self.dtype, tp, self.device, config.model.attention_backend,
                                 config.model.quantization, config.model.cpu_activation_quant)
         if self.device.type == "cpu":
@@ -84,8 +86,8 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
-        t = self.model.config.text
-        return 2 * t.num_hidden_layers * self.block_size * self.model.num_kv_heads * t.head_dim * self.dtype.itemsize
+        t, itemsize = self.model.config.text, self.kv_cache_dtype.itemsize
+        return 2 * t.num_hidden_layers * self.block_size * self.model.num_kv_heads * t.head_dim * itemsize
 
     def available_kv_cache_bytes(self) -> int | None:
         """On CUDA, the KV cache's share of `--gpu-memory-utilization` after profiling the largest
@@ -127,8 +129,8 @@ class ModelRunner:
 
         def zeros() -> torch.Tensor:  # on the CPU on 2 MiB pages: decode attention reads blocks wherever they lie
             if self.device.type == "cpu":
-                return zeros_on_huge_pages(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return zeros_on_huge_pages(shape, self.kv_cache_dtype)
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(zeros(), zeros()) for _ in range(t.num_hidden_layers)]
 

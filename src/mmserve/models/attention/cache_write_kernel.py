@@ -18,7 +18,8 @@ from mmserve.models.attention.layer_kernels import load_rotation, rotate_heads
 #   captured graph's unused row) and writes nothing
 # One program per BLOCK_T tokens; a token's Hkv x Dh values are one row of BLOCK_C lanes (c = head
 # * Dh + d). Masks: tokens past T and padded tokens are neither loaded nor stored, nor are lanes
-# c >= Hkv * Dh (padding to a power of two).
+# c >= Hkv * Dh (padding to a power of two). The cache may be of another dtype than k's and v's
+# (`--kv-cache-dtype`): each value is rounded to the cache's as it is stored.
 
 
 @triton.jit
@@ -35,10 +36,10 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr
     block, offset = (slot // BLOCK_SIZE)[:, None], (slot % BLOCK_SIZE)[:, None]
     k = tl.load(k_ptr + token[:, None] * stride_kt + head[None, :] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + token[:, None] * stride_vt + head[None, :] * stride_vh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + head[None, :] * stride_kch + d[None, :], k,
-             mask=mask)
-    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + head[None, :] * stride_vch + d[None, :], v,
-             mask=mask)
+    tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + head[None, :] * stride_kch + d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + head[None, :] * stride_vch + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,7 +61,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 # views of a fused QKV output), cos, sin [T, Dh]; q_out [T, H, Dh] contiguous. One program per
 # token: its q heads rotated into q_out, its k heads rotated into the cache at its slot, its v
 # heads copied there. Masks: heads past H or Hkv and lanes past Dh / 2 or Dh (padding to powers of
-# two) load 0 and store nothing; a padded token (negative slot) writes no cache row.
+# two) load 0 and store nothing; a padded token (negative slot) writes no cache row. Rotated k is
+# rounded to q's dtype first (as the torch backend's rotary makes it), then to the cache's.
 
 
 @triton.jit
@@ -85,7 +87,8 @@ def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cac
     # the slot's test broadcast as a vector: the interpreter refuses a scalar inside a block mask
     mask = (h < HK)[:, None] & ((d < HEAD_DIM) & (d * 0 + slot >= 0))[None, :]
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + h[:, None] * stride_vch + d[None, :], v, mask=mask)
+    tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + h[:, None] * stride_vch + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

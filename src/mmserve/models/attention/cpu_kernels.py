@@ -2,15 +2,15 @@
 
 `paged_decode` is paged decode attention that reads K/V where they lie: each decoding request's
 blocks through its block table, with an online softmax, on OpenMP threads; float32, bfloat16 or
-float16 (16-bit values widened as they are read, summed in float32). The library is built
-by the C compiler (`$CC`, else `cc`) with `-O3 -march=native -ffast-math -fopenmp` into a cache
-folder (`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or
-`~/.cache/mmserve/kernels`) under a name made of the source, the compiler's version, the flags
-and this CPU's feature flags, so that each machine builds its own once (an atomic rename makes
-concurrent builds safe; a build removes the folder's older ones). It links OpenMP by soname after
-torch has loaded, so it shares torch's runtime and thread pool. Without a compiler, or with
-`MMSERVE_CPU_KERNELS=0`, `load` returns None and the caller keeps its PyTorch path (padded
-copies); the first failure is logged once.
+float16, or float32 queries over a 16-bit cache (16-bit values widened as they are read, summed in
+float32). The library is built by the C compiler (`$CC`, else `cc`) with `-O3 -march=native
+-ffast-math -fopenmp` into a cache folder (`$MMSERVE_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/mmserve/kernels` or `~/.cache/mmserve/kernels`) under a name made of the source,
+the compiler's version, the flags and this CPU's feature flags, so that each machine builds its own
+once (an atomic rename makes concurrent builds safe; a build removes the folder's older ones). It
+links OpenMP by soname after torch has loaded, so it shares torch's runtime and thread pool.
+Without a compiler, or with `MMSERVE_CPU_KERNELS=0`, `load` returns None and the caller keeps its
+PyTorch path (padded copies); the first failure is logged once.
 """
 
 from __future__ import annotations
@@ -37,9 +37,13 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 LINK_FLAGS = ("-shared", "-fopenmp")
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-# the kernel of each dtype (q, out and the KV cache all of it)
-ENTRY_POINTS = {torch.float32: "mmserve_paged_decode_f32", torch.bfloat16: "mmserve_paged_decode_bf16",
-                torch.float16: "mmserve_paged_decode_f16"}
+# the kernel of each (q's and out's dtype, the KV cache's): one dtype throughout, or float32 q and out
+# over a 16-bit cache (`--kv-cache-dtype` of a float32 model)
+ENTRY_POINTS = {(torch.float32, torch.float32): "mmserve_paged_decode_f32",
+                (torch.bfloat16, torch.bfloat16): "mmserve_paged_decode_bf16",
+                (torch.float16, torch.float16): "mmserve_paged_decode_f16",
+                (torch.float32, torch.bfloat16): "mmserve_paged_decode_f32_bf16kv",
+                (torch.float32, torch.float16): "mmserve_paged_decode_f32_f16kv"}
 
 
 def enabled() -> bool:
@@ -77,8 +81,9 @@ def _build(source: Path = SOURCE) -> Path:
     compiled into the cache folder when not there yet."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, *COMPILE_FLAGS, *LINK_FLAGS,
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{key}.so"
     if target.exists():
@@ -135,12 +140,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Write into `out` [T, H, Dh] the attention of each decoding request's query row `rows[b]`
     of `q` [T, H, Dh] over its `seq_lens[b]` keys in `k_cache`, `v_cache` [N, S, Hkv, Dh]
     through `tables` [B, W] (int64); each context in `splits` parts across threads. q, out and
-    the cache of one dtype: float32, bfloat16 or float16 (summed in float32); other rows of `out`
-    are left alone. False (and nothing written) when the kernel is not loaded or the shapes or
-    dtypes are not its own."""
+    the cache of one dtype: float32, bfloat16 or float16, or float32 q and out over a bfloat16 or
+    float16 cache (summed in float32 either way); other rows of `out` are left alone. False (and
+    nothing written) when the kernel is not loaded or the shapes or dtypes are not its own."""
     library = load()
-    entry = ENTRY_POINTS.get(k_cache.dtype)
-    if library is None or entry is None or not q.dtype == out.dtype == v_cache.dtype == k_cache.dtype:
+    entry = ENTRY_POINTS.get((q.dtype, k_cache.dtype))
+    if library is None or entry is None or not (q.dtype == out.dtype and v_cache.dtype == k_cache.dtype):
         return False
     for t in (q, k_cache, v_cache, tables, seq_lens, rows, out):
         if not t.is_contiguous() or t.device.type != "cpu":

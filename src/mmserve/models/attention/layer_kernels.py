@@ -60,7 +60,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, str
 def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """One token's `heads` rows [heads, 2 * HALF] from src rotated (rotate-half layout) into dst
-    (may be src); `ok` [BLOCK] masks the half-dimension lanes (and, all False, the whole token)."""
+    (may be src), each value rounded to src's dtype, then to dst's (a cache's may differ); `ok`
+    [BLOCK] masks the half-dimension lanes (and, all False, the whole token)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & ok[None, :]
     first = src_ptr + h[:, None] * src_stride_h + c[None, :]
@@ -71,10 +72,10 @@ def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constex
     out = dst_ptr + h[:, None] * dst_stride_h + c[None, :]
     a = (x1 * cos1[None, :]).to(dtype).to(tl.float32)
     b = (x2 * sin1[None, :]).to(dtype).to(tl.float32)
-    tl.store(out, (a - b).to(dtype), mask=mask)
+    tl.store(out, (a - b).to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
     a = (x2 * cos2[None, :]).to(dtype).to(tl.float32)
     b = (x1 * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(out + HALF, (a + b).to(dtype), mask=mask)
+    tl.store(out + HALF, (a + b).to(dtype).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -27,7 +27,9 @@ def attend_tile(q, k, v, seen, m_i, l_i, acc, scale):
     q: [M, D]; k, v: [N, D]; seen: [M, N] bool (or [1, N]), True where the row's query sees the
     key; m_i (running max of scores), l_i (running sum of exp(score - m_i)): [M] float32;
     acc (running sum of probabilities x values): [M, D] float32. Returns the new (m_i, l_i, acc).
-    A row must see some key of its first tile, or its max stays -inf and the exps are NaN."""
+    A row must see some key of its first tile, or its max stays -inf and the exps are NaN. k and v
+    may be of another dtype than q's (a `--kv-cache-dtype` cache): they are cast to q's first."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
     s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -135,10 +135,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write this step's K/V into the cache, then attend over each request's cached context.
 
     q: [T, H, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache: [N, S, Hkv, Dh]. Returns [T, H, Dh].
+    The cache may hold another dtype than q's (`--kv-cache-dtype`): K/V are rounded to it as
+    they are written, and every key and value attended is the cache's, widened (cast) to q's
+    dtype, the step's own too: a prefix-cache hit reads exactly what the miss attended.
     """
     N, S, Hkv, Dh = k_cache.shape
-    k_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v)
+    k_held, v_held = k.to(k_cache.dtype), v.to(v_cache.dtype)  # k, v themselves when the dtypes agree
+    k_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, k_held)
+    v_cache.view(N * S, Hkv, Dh).index_copy_(0, meta.slot_mapping, v_held)
     gqa = q.shape[1] != Hkv
     out = torch.empty_like(q)
     decoded = meta.kernel_splits > 0 and meta.decode_lens is not None and cpu_kernels.paged_decode(
@@ -147,12 +151,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.decode_index.numel() and not decoded:  # padded copies of each request's blocks
         Bd = meta.decode_index.shape[0]
         rows = meta.decode_block_tables.reshape(-1)
-        keys = k_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2)  # [Bd, Hkv, L, Dh]
-        values = v_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2)
+        keys = k_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, Dh]
+        values = v_cache.index_select(0, rows).view(Bd, -1, Hkv, Dh).transpose(1, 2).to(q.dtype)
         queries = q[meta.decode_index][:, :, None]  # [Bd, H, 1, Dh]
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=gqa)  # [Bd, H, 1, Dh]
         out[meta.decode_index] = o[:, :, 0]
+    if meta.prefills and k_held is not k:  # the chunks' own keys and values as the cache holds them
+        k, v = k_held.to(q.dtype), v_held.to(q.dtype)
     for p in meta.prefills:
         if p.start == 0:  # the chunk is the whole context so far: plain causal attention
             o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k[p.lo:p.hi].transpose(0, 1)[None],
@@ -161,8 +167,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[p.lo:p.hi] = o[0].transpose(0, 1)
         else:
             blocks = p.block_table[: -(-p.start // S)]  # those holding the cached tokens
-            cached_k = k_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]  # [start, Hkv, Dh]
-            cached_v = v_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start]
+            cached_k = k_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start].to(q.dtype)  # [start, Hkv, Dh]
+            cached_v = v_cache.index_select(0, blocks).view(-1, Hkv, Dh)[:p.start].to(q.dtype)
             chunk = (q[p.lo:p.hi], k[p.lo:p.hi], v[p.lo:p.hi], cached_k, cached_v)
             out[p.lo:p.hi] = (prefill_attention(*chunk, scale) if p.mask is None
                               else masked_prefill_attention(*chunk, p.mask, scale))

@@ -7,10 +7,11 @@
  * batch has too few requests to keep every thread busy), merged by their log-sum-exps at the end.
  *
  * Layouts (row-major): q, out [T, H, Dh]; k_cache, v_cache [N, S, Hkv, Dh]; all float32
- * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values): each
- * 16-bit element widened to float32 as it is read (float16 by F16C's conversions where the
- * machine has them, else by integer and float operations), the sums float32, each output rounded
- * to the nearest 16-bit value; tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
+ * (`mmserve_paged_decode_f32`), bfloat16 (`_bf16`) or float16 (`_f16`; finite values), or q and
+ * out float32 over a bfloat16 or float16 cache (`_f32_bf16kv`, `_f32_f16kv`): each 16-bit element
+ * widened to float32 as it is read (float16 by F16C's conversions where the machine has them,
+ * else by integer and float operations), the sums float32, a 16-bit output rounded to the nearest
+ * 16-bit value; tables [B, W] int64 (block ids, W the widest table); seq_lens [B] int64 (keys per request,
  * this step's included); rows [B] int64 (each request's row of q and out). Query head i reads
  * key/value head i / (H / Hkv), as torch's enable_gqa does.
  */
@@ -151,6 +152,16 @@ BLOCK_VALUES(values_bf16, uint16_t, axpy_bf16)
 BLOCK_SCORES(scores_f16, uint16_t, dot_f16)
 BLOCK_VALUES(values_f16, uint16_t, axpy_f16)
 
+/* float32 q over a 16-bit cache: by query head pair where the machine has the vector widening */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#include "grouped_16bit.h"
+#else
+#define scores_gf16 scores_f16
+#define values_gf16 values_f16
+#define scores_gbf16 scores_bf16
+#define values_gbf16 values_bf16
+#endif
+
 /* to[x] = from[x] (n of them) widened to float32 */
 static void widen_bf16(float *to, const void *from, int64_t n) {
     const uint16_t *h = from;
@@ -191,7 +202,8 @@ static void narrow_f16(void *to, const float *from, int64_t n) {
     }
 }
 
-/* How one element type is read and written: the cache's blocks, q's rows and out's */
+/* How the element types are read and written: the cache's blocks (scores, values, size), q's
+ * rows and out's (widen, narrow: both NULL for float32, else of 16-bit elements) */
 typedef struct {
     void (*scores)(const float *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
                    float, float *);
@@ -199,7 +211,7 @@ typedef struct {
                    const float *);
     void (*widen)(float *, const void *, int64_t);   /* NULL: float32 */
     void (*narrow)(void *, const float *, int64_t);  /* NULL: float32 */
-    int64_t size;                                    /* bytes */
+    int64_t size;                                    /* bytes of a cache element */
 } Elem;
 
 /* One part of one request's context, every head: blocks [first, last) of its table, each block
@@ -262,7 +274,7 @@ static int paged_decode(const Elem *e, const void *q, const void *k_cache, const
         const int64_t last = first + per_part < blocks ? first + per_part : blocks;
         float *acc = work + item * per_item, *m = acc + H * Dh, *l = m + H, *qf = l + H + H * S;
         if (e->widen)
-            e->widen(qf, (const char *)q + rows[b] * H * Dh * e->size, H * Dh);
+            e->widen(qf, (const uint16_t *)q + rows[b] * H * Dh, H * Dh);
         else
             qf = (float *)q + rows[b] * H * Dh;
         attend_part(e, qf, k_cache, v_cache, tables + b * W, seq_lens[b], first, last, H, Hkv, Dh, S, scale, acc,
@@ -292,14 +304,14 @@ static int paged_decode(const Elem *e, const void *q, const void *k_cache, const
             const float inv = 1.0f / total;
 #pragma omp simd
             for (int64_t d = 0; d < Dh; d++) o[d] *= inv;
-            if (e->narrow) e->narrow((char *)out + (rows[b] * H + i) * Dh * e->size, o, Dh);
+            if (e->narrow) e->narrow((uint16_t *)out + (rows[b] * H + i) * Dh, o, Dh);
         }
     }
     free(work);
     return 0;
 }
 
-/* The entry points, one per element type of the cache (the same arguments) */
+/* The entry points, one per (q's and out's element type, the cache's) (the same arguments) */
 #define ENTRY(NAME, ELEM)                                                                              \
     int NAME(const void *q, const void *k_cache, const void *v_cache, const int64_t *tables,           \
              const int64_t *seq_lens, const int64_t *rows, void *out, int64_t B, int64_t W, int64_t H,  \
@@ -314,3 +326,7 @@ static const Elem F16 = {scores_f16, values_f16, widen_f16, narrow_f16, sizeof(u
 ENTRY(mmserve_paged_decode_f32, F32)
 ENTRY(mmserve_paged_decode_bf16, BF16)
 ENTRY(mmserve_paged_decode_f16, F16)
+static const Elem F32_BF16KV = {scores_gbf16, values_gbf16, NULL, NULL, sizeof(uint16_t)};
+static const Elem F32_F16KV = {scores_gf16, values_gf16, NULL, NULL, sizeof(uint16_t)};
+ENTRY(mmserve_paged_decode_f32_bf16kv, F32_BF16KV)
+ENTRY(mmserve_paged_decode_f32_f16kv, F32_F16KV)
