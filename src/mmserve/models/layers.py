@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models import cpu_ops
+
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 
 
@@ -86,7 +88,32 @@ class LayerOps:
         return _rotate(q, cos, signed), _rotate(k, cos, signed)
 
 
-TORCH_OPS = LayerOps()
+class CpuLayerOps(LayerOps):
+    """`LayerOps` with our C kernels (models/cpu_ops.py) for decode-sized float32 CPU inputs, each
+    equal to `LayerOps`' result bit for bit, and PyTorch's ops elsewhere: the torch backend's set.
+    Inputs are only read, as in `LayerOps`."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = cpu_ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps) if out is None else out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = cpu_ops.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps) if out is None else out
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = cpu_ops.qk_norm(q, k, q_weight, k_weight, eps)
+        return super().qk_norm(q, k, q_weight, k_weight, eps) if out is None else out
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = cpu_ops.rotary(q, k, cos, sin)
+        return super().rotary(q, k, cos, sin) if out is None else out
+
+
+TORCH_OPS = CpuLayerOps()
 
 
 class EmbeddingTable(nn.Module):
