@@ -10,7 +10,7 @@ import torch
 
 from mmserve.models import cpu_ops
 from mmserve.models.attention import cpu_kernels
-from mmserve.models.layers import TORCH_OPS, LayerOps, RotaryEmbedding
+from mmserve.models.layers import LayerOps, RotaryEmbedding
 
 REFERENCE = LayerOps()  # PyTorch's ops alone
 ROWS = [1, 3, 8, 64]
@@ -135,7 +135,7 @@ def test_inputs_that_are_not_the_kernels_are_refused():
 
 
 def test_torch_ops_equal_pytorchs_with_the_kernels_and_without():
-    """The torch backend's set (`TORCH_OPS`) equals `LayerOps` on decode rows (the C path) and on
+    """The torch backend's set (`CPU_OPS`) equals `LayerOps` on decode rows (the C path) and on
     what it refuses (a prefill's rows, bfloat16: PyTorch's path)."""
     for rows, dtype in ((2, torch.float32), (cpu_ops.MAX_ROWS + 1, torch.float32), (2, torch.bfloat16)):
         x, residual, weight = (rand(rows, 256, seed=s).to(dtype) for s in (20, 21, 22))
@@ -144,6 +144,6 @@ def test_torch_ops_equal_pytorchs_with_the_kernels_and_without():
         cos, sin = RotaryEmbedding(64, 1e4)(torch.arange(rows), dtype)
         for op, args in (("rms_norm", (x, weight, 1e-6)), ("add_rms_norm", (x, residual, weight, 1e-6)),
                          ("qk_norm", (q, k, q_weight, k_weight, 1e-6)), ("rotary", (q, k, cos, sin))):
-            got, want = getattr(TORCH_OPS, op)(*args), getattr(REFERENCE, op)(*args)
+            got, want = getattr(cpu_ops.CPU_OPS, op)(*args), getattr(REFERENCE, op)(*args)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 assert g.dtype == w.dtype and torch.equal(g, w), (op, rows, dtype)

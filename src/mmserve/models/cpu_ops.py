@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from mmserve.models.attention import cpu_kernels
+from mmserve.models.layers import LayerOps
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +177,6 @@ _CHECK_WIDTHS = (5, 20, 128, 333, 1030, 4099, 9000)
 def agrees(kernels: Kernels) -> bool:
     """Whether each kernel, summing with `kernels.lanes` lanes, equals the PyTorch path bit for bit
     on fixed random inputs (norm widths `_CHECK_WIDTHS`, 3 rows each; q / k of 128-wide heads)."""
-    from mmserve.models.layers import LayerOps, RotaryEmbedding  # layers imports this module
-
     reference, gen = LayerOps(), torch.Generator().manual_seed(0)
     for D in _CHECK_WIDTHS:
         x, residual, weight = (torch.randn(3, D, generator=gen), torch.randn(3, D, generator=gen),
@@ -187,7 +186,7 @@ def agrees(kernels: Kernels) -> bool:
             return False
     q, k, _ = torch.randn(3, 14, 128, generator=gen).split([8, 4, 2], dim=1)  # views of one projection
     q_weight, k_weight = torch.randn(2, 128, generator=gen)
-    cos, sin = RotaryEmbedding(128, 1e6)(torch.tensor([3, 700, 70000]), _F32)
+    cos, sin = torch.randn(2, 3, 1, 128, generator=gen)  # any values: the kernel reads each half's own
     return (_equal(_qk_norm(kernels, q, k, q_weight, k_weight, 1e-6),
                    reference.qk_norm(q, k, q_weight, k_weight, 1e-6))
             and _equal(_rotary(kernels, q, k, cos, sin), reference.rotary(q, k, cos, sin)))
@@ -195,3 +194,31 @@ def agrees(kernels: Kernels) -> bool:
 
 def _equal(got: tuple[torch.Tensor, ...] | None, want: tuple[torch.Tensor, ...]) -> bool:
     return got is not None and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+class CpuLayerOps(LayerOps):
+    """`LayerOps` with these C kernels for decode-sized float32 CPU inputs, each equal to
+    `LayerOps`' result bit for bit, and PyTorch's ops elsewhere: the torch backend's set
+    (models/attention/torch_sdpa.py). Inputs are only read, as in `LayerOps`."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps) if out is None else out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps) if out is None else out
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = qk_norm(q, k, q_weight, k_weight, eps)
+        return super().qk_norm(q, k, q_weight, k_weight, eps) if out is None else out
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = rotary(q, k, cos, sin)
+        return super().rotary(q, k, cos, sin) if out is None else out
+
+
+CPU_OPS = CpuLayerOps()

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models import cpu_ops
-
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 
 
@@ -49,8 +47,9 @@ def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class LayerOps:
-    """The small ops between a decoder layer's GEMMs, in PyTorch: the torch backend's, and the
-    reference the triton backend's fused kernels (models/attention/layer_kernels.py) equal.
+    """The small ops between a decoder layer's GEMMs, in PyTorch: the reference the torch
+    backend's C kernels for decode (models/cpu_ops.py: `CpuLayerOps`, PyTorch's ops elsewhere)
+    and the triton backend's fused kernels (models/attention/layer_kernels.py) equal.
 
     Each backend's step metadata names its set (`StepAttention.ops`), chosen once with the
     backend. A caller hands over the tensors it passes: a fused version may overwrite them."""
@@ -88,32 +87,7 @@ class LayerOps:
         return _rotate(q, cos, signed), _rotate(k, cos, signed)
 
 
-class CpuLayerOps(LayerOps):
-    """`LayerOps` with our C kernels (models/cpu_ops.py) for decode-sized float32 CPU inputs, each
-    equal to `LayerOps`' result bit for bit, and PyTorch's ops elsewhere: the torch backend's set.
-    Inputs are only read, as in `LayerOps`."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        out = cpu_ops.rms_norm(x, weight, eps)
-        return super().rms_norm(x, weight, eps) if out is None else out
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out = cpu_ops.add_rms_norm(x, residual, weight, eps)
-        return super().add_rms_norm(x, residual, weight, eps) if out is None else out
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out = cpu_ops.qk_norm(q, k, q_weight, k_weight, eps)
-        return super().qk_norm(q, k, q_weight, k_weight, eps) if out is None else out
-
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = cpu_ops.rotary(q, k, cos, sin)
-        return super().rotary(q, k, cos, sin) if out is None else out
-
-
-TORCH_OPS = CpuLayerOps()
+TORCH_OPS = LayerOps()
 
 
 class EmbeddingTable(nn.Module):
