@@ -41,7 +41,7 @@ MAX_NORM_WIDTH = 16384  # a norm's rows narrower (csrc's MAX_D; PyTorch sums the
 # generic build; 16 and 4 for other builds (128-bit NEON vectors)
 LANE_CANDIDATES = (8, 16, 4)
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_F32 = torch.float32
+_F32, _CPU = torch.float32, torch.device("cpu")
 _SIGNATURES = {
     "mmserve_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64],
     "mmserve_qk_norm_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64],
@@ -128,22 +128,27 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return None if kernels is None else _rotary(kernels, q, k, cos, sin)
 
 
+def _new(*shape: int) -> torch.Tensor:
+    """An output: float32 CPU memory whatever torch's default dtype and device."""
+    return torch.empty(shape, dtype=_F32, device=_CPU)
+
+
 # The calls themselves, on inputs already found to be the kernels' (the checks above): each returns
 # new tensors, or None where the library refused them.
 
 def _rms_norm(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    x3 = x if x.dim() == 3 else x[:, None]
-    T, heads, D = x3.shape
-    out = torch.empty(x.shape)
-    done = kernels.library.mmserve_rms_norm_f32(x3.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), T,
-                                                heads, D, x3.stride(0), x3.stride(1), 0, eps, kernels.lanes)
+    T, D = x.shape[0], x.shape[-1]
+    heads, stride_h = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    out = _new(*x.shape)
+    done = kernels.library.mmserve_rms_norm_f32(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), T,
+                                                heads, D, x.stride(0), stride_h, 0, eps, kernels.lanes)
     return out if done == 0 else None
 
 
 def _add_rms_norm(kernels: Kernels, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     T, D = x.shape
-    out, total = torch.empty(T, D), torch.empty(T, D)
+    out, total = _new(T, D), _new(T, D)
     done = kernels.library.mmserve_rms_norm_f32(x.data_ptr(), residual.data_ptr(), total.data_ptr(),
                                                 weight.data_ptr(), out.data_ptr(), T, 1, D, x.stride(0), 0,
                                                 residual.stride(0), eps, kernels.lanes)
@@ -153,7 +158,7 @@ def _add_rms_norm(kernels: Kernels, x: torch.Tensor, residual: torch.Tensor, wei
 def _qk_norm(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     (T, H, Dh), Hkv = q.shape, k.shape[1]
-    q_out, k_out = torch.empty(T, H, Dh), torch.empty(T, Hkv, Dh)
+    q_out, k_out = _new(T, H, Dh), _new(T, Hkv, Dh)
     done = kernels.library.mmserve_qk_norm_f32(q.data_ptr(), k.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(),
                                                q_out.data_ptr(), k_out.data_ptr(), T, H, Hkv, Dh, q.stride(0),
                                                q.stride(1), k.stride(0), k.stride(1), eps, kernels.lanes)
@@ -163,7 +168,7 @@ def _qk_norm(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, q_weight: torch
 def _rotary(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     (T, H, Dh), Hkv = q.shape, k.shape[1]
-    q_out, k_out = torch.empty(T, H, Dh), torch.empty(T, Hkv, Dh)
+    q_out, k_out = _new(T, H, Dh), _new(T, Hkv, Dh)
     done = kernels.library.mmserve_rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                               q_out.data_ptr(), k_out.data_ptr(), T, H, Hkv, Dh, q.stride(0),
                                               q.stride(1), k.stride(0), k.stride(1), cos.stride(0))
