@@ -6,7 +6,8 @@ one call, and the rotary of q and k in one call, each single-threaded (no OpenMP
 tensors (inputs are only read). Only float32 CPU tensors of at most `MAX_ROWS` tokens and
 `MAX_ELEMENTS` values, the last dimension contiguous: there PyTorch's per-op dispatch costs more
 than the arithmetic. Each function returns None where the input is not the kernels' or the library
-cannot be had; the caller then runs the PyTorch ops (models/layers.py: `LayerOps`).
+cannot be had (no compiler, `MMSERVE_CPU_KERNELS=0`); the caller then runs the PyTorch ops
+(models/layers.py: `LayerOps`), as `CpuLayerOps`, the torch backend's set, does.
 
 Each result equals the PyTorch path's bit for bit: products and sums rounded where PyTorch rounds
 them, and a norm's sum of squares added in the order of PyTorch's sum kernel (SumKernel.cpp's
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
 MAX_ROWS = 64  # tokens up to which the C ops run (decode batches; a prefill keeps PyTorch's threads)
 MAX_ELEMENTS = 1 << 18  # values per tensor up to which one thread beats PyTorch's
-MAX_NORM_WIDTH = 16384  # a norm's rows narrower (csrc's MAX_D; PyTorch sums them in one cascade level)
+MAX_NORM_WIDTH = 16384  # a norm's rows narrower (csrc's MAX_D): PyTorch's cascade steps by 16, one thread a row
 # floats in PyTorch's Vectorized<float>, most likely first: 8 for AVX2 and for AVX-512 (SumKernel.cpp
 # registers with REGISTER_DISPATCH, which leaves the AVX-512 slot to the AVX2 kernel) and for x86's
 # generic build; 16 and 4 for other builds (128-bit NEON vectors)
