@@ -47,8 +47,9 @@ def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class LayerOps:
-    """The small ops between a decoder layer's GEMMs, in PyTorch: the torch backend's, and the
-    reference the triton backend's fused kernels (models/attention/layer_kernels.py) equal.
+    """The small ops between a decoder layer's GEMMs, in PyTorch: the reference the torch
+    backend's C kernels for decode (models/cpu_ops.py: `CpuLayerOps`, PyTorch's ops elsewhere)
+    and the triton backend's fused kernels (models/attention/layer_kernels.py) equal.
 
     Each backend's step metadata names its set (`StepAttention.ops`), chosen once with the
     backend. A caller hands over the tensors it passes: a fused version may overwrite them."""

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
-from mmserve.models.layers import TORCH_OPS, LayerOps, Rope
+from mmserve.models.cpu_ops import CPU_OPS
+from mmserve.models.layers import LayerOps, Rope
 from mmserve.worker.device import to_device
 
 
@@ -54,7 +55,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [Bd] int64: each decoding request's keys (the kernel's)
     kernel_splits: int = 0  # the C kernel's parts per context; 0: the padded path
-    ops: ClassVar[LayerOps] = TORCH_OPS  # the small ops between GEMMs, in PyTorch
+    ops: ClassVar[LayerOps] = CPU_OPS  # the small ops between GEMMs: C kernels for decode on CPU, else PyTorch
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
