@@ -114,15 +114,26 @@ def matmul_rate(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / statistics.median(took)
 
 
-def write_model(text_config: dict[str, Any], model_dir: str | None) -> str:
-    """The checkpoint directory (written once into `model_dir` or a temporary one)."""
+def write_model(text_config: dict[str, Any], model_dir: str) -> str:
+    """The checkpoint directory (written into `model_dir` once: reused when there)."""
     from mmserve.models.builtin_qwen_vl import write_tiny_qwen_vl
 
-    path = Path(model_dir or tempfile.mkdtemp(prefix="decode-step-"))
+    path = Path(model_dir)
     if not (path / "config.json").exists():
         write_tiny_qwen_vl(path, text_config=text_config)
     return str(path)
 
+
+
+@contextlib.contextmanager
+def model_checkpoint(text_config: dict[str, Any], model_dir: str | None) -> Iterator[str]:
+    """`write_model`'s checkpoint in `model_dir` (kept), or in a temporary folder removed on exit
+    together with the quantized copies `format_checkpoint` writes beside it (~0.7 GB a run)."""
+    if model_dir:
+        yield write_model(text_config, model_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="decode-step-") as parent:
+        yield write_model(text_config, str(Path(parent) / "model"))
 
 class Bench:
     """One engine core, its runner's KV cache filled with random values, and the phase clock."""
@@ -262,37 +273,37 @@ def main() -> None:
         args.batches, args.contexts, args.steps = "1,8", "128,512", 6
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    model_dir = write_model({**TEXT, **json.loads(args.text_config)}, args.model_dir)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
-          f"{'built' if cpu_kernels.load() is not None else 'unavailable'}; KV cache: {args.kv_cache_dtype}")
-    paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
-    print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} {'GB/s':>5} "
-          f"{'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
-          + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
-    worst: dict[str, float] = {}
-    steps: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)  # a format named twice: both runs
-    cpu: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
-    read: dict[tuple[str, int, int], int] = {}
-    for fmt in args.formats.split(","):
-        path, quantization = format_checkpoint(model_dir, fmt)
-        bench = Bench(path, max(batches), max(contexts), args.steps, quantization, activation_quant(fmt),
-                      args.kv_cache_dtype)
-        for batch in batches:
-            for context in contexts:
-                for attention in paths:
-                    step, ratio, read[fmt, batch, context], cpu_step = measure(bench, fmt, attention, batch, context,
-                                                                               args.steps)
-                    steps[fmt, attention, batch, context].append(step)
-                    cpu[fmt, attention, batch, context].append(cpu_step)
-                    if batch >= 8:
-                        worst[attention] = max(worst.get(attention, 0.0), ratio)
-                if len(paths) == 2:
-                    ratio = steps[fmt, "kernel", batch, context][-1] / steps[fmt, "padded", batch, context][-1]
-                    print(f"{'':>18} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
-        del bench
-    for path, ratio in worst.items():
-        print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
-    summarize(steps, cpu, read)
+    with model_checkpoint({**TEXT, **json.loads(args.text_config)}, args.model_dir) as model_dir:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
+              f"{'built' if cpu_kernels.load() is not None else 'unavailable'}; KV cache: {args.kv_cache_dtype}")
+        paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
+        print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} "
+              f"{'GB/s':>5} {'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
+              + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
+        worst: dict[str, float] = {}
+        steps: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)  # a format named twice: both runs
+        cpu: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
+        read: dict[tuple[str, int, int], int] = {}
+        for fmt in args.formats.split(","):
+            path, quantization = format_checkpoint(model_dir, fmt)
+            bench = Bench(path, max(batches), max(contexts), args.steps, quantization, activation_quant(fmt),
+                          args.kv_cache_dtype)
+            for batch in batches:
+                for context in contexts:
+                    for attention in paths:
+                        step, ratio, read[fmt, batch, context], cpu_step = measure(
+                            bench, fmt, attention, batch, context, args.steps)
+                        steps[fmt, attention, batch, context].append(step)
+                        cpu[fmt, attention, batch, context].append(cpu_step)
+                        if batch >= 8:
+                            worst[attention] = max(worst.get(attention, 0.0), ratio)
+                    if len(paths) == 2:
+                        ratio = steps[fmt, "kernel", batch, context][-1] / steps[fmt, "padded", batch, context][-1]
+                        print(f"{'':>18} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
+            del bench
+        for path, ratio in worst.items():
+            print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
+        summarize(steps, cpu, read)
 
 
 def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import TEXT, write_model  # noqa: E402
+from decode_step import TEXT, model_checkpoint  # noqa: E402
 from warm_path import photo, user_turn  # noqa: E402
 
 from mmserve.bench.launch import LaunchedServer  # noqa: E402
@@ -277,8 +277,8 @@ def main() -> None:
         return
     from transformers import AutoTokenizer
 
-    model_dir = write_model(dict(TEXT), args.model_dir)
-    with tempfile.TemporaryDirectory(prefix="peer-gguf-") as folder:  # ~0.8 GB of GGUF per run: removed after
+    with (model_checkpoint(dict(TEXT), args.model_dir) as model_dir,
+          tempfile.TemporaryDirectory(prefix="peer-gguf-") as folder):  # ~0.8 GB of GGUF per run: removed after
         gguf, mmproj = convert(model_dir, Path(folder))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         budget = image_tokens(model_dir, 1024, 768)

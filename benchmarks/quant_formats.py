@@ -139,7 +139,7 @@ def main() -> None:
     import argparse
 
     import torch
-    from decode_step import TEXT, write_model
+    from decode_step import TEXT, model_checkpoint
 
     parser = argparse.ArgumentParser(description="tokens through the decoder's linear layers, per format")
     parser.add_argument("--model-dir", help="decode_step.py's checkpoint (written there when missing)")
@@ -153,22 +153,22 @@ def main() -> None:
     from mmserve.models.quantization import cpu_gemv
 
     cpu_gemv.WIDE = not args.avx2
-    model_dir = write_model(dict(TEXT), args.model_dir)
-    formats = args.formats.split(",")
-    held = {fmt: resident_bytes(decoder_linears(model_dir, fmt)) for fmt in formats}
-    src = torch.rand(512 << 18)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.nbytes / cpu_seconds(lambda: dst.copy_(src), 7)
-    print(f"{args.threads} thread(s); copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)")
-    for rows in (int(r) for r in args.rows.split(",")):
-        times = layer_times(model_dir, formats, rows)
-        tiled = layer_times(model_dir, [f for f in formats if f != "dense"], rows, tiles=True) if rows > 1 else {}
-        for fmt, seconds in times.items():
-            bound = held[fmt] / bandwidth
-            tiles = f", tiles {tiled[fmt] * 1e3:7.2f} ms" if fmt in tiled else ""
-            print(f"{rows:3d} rows {fmt:>11}: {seconds * 1e3:7.2f} ms CPU, {held[fmt] / 1e6:5.0f} MB "
-                  f"(bound {bound * 1e3:5.2f} ms, x{seconds / bound:4.2f}), dense / {fmt} "
-                  f"{times.get('dense', seconds) / seconds:.2f}x{tiles}", flush=True)
+    with model_checkpoint(dict(TEXT), args.model_dir) as model_dir:
+        formats = args.formats.split(",")
+        held = {fmt: resident_bytes(decoder_linears(model_dir, fmt)) for fmt in formats}
+        src = torch.rand(512 << 18)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.nbytes / cpu_seconds(lambda: dst.copy_(src), 7)
+        print(f"{args.threads} thread(s); copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)")
+        for rows in (int(r) for r in args.rows.split(",")):
+            times = layer_times(model_dir, formats, rows)
+            tiled = layer_times(model_dir, [f for f in formats if f != "dense"], rows, tiles=True) if rows > 1 else {}
+            for fmt, seconds in times.items():
+                bound = held[fmt] / bandwidth
+                tiles = f", tiles {tiled[fmt] * 1e3:7.2f} ms" if fmt in tiled else ""
+                print(f"{rows:3d} rows {fmt:>11}: {seconds * 1e3:7.2f} ms CPU, {held[fmt] / 1e6:5.0f} MB "
+                      f"(bound {bound * 1e3:5.2f} ms, x{seconds / bound:4.2f}), dense / {fmt} "
+                      f"{times.get('dense', seconds) / seconds:.2f}x{tiles}", flush=True)
 
 
 if __name__ == "__main__":
