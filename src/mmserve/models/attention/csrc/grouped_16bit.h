@@ -31,24 +31,105 @@
         }                                                                                              \
     }
 
-#define GROUP_SCORES(NAME, ONE, TWO)                                                                   \
+/* One hvec whose lane 4k + m holds the sum of u[m * HW / 4 + k]'s lanes (k < HW / 4, m < 4): HW
+ * vectors' sums by a tree of shuffles and adds (HW - 1 adds in all, not HW horizontal sums) */
+#if defined(__AVX512F__)
+static inline __m512 sum_lanes(const __m512 *u) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* chunks 0-1: u[2i]'s halves added, 2-3: u[2i + 1]'s */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xee));
+    for (int j = 0; j < 4; j++) /* chunk k: u[4j + k]'s quarters added */
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* chunk k: two lanes of u[8i + k], two of u[8i + 4 + k] */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+#else
+static inline __m256 sum_lanes(const __m256 *u) {
+    __m256 w[4], x[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: u[2i]'s halves added, 4-7: u[2i + 1]'s */
+        w[i] = _mm256_add_ps(_mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* chunk k: two lanes of u[4i + k], two of u[4i + 2 + k] */
+        x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xdd));
+}
+#endif
+
+/* s[x * S + t] = scale * q_x . k_t for the R (1 or 2) query heads x of q and HW / R keys t (rows
+ * `stride` apart from k): HW accumulators, one per (head, key), summed together by sum_lanes.
+ * Dh a multiple of HW. */
+#define TILE_DOT(NAME, R, LOAD)                                                                        \
+    static inline void NAME(const float *q, const uint16_t *k, int64_t stride, int64_t Dh, int64_t S,  \
+                            float scale, float *s) {                                                   \
+        enum { T = HW / R };                                                                           \
+        hvec acc[HW];                                                                                  \
+        float sums[HW];                                                                                \
+        for (int u = 0; u < HW; u++) acc[u] = H_ZERO();                                                \
+        for (int64_t d = 0; d < Dh; d += HW) {                                                         \
+            hvec qv[R];                                                                                \
+            for (int r = 0; r < R; r++) qv[r] = F_LOAD(q + r * Dh + d);                                \
+            for (int t = 0; t < T; t++) {                                                              \
+                const hvec kv = LOAD(k + t * stride + d);                                              \
+                for (int r = 0; r < R; r++) acc[r * T + t] = H_FMA(qv[r], kv, acc[r * T + t]);         \
+            }                                                                                          \
+        }                                                                                              \
+        F_STORE(sums, sum_lanes(acc));                                                                 \
+        for (int L = 0; L < HW; L++) {                                                                 \
+            const int u = L % 4 * (HW / 4) + L / 4;                                                    \
+            s[u / T * S + u % T] = sums[L] * scale;                                                    \
+        }                                                                                              \
+    }
+
+/* the next block's lines [from, to) of `total`, fetched a share at a time between tiles */
+static inline void fetch_lines(const void *next, int64_t from, int64_t to) {
+    for (int64_t c = from; c < to; c++) __builtin_prefetch((const char *)next + c * 64);
+}
+
+/* heads i (and i + 1 where they share a KV head: R = 2) over the block's n keys: tiles of HW / R
+ * keys, then key by key; `*fetched` of the next block's `total` lines advanced by `share` a tile */
+#define HEAD_SCORES(NAME, ONE, TWO, TONE, TTWO)                                                        \
+    static inline void NAME(const float *q, const uint16_t *k, int64_t n, int64_t R, int64_t stride,   \
+                            int64_t Dh, int64_t S, float scale, float *s, const void *next,            \
+                            int64_t *fetched, int64_t share, int64_t total) {                          \
+        const int64_t T = HW / R;                                                                      \
+        int64_t t = 0;                                                                                 \
+        if (Dh % HW == 0)                                                                              \
+            for (; t + T <= n; t += T) {                                                               \
+                const int64_t to = *fetched + share < total ? *fetched + share : total;               \
+                fetch_lines(next, *fetched, to);                                                       \
+                *fetched = to;                                                                         \
+                if (R == 2)                                                                            \
+                    TTWO(q, k + t * stride, stride, Dh, S, scale, s + t);                              \
+                else                                                                                   \
+                    TONE(q, k + t * stride, stride, Dh, S, scale, s + t);                              \
+            }                                                                                          \
+        for (; t < n; t++) {                                                                           \
+            if (R == 2)                                                                                \
+                TWO(q, k + t * stride, Dh, S, scale, s + t);                                           \
+            else                                                                                       \
+                ONE(q, k + t * stride, Dh, S, scale, s + t);                                           \
+        }                                                                                              \
+    }
+
+#define GROUP_SCORES(NAME, HEAD)                                                                       \
     static void NAME(const float *q, const void *k_block, const void *k_next, int64_t n, int64_t H,    \
                      int64_t group, int64_t Dh, int64_t S, float scale, float *scores) {               \
         const uint16_t *kb = k_block;                                                                  \
-        const int64_t token_stride = H / group * Dh, lines = (token_stride * 2 + 63) / 64;             \
-        for (int64_t t = 0; t < n; t++) {                                                              \
-            fetch_key(k_next, t, lines);                                                               \
-            for (int64_t i = 0; i < H;) {                                                              \
-                const uint16_t *k = kb + t * token_stride + i / group * Dh;                            \
-                if ((i + 1) % group) { /* heads i and i + 1 share a KV head */                         \
-                    TWO(q + i * Dh, k, Dh, S, scale, scores + i * S + t);                              \
-                    i += 2;                                                                            \
-                } else {                                                                               \
-                    ONE(q + i * Dh, k, Dh, S, scale, scores + i * S + t);                              \
-                    i += 1;                                                                            \
-                }                                                                                      \
-            }                                                                                          \
+        const int64_t token_stride = H / group * Dh, total = (n * token_stride * 2 + 63) / 64;         \
+        const int64_t share = (total * HW + n * H - 1) / (n * H) + 1; /* a tile: HW (head, key) pairs */ \
+        int64_t fetched = 0;                                                                           \
+        for (int64_t i = 0; i < H;) {                                                                  \
+            const int64_t R = (i + 1) % group ? 2 : 1; /* heads i and i + 1 share a KV head */         \
+            HEAD(q + i * Dh, kb + i / group * Dh, n, R, token_stride, Dh, S, scale, scores + i * S,    \
+                 k_next, &fetched, share, total);                                                      \
+            i += R;                                                                                    \
         }                                                                                              \
+        fetch_lines(k_next, fetched, total);                                                           \
     }
 
 /* a[x * Dh + d] += sum_t p[x * S + t] * v_t[d] for the R (1 or 2) query heads x of acc rows a,
@@ -103,7 +184,10 @@
 #define GROUPED(T, LOAD, WIDEN)                                   \
     HEADS_DOT(dot1_g##T, 1, LOAD, WIDEN)                          \
     HEADS_DOT(dot2_g##T, 2, LOAD, WIDEN)                          \
-    GROUP_SCORES(scores_g##T, dot1_g##T, dot2_g##T)               \
+    TILE_DOT(tile1_g##T, 1, LOAD)                                 \
+    TILE_DOT(tile2_g##T, 2, LOAD)                                 \
+    HEAD_SCORES(head_g##T, dot1_g##T, dot2_g##T, tile1_g##T, tile2_g##T) \
+    GROUP_SCORES(scores_g##T, head_g##T)                          \
     HEADS_VALUES(values1_g##T, 1, LOAD, WIDEN)                    \
     HEADS_VALUES(values2_g##T, 2, LOAD, WIDEN)                    \
     GROUP_VALUES(values_g##T, values1_g##T, values2_g##T)
