@@ -65,13 +65,14 @@ static inline __m256 sum_lanes(const __m256 *u) {
  * Dh a multiple of HW. */
 #define TILE_DOT(NAME, R, LOAD)                                                                        \
     static inline void NAME(const float *q, const uint16_t *k, int64_t stride, int64_t Dh, int64_t S,  \
-                            float scale, float *s) {                                                   \
+                            float scale, float *s, Fetch *f) {                                         \
         enum { T = HW / R };                                                                           \
         hvec acc[HW];                                                                                  \
         float sums[HW];                                                                                \
         for (int u = 0; u < HW; u++) acc[u] = H_ZERO();                                                \
         for (int64_t d = 0; d < Dh; d += HW) {                                                         \
             hvec qv[R];                                                                                \
+            fetch_some(f, f->share);                                                                   \
             for (int r = 0; r < R; r++) qv[r] = F_LOAD(q + r * Dh + d);                                \
             for (int t = 0; t < T; t++) {                                                              \
                 const hvec kv = LOAD(k + t * stride + d);                                              \
@@ -85,28 +86,35 @@ static inline __m256 sum_lanes(const __m256 *u) {
         }                                                                                              \
     }
 
-/* the next block's lines [from, to) of `total`, fetched a share at a time between tiles */
-static inline void fetch_lines(const void *next, int64_t from, int64_t to) {
-    for (int64_t c = from; c < to; c++) __builtin_prefetch((const char *)next + c * 64);
+/* the next block's `total` cache lines from `next`, fetched `share` at a time (`at`: those issued) */
+typedef struct {
+    const char *next;
+    int64_t at, share, total;
+} Fetch;
+
+static inline Fetch fetch_plan(const void *next, int64_t bytes, int64_t steps) {
+    const int64_t total = (bytes + 63) / 64;
+    return (Fetch){next, 0, (total + steps - 1) / steps + 1, total};
+}
+
+static inline void fetch_some(Fetch *f, int64_t lines) {
+    const int64_t to = f->at + lines < f->total ? f->at + lines : f->total;
+    for (; f->at < to; f->at++) __builtin_prefetch(f->next + f->at * 64);
 }
 
 /* heads i (and i + 1 where they share a KV head: R = 2) over the block's n keys: tiles of HW / R
- * keys, then key by key; `*fetched` of the next block's `total` lines advanced by `share` a tile */
+ * keys, then key by key; a share of the next block's lines fetched a tile's step */
 #define HEAD_SCORES(NAME, ONE, TWO, TONE, TTWO)                                                        \
     static inline void NAME(const float *q, const uint16_t *k, int64_t n, int64_t R, int64_t stride,   \
-                            int64_t Dh, int64_t S, float scale, float *s, const void *next,            \
-                            int64_t *fetched, int64_t share, int64_t total) {                          \
+                            int64_t Dh, int64_t S, float scale, float *s, Fetch *f) {                  \
         const int64_t T = HW / R;                                                                      \
         int64_t t = 0;                                                                                 \
         if (Dh % HW == 0)                                                                              \
             for (; t + T <= n; t += T) {                                                               \
-                const int64_t to = *fetched + share < total ? *fetched + share : total;               \
-                fetch_lines(next, *fetched, to);                                                       \
-                *fetched = to;                                                                         \
                 if (R == 2)                                                                            \
-                    TTWO(q, k + t * stride, stride, Dh, S, scale, s + t);                              \
+                    TTWO(q, k + t * stride, stride, Dh, S, scale, s + t, f);                           \
                 else                                                                                   \
-                    TONE(q, k + t * stride, stride, Dh, S, scale, s + t);                              \
+                    TONE(q, k + t * stride, stride, Dh, S, scale, s + t, f);                           \
             }                                                                                          \
         for (; t < n; t++) {                                                                           \
             if (R == 2)                                                                                \
@@ -120,40 +128,45 @@ static inline void fetch_lines(const void *next, int64_t from, int64_t to) {
     static void NAME(const float *q, const void *k_block, const void *k_next, int64_t n, int64_t H,    \
                      int64_t group, int64_t Dh, int64_t S, float scale, float *scores) {               \
         const uint16_t *kb = k_block;                                                                  \
-        const int64_t token_stride = H / group * Dh, total = (n * token_stride * 2 + 63) / 64;         \
-        const int64_t share = (total * HW + n * H - 1) / (n * H) + 1; /* a tile: HW (head, key) pairs */ \
-        int64_t fetched = 0;                                                                           \
+        const int64_t token_stride = H / group * Dh;                                                   \
+        Fetch f = fetch_plan(k_next, n * token_stride * 2, (n * H + HW - 1) / HW * (Dh / HW + 1)); /* tiles' steps */ \
         for (int64_t i = 0; i < H;) {                                                                  \
             const int64_t R = (i + 1) % group ? 2 : 1; /* heads i and i + 1 share a KV head */         \
             HEAD(q + i * Dh, kb + i / group * Dh, n, R, token_stride, Dh, S, scale, scores + i * S,    \
-                 k_next, &fetched, share, total);                                                      \
+                 &f);                                                                                  \
             i += R;                                                                                    \
         }                                                                                              \
-        fetch_lines(k_next, fetched, total);                                                           \
+        fetch_some(&f, f.total);                                                                       \
     }
 
 /* a[x * Dh + d] += sum_t p[x * S + t] * v_t[d] for the R (1 or 2) query heads x of acc rows a,
  * over a block's n tokens of one KV head (vb: its row in the block's first token; rows `stride`
- * apart), 4 vectors of each row in registers a pass */
+ * apart), VROW vectors of each row in registers a pass, a share of the next block fetched a key */
+#if defined(__AVX512F__)
+#define VROW 8
+#else
+#define VROW 4
+#endif
 #define HEADS_VALUES(NAME, R, LOAD, WIDEN)                                                             \
     static inline void NAME(float *a, const uint16_t *vb, int64_t stride, int64_t n, int64_t Dh,       \
-                            int64_t S, const float *p) {                                               \
+                            int64_t S, const float *p, Fetch *f) {                                     \
         int64_t d = 0;                                                                                 \
-        for (; d + 4 * HW <= Dh; d += 4 * HW) {                                                        \
-            hvec acc[R][4];                                                                            \
+        for (; d + VROW * HW <= Dh; d += VROW * HW) {                                                  \
+            hvec acc[R][VROW];                                                                         \
             for (int r = 0; r < R; r++)                                                                \
-                for (int c = 0; c < 4; c++) acc[r][c] = F_LOAD(a + r * Dh + d + c * HW);               \
+                for (int c = 0; c < VROW; c++) acc[r][c] = F_LOAD(a + r * Dh + d + c * HW);            \
             for (int64_t t = 0; t < n; t++) {                                                          \
                 const uint16_t *v = vb + t * stride + d;                                               \
-                hvec x[4];                                                                             \
-                for (int c = 0; c < 4; c++) x[c] = LOAD(v + c * HW);                                   \
+                hvec x[VROW];                                                                          \
+                fetch_some(f, f->share);                                                               \
+                for (int c = 0; c < VROW; c++) x[c] = LOAD(v + c * HW);                                \
                 for (int r = 0; r < R; r++) {                                                          \
                     const hvec w = H_SET1(p[r * S + t]);                                               \
-                    for (int c = 0; c < 4; c++) acc[r][c] = H_FMA(w, x[c], acc[r][c]);                 \
+                    for (int c = 0; c < VROW; c++) acc[r][c] = H_FMA(w, x[c], acc[r][c]);              \
                 }                                                                                      \
             }                                                                                          \
             for (int r = 0; r < R; r++)                                                                \
-                for (int c = 0; c < 4; c++) F_STORE(a + r * Dh + d + c * HW, acc[r][c]);               \
+                for (int c = 0; c < VROW; c++) F_STORE(a + r * Dh + d + c * HW, acc[r][c]);            \
         }                                                                                              \
         for (int64_t t = 0; t < n; t++)                                                                \
             for (int64_t e = d; e < Dh; e++) {                                                         \
@@ -166,18 +179,20 @@ static inline void fetch_lines(const void *next, int64_t from, int64_t to) {
     static void NAME(float *acc, const void *v_block, const void *v_next, int64_t n, int64_t H,        \
                      int64_t group, int64_t Dh, int64_t S, const float *p) {                           \
         const uint16_t *vb = v_block;                                                                  \
-        const int64_t token_stride = H / group * Dh, lines = (token_stride * 2 + 63) / 64;             \
-        for (int64_t t = 0; t < n; t++) fetch_key(v_next, t, lines);                                   \
+        const int64_t token_stride = H / group * Dh;                                                   \
+        const int64_t passes = (H + 1) / 2 * (Dh < VROW * HW ? 1 : Dh / (VROW * HW));                 \
+        Fetch f = fetch_plan(v_next, n * token_stride * 2, passes * n);                                \
         for (int64_t i = 0; i < H;) {                                                                  \
             const uint16_t *v = vb + i / group * Dh;                                                   \
             if ((i + 1) % group) {                                                                     \
-                TWO(acc + i * Dh, v, token_stride, n, Dh, S, p + i * S);                               \
+                TWO(acc + i * Dh, v, token_stride, n, Dh, S, p + i * S, &f);                           \
                 i += 2;                                                                                \
             } else {                                                                                   \
-                ONE(acc + i * Dh, v, token_stride, n, Dh, S, p + i * S);                               \
+                ONE(acc + i * Dh, v, token_stride, n, Dh, S, p + i * S, &f);                           \
                 i += 1;                                                                                \
             }                                                                                          \
         }                                                                                              \
+        fetch_some(&f, f.total);                                                                       \
     }
 
 /* scores_g<T>, values_g<T>: the functions of one 16-bit type T, widened by LOAD (vectors) and WIDEN */
