@@ -139,35 +139,47 @@ static inline void fetch_some(Fetch *f, int64_t lines) {
         fetch_some(&f, f.total);                                                                       \
     }
 
-/* a[x * Dh + d] += sum_t p[x * S + t] * v_t[d] for the R (1 or 2) query heads x of acc rows a,
- * over a block's n tokens of one KV head (vb: its row in the block's first token; rows `stride`
- * apart), VROW vectors of each row in registers a pass, a share of the next block fetched a key */
+/* a[x * Dh + d + e] += sum_t p[x * S + t] * v_t[d + e] (e < C * HW) for the R (1 or 2) query
+ * heads x of acc rows a, over a block's n tokens of one KV head (vb: its row in the block's first
+ * token; rows `stride` apart): C vectors of each row in registers, a share of the next block
+ * fetched a key */
+#define VALUES_PASS(NAME, R, C, LOAD)                                                                  \
+    static inline void NAME(float *a, const uint16_t *vb, int64_t stride, int64_t n, int64_t d,        \
+                            int64_t Dh, int64_t S, const float *p, Fetch *f) {                         \
+        hvec acc[R][C];                                                                                \
+        for (int r = 0; r < R; r++)                                                                    \
+            for (int c = 0; c < C; c++) acc[r][c] = F_LOAD(a + r * Dh + d + c * HW);                   \
+        for (int64_t t = 0; t < n; t++) {                                                              \
+            const uint16_t *v = vb + t * stride + d;                                                   \
+            hvec x[C];                                                                                 \
+            fetch_some(f, f->share);                                                                   \
+            for (int c = 0; c < C; c++) x[c] = LOAD(v + c * HW);                                       \
+            for (int r = 0; r < R; r++) {                                                              \
+                const hvec w = H_SET1(p[r * S + t]);                                                   \
+                for (int c = 0; c < C; c++) acc[r][c] = H_FMA(w, x[c], acc[r][c]);                    \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++)                                                                    \
+            for (int c = 0; c < C; c++) F_STORE(a + r * Dh + d + c * HW, acc[r][c]);                   \
+    }
+
+/* the row's VROW-vector passes (AVX-512: a row of 128 in one), then 4-vector and 1-vector ones,
+ * then the elements past the last vector */
 #if defined(__AVX512F__)
 #define VROW 8
 #else
 #define VROW 4
 #endif
 #define HEADS_VALUES(NAME, R, LOAD, WIDEN)                                                             \
+    VALUES_PASS(NAME##_wide, R, VROW, LOAD)                                                            \
+    VALUES_PASS(NAME##_four, R, 4, LOAD)                                                               \
+    VALUES_PASS(NAME##_one, R, 1, LOAD)                                                                \
     static inline void NAME(float *a, const uint16_t *vb, int64_t stride, int64_t n, int64_t Dh,       \
                             int64_t S, const float *p, Fetch *f) {                                     \
         int64_t d = 0;                                                                                 \
-        for (; d + VROW * HW <= Dh; d += VROW * HW) {                                                  \
-            hvec acc[R][VROW];                                                                         \
-            for (int r = 0; r < R; r++)                                                                \
-                for (int c = 0; c < VROW; c++) acc[r][c] = F_LOAD(a + r * Dh + d + c * HW);            \
-            for (int64_t t = 0; t < n; t++) {                                                          \
-                const uint16_t *v = vb + t * stride + d;                                               \
-                hvec x[VROW];                                                                          \
-                fetch_some(f, f->share);                                                               \
-                for (int c = 0; c < VROW; c++) x[c] = LOAD(v + c * HW);                                \
-                for (int r = 0; r < R; r++) {                                                          \
-                    const hvec w = H_SET1(p[r * S + t]);                                               \
-                    for (int c = 0; c < VROW; c++) acc[r][c] = H_FMA(w, x[c], acc[r][c]);              \
-                }                                                                                      \
-            }                                                                                          \
-            for (int r = 0; r < R; r++)                                                                \
-                for (int c = 0; c < VROW; c++) F_STORE(a + r * Dh + d + c * HW, acc[r][c]);            \
-        }                                                                                              \
+        for (; d + VROW * HW <= Dh; d += VROW * HW) NAME##_wide(a, vb, stride, n, d, Dh, S, p, f);     \
+        for (; d + 4 * HW <= Dh; d += 4 * HW) NAME##_four(a, vb, stride, n, d, Dh, S, p, f);           \
+        for (; d + HW <= Dh; d += HW) NAME##_one(a, vb, stride, n, d, Dh, S, p, f);                    \
         for (int64_t t = 0; t < n; t++)                                                                \
             for (int64_t e = d; e < Dh; e++) {                                                         \
                 const float x = WIDEN(vb[t * stride + e]);                                             \
@@ -180,7 +192,7 @@ static inline void fetch_some(Fetch *f, int64_t lines) {
                      int64_t group, int64_t Dh, int64_t S, const float *p) {                           \
         const uint16_t *vb = v_block;                                                                  \
         const int64_t token_stride = H / group * Dh;                                                   \
-        const int64_t passes = (H + 1) / 2 * (Dh < VROW * HW ? 1 : Dh / (VROW * HW));                 \
+        const int64_t passes = (H + 1) / 2 * ((Dh + VROW * HW - 1) / (VROW * HW));                     \
         Fetch f = fetch_plan(v_next, n * token_stride * 2, passes * n);                                \
         for (int64_t i = 0; i < H;) {                                                                  \
             const uint16_t *v = vb + i / group * Dh;                                                   \
