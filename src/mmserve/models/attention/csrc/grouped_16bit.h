@@ -1,8 +1,10 @@
 /* Scores and values of float32 queries over a 16-bit KV cache (`--kv-cache-dtype`), by query
  * head group: each key's and value's row is loaded and widened once for two query heads that
- * share its KV head, and a head's value sums stay in registers over a block's tokens (4 vectors
- * of its row a pass), stored once a block. Included by paged_decode.c after its vector macros (HW
- * lanes of hvec: H_LOAD, F_LOAD, F_STORE, H_FMA, H_SET1, H_ZERO, H_SUM), `fetch_key` and its
+ * share its KV head. Scores in tiles of HW (head, key) pairs, one accumulator each, whose HW sums
+ * one shuffle-and-add tree reduces; a head's value sums stay in registers over a block's tokens
+ * (AVX-512: a row of 128 a pass), stored once a block; the next block fetched a few lines at a
+ * time between them (bursts stall on full miss buffers). Included by paged_decode.c after its
+ * vector macros (HW lanes of hvec: H_LOAD, F_LOAD, F_STORE, H_FMA, H_SET1, H_ZERO, H_SUM) and its
  * widening functions; the same arguments as its BLOCK_SCORES / BLOCK_VALUES functions. Sums in
  * float32, in another order than the float32 kernel's. */
 
