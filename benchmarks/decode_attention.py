@@ -12,7 +12,9 @@ floor's microseconds per call, the kernel's GB/s and the ratio kernel / floor (1
 reads as fast as the bytes can be read; the target is <= 1.2).
 
 Run: `python benchmarks/decode_attention.py [--batches 1,8] [--contexts 512,4096]
-[--dtypes float32,bfloat16,float16] [--reps 8]`; set OMP_NUM_THREADS=1 for one core's figures.
+[--dtypes float32,bfloat16,float16] [--q-dtype float32] [--reps 8]`; set OMP_NUM_THREADS=1 for one
+core's figures. `--q-dtype float32` measures float32 queries over each cache dtype (the entries
+`--kv-cache-dtype` uses under a float32 model) against that cache's floor.
 """
 
 from __future__ import annotations
@@ -62,11 +64,13 @@ def per_call(fn: Callable[[torch.Tensor, torch.Tensor], None], layers: Layers, r
     return best
 
 
-def measure(floor: ctypes.CDLL, batch: int, context: int, dtype: torch.dtype, reps: int) -> None:
-    """One configuration's row: the kernel's and the floor's time per call, and their ratio."""
+def measure(floor: ctypes.CDLL, batch: int, context: int, dtype: torch.dtype, q_dtype: torch.dtype | None,
+            reps: int) -> None:
+    """One configuration's row: the kernel's and the floor's time per call, and their ratio (q and
+    out of `q_dtype`, or of the cache's dtype where it is None)."""
     g = torch.Generator().manual_seed(batch * context)
     layers, tables = caches(batch, context, dtype, g)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(q_dtype or dtype)
     out, lens, rows = torch.empty_like(q), torch.full((batch,), context), torch.arange(batch)
     splits = kernel_splits(batch, tables.shape[1])
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
@@ -80,7 +84,8 @@ def measure(floor: ctypes.CDLL, batch: int, context: int, dtype: torch.dtype, re
 
     kernel_s, read_s = per_call(kernel, layers, reps), per_call(read, layers, reps)
     megabytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize / 1e6
-    print(f"{str(dtype).removeprefix('torch.'):>9} {batch:5d} {context:5d} {megabytes:8.1f} {kernel_s * 1e6:10.1f} "
+    name = str(dtype).removeprefix("torch.") + ("" if q_dtype is None else f"/q{q_dtype.itemsize * 8}")
+    print(f"{name:>13} {batch:5d} {context:5d} {megabytes:8.1f} {kernel_s * 1e6:10.1f} "
           f"{read_s * 1e6:9.1f} {megabytes / 1e3 / kernel_s:6.1f}   kernel / floor ratio {kernel_s / read_s:.2f}")
 
 
@@ -89,6 +94,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--q-dtype", choices=["float32"], default=None,
+                        help="queries' dtype (default: the cache's)")
     parser.add_argument("--reps", type=int, default=8)
     args = parser.parse_args()
     floor = cpu_kernels.build(READ_BLOCKS)
@@ -98,11 +105,12 @@ def main() -> None:
     floor.mmserve_read_blocks.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     floor.mmserve_read_blocks.restype = ctypes.c_uint64
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (target: kernel / floor <= 1.2)")
-    print(f"{'dtype':>9} {'batch':>5} {'ctx':>5} {'MB/call':>8} {'kernel us':>10} {'floor us':>9} {'GB/s':>6}")
+    print(f"{'dtype':>13} {'batch':>5} {'ctx':>5} {'MB/call':>8} {'kernel us':>10} {'floor us':>9} {'GB/s':>6}")
+    q_dtype = None if args.q_dtype is None else getattr(torch, args.q_dtype)
     for name in args.dtypes.split(","):
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                measure(floor, batch, context, getattr(torch, name), args.reps)
+                measure(floor, batch, context, getattr(torch, name), q_dtype, args.reps)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Decode attention by our C kernel (`models/attention/cpu_kernels.py`, `csrc/paged_decode.c`)
 against attention written out by hand: block tables of scattered blocks, contexts ending inside a
-block or on its edge, grouped query heads, contexts split across threads, float32, bfloat16 and
-float16 caches (every float16 value widened exactly); and the loader (built once per machine into
+block or on its edge, grouped query heads (pairs and a third), contexts split across threads,
+float32, bfloat16 and float16 caches, float32 queries over the 16-bit ones (every float16 value
+widened exactly); and the loader (built once per machine into
 its cache folder, off by `MMSERVE_CPU_KERNELS=0`)."""
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ def scattered_tables(seq_lens: list[int], block: int, num_blocks: int, g: torch.
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(8, 4, 16, 4), (4, 4, 32, 16), (6, 1, 24, 8),
-                                                           (16, 2, 128, 16), (2, 2, 80, 32)])
+                                                           (16, 2, 128, 16), (2, 2, 80, 32), (12, 4, 80, 16)])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, block, splits, dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.float16), (torch.float32, torch.float16),
+                                                (torch.float32, torch.bfloat16)])
+def test_the_kernel_equals_attention_written_out(heads, kv_heads, head_dim, block, splits, dtype, cache_dtype):
     g = torch.Generator().manual_seed(heads * 31 + head_dim + block)
     seq_lens = [1, block, block + 1, 7 * block, 40 * block - 3, 3]  # in the first block, on edges, past them
     num_blocks = sum(-(-n // block) for n in seq_lens) + 5
     tables = scattered_tables(seq_lens, block, num_blocks, g)
     width = max(len(t) for t in tables) + 2  # tables padded past their keys
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)  # the reference reads
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype)  # the same values
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(cache_dtype)  # the reference
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(cache_dtype)  # reads these
     q = torch.randn(len(seq_lens) + 2, heads, head_dim, generator=g).to(dtype)  # two rows that do not decode
     rows = torch.tensor([i + 1 for i in range(len(seq_lens))])
     out = torch.full_like(q, float("nan"))
