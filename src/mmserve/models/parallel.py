@@ -215,7 +215,7 @@ def project(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tenso
     fused = layers[0].fused
     if fused is None:
         return tuple(layer(x) for layer in layers)
-    return fused(x).split(fused.sizes, dim=-1)
+    return fused(x).split_with_sizes(fused.sizes, dim=-1)  # the C method: Tensor.split is Python
 
 
 def _vocab_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
