@@ -22,7 +22,10 @@ metadata), model (the forward and LM head, attention excluded), attention (`atte
 layer, cache write included), sampling (the sampler), output (`Scheduler.update_from_output`),
 other (the rest). Target: step / bound <= 1.5 at batch 8 and 32. `--compare-attention` measures
 each configuration twice in turns: decode attention by our C kernel (`cpu_kernels.py`) and by
-PyTorch's kernels over padded copies (the path without a C compiler), with the ratio of the two.
+PyTorch's kernels over padded copies (the path without a C compiler), with the ratio of the two;
+`--compare-eager` likewise against the step run layer by layer in Python (`--enforce-eager`): a
+quantized model's decode steps otherwise run all decoder layers in one compiled C call
+(models/cpu_decoder.py), whose time the phases count as model (attention included).
 
 `--formats dense,awq,fp8-block,...` runs the grid once per weight format, in turn (quantized
 copies of the model written in the published layouts: int4 in groups of 128, FP8 in 128 x 128
@@ -268,6 +271,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (auto: the model's)")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also measure decode attention over padded copies (no C kernel), in turns")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="also measure each step layer by layer in Python (--enforce-eager), in turns")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.contexts, args.steps = "1,8", "128,512", 6
@@ -276,7 +281,8 @@ def main() -> None:
     with model_checkpoint({**TEXT, **json.loads(args.text_config)}, args.model_dir) as model_dir:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
               f"{'built' if cpu_kernels.load() is not None else 'unavailable'}; KV cache: {args.kv_cache_dtype}")
-        paths = ("kernel", "padded") if args.compare_attention else ("kernel",)
+        paths = ("kernel", *(("padded",) if args.compare_attention else ()),
+                 *(("eager",) if args.compare_eager else ()))
         print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} "
               f"{'GB/s':>5} {'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
               + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
@@ -297,9 +303,9 @@ def main() -> None:
                         cpu[fmt, attention, batch, context].append(cpu_step)
                         if batch >= 8:
                             worst[attention] = max(worst.get(attention, 0.0), ratio)
-                    if len(paths) == 2:
-                        ratio = steps[fmt, "kernel", batch, context][-1] / steps[fmt, "padded", batch, context][-1]
-                        print(f"{'':>18} {batch:5d} {context:5d} kernel / padded step time: {ratio:.2f}")
+                    for other in paths[1:]:
+                        ratio = steps[fmt, "kernel", batch, context][-1] / steps[fmt, other, batch, context][-1]
+                        print(f"{'':>18} {batch:5d} {context:5d} kernel / {other} step time: {ratio:.2f}")
             del bench
         for path, ratio in worst.items():
             print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
@@ -312,7 +318,7 @@ def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,
     seconds of a step: every thread's)."""
     weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
     bandwidth, rate = copy_bandwidth(), matmul_rate()
-    with attention_path(path):
+    with attention_path(path, bench):
         took, phases = bench.run(batch, context, steps)
     step, cpu = statistics.median(took), statistics.median(bench.cpu_took)
     keys = batch * (context + 2 + steps // 2)
@@ -327,10 +333,20 @@ def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,
 
 
 @contextlib.contextmanager
-def attention_path(path: str) -> Iterator[None]:
-    """Decode attention by the C kernel ("kernel") or over padded copies ("padded") meanwhile."""
+def attention_path(path: str, bench: Bench) -> Iterator[None]:
+    """Decode steps as the engine runs them ("kernel": attention by the C kernel, the layers in one
+    compiled call where models/cpu_decoder.py covers the model), with attention over padded copies
+    ("padded"), or layer by layer in Python ("eager", as --enforce-eager) meanwhile."""
     if path == "kernel":
         yield
+        return
+    if path == "eager":
+        text_model = bench.runner.model.text_model
+        plan, text_model.cpu_decoder = text_model.cpu_decoder, None
+        try:
+            yield
+        finally:
+            text_model.cpu_decoder = plan
         return
     real = torch_sdpa.kernel_splits
     torch_sdpa.kernel_splits = lambda requests, blocks: 0  # type: ignore[assignment]

@@ -371,7 +371,8 @@ class DeviceConfig:
         0.9, "On CUDA, the share of each GPU's memory mmserve may use: weights, the activations of the largest "
         "step (profiled at start) and the KV cache, which gets the rest (--num-kv-blocks overrides it, as does "
         "an explicit --kv-cache-memory-gb). Ignored on CPU.")
-    enforce_eager: bool = _opt(False, "Never capture CUDA graphs: every decode step runs eagerly.")
+    enforce_eager: bool = _opt(False, "Never capture CUDA graphs, and on the CPU never run a decode step's layers "
+                               "in one compiled C call: every decode step runs layer by layer.")
     cuda_graph_sizes: list[int] = _opt(
         [], "Decode batch sizes captured as CUDA graphs, comma-separated (default: 1, 2, 4, 8 and multiples "
         "of 8 up to --max-num-seqs); a batch runs in the smallest graph that holds it, padded.",

@@ -100,6 +100,37 @@ def test_rotary_of_q_and_k_views_of_one_projection(rows, heads, kv_heads, head_d
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inner", [3, 48, 77, 3072, 18944])
+def test_silu_mul_of_gate_and_up_views_of_one_projection(rows, inner):
+    """Widths below one vector pair, with a tail after 8-float pairs only (48), after both (77),
+    none (3072, and Qwen2.5-VL-7B's 18944); values past exp's limits (+-104)."""
+    gate_up = rand(rows, 2 * inner, seed=rows + inner) * 40
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    assert_equal(cpu_ops.silu_mul(gate, up), REFERENCE.silu_mul(gate, up))
+
+
+def test_silu_agrees_with_pytorch_here_with_its_vector_width_only():
+    """`load`'s SiLU check passes with PyTorch's activation vector width here and fails with the
+    others: it tells where the vector loop ends (Sleef's exp) from where the tail begins (expf)."""
+    kernels = cpu_ops.load()
+    assert kernels is not None and kernels.silu_lanes is not None
+    for lanes in (4, 8, 16):
+        assert cpu_ops.silu_agrees(cpu_ops.Kernels(kernels.library, 1, lanes)) == (lanes == kernels.silu_lanes)
+
+
+def test_silu_of_special_values():
+    """NaN, infinities, zeros of both signs, and around exp's limits, as PyTorch gives them."""
+    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.7, -88.7, 103.9, -103.9, 104.1, -104.1,
+              1e30, -1e30, 1e-40, -1e-40]
+    gate = torch.tensor(values * 4)[None]  # 60 values: a vector loop and a tail
+    up = torch.ones_like(gate)
+    got, want = cpu_ops.silu_mul(gate, up), REFERENCE.silu_mul(gate, up)
+    assert got is not None and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.signbit(), want.signbit())
+
+
 @pytest.mark.parametrize("width", [1, 5, 8, 20, 100, 333, 1030, 4099, 9000, 16383])
 def test_norms_sum_in_pytorchs_order_at_odd_widths(width):
     """Widths below a vector, with a tail, with leftover items, one and two cascade levels, the widest."""
@@ -132,6 +163,9 @@ def test_inputs_that_are_not_the_kernels_are_refused():
     cos, sin = RotaryEmbedding(64, 1e4)(torch.arange(2), torch.float32)
     assert cpu_ops.rotary(q.to("meta"), k.to("meta"), cos.to("meta"), sin.to("meta")) is None
     assert cpu_ops.rotary(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63]) is None  # odd head size
+    gate_up = rand(rows, 64, seed=19)
+    assert cpu_ops.silu_mul(gate_up[:, :32], gate_up[:, 32:]) is None  # a prefill's rows
+    assert cpu_ops.silu_mul(gate_up[:2, :32:2], gate_up[:2, 32::2]) is None  # last dimension strided
 
 
 def test_torch_ops_equal_pytorchs_with_the_kernels_and_without():
@@ -143,7 +177,8 @@ def test_torch_ops_equal_pytorchs_with_the_kernels_and_without():
         q_weight, k_weight = rand(64, seed=24).to(dtype), rand(64, seed=25).to(dtype)
         cos, sin = RotaryEmbedding(64, 1e4)(torch.arange(rows), dtype)
         for op, args in (("rms_norm", (x, weight, 1e-6)), ("add_rms_norm", (x, residual, weight, 1e-6)),
-                         ("qk_norm", (q, k, q_weight, k_weight, 1e-6)), ("rotary", (q, k, cos, sin))):
+                         ("qk_norm", (q, k, q_weight, k_weight, 1e-6)), ("rotary", (q, k, cos, sin)),
+                         ("silu_mul", (x[:, :128], x[:, 128:]))):
             got, want = getattr(cpu_ops.CPU_OPS, op)(*args), getattr(REFERENCE, op)(*args)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 assert g.dtype == w.dtype and torch.equal(g, w), (op, rows, dtype)

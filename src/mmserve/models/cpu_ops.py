@@ -3,7 +3,7 @@
 Built per machine as the decode attention kernel is (models/attention/cpu_kernels.py) and called
 by ctypes: RMSNorm (alone, or after the residual add in the same pass), Qwen3's q and k norms in
 one call, and the rotary of q and k in one call, each single-threaded (no OpenMP region) into new
-tensors (inputs are only read). Only float32 CPU tensors of at most `MAX_ROWS` tokens and
+tensors (inputs are only read), and SiLU(gate) * up. Only float32 CPU tensors of at most `MAX_ROWS` tokens and
 `MAX_ELEMENTS` values, the last dimension contiguous: there PyTorch's per-op dispatch costs more
 than the arithmetic. Each function returns None where the input is not the kernels' or the library
 cannot be had (no compiler, `MMSERVE_CPU_KERNELS=0`); the caller then runs the PyTorch ops
@@ -14,8 +14,11 @@ them, and a norm's sum of squares added in the order of PyTorch's sum kernel (Su
 cascade over its Vectorized<float> lanes), whose lane count depends on the build and the CPU.
 `load` therefore runs each kernel once against the PyTorch ops on fixed inputs, for each lane
 count in `LANE_CANDIDATES`, and keeps the library only with a count that matches on all of them
-(else the PyTorch path stays, logged once). SiLU(gate) * up stays PyTorch's: its exp is Sleef's,
-which plain C does not round alike.
+(else the PyTorch path stays, logged once). SiLU(gate) * up takes Sleef's exp over each row's
+vector loop, as PyTorch's does, and the C library's expf over the row's tail, as PyTorch's scalar
+loop does: where that loop ends depends on PyTorch's vector width for its activations (16 floats
+with AVX-512, unlike its sum's 8), checked the same way (`SILU_LANE_CANDIDATES`); without a match
+SiLU stays PyTorch's and the other ops are still used.
 """
 
 from __future__ import annotations
@@ -41,20 +44,25 @@ MAX_NORM_WIDTH = 16384  # a norm's rows narrower (csrc's MAX_D): PyTorch's casca
 # registers with REGISTER_DISPATCH, which leaves the AVX-512 slot to the AVX2 kernel) and for x86's
 # generic build; 16 and 4 for other builds (128-bit NEON vectors)
 LANE_CANDIDATES = (8, 16, 4)
+# PyTorch's Vectorized<float> in its activation kernels (Activation.cpp registers for AVX-512 too)
+SILU_LANE_CANDIDATES = (16, 8, 4)
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _F32, _CPU = torch.float32, torch.device("cpu")
 _SIGNATURES = {
     "mmserve_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64],
     "mmserve_qk_norm_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64],
     "mmserve_rotary_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    "mmserve_silu_mul_f32": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64],
 }
 
 
 class Kernels(NamedTuple):
-    """The loaded library and the lane count its norms sum with (PyTorch's on this machine)."""
+    """The loaded library, the lane count its norms sum with and the one its SiLU's vector loop
+    steps by (PyTorch's on this machine; None: SiLU stays PyTorch's)."""
 
     library: ctypes.CDLL
     lanes: int
+    silu_lanes: int | None = None
 
 
 @functools.cache
@@ -66,9 +74,13 @@ def load() -> Kernels | None:
     for name, argtypes in _SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = ctypes.c_int
+    silu_lanes = next((n for n in SILU_LANE_CANDIDATES if silu_agrees(Kernels(library, 1, n))), None)
+    if silu_lanes is None:
+        logger.warning("the C SiLU differs from PyTorch's on this machine (torch %s, %s); PyTorch's is used",
+                       torch.__version__, torch.backends.cpu.get_cpu_capability())
     for lanes in LANE_CANDIDATES:
         if agrees(Kernels(library, lanes)):
-            return Kernels(library, lanes)
+            return Kernels(library, lanes, silu_lanes)
     logger.warning("the C layer ops differ from PyTorch's on this machine (torch %s, %s); PyTorch's are used",
                    torch.__version__, torch.backends.cpu.get_cpu_capability())
     return None
@@ -129,6 +141,17 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return None if kernels is None else _rotary(kernels, q, k, cos, sin)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """gate, up: [T, I] -> SiLU(gate) * up [T, I], or None."""
+    if gate.dim() != 2 or gate.shape != up.shape or gate.shape[0] > MAX_ROWS:
+        return None
+    for t in (gate, up):  # any size: PyTorch's threads would split rows where its tails differ from one thread's
+        if t.dtype is not _F32 or not t.is_cpu or t.stride(-1) != 1:
+            return None
+    kernels = load()
+    return None if kernels is None or kernels.silu_lanes is None else _silu_mul(kernels, gate, up)
+
+
 def _new(*shape: int) -> torch.Tensor:
     """An output: float32 CPU memory whatever torch's default dtype and device."""
     return torch.empty(shape, dtype=_F32, device=_CPU)
@@ -176,6 +199,14 @@ def _rotary(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, cos: torch.Tenso
     return (q_out, k_out) if done == 0 else None
 
 
+def _silu_mul(kernels: Kernels, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    T, inner = gate.shape
+    out = _new(T, inner)
+    done = kernels.library.mmserve_silu_mul_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), T, inner,
+                                                gate.stride(0), up.stride(0), kernels.silu_lanes)
+    return out if done == 0 else None
+
+
 # norm widths the check covers: below one vector, a tail, leftover items, one and two cascade levels
 _CHECK_WIDTHS = (5, 20, 128, 333, 1030, 4099, 9000)
 
@@ -196,6 +227,24 @@ def agrees(kernels: Kernels) -> bool:
     return (_equal(_qk_norm(kernels, q, k, q_weight, k_weight, 1e-6),
                    reference.qk_norm(q, k, q_weight, k_weight, 1e-6))
             and _equal(_rotary(kernels, q, k, cos, sin), reference.rotary(q, k, cos, sin)))
+
+
+# SiLU widths the check covers: below one vector pair, a tail after 8-float pairs but not 16-float
+# ones (48), after either (77), none (3072); values up to +-120 (past exp's limits)
+_SILU_WIDTHS = (5, 48, 77, 3072)
+
+
+def silu_agrees(kernels: Kernels) -> bool:
+    """Whether SiLU(gate) * up, its vector loop stepping by `kernels.silu_lanes`, equals PyTorch's
+    bit for bit on fixed random inputs (views of one [3, 2I] projection, as gate/up are)."""
+    gen = torch.Generator().manual_seed(0)
+    for inner in _SILU_WIDTHS:
+        gate_up = torch.randn(3, 2 * inner, generator=gen) * 40
+        gate, up = gate_up[:, :inner], gate_up[:, inner:]
+        got = _silu_mul(kernels, gate, up)
+        if got is None or not torch.equal(got, LayerOps().silu_mul(gate, up)):
+            return False
+    return True
 
 
 def _equal(got: tuple[torch.Tensor, ...] | None, want: tuple[torch.Tensor, ...]) -> bool:
@@ -225,6 +274,10 @@ class CpuLayerOps(LayerOps):
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = rotary(q, k, cos, sin)
         return super().rotary(q, k, cos, sin) if out is None else out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out = silu_mul(gate, up)
+        return super().silu_mul(gate, up) if out is None else out
 
 
 CPU_OPS = CpuLayerOps()

@@ -8,6 +8,8 @@ one replicated head); x is the same full [T, D] on every rank between layers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -19,6 +21,9 @@ from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLi
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 Stream = tuple[torch.Tensor, torch.Tensor]  # (a layer's output or normed rows [T, D], the residual stream [T, D])
+
+if TYPE_CHECKING:
+    from mmserve.models.cpu_decoder import CpuDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -97,7 +102,10 @@ def norm_residual(ops: LayerOps, norm: RMSNorm, x: torch.Tensor, residual: torch
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (no LM head)."""
+    """Embeddings, decoder layers and the final norm (no LM head). `cpu_decoder`: the compiled CPU
+    decode step the runner sets where it covers the model (models/cpu_decoder.py), else None."""
+
+    cpu_decoder: CpuDecoder | None = None
 
     def __init__(self, cfg: TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -112,6 +120,10 @@ class LlamaModel(nn.Module):
         # inputs_embeds may be overwritten (a fused add + norm updates the stream in place)
         x, residual = inputs_embeds, None
         rope = self.rotary_emb(positions, x.dtype)
+        if self.cpu_decoder is not None:  # a CPU decode step: all layers in one C call
+            hidden = self.cpu_decoder.run(x, rope, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return norm_residual(meta.ops, self.norm, x, residual)[0]

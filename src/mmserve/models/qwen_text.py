@@ -15,6 +15,8 @@ models/llama.py; tensor parallelism splits heads the same way (q_norm / k_norm r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -28,6 +30,9 @@ from mmserve.models.qwen_config import QwenTextConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [N, S, Hkv, Dh]
+
+if TYPE_CHECKING:
+    from mmserve.models.cpu_decoder import CpuDecoder
 
 
 class QwenAttention(nn.Module):
@@ -71,7 +76,10 @@ class QwenDecoderLayer(LlamaDecoderLayer):
 
 
 class QwenTextModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (no LM head)."""
+    """Embeddings, decoder layers and the final norm (no LM head). `cpu_decoder`: the compiled CPU
+    decode step the runner sets where it covers the model (models/cpu_decoder.py), else None."""
+
+    cpu_decoder: CpuDecoder | None = None
 
     def __init__(self, cfg: QwenTextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -94,6 +102,10 @@ class QwenTextModel(nn.Module):
         # inputs_embeds may be overwritten (a fused add + norm updates the stream in place)
         x, residual = inputs_embeds, None
         rope = self.rotary_emb(positions, x.dtype)
+        if deepstack is None and self.cpu_decoder is not None:  # a CPU decode step: all layers in one C call
+            hidden = self.cpu_decoder.run(x, rope, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)
             if deepstack is not None and i < deepstack.shape[0]:

@@ -42,6 +42,11 @@ class VisionLanguageModel(nn.Module):
         return name
 
     @property
+    def text_model(self) -> Any:
+        """The decoder (`model.language_model`: embeddings, layers, final norm)."""
+        return self.model.language_model  # type: ignore[union-attr]  # every family's `model` has one
+
+    @property
     def hidden_size(self) -> int:
         return self.config.text.hidden_size
 

@@ -34,6 +34,7 @@ from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.models.quantization.select import describe_quantization
 from mmserve.ipc.items import MultiModalItem
 from mmserve.worker.device import rank_device, resolve_dtype, resolve_kv_cache_dtype, staged, to_device
+from mmserve.models.cpu_decoder import CpuDecoder
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.grammar import GrammarCache
@@ -133,6 +134,9 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         self.kv_caches = [(zeros(), zeros()) for _ in range(t.num_hidden_layers)]
+        compiled = self.device.type == "cpu" and not self.config.device.enforce_eager
+        text_model = self.model.text_model
+        text_model.cpu_decoder = CpuDecoder.build(text_model, self.kv_caches) if compiled else None
 
     def shutdown(self) -> None:
         """Drop what this runner holds on its device — decode graphs, KV cache, encoder outputs,

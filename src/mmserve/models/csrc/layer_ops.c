@@ -13,7 +13,9 @@
  *   rotary: q [T, H, Dh] and k [T, Hkv, Dh] (strides sq_t, sq_h, sk_t, sk_h) rotated by cos, sin
  *     [T, Dh] (row stride sc) into q_out, k_out (contiguous); rotate-half layout:
  *     out[j] = x[j] cos[j] - x[j + Dh/2] sin[j], out[j + Dh/2] = x[j + Dh/2] cos[j + Dh/2] + x[j] sin[j + Dh/2]
- *   width: the float lanes of PyTorch's Vectorized<float> on this machine (its sum's order)
+ *   silu_mul: gate, up [T, I] (row strides sg, su) -> out [T, I] contiguous, SiLU(gate) * up
+ *   width: the float lanes of PyTorch's Vectorized<float> on this machine (its sum's order, and
+ *     where its SiLU's vector loop ends)
  * Outputs never overlap inputs. Each product and sum is rounded, and the sum of squares ordered, as
  * PyTorch's op-by-op path does: the results equal it bit for bit (models/cpu_ops.py checks that
  * once per process before using them).
@@ -147,6 +149,59 @@ int mmserve_rotary_f32(const float *q, const float *k, const float *cos, const f
         const float *c = cos + t * sc, *s = sin + t * sc;
         rotate_heads(q + t * sq_t, H, sq_h, c, s, q_out + t * H * Dh, Dh / 2);
         rotate_heads(k + t * sk_t, Hkv, sk_h, c, s, k_out + t * Hkv * Dh, Dh / 2);
+    }
+    return 0;
+}
+
+/* Sleef's single-precision exp with 1-ulp bound (sleefsimdsp.c: xexpf), which PyTorch's
+ * Vectorized<float>::exp calls (Sleef_expf8_u10 / Sleef_expf16_u10), lane by lane: the same
+ * reduction by ln 2 in two parts, the same polynomial by fused multiply-adds (Sleef's vmla on
+ * x86 with FMA), the same scaling by 2^q in two halves (vldexp2) and the same limits. */
+static inline float sleef_expf(float x) {
+    /* clamped (a ternary, which vectorizes): the result outside is set at the end */
+    const float d = x < -104.0f ? -104.0f : (x > 100.0f ? 100.0f : x);
+    const float q = rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf(q, -0.693145751953125f, d);
+    s = fmaf(q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    const int32_t e = (int32_t)q, e1 = e >> 1;
+    const union { int32_t i; float f; } p1 = {.i = (e1 + 127) * (1 << 23)}, p2 = {.i = (e - e1 + 127) * (1 << 23)};
+    u = u * p1.f * p2.f;
+    if (x < -104.0f) u = 0.0f;
+    if (x > 100.0f) u = INFINITY;
+    return u;
+}
+
+/* x / (1 + expf(-x)) by the C library's expf, element by element: not vectorized, which would
+ * call libmvec's vector expf (another rounding) */
+#if defined(__clang__)
+static void scalar_silu(const float *g, float *o, int64_t n) {
+#pragma clang loop vectorize(disable)
+#else
+__attribute__((noinline, optimize("no-tree-vectorize"))) static void scalar_silu(const float *g, float *o, int64_t n) {
+#endif
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i]));
+}
+
+/* SiLU(gate) * up as PyTorch computes F.silu(gate) * up on one thread (Activation.cpp: silu_kernel
+ * through cpu_kernel_vec): x / (1 + exp(-x)) with Sleef's exp over each row's vector loop (pairs
+ * of `width`-float vectors), the C library's expf over the rest of the row, then the product. */
+int mmserve_silu_mul_f32(const float *gate, const float *up, float *out, int64_t T, int64_t I, int64_t sg,
+                         int64_t su, int64_t width) {
+    if (width < 1 || width > MAX_LANES) return 1;
+    const int64_t vector_end = I / (2 * width) * (2 * width);
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate + t * sg, *u = up + t * su;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < vector_end; i++) o[i] = g[i] / (1.0f + sleef_expf(-g[i]));
+        scalar_silu(g + vector_end, o + vector_end, I - vector_end);
+        for (int64_t i = 0; i < I; i++) o[i] = o[i] * u[i];
     }
     return 0;
 }

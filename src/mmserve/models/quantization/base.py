@@ -10,6 +10,9 @@ A `LinearMethod` owns a layer's weight tensors:
   the method is proven equal to (its product is dequantize-then-matmul's);
 - `concat`: sibling layers' resident tensors stacked by output rows (one GEMM for Q/K/V or
   gate/up, `FusedLinear`), or None where the method cannot stack them.
+- `cpu_gemv`: the layer's decode GEMV on the CPU as one C call (`cpu_gemv.CpuGemv`: the kernel
+  `apply` would call for a decode step's rows, and its arguments), or None where `apply` calls no
+  C kernel: what models/cpu_decoder.py's compiled step calls.
 
 Layers (models/parallel.py) start dense; the loader gives each the method the checkpoint's
 `quantization_config` names for it (models/quantization/config.py). Model code names none.
@@ -19,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from mmserve.models.quantization.cpu_gemv import CpuGemv
 
 _STANDARD_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 HALF_FLOATS = (torch.float16, torch.bfloat16)
@@ -148,6 +154,9 @@ class LinearMethod:
         """Repack the resident weight for this device's fastest matmul; True when it did."""
         return False
 
+    def cpu_gemv(self, layer: Layer) -> CpuGemv | None:
+        return None
+
 
 class DenseMethod(LinearMethod):
     """The weight as the checkpoint stores it: `weight` [out, in] in the model's dtype."""
@@ -168,6 +177,13 @@ class DenseMethod(LinearMethod):
         if any(layer.weight.is_mkldnn for layer in layers):
             return None
         return {"weight": torch.cat([layer.weight.detach() for layer in layers])}
+
+    def cpu_gemv(self, layer: Layer) -> CpuGemv | None:
+        """A 16-bit weight kept as stored: `half_gemv`'s call (a float32 one goes through oneDNN)."""
+        from mmserve.models.quantization import cpu_gemv
+
+        weight = layer.weight
+        return None if weight.is_mkldnn or weight.dtype not in HALF_FLOATS else cpu_gemv.half_call(weight)
 
     def pack(self, layer: Layer) -> bool:
         """The layer's weight packed for oneDNN (`onednn_packed`)."""

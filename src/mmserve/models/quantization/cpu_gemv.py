@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,69 @@ _SIGNATURES = {
     "mmserve_fp8_gemv_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "mmserve_fp8_dequant_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
 }
+
+
+# `CpuGemv.kind`: which kernel signature (models/csrc/decode_layers.c's enum)
+INT4, INT4_Q8, FP8, HALF = 1, 2, 3, 4
+
+
+class CpuGemv(NamedTuple):
+    """A layer's decode GEMV as one C call (`LinearMethod.cpu_gemv`): the kernel's address and the
+    arguments the Python call would give it, for models/cpu_decoder.py's compiled step. `fallback`
+    (or 0) is the kernel tried when `fn` refuses, as the functions below try them; `flag` is the
+    int8 kernel's level, or 1 for a bfloat16 weight of `HALF`. `tensors` keeps the pointed-to
+    tensors alive as long as the call is held."""
+
+    kind: int
+    fn: int
+    fallback: int
+    weight: int
+    scales: int
+    zeros: int
+    N: int
+    K: int
+    group: int = 0
+    block_out: int = 0
+    block_in: int = 0
+    flag: int = 0
+    tensors: tuple[torch.Tensor, ...] = ()
+
+
+def address(library: ctypes.CDLL | None, name: str) -> int:
+    """The address of a loaded library's function (0 without the library)."""
+    return 0 if library is None else int(ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0)
+
+
+def int4_call(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> CpuGemv | None:
+    """`int4_gemv`'s call for this weight (resident form), or None where the kernels are not its own."""
+    library, wide = load(), _wide()
+    if library is None or not ours(qweight, scales, zeros):
+        return None
+    exact = address(library, "mmserve_int4_gemv_f32")
+    fn, fallback = (exact, 0) if wide is None else (address(wide, "mmserve_int4_gemv512"), exact)
+    return CpuGemv(INT4, fn, fallback, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), qweight.shape[0],
+                   qweight.shape[1] * 8, group, tensors=(qweight, scales, zeros))
+
+
+def fp8_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> CpuGemv | None:
+    """`fp8_gemv`'s call for this weight, or None where the kernels are not its own."""
+    library, wide = load(), _wide()
+    if library is None or not ours(weight, scale):
+        return None
+    exact = address(library, "mmserve_fp8_gemv_f32")
+    fn, fallback = (exact, 0) if wide is None else (address(wide, "mmserve_fp8_gemv512"), exact)
+    bo, bi = block or (0, 0)
+    return CpuGemv(FP8, fn, fallback, weight.data_ptr(), scale.data_ptr(), 0, weight.shape[0], weight.shape[1],
+                   block_out=bo, block_in=bi, tensors=(weight, scale))
+
+
+def half_call(weight: torch.Tensor) -> CpuGemv | None:
+    """`half_gemv`'s call for a 16-bit weight, or None where the kernel is not its own."""
+    library = load_half()
+    if library is None or weight.dtype not in (torch.float16, torch.bfloat16) or not ours(weight):
+        return None
+    return CpuGemv(HALF, address(library, "mmserve_half_gemv"), 0, weight.data_ptr(), 0, 0, weight.shape[0],
+                   weight.shape[1], flag=int(weight.dtype == torch.bfloat16), tensors=(weight,))
 
 
 @functools.cache
@@ -85,7 +149,7 @@ def _wide() -> ctypes.CDLL | None:
     return load_wide() if WIDE else None
 
 
-def _ours(*tensors: torch.Tensor | None) -> bool:
+def ours(*tensors: torch.Tensor | None) -> bool:
     """Every tensor given is a contiguous CPU tensor (a plain loop: this runs per GEMV call)."""
     for t in tensors:
         if t is not None and not (t.is_cpu and t.is_contiguous()):
@@ -98,7 +162,7 @@ def gemv_rows(x: torch.Tensor, bias: torch.Tensor | None, *weights: torch.Tensor
     if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         return None
     rows = _rows(x)
-    return rows if rows.shape[0] <= GEMV_MAX_ROWS and _ours(rows, bias, *weights) else None
+    return rows if rows.shape[0] <= GEMV_MAX_ROWS and ours(rows, bias, *weights) else None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -135,7 +199,7 @@ def int4_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
               stop: int) -> torch.Tensor | None:
     """Rows [start, stop) of an int4 weight's W, float32, or None."""
     library = load()
-    if library is None or not _ours(qweight, scales, zeros):
+    if library is None or not ours(qweight, scales, zeros):
         return None
     K = qweight.shape[1] * 8
     out = torch.empty(stop - start, K)
@@ -166,7 +230,7 @@ def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
              stop: int) -> torch.Tensor | None:
     """Rows [start, stop) of an FP8 weight's W, float32, or None."""
     library = load()
-    if library is None or not _ours(weight, scale):
+    if library is None or not ours(weight, scale):
         return None
     K = weight.shape[1]
     bo, bi = block or (0, 0)

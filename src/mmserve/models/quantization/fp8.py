@@ -82,6 +82,9 @@ class Fp8RowMethod(LinearMethod):
             return out
         return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _rows(layer, None, a, b))
 
+    def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        return cpu_gemv.fp8_call(layer.weight, layer.scale, None)
+
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
 
@@ -125,6 +128,9 @@ class Fp8BlockMethod(LinearMethod):
         if out is not None:
             return out
         return tiled_linear(x, bias, layer.weight.shape[0], lambda a, b: _rows(layer, layer.fp8_block, a, b))
+
+    def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        return cpu_gemv.fp8_call(layer.weight, layer.scale, layer.fp8_block)
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         if any(layer.weight.shape[0] % self.block[0] for layer in layers[:-1]):

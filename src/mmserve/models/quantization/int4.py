@@ -142,6 +142,10 @@ class Int4Method(LinearMethod):
         rows = layer.qweight.shape[0] * (q8_gemv.LANES if interleaved else 1)
         return tiled_linear(x, bias, rows, lambda a, b: _rows(layer, a, b))
 
+    def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group)
+        return q8_gemv.int4_q8_call(*args) if getattr(layer, "int4_interleaved", False) else cpu_gemv.int4_call(*args)
+
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         if any(getattr(layer, "int4_interleaved", False) for layer in layers):
             return None

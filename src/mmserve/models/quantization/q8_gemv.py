@@ -81,3 +81,14 @@ def int4_q8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                                         None if bias is None else bias.data_ptr(), y.data_ptr(), rows.shape[0], N,
                                         K, group, LEVEL, torch.get_num_threads())
     return y.reshape(*x.shape[:-1], N) if done == 0 else None
+
+
+def int4_q8_call(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group: int) -> cpu_gemv.CpuGemv | None:
+    """`int4_q8_gemv`'s call for an interleaved weight, or None where the kernel is not its own."""
+    library = load()
+    if library is None or not cpu_gemv.ours(qweight, scales, zeros):
+        return None
+    return cpu_gemv.CpuGemv(cpu_gemv.INT4_Q8, cpu_gemv.address(library, "mmserve_int4_q8_gemv"), 0, qweight.data_ptr(),
+                            scales.data_ptr(), zeros.data_ptr(), qweight.shape[0] * LANES, qweight.shape[1] * 8,
+                            group, flag=LEVEL, tensors=(qweight, scales, zeros))
