@@ -141,9 +141,13 @@ def quantized_rows(binary: str, gguf: str, mmproj: str, model_dir: str, tokenize
                   f"ratio {decode['mmserve'] / decode['llama']:.2f}")
 
 
+DECODE_TOKENS = 256  # timed per sample (64 before: one sample's noise was +-20% of a 3 ms token on 2 cores)
+
+
 def decode_row(peers: Peers, ids: list[int], runs: int) -> dict[str, float]:
     """Seconds per output token after the first, one sequence of a cached prompt, per server."""
-    return turns(peers, runs, lambda w: (peers.timed(w, [ids], 65, 1) - peers.timed(w, [ids], 1, 1)) / 64)
+    return turns(peers, runs, lambda w: (peers.timed(w, [ids], DECODE_TOKENS + 1, 1)
+                                         - peers.timed(w, [ids], 1, 1)) / DECODE_TOKENS)
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
