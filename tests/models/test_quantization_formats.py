@@ -13,11 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, awq_pack, checkpoint_bytes, ct_pack, quantize_copy)
+from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, Recipe, awq_pack, checkpoint_bytes, ct_pack,
+                                       quantize_copy, quantize_entry)
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
 from mmserve.models.quantization.config import QuantSpec, read_quant_spec
+
+
+EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_packed", "weight_scale"),
+                     "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
+                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
 
 
 def _nibble(word: int, k: int) -> int:
@@ -74,6 +80,17 @@ def test_loaded_layers_are_the_checkpoints_weights_bit_for_bit(fmt, source, tmp_
         assert torch.equal(layer.method.dequantize(layer), want), name
         if want.shape[1] == x.shape[1]:
             torch.testing.assert_close(layer(x), reference[name](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_packer_quantizes_on_the_weights_device(fmt):
+    """Every tensor it makes is made where the weight is (torch's `meta` device stands for a GPU:
+    the GPU benchmark quantizes a 7B there); only W4A16's `weight_shape`, metadata, is on the CPU."""
+    w = torch.empty(384, 256, dtype=torch.bfloat16, device="meta")
+    stored, deq = quantize_entry("model.layers.0.mlp.down_proj.weight", w, Recipe(fmt, 128, 128))
+    assert deq.device.type == "meta" and deq.shape == (384, 256)
+    assert {name.rsplit(".", 1)[1]: t.device.type for name, t in stored.items() if "shape" not in name} == \
+        dict.fromkeys(EXPECTED_SUFFIXES[fmt], "meta")
 
 
 def _shard(source: str, dst: Path) -> Path:
