@@ -59,8 +59,9 @@ QUANT_FORMATS = (QuantFormat("awq", "awq", torch.float16, 0.40), QuantFormat("fp
 
 @dataclass(frozen=True)
 class ModelRun:
-    """One model's figures: its batch-1 decode step (seconds, "graphs" or "eager", bytes it must
-    read), its resident weight bytes, and the median seconds to a new image's first token."""
+    """One model's figures: its batch-1 decode step (seconds, "graphs" where CUDA graphs replayed it
+    else "eager", bytes it must read), its resident weight bytes, and the median seconds to a new
+    image's first token."""
 
     step_s: float
     mode: str
@@ -81,9 +82,15 @@ def measure(path: str, context: int, steps: int, pictures: list[Any], device: to
         ttft = statistics.median(first_token_s(llm, [with_image(p)], device)[0] for p in pictures[1:])
         core = llm.engine.core
         runner = core.executor.runner
+        replays = _replays(runner)
         step = decode_step_time(core, 1, context, steps)
-        return ModelRun(step, "eager" if runner.decode_graphs is None else "graphs",
-                        decode_read_bytes(core, 1, context, steps), runner.model.weight_bytes, ttft)
+        mode = "graphs" if _replays(runner) > replays else "eager"  # "graphs": the timed steps were replayed
+        return ModelRun(step, mode, decode_read_bytes(core, 1, context, steps), runner.model.weight_bytes, ttft)
+
+
+def _replays(runner: Any) -> int:
+    """Decode steps the runner has replayed from its CUDA graphs (0 without any)."""
+    return 0 if runner.decode_graphs is None else runner.decode_graphs.replays
 
 
 def write_copy(path: str, folder: Path, quant: QuantFormat, device: torch.device) -> None:
