@@ -47,7 +47,8 @@ test-gpu:
 
 # where the time goes on a random-weight Qwen2.5-VL-7B (under 8 minutes): the decode sweep against the
 # bandwidth limit, tower and prefill against the matmul rate, TTFT against transformers, per-kernel
-# tables (BENCH_GPU_ARGS="--device cpu --tiny" runs it on a CPU at a tiny size)
+# tables (BENCH_GPU_ARGS="--device cpu --tiny" runs it on a CPU at a tiny size); BENCH_GPU_ARGS=--quantized:
+# instead, AWQ and FP8 copies of the model, written on the GPU, against it (batch-1 decode step, TTFT)
 bench-gpu:
 	$(GPU_RUN) benchmarks/gpu_serving.py $(BENCH_GPU_ARGS)
 
@@ -55,8 +56,8 @@ bench-gpu:
 # the wheels of what the GPU image lacks (its package list: the device notes' KINDS.md), each at the
 # version this venv holds, for CPython 3.12 on manylinux x86-64, without their dependencies (those
 # the image lacks are named here too). There (no network): `make gpu-session` installs them into
-# /tmp/site and runs the kit, the kernel benchmark and the benchmark, each under a timeout (together
-# 8.5 minutes at most), logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
+# /tmp/site and runs the kit, the kernel benchmark, the benchmark and its quantized rows, each under a
+# timeout (together 11 minutes at most), logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
 GPU_WHEELS := msgspec pyzmq blake3 fastapi starlette pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions anyio sniffio uvicorn httptools openai httpx2 httpcore2 truststore jiter httpx httpcore av \
 	setproctitle pybase64 xgrammar apache-tvm-ffi opentelemetry-api
@@ -68,6 +69,7 @@ GPU_SITE_RUN := env PYTHONPATH=src:tests:$(GPU_SITE) $(GPU_PY)
 GPU_TEST_S ?= 260
 GPU_KERNELS_S ?= 50
 GPU_BENCH_S ?= 200
+GPU_QUANT_S ?= 150
 
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl
@@ -88,6 +90,8 @@ gpu-session:
 	  | tee $(GPU_LOGS)/attention-kernels.log
 	-PYTHONUNBUFFERED=1 timeout $(GPU_BENCH_S) $(MAKE) --no-print-directory bench-gpu GPU_RUN="$(GPU_SITE_RUN)" 2>&1 \
 	  | tee $(GPU_LOGS)/bench-gpu.log
+	-PYTHONUNBUFFERED=1 timeout $(GPU_QUANT_S) $(GPU_SITE_RUN) benchmarks/gpu_serving.py --quantized 2>&1 \
+	  | tee $(GPU_LOGS)/bench-gpu-quant.log
 
 # every component benchmark in benchmarks/ (one at a time: make bench ONLY=serving_overhead)
 bench: $(STAMP)

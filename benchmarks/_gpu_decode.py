@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from _gpu_limits import sync
+from _gpu_limits import decode_step_bytes, sync
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import SamplingParams
 
@@ -82,6 +82,14 @@ def decode_step_time(core: Any, batch: int, context: int, steps: int, warmup: in
             step()  # ends with the step's one device-to-host copy
             took.append(time.perf_counter() - start)
     return statistics.median(took)
+
+
+def decode_read_bytes(core: Any, batch: int, context: int, steps: int, warmup: int = 3) -> int:
+    """Bytes one step timed by `decode_step_time(core, batch, context, steps, warmup)` must read
+    (`_gpu_limits.decode_step_bytes`), at the cached length of its middle timed step."""
+    runner = core.executor.runner
+    kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
+    return decode_step_bytes(runner.model, batch, context + warmup + steps // 2, kv_per_token)
 
 
 def kernel_table(fn: Callable[[], Any], device: torch.device, rows: int = 15) -> str:

@@ -17,6 +17,10 @@ bfloat16 matmul's rate.
 - per-kernel tables (torch.profiler, top 15 by self device time) of one eager decode step and of
   one new image's first token (processing, tower and prefill).
 
+`--quantized` measures instead AWQ int4 and FP8 block-wise copies of the checkpoint, written on
+the device in the layouts Qwen publishes, against it: each one's batch-1 decode step (graphs) and
+TTFT of a new image, as ratios to the unquantized model's, beside issue 50's targets (`_gpu_quant.py`).
+
 Run: `python benchmarks/gpu_serving.py` (about 5 minutes on an H100); `--device cpu --tiny` runs
 every piece on the CPU at a tiny size (proves the script without a GPU); without CUDA and without
 `--device cpu` it says so and exits 0.
@@ -33,9 +37,10 @@ from typing import Any
 import torch
 
 from _gpu_baseline import transformers_ttft
-from _gpu_decode import decode_step_time, eager, eager_decode_table, kernel_table
-from _gpu_limits import (best_time, copy_bandwidth, decode_step_bytes, decoder_matrix_elements, matmul_rate,
-                         prefill_flops, sync, tower_flops)
+from _gpu_decode import decode_read_bytes, decode_step_time, eager, eager_decode_table, kernel_table
+from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
+from _gpu_quant import quantized_report
+from _gpu_requests import PROMPT, first_token_s, images, with_image
 
 QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                          num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
@@ -47,10 +52,7 @@ TINY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
                  num_key_value_heads=2, vocab_size=1280, max_position_embeddings=8192)
 TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14, spatial_merge_size=2,
                    temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1], hidden_act="silu")
-PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n" \
-         "<|im_start|>assistant\n"
 TEXT_PROMPT = "<|im_start|>user\n" + "the quick brown fox jumps over the lazy dog " * 100 + "<|im_end|>\n"
-IMAGE_SIZE = (1024, 768)
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,11 @@ class Sizes:
     copy_bytes: int
     matmul: int
     profile_batch: int
+    quant_images: int  # --quantized: new images whose first token is timed per model (the median)
 
 
-FULL = Sizes((1, 8, 32, 64, 128), 2048, 16, 20, 1 << 30, 8192, 8)
-TINY = Sizes((1, 4), 256, 2, 5, 1 << 26, 512, 2)
+FULL = Sizes((1, 8, 32, 64, 128), 2048, 16, 20, 1 << 30, 8192, 8, 3)
+TINY = Sizes((1, 4), 256, 2, 5, 1 << 26, 512, 2, 1)
 
 
 def build_checkpoint(path: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> None:
@@ -83,29 +86,6 @@ def build_checkpoint(path: str, tiny: bool, device: torch.device, dtype: torch.d
         AutoModelForImageTextToText.from_config(config, dtype=dtype).save_pretrained(path)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def images(n: int, seed: int = 0) -> list[Any]:
-    from PIL import Image
-
-    gen = torch.Generator().manual_seed(seed)
-    return [Image.fromarray(torch.randint(0, 256, (IMAGE_SIZE[1], IMAGE_SIZE[0], 3), generator=gen,
-                                          dtype=torch.uint8).numpy()) for _ in range(n)]
-
-
-def with_image(image: Any) -> dict[str, Any]:
-    return {"prompt": PROMPT, "multi_modal_data": {"image": image}}
-
-
-def first_token_s(llm: Any, prompts: list[Any], device: torch.device) -> tuple[float, list[int]]:
-    """Seconds until every prompt has its first token (one `generate` call), and the prompts' lengths."""
-    from mmserve import SamplingParams
-
-    sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
-    sync(device)
-    return time.perf_counter() - start, [len(o.prompt_token_ids) for o in outs]
 
 
 def tower_s(llm: Any, path: str, pictures: list[Any], device: torch.device) -> tuple[float, float]:
@@ -127,7 +107,6 @@ def ratio_line(name: str, seconds: float, limit: float, extra: str = "") -> str:
 def decode_report(llm: Any, sizes: Sizes, bandwidth: float, rate: float) -> None:
     core = llm.engine.core
     runner = core.executor.runner
-    kv_per_token = runner.kv_cache_bytes_per_block() // runner.block_size
     # a step's arithmetic: 2 per weight per token (the LM head's too) — the larger limit only at large batches
     matrices = decoder_matrix_elements(runner.model) + runner.model.config.text.vocab_size * \
         runner.model.config.text.hidden_size
@@ -140,7 +119,7 @@ def decode_report(llm: Any, sizes: Sizes, bandwidth: float, rate: float) -> None
                 step = decode_step_time(core, batch, sizes.context, sizes.steps)
         else:
             step = decode_step_time(core, batch, sizes.context, sizes.steps)
-        read = decode_step_bytes(runner.model, batch, sizes.context + 3 + sizes.steps // 2, kv_per_token)
+        read = decode_read_bytes(core, batch, sizes.context, sizes.steps)
         limit = max(read / bandwidth, 2 * matrices * batch / rate)
         print(ratio_line(f"batch {batch:3d} ({mode})", step, limit,
                          f"   {read / 1e9:6.2f} GB read, {batch / step:8.0f} tok/s"), flush=True)
@@ -192,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model and tiny sizes (with --device cpu: "
                                                             "checks this script on a machine without a GPU)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--quantized", action="store_true", help="instead of the rest: the batch-1 decode step and "
+                        "TTFT of AWQ and FP8 copies of the checkpoint against it (_gpu_quant.py)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -209,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         build_checkpoint(path, args.tiny, device, dtype)
         print(f"built the {'tiny' if args.tiny else 'Qwen2.5-VL-7B-sized'} random checkpoint in "
               f"{time.perf_counter() - start:.0f} s", flush=True)
+        if args.quantized:
+            quantized_report(path, sizes.context, sizes.steps, images(1 + sizes.quant_images), device, dtype,
+                             bandwidth)
+            return
         pictures = images(sizes.images + 3)  # warm-up, one, N at once, the repeated one
         hf = None if args.no_transformers else transformers_ttft(
             path, PROMPT, pictures[0], pictures[1], pictures[2:2 + sizes.images], device, dtype)

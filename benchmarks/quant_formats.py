@@ -43,19 +43,16 @@ def format_checkpoint(model_dir: str, fmt: str) -> tuple[str, str | None]:
     if fmt in ("dense", "fp8-online"):
         return model_dir, "fp8" if fmt == "fp8-online" else None
     import torch
-    from helpers.quant_checkpoints import quantize_copy
+    from helpers.quant_checkpoints import Recipe, quantize_checkpoint
 
     folder = Path(model_dir).with_name(Path(model_dir).name + "-formats")
     if not (folder / f"{fmt}-q" / "config.json").exists():
         work = folder / f"{fmt}-writing"
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(folder / f"{fmt}-q", ignore_errors=True)
-        work.mkdir(parents=True)
-        base = fmt.removesuffix("-f16")
-        quantize_copy(model_dir, work, base, group=128, block=128,
-                      unquantized=torch.float16 if fmt.endswith("-f16") else None)
-        (work / f"{base}-q").rename(folder / f"{fmt}-q")
-        shutil.rmtree(work)
+        unquantized = torch.float16 if fmt.endswith("-f16") else None
+        quantize_checkpoint(model_dir, work, Recipe(fmt.removesuffix("-f16"), 128, 128, unquantized=unquantized))
+        work.rename(folder / f"{fmt}-q")
     return str(folder / f"{fmt}-q"), None
 
 

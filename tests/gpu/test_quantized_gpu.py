@@ -59,3 +59,16 @@ def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
     pairs = [(a, b) for mine, ref in zip(ours, theirs) for a, b in zip(mine, ref)]
     print(f"\n{fmt}: bfloat16 tokens equal to transformers' bfloat16 on the dequantized weights: "
           f"{sum(a == b for a, b in pairs) / len(pairs):.1%} of {len(pairs)}")
+
+
+@pytest.mark.parametrize("fmt", ["awq", "fp8-block"])
+def test_quantized_decode_replayed_from_cuda_graphs_equals_eager(tmp_path, fmt):
+    """The quantized layers' Triton GEMV captured in the decode graphs gives the eager tokens (float32)."""
+    (path, _), items = quantize_copy(checkpoint("qwen3_vl", tmp_path), tmp_path, fmt), prompts("qwen3_vl")
+    eager, first = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", enforce_eager=True,
+                              max_model_len=512)
+    first.shutdown()  # each LLM sizes its KV cache on the whole GPU
+    graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512)
+    graphs = llm.engine.core.executor.runner.decode_graphs
+    assert graphs is not None and graphs.replays > 0
+    assert graphed == eager

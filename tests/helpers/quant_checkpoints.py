@@ -1,4 +1,4 @@
-"""Quantized copies of tiny checkpoints in the published layouts, and their dequantized twins.
+"""Quantized copies of checkpoints in the published layouts, and their dequantized twins.
 
 Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
 `WQLinear_GEMM.from_linear` packs (`awq/modules/linear/gemm.py`), W4A16 as compressed-tensors'
@@ -6,7 +6,8 @@ Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
 transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
 compressed-tensors' float-quantized format (`weight_scale` [out, 1]). `quantize_copy` writes the
 quantized checkpoint and a plain float32 one holding exactly the weights it stands for, which
-transformers runs as the reference.
+transformers runs as the reference; `quantize_checkpoint` writes the quantized one alone, from a
+sharded checkpoint too, quantizing on any device (the GPU benchmark's 7B copies, on the GPU).
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 DECODER_LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 VISION = ("visual", "vision_tower", "multi_modal_projector")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
+INDEX = "model.safetensors.index.json"
 FORMATS = ("awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
 
 
@@ -32,12 +36,12 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
 
 
 def awq_pack(codes: torch.Tensor) -> torch.Tensor:
-    """codes [rows, cols] (0..15) -> int32 [rows, cols / 8] as AutoAWQ packs columns."""
-    packed = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
-    for col in range(codes.shape[1] // 8):
-        for i in range(8):
-            packed[:, col] |= codes[:, col * 8 + AWQ_ORDER[i]].to(torch.int64) << (i * 4)
-    return _to_int32(packed)
+    """codes [rows, cols] (0..15) -> int32 [rows, cols / 8] as AutoAWQ packs columns: nibble i of
+    word c holds column 8c + AWQ_ORDER[i] (its loop, `qweight[:, c] |= col << 4i`, as one sum of
+    disjoint bit fields, on the codes' device)."""
+    words = codes.reshape(codes.shape[0], -1, 8)[..., AWQ_ORDER].to(torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    return _to_int32((words << shifts).sum(-1))
 
 
 def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
@@ -45,7 +49,7 @@ def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
     value = (signed.to(torch.int64) + 8)
     if packed_dim == 0:
         value = value.t()
-    packed = torch.zeros(value.shape[0], -(-value.shape[1] // 8), dtype=torch.int64)
+    packed = torch.zeros(value.shape[0], -(-value.shape[1] // 8), dtype=torch.int64, device=value.device)
     for i in range(8):
         part = value[:, i::8]
         packed[:, :part.shape[1]] |= part << (4 * i)
@@ -88,7 +92,7 @@ def _w4a16(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torc
 def _fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     out, inp = w.shape
     rows, cols = -(-out // block), -(-inp // block)
-    padded = torch.zeros(rows * block, cols * block)
+    padded = torch.zeros(rows * block, cols * block, device=w.device)
     padded[:out, :inp] = w
     tiles = padded.reshape(rows, block, cols, block)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-8)  # [rows, cols]
@@ -152,34 +156,81 @@ def _quantized(name: str, w: torch.Tensor, tower: bool) -> bool:
     return DECODER_LINEAR.search(name) is not None
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How `quantize_checkpoint` writes a checkpoint: the format, its int4 group and FP8 block
+    sizes, whether the vision tower and projector are quantized too (`tower`), and the dtype the
+    float tensors it leaves unquantized are stored in (None: as the source stores them)."""
+
+    fmt: str
+    group: int = 32
+    block: int = 32
+    tower: bool = False
+    unquantized: torch.dtype | None = None
+
+
+def quantize_entry(name: str, w: torch.Tensor, recipe: Recipe) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One checkpoint tensor under `recipe`: (the tensors written in its place, by name; the tensor
+    the float twin holds in its place: the float32 W a quantized weight stands for, else its value)."""
+    if _quantized(name, w, recipe.tower):
+        stored, deq = quantize_tensor(recipe.fmt, w.float(), recipe.group, recipe.block)
+        prefix = name.removesuffix(".weight")
+        return {f"{prefix}.{suffix}": t for suffix, t in stored.items()}, deq.contiguous()
+    if recipe.unquantized is not None and w.is_floating_point():
+        kept = w.to(recipe.unquantized)
+        return {name: kept}, kept.float()
+    return {name: w}, w
+
+
+def weight_files(model_dir: Path) -> list[str]:
+    """The checkpoint's safetensors files: its index's, or the one `model.safetensors`."""
+    index = model_dir / INDEX
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+def quantize_checkpoint(src: str, dst: Path, recipe: Recipe, twin: Path | None = None,
+                        device: torch.device | str = "cpu") -> None:
+    """`dst`: the checkpoint `src` (one file, or shards with their index) with its tensors as
+    `quantize_entry` writes them, file by file under the source's file names (and a new index),
+    its other files copied and `config.json` given the `quantization_config`; `twin`: the same
+    with the float tensors each stands for. Tensors are read one at a time onto `device` and
+    quantized there (a 7B's on a GPU in seconds)."""
+    folders = [dst] if twin is None else [dst, twin]
+    for folder in folders:
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", INDEX))
+    maps: list[dict[str, str]] = [{} for _ in folders]
+    totals = [0 for _ in folders]
+    for file in weight_files(Path(src)):
+        written: list[dict[str, torch.Tensor]] = [{} for _ in folders]
+        with safe_open(str(Path(src) / file), framework="pt") as f:
+            for name in f.keys():
+                stored, plain = quantize_entry(name, f.get_tensor(name).to(device), recipe)
+                written[0].update({key: t.cpu() for key, t in stored.items()})
+                if twin is not None:
+                    written[1][name] = plain.cpu()
+        for folder, tensors, names in zip(folders, written, maps):
+            save_file(tensors, str(folder / file), metadata={"format": "pt"})
+            names.update(dict.fromkeys(tensors, file))
+        totals = [total + sum(t.nbytes for t in tensors.values()) for total, tensors in zip(totals, written)]
+    if (Path(src) / INDEX).exists():
+        for folder, names, total in zip(folders, maps, totals):
+            (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": names}))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config(recipe.fmt, recipe.group, recipe.block, recipe.tower)
+    (dst / "config.json").write_text(json.dumps(config))
+
+
 def quantize_copy(src: str, dst: Path, fmt: str, group: int = 32, block: int = 32, tower: bool = False,
                   unquantized: torch.dtype | None = None) -> tuple[str, str]:
-    """(the quantized checkpoint, its dequantized float32 twin) of the one-file checkpoint `src`:
+    """(the quantized checkpoint, its dequantized float32 twin) of the checkpoint `src`:
     every decoder projection quantized in `fmt`; the vision tower and projector left as they are,
     or with `tower` quantized too (and not in the skip list). With `unquantized` (e.g. float16, as
     Qwen's AWQ releases store them) every float tensor not quantized is stored in that dtype, the
     twin holding the same values in float32."""
     quant, plain = dst / f"{fmt}-q", dst / f"{fmt}-deq"
-    tensors = load_file(str(Path(src) / "model.safetensors"))
-    q_tensors, deq_tensors = {}, {}
-    for name, w in tensors.items():
-        if _quantized(name, w, tower):
-            stored, deq = quantize_tensor(fmt, w.float(), group, block)
-            prefix = name.removesuffix(".weight")
-            q_tensors.update({f"{prefix}.{suffix}": t for suffix, t in stored.items()})
-            deq_tensors[name] = deq.contiguous()
-        elif unquantized is not None and w.is_floating_point():
-            q_tensors[name] = w.to(unquantized)
-            deq_tensors[name] = q_tensors[name].float()
-        else:
-            q_tensors[name] = deq_tensors[name] = w
-    for folder, ts, quantized in ((quant, q_tensors, True), (plain, deq_tensors, False)):
-        shutil.copytree(src, folder)
-        save_file(ts, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((folder / "config.json").read_text())
-        if quantized:
-            config["quantization_config"] = quantization_config(fmt, group, block, tower)
-        (folder / "config.json").write_text(json.dumps(config))
+    quantize_checkpoint(src, quant, Recipe(fmt, group, block, tower, unquantized), twin=plain)
     return str(quant), str(plain)
 
 

@@ -6,16 +6,24 @@ one-line refusal of what is not read."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, awq_pack, checkpoint_bytes, ct_pack, quantize_copy)
+from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, Recipe, awq_pack, checkpoint_bytes, ct_pack,
+                                       quantize_copy, quantize_entry)
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
 from mmserve.models.quantization.config import QuantSpec, read_quant_spec
+
+
+EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_packed", "weight_scale"),
+                     "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
+                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
 
 
 def _nibble(word: int, k: int) -> int:
@@ -72,6 +80,57 @@ def test_loaded_layers_are_the_checkpoints_weights_bit_for_bit(fmt, source, tmp_
         assert torch.equal(layer.method.dequantize(layer), want), name
         if want.shape[1] == x.shape[1]:
             torch.testing.assert_close(layer(x), reference[name](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_packer_quantizes_on_the_weights_device(fmt):
+    """Every tensor it makes is made where the weight is (torch's `meta` device stands for a GPU:
+    the GPU benchmark quantizes a 7B there); only W4A16's `weight_shape`, metadata, is on the CPU."""
+    w = torch.empty(384, 256, dtype=torch.bfloat16, device="meta")
+    stored, deq = quantize_entry("model.layers.0.mlp.down_proj.weight", w, Recipe(fmt, 128, 128))
+    assert deq.device.type == "meta" and deq.shape == (384, 256)
+    assert {name.rsplit(".", 1)[1]: t.device.type for name, t in stored.items() if "shape" not in name} == \
+        dict.fromkeys(EXPECTED_SUFFIXES[fmt], "meta")
+
+
+def _shard(source: str, dst: Path) -> Path:
+    """The one-file checkpoint `source` as two shards and their index, as large checkpoints are stored."""
+    shutil.copytree(source, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return dst
+
+
+def _tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, checking its index names the file that holds each and their total."""
+    index = json.loads((Path(folder) / INDEX).read_text())
+    found = {}
+    for file in sorted(set(index["weight_map"].values())):
+        for name, tensor in load_file(str(Path(folder) / file)).items():
+            assert index["weight_map"].pop(name) == file
+            found[name] = tensor
+    assert not index["weight_map"] and index["metadata"]["total_size"] == sum(t.nbytes for t in found.values())
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["awq", "fp8-block"])
+def test_a_sharded_checkpoint_is_quantized_shard_by_shard(fmt, source, tmp_path):
+    """The same tensors as from its one-file form, each in its source's file, under a new index."""
+    quantized, dequantized = quantize_copy(str(_shard(source, tmp_path / "sharded")), tmp_path / "from-shards", fmt)
+    whole = quantize_copy(source, tmp_path / "from-one", fmt)
+    for got, want in zip((quantized, dequantized), whole):
+        mine, theirs = _tensors(got), load_file(str(Path(want) / "model.safetensors"))
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine)
+        assert (Path(got) / "config.json").read_text() == (Path(want) / "config.json").read_text()
+    assert {p.name for p in Path(quantized).iterdir()} == {p.name for p in (tmp_path / "sharded").iterdir()}
+    assert load_model(quantized).weight_bytes == load_model(whole[0]).weight_bytes
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
