@@ -107,46 +107,32 @@ class CpuDecoder:
 
     @classmethod
     def build(cls, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CpuDecoder | None:
-        """The plan of a Llama or Qwen text model (`layers`, `norm`, `embed_tokens`) over
-        `kv_caches`, or None where the model is not one the plan covers (module docstring)."""
-        library, kernels, attention = load(), cpu_ops.load(), cpu_kernels.load()
+        """The plan of a Llama or Qwen text model (`layers`, `norm`) over `kv_caches`, or None where
+        the model is not one the plan covers (module docstring)."""
+        kernels, attention = cpu_ops.load(), cpu_kernels.load()
         layers = list(getattr(model, "layers", ()))
-        if library is None or kernels is None or kernels.silu_lanes is None or attention is None or not layers:
-            return None
-        if not kv_caches or len(kv_caches) != len(layers):
+        if (load() is None or kernels is None or kernels.silu_lanes is None or attention is None or not layers
+                or len(kv_caches) != len(layers)):
             return None
         cache_dtype = _CACHE_DTYPES.get(kv_caches[0][0].dtype)
         entry = cpu_kernels.ENTRY_POINTS.get((torch.float32, kv_caches[0][0].dtype))
-        if cache_dtype is None or entry is None:
+        if cache_dtype is None or entry is None or not _uniform(model, layers):
             return None
-        keep: list[object] = []
+        keep: list[object] = [model.norm.weight]
         planned = [_layer_plan(layer, cache, keep) for layer, cache in zip(layers, kv_caches)]
         rows = [row for row in planned if row is not None]
-        first = layers[0]
-        attn, norm = first.self_attn, model.norm
-        eps = norm.eps
-        if len(rows) != len(layers) or not _f32(norm.weight) or any(
-                n.eps != eps for layer in layers for n in _norms(layer)):
+        if len(rows) != len(layers):
             return None
         array = (_Layer * len(rows))(*rows)
         keep.append(array)
-        k_cache = kv_caches[0][0]
-        qkv_sizes, mlp_sizes = attn.q_proj.fused.sizes, first.mlp.gate_proj.fused.sizes
-        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        if qkv_sizes != [q_rows, kv_rows, kv_rows] or len(mlp_sizes) != 2 or mlp_sizes[0] != mlp_sizes[1]:
-            return None
-        mlp_rows = mlp_sizes[0]
-        plan = _Decoder(layers=len(rows), D=norm.weight.shape[0], H=attn.num_heads, Hkv=attn.num_kv_heads,
-                        Dh=attn.head_dim, I=mlp_rows, S=k_cache.shape[1], cache_dtype=cache_dtype,
-                        lanes=kernels.lanes, silu_lanes=kernels.silu_lanes, eps=eps, scale=attn.scale,
-                        rms_norm=address(kernels.library, "mmserve_rms_norm_f32"),
-                        qk_norm=address(kernels.library, "mmserve_qk_norm_f32"),
-                        rotary=address(kernels.library, "mmserve_rotary_f32"),
-                        silu_mul=address(kernels.library, "mmserve_silu_mul_f32"),
-                        attend=address(attention, entry), final_norm=norm.weight.data_ptr(), layer=array)
-        if plan.D >= cpu_ops.MAX_NORM_WIDTH or plan.Dh % 2:
-            return None
-        keep.append(norm.weight)
+        attn, library = layers[0].self_attn, kernels.library
+        plan = _Decoder(layers=len(rows), D=model.norm.weight.shape[0], H=attn.num_heads, Hkv=attn.num_kv_heads,
+                        Dh=attn.head_dim, I=layers[0].mlp.gate_proj.fused.sizes[0], S=kv_caches[0][0].shape[1],
+                        cache_dtype=cache_dtype, lanes=kernels.lanes, silu_lanes=kernels.silu_lanes,
+                        eps=model.norm.eps, scale=attn.scale, rms_norm=address(library, "mmserve_rms_norm_f32"),
+                        qk_norm=address(library, "mmserve_qk_norm_f32"), rotary=address(library, "mmserve_rotary_f32"),
+                        silu_mul=address(library, "mmserve_silu_mul_f32"), attend=address(attention, entry),
+                        final_norm=model.norm.weight.data_ptr(), layer=array)
         logger.info("decode steps of up to %d tokens run the %d decoder layers in one C call (compiled CPU step)",
                     MAX_ROWS, len(rows))
         return cls(plan, keep, kv_caches)
@@ -178,6 +164,22 @@ class CpuDecoder:
             return None
         self.steps += 1
         return out
+
+
+def _uniform(model: Any, layers: list[Any]) -> bool:
+    """Whether the layers are what the plan's one set of sizes and eps describes: every norm float32
+    with the final norm's eps, Q/K/V fused as H, Hkv, Hkv heads and gate/up as two equal halves
+    (checked on the first layer: a model's layers are alike), widths the layer ops take."""
+    norm, attn, mlp = model.norm, layers[0].self_attn, layers[0].mlp
+    if not _f32(norm.weight) or any(n.eps != norm.eps for layer in layers for n in _norms(layer)):
+        return False
+    qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
+    if qkv is None or gate_up is None:
+        return False
+    q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    return (qkv.sizes == [q_rows, kv_rows, kv_rows] and len(gate_up.sizes) == 2
+            and gate_up.sizes[0] == gate_up.sizes[1] and norm.weight.shape[0] < cpu_ops.MAX_NORM_WIDTH
+            and attn.head_dim % 2 == 0)
 
 
 def _norms(layer: Any) -> list[Any]:
