@@ -5,8 +5,9 @@
  *
  * The kernels are the loaded libraries' own functions, reached by the pointers in the plan: the
  * GEMVs (models/quantization/csrc/), the layer ops (layer_ops.c) and the paged decode attention
- * (models/attention/csrc/paged_decode.c). This file adds only the cache write: K/V rows copied to
- * their slots, rounded to a 16-bit cache's dtype to nearest even, as PyTorch's `.to` does.
+ * (models/attention/csrc/paged_decode.c). This file adds only the cache write (K/V rows copied to
+ * their slots, rounded to a 16-bit cache's dtype to nearest even, as PyTorch's `.to` does) and the
+ * bias added after a 16-bit weight's GEMV (as half_gemv's caller adds it).
  *
  * Per layer, T tokens of width D (x, the residual stream carried as in the Python layers):
  *   h, res = norm(x + res)                         (rms_norm alone on the first layer: res = x)
