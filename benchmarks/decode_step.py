@@ -281,8 +281,7 @@ def main() -> None:
     with model_checkpoint({**TEXT, **json.loads(args.text_config)}, args.model_dir) as model_dir:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; C decode kernel: "
               f"{'built' if cpu_kernels.load() is not None else 'unavailable'}; KV cache: {args.kv_cache_dtype}")
-        paths = ("kernel", *(("padded",) if args.compare_attention else ()),
-                 *(("eager",) if args.compare_eager else ()))
+        paths = measured_paths(args)
         print(f"{'format':>11} {'path':>6} {'batch':>5} {'ctx':>5} {'step ms':>8} {'cpu ms':>7} {'MB read':>8} "
               f"{'GB/s':>5} {'GFLOP/s':>7} {'bound ms':>8} {'of':>4} {'ratio':>6} {'tok/s':>7}  "
               + " ".join(f"{p:>10}" for p in PHASES) + "  (phase ms per step)")
@@ -310,6 +309,12 @@ def main() -> None:
         for path, ratio in worst.items():
             print(f"worst step / bound ratio at batch >= 8 ({path}): {ratio:.2f} (target <= 1.5)")
         summarize(steps, cpu, read)
+
+
+def measured_paths(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ways each configuration runs, in turns (`attention_path`): as the engine does, then the
+    comparisons asked for."""
+    return ("kernel", *(("padded",) if args.compare_attention else ()), *(("eager",) if args.compare_eager else ()))
 
 
 def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,
