@@ -69,6 +69,9 @@ def test_quantized_decode_replayed_from_cuda_graphs_equals_eager(tmp_path, fmt):
                               max_model_len=512)
     first.shutdown()  # each LLM sizes its KV cache on the whole GPU
     graphed, llm = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512)
-    graphs = llm.engine.core.executor.runner.decode_graphs
-    assert graphs is not None and graphs.replays > 0
-    assert graphed == eager
+    try:
+        graphs = llm.engine.core.executor.runner.decode_graphs
+        assert graphs is not None and graphs.replays > 0
+        assert graphed == eager
+    finally:
+        llm.shutdown()  # the GPU back for the next test, whatever this one found
