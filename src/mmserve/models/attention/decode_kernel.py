@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from mmserve.models.attention.online_softmax import attend_tile, load_paged_kv, range_loops
+from mmserve.models.attention.tuning import kv_stages
 
 # Shapes (B = sequences, one query each; H = query heads, Hkv = KV heads, G = H / Hkv, Dh = head
 # dim, N = cache blocks, S = block size, W = block-table width, P = splits):
@@ -54,6 +55,12 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, sms: int) -> int:
     block tables' width: a captured graph's longest context)."""
     wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * sms, batch * kv_heads))
     return max(1, min(wanted, MAX_SPLITS, max_context // MIN_SPLIT_KEYS))
+
+
+def split_warps(dtype: torch.dtype) -> int:
+    """Warps of a split program: 4 in half precision; 8 for a float32 query, whose [ROWS, BLOCK_D]
+    tiles in float32 (K and V widened from a 16-bit cache too) pass 4 warps' registers and spill."""
+    return 8 if dtype == torch.float32 else 4
 
 
 @triton.jit
@@ -164,7 +171,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        TILE_N=TILE_N, NUM_SPLITS=splits, RANGE_LOOP=range_loops(q.device), num_warps=4)
+        TILE_N=TILE_N, NUM_SPLITS=splits, RANGE_LOOP=range_loops(q.device), num_warps=split_warps(q.dtype),
+        num_stages=kv_stages(3, q.element_size(), k_cache.element_size()))
     if splits > 1:
         _reduce_splits_kernel[(B, H)](
             part, lse, out, seq_lens, out.stride(0), out.stride(1), HEAD_DIM=Dh, BLOCK_D=block_d, TILE_N=TILE_N,

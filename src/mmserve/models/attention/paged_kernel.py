@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mmserve.models.attention.decode_kernel import decode_attention
 from mmserve.models.attention.online_softmax import attend_tile, load_paged_kv, range_loops
-from mmserve.models.attention.tuning import prefill_tiles
+from mmserve.models.attention.tuning import kv_stages, prefill_tiles
 
 # Shapes (T = query tokens of the step, B = sequences, H = query heads, Hkv = key/value heads,
 # G = H / Hkv, Dh = head dim, N = cache blocks, S = block size):
@@ -118,5 +118,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, G_PAD=g_pad, BLOCK_Q=block_q,
         BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE_N=tiles.block_n, RANGE_LOOP=range_loops(q.device),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=kv_stages(tiles.num_stages, q.element_size(), k_cache.element_size()))
     return out

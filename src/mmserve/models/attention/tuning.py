@@ -1,9 +1,11 @@
 """Tile sizes, warps and pipeline stages of the prefill attention kernels, per head size and dtype.
 
 Not timed here (no GPU at hand when chosen): each comes from what published Hopper kernels use for
-the same head size, written beside it. `tl.arange` (and `tl.dot`, at least 16) need powers of two:
-the paged kernel runs a head of 80 or 96 in 128 lanes (the rest masked), as a head of 128; the
-tower's variable-length kernel holds it in two parts (`head_parts`: 80 = 64 + 16, 96 = 64 + 32).
+the same head size, written beside it, with warps enough that `ptxas` spills no register at the
+shipped models' shapes (`benchmarks/kernel_resources.py` compiles them for sm_90 without a GPU).
+`tl.arange` (and `tl.dot`, at least 16) need powers of two: the paged kernel runs a head of 80 or
+96 in 128 lanes (the rest masked), as a head of 128; the tower's variable-length kernel holds it in
+two parts (`head_parts`: 80 = 64 + 16, 96 = 64 + 32).
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ class TileConfig:
 # 128 x 128 with 4 warps; Triton's fused-attention tutorial searches BLOCK_M {64, 128} x BLOCK_N
 # {32, 64} x stages {3, 4, 7}, 8 warps only for 128 x 128 tiles: 128 x 64 keeps 4 warps, 4 stages.
 HALF_SMALL_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
-# Half precision, padded head 128 (heads 80, 96, 128): FlashAttention-2's forward tile for heads
-# 96 and 128 is 128 x 64 with 4 warps; 3 stages of K and V tiles (3 x 2 x 64 x 128 x 2 B = 96 KiB)
-# plus Q (32 KiB) fit the 228 KiB of shared memory of an H100 SM, as in the tutorial's search.
-HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+# Half precision, padded head 128 (heads 72, 80, 96, 128): FlashAttention-2's forward tile for heads
+# 96 and 128 is 128 x 64; 3 stages of K and V tiles (3 x 2 x 64 x 128 x 2 B = 96 KiB) plus Q
+# (32 KiB) fit the 228 KiB of shared memory of an H100 SM, as in the tutorial's search. 8 warps, as
+# the tutorial takes for 128-row tiles: with 4, a thread's share of the 128 x 128 float32
+# accumulator and Q tile passes 255 registers and spills (compiled for sm_90: 424 bytes a thread
+# at head 128, none with 8 warps at 181 registers).
+HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 # float32: values take twice the bytes and `tl.dot` runs in IEEE precision (no tensor cores):
-# half the tile each way, 2 stages.
-SINGLE = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# half the tile each way, 2 stages; 8 warps, for the same reason (4 spill at head 128).
+SINGLE = TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 def head_parts(head_dim: int) -> tuple[int, int]:
@@ -59,3 +64,11 @@ def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int) -> TileCon
         tiles = HALF_SMALL_HEAD if triton.next_power_of_2(head_dim) <= 64 else HALF_LARGE_HEAD
     return replace(tiles, block_m=min(tiles.block_m, max(16, triton.next_power_of_2(rows))),
                    block_n=min(tiles.block_n, max(16, triton.next_power_of_2(keys))))
+
+
+def kv_stages(stages: int, query_itemsize: int, cache_itemsize: int) -> int:
+    """`stages` of a loop over K/V tiles, or 1 where they are loaded narrower than the query (a
+    16-bit cache under a float32 model) and widened in the loop: pipelined, each tile is held in
+    both widths and registers spill (compiled for sm_90 at head 128: 192 to 5,584 bytes a thread,
+    none with one stage)."""
+    return 1 if cache_itemsize < query_itemsize else stages

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-TWO_TO_120 = 1.329227995784916e36  # 2^120: an e4m3 exponent field moved to float32's, rebiased
+# 2^120: an e4m3 exponent field moved to float32's, rebiased. A kernel reads a global only when it
+# is a `tl.constexpr` (the compiler refuses a plain float; the interpreter does not).
+TWO_TO_120 = tl.constexpr(1.329227995784916e36)
 GEMV_MAX_ROWS = 16  # rows of x up to which the GEMV runs (the dot wants 16 rows or more)
 TARGET_PROGRAMS = 264  # twice an H100's SMs: what split-K aims the GEMV's grid at
 
