@@ -2,7 +2,7 @@
 (`benchmarks/kernel_resources.py`, tests/helpers/gpu_compile.py): the compiler accepts each one at
 the shipped models' shapes, each fits the shared memory a block may have, and none spills
 registers. The interpreter, which runs every other kernel test here, checks none of this: it ran
-the FP8 / int4 kernels for weeks with a global the compiler refuses.
+the FP8 / int4 kernels with a global the compiler refuses from the day they were written.
 
 Each runs in a subprocess: this process's kernels are interpreted (tests/conftest.py)."""
 
