@@ -41,13 +41,8 @@ from _gpu_decode import decode_read_bytes, decode_step_time, eager, eager_decode
 from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
 from _gpu_quant import quantized_report
 from _gpu_requests import PROMPT, first_token_s, images, with_image
+from _qwen_7b import QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
 
-QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_theta": 1000000.0})
-QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2)
 TINY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1280, max_position_embeddings=8192)
 TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14, spatial_merge_size=2,

@@ -1,6 +1,6 @@
 """Our fused small-op kernels (residual add + RMSNorm, SiLU x up, rotary of q and k with the KV
-write) against the torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding
-of a sum's order,
+write, and into new tensors, in float32 for the towers) against the torch path they replace,
+`LayerOps` (interpreted on CPU): float32 to rounding of a sum's order,
 half precision to the dtype's rounding, strided views of a fused projection's output, widths
 that are not powers of two, and M-RoPE's cos / sin."""
 
@@ -107,3 +107,28 @@ def test_rotary_of_q_and_k_with_the_cache_write(dtype, kind, heads, kv_heads, he
     torch.testing.assert_close(got_q.cpu(), want_q, **exact)
     torch.testing.assert_close(got_k_cache.cpu(), want_k_cache, **exact)
     assert torch.equal(got_v_cache.cpu(), want_v_cache) and torch.equal(fused.cpu(), qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("heads,head_dim", [(4, 64), (3, 80), (2, 72)])
+def test_rotary_of_q_and_k_into_new_tensors(dtype, wide, heads, head_dim):
+    """`rotary` (each product rounded to the dtype, as the torch path) and `rotary_float32` (the
+    vision towers': float32 throughout, one rounding at the end) of q and k as views of one fused
+    QKV output [P, 3, H, Dh] (the towers' layout), into new contiguous tensors; inputs unchanged."""
+    P = 6
+    qkv = rand(P, 3 * heads * head_dim, dtype=dtype, seed=head_dim)
+    q, k, _ = qkv.view(P, 3, heads, head_dim).unbind(1)
+    angles = rand(P, head_dim // 2, dtype=torch.float32, seed=1) * 3
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]  # [P, 1, Dh] as VisionRotary makes them
+    cos, sin = (emb.cos(), emb.sin()) if wide else (emb.cos().to(dtype), emb.sin().to(dtype))
+    want = (TORCH_OPS.rotary_float32 if wide else TORCH_OPS.rotary)(q, k, cos, sin)
+    fused = qkv.to(DEVICE)
+    got_q, got_k, _ = fused.view(P, 3, heads, head_dim).unbind(1)
+    ops = TRITON_OPS.rotary_float32 if wide else TRITON_OPS.rotary
+    got = ops(got_q, got_k, cos.to(DEVICE), sin.to(DEVICE))
+    exact = {"atol": 0, "rtol": 0} if DEVICE.type == "cpu" else tol(dtype)  # a GPU may fuse a product into the add
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.dtype == dtype
+        torch.testing.assert_close(g.cpu(), w, **exact)
+    assert torch.equal(fused.cpu(), qkv)

@@ -86,8 +86,23 @@ class LayerOps:
         signed = signed_sin(sin)
         return _rotate(q, cos, signed), _rotate(k, cos, signed)
 
+    def rotary_float32(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary` computed in float32 (cos, sin: [T, 1, Dh] float32) and rounded back to q's and
+        k's dtype: the vision towers' rotary, as transformers computes it."""
+        signed = signed_sin(sin)
+        return _rotate(q.float(), cos, signed).to(q.dtype), _rotate(k.float(), cos, signed).to(k.dtype)
+
 
 TORCH_OPS = LayerOps()
+
+
+def norm_residual(ops: LayerOps, norm: RMSNorm, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(stream), stream) of the stream x + residual (x alone when residual is None)."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class EmbeddingTable(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from mmserve.models.hf_config import TextConfig
 from mmserve.models.attention.backend import StepAttention
-from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding, default_scale
+from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, RotaryEmbedding, default_scale, norm_residual
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard, project)
 
@@ -92,13 +92,6 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
         return self.mlp(h, ops), residual
-
-
-def norm_residual(ops: LayerOps, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> Stream:
-    """(norm(stream), stream) of the stream x + residual (x alone when residual is None)."""
-    if residual is None:
-        return ops.rms_norm(x, norm.weight, norm.eps), x
-    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):

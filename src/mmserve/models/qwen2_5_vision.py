@@ -19,8 +19,8 @@ from torch import nn
 
 from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
 from mmserve.models.attention.torch_sdpa import TORCH
-from mmserve.models.layers import RMSNorm, activation
-from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, activation, norm_residual
+from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, project
 from mmserve.models.qwen_config import QwenVisionConfig
 from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
                                         check_grids, frame_boundaries, vision_positions)
@@ -35,7 +35,10 @@ def _rms_norm(dim: int) -> nn.Module:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), all with bias; gate/up column-parallel, down row-parallel."""
+    """down(act(gate(x)) * up(x)), all with bias; gate/up column-parallel (one matrix once packed,
+    `fuse_projections`), down row-parallel. A SiLU gate is the backend's `silu_mul`."""
+
+    fused_projections = (("gate_proj", "up_proj"),)
 
     def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -45,9 +48,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inner, D, True, tp, what=INTERMEDIATE)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         # x: [P, D] -> [P, D]
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)  # views of one [P, 2I / N] once packed
+        return self.down_proj(ops.silu_mul(gate, up) if self.act is F.silu else self.act(gate) * up)
 
 
 class PatchMerger(nn.Module):
@@ -61,9 +65,10 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(ColumnParallelLinear(self.hidden, self.hidden, True, tp, what=MERGER), nn.GELU(),
                                  RowParallelLinear(self.hidden, cfg.out_hidden_size, True, tp, what=MERGER))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [P, D] -> [P / merge_unit, out_hidden_size]
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        # x (+ residual, the stream as the blocks carry it): [P, D] -> [P / merge_unit, out_hidden_size]
+        return self.mlp(norm_residual(ops, self.ln_q, x, residual)[0].view(-1, self.hidden))
 
 
 class Qwen2_5VisionTower(nn.Module):
@@ -100,9 +105,10 @@ class Qwen2_5VisionTower(nn.Module):
         cfg = self.cfg
         rope = self.rotary_pos_emb(plan.angles)
         x = by_block(self.patch_embed(pixel_values), plan.order, cfg.merge_unit)  # [P, D], window order
+        residual = None
         for index, block in enumerate(self.blocks):
-            x = block(x, rope, plan.frames if index in cfg.fullatt_block_indexes else plan.windows)
-        merged = self.merger(x)  # [P / merge_unit, out_hidden_size], window order
+            x, residual = block(x, residual, rope, plan.frames if index in cfg.fullatt_block_indexes else plan.windows)
+        merged = self.merger(x, residual, plan.frames.ops)  # [P / merge_unit, out_hidden_size], window order
         return merged[plan.restore], []
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from mmserve.models.attention.backend import AttentionBackend
 from mmserve.models.attention.torch_sdpa import TORCH
-from mmserve.models.layers import EmbeddingTable, activation
+from mmserve.models.layers import TORCH_OPS, EmbeddingTable, LayerOps, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
 from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
@@ -40,8 +40,8 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, what=INTERMEDIATE)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [P, D] -> [P, D]
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        # x: [P, D] -> [P, D] (`ops`: the backend's small ops, of which this MLP uses none)
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
@@ -108,13 +108,13 @@ class Qwen3VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)  # [P, D]
         table = self.pos_embed.weight  # [side², D]
         x = x + (table[plan.taps] * plan.weights).sum(1).to(x.dtype)  # float32 sums when the table is lower
-        deepstack = []
+        deepstack, residual = [], None
         for index, block in enumerate(self.blocks):
-            x = block(x, rope, plan.frames)
+            x, residual = block(x, residual, rope, plan.frames)
             if index in cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
-                deepstack.append(merger(x))
-        return self.merger(x), deepstack
+                deepstack.append(merger(residual + x))
+        return self.merger(residual + x), deepstack
 
     def position_taps(self, grids: list[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned grid resampled to each image, as host data: for every patch (merge-block

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from mmserve.models.attention.backend import StepAttention
-from mmserve.models.layers import RMSNorm, default_scale
-from mmserve.models.llama import LlamaDecoderLayer, norm_residual
+from mmserve.models.layers import RMSNorm, default_scale, norm_residual
+from mmserve.models.llama import LlamaDecoderLayer
 from mmserve.models.mrope import MRotaryEmbedding
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      VocabParallelEmbedding, kv_head_shard, project)

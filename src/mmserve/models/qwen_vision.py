@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.attention.backend import SegmentAttention
-from mmserve.models.layers import apply_rotary
+from mmserve.models.layers import LayerOps, RMSNorm, norm_residual
 from mmserve.models.parallel import SINGLE, ParallelLinear, RowParallelLinear, Shard, TensorParallel
 from mmserve.models.quantization.base import LinearMethod, LinearShape
 from mmserve.models.qwen_config import QwenVisionConfig
@@ -200,14 +200,19 @@ class VisionAttention(nn.Module):
         # x: [P, D] -> [P, D]
         P = x.shape[0]
         q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)  # each [P, H, Dh]
-        q, k = (apply_rotary(t.float(), *rope).to(t.dtype) for t in (q, k))
+        q, k = segments.ops.rotary_float32(q, k, *rope)
         out = segments.attend(q, k, v, self.head_dim**-0.5)  # [P, H, Dh]
         return self.proj(out.reshape(P, -1))
 
 
 class VisionBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm1(x)), then + mlp(norm2(x)); the norm and the MLP
-    are the family's (RMSNorm and gated SiLU for Qwen2.5-VL, LayerNorm and GELU for Qwen3-VL)."""
+    are the family's (RMSNorm and gated SiLU for Qwen2.5-VL, LayerNorm and GELU for Qwen3-VL).
+
+    The stream is carried as the decoder's is (llama.py): (x, residual), their sum the block's
+    input, added by the norm that reads it (`add_norm`; residual None: x is the whole stream).
+    The small ops are the segments' backend's (`SegmentAttention.ops`): one fused launch each on
+    the triton backend, PyTorch's op by op on the torch backend."""
 
     def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel, norm: Callable[[int], nn.Module],
                  mlp: nn.Module) -> None:
@@ -217,7 +222,21 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg, tp)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, rope: Rope, segments: SegmentAttention) -> torch.Tensor:
-        # x: [P, D] -> [P, D]
-        x = x + self.attn(self.norm1(x), rope, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                segments: SegmentAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [P, D] -> (the MLP's output, the stream before it)
+        ops = segments.ops
+        h, residual = add_norm(ops, self.norm1, x, residual)
+        h, residual = add_norm(ops, self.norm2, self.attn(h, rope, segments), residual)
+        return self.mlp(h, ops), residual
+
+
+def add_norm(ops: LayerOps, norm: nn.Module, x: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(stream), stream) of the stream x + residual (x alone when residual is None): an
+    RMSNorm through `ops` (the fused add + norm: x and residual may be overwritten), any other
+    norm (LayerNorm) after PyTorch's add."""
+    if isinstance(norm, RMSNorm):
+        return norm_residual(ops, norm, x, residual)
+    stream = x if residual is None else residual + x
+    return norm(stream), stream

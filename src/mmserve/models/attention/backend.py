@@ -38,6 +38,11 @@ class StepAttention(Protocol):
 class SegmentAttention(Protocol):
     """One vision tower call's segments (frames, windows or whole images of a packed sequence)."""
 
+    @property
+    def ops(self) -> LayerOps:
+        """The backend's small ops between the tower's GEMMs (norms, SiLU x up, rotary)."""
+        ...
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q, k, v: [P, H, Dh] -> [P, H, Dh]: full attention within each segment."""
         ...

@@ -72,16 +72,13 @@ def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cac
                          HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_HALF)
-    ok = c < HALF
-    cos1, cos2, sin1, sin2 = load_rotation(cos_ptr, sin_ptr, stride_ct, t, c, ok, HALF)
+    t, c, ok, cos1, cos2, sin1, sin2 = load_rotation(cos_ptr, sin_ptr, stride_ct, HALF, BLOCK_HALF)
     rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_ot, stride_oh, HQ, c, ok,
-                 cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, False)
     slot = tl.load(slot_mapping_ptr + t)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + block * stride_kb + offset * stride_ks, stride_kch,
-                 HK, c, ok & (c * 0 + slot >= 0), cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+                 HK, c, ok & (c * 0 + slot >= 0), cos1, cos2, sin1, sin2, HALF, BLOCK_H, False)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     # the slot's test broadcast as a vector: the interpreter refuses a scalar inside a block mask

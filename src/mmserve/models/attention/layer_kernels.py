@@ -20,6 +20,8 @@ from mmserve.models.layers import LayerOps
 #     one program per (token, head) row
 #   _silu_mul_kernel: gate, up, out [T, I]; one program per (token, BLOCK lanes)
 #   rotate_heads: one token's heads [heads, Dh] rotated by its cos, sin [Dh] (rotate-half)
+#   _rotary_kernel: q [T, H, Dh], k [T, Hkv, Dh] (rows may be strided) rotated by cos, sin [T, Dh]
+#     into contiguous q_out, k_out; one program per token
 # Masks: lanes past D, I or Dh / 2 and heads past H or Hkv (padding to powers of two) load 0 and
 # store nothing. Values are rounded to the tensors' dtype wherever PyTorch's op-by-op path rounds
 # (after the residual add, the normalisation, each product of the rotary, the SiLU), so bfloat16
@@ -58,15 +60,16 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, str
 
 @triton.jit
 def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr):
     """One token's `heads` rows [heads, 2 * HALF] from src rotated (rotate-half layout) into dst
-    (may be src), each value rounded to src's dtype, then to dst's (a cache's may differ); `ok`
-    [BLOCK] masks the half-dimension lanes (and, all False, the whole token)."""
+    (may be src), each value rounded to src's dtype (WIDE: computed in float32, rounded once at
+    the end: `LayerOps.rotary_float32`), then to dst's (a cache's may differ); `ok` [BLOCK] masks
+    the half-dimension lanes (and, all False, the whole token)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & ok[None, :]
     first = src_ptr + h[:, None] * src_stride_h + c[None, :]
     raw1 = tl.load(first, mask=mask, other=0.0)
-    dtype = raw1.dtype
+    dtype = tl.float32 if WIDE else raw1.dtype
     x1 = raw1.to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     out = dst_ptr + h[:, None] * dst_stride_h + c[None, :]
@@ -79,13 +82,29 @@ def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constex
 
 
 @triton.jit
-def load_rotation(cos_ptr, sin_ptr, stride_ct, t, c, ok, HALF: tl.constexpr):
-    """Token t's cos and sin, each as its two halves [BLOCK] float32 (cos1, cos2, sin1, sin2)."""
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_ct, stride_ot, stride_oh, stride_pt, stride_ph, HQ: tl.constexpr,
+                   HK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   WIDE: tl.constexpr):
+    t, c, ok, cos1, cos2, sin1, sin2 = load_rotation(cos_ptr, sin_ptr, stride_ct, HALF, BLOCK_HALF)
+    rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_ot, stride_oh, HQ, c, ok,
+                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE)
+    rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + t * stride_pt, stride_ph, HK, c, ok,
+                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE)
+
+
+@triton.jit
+def load_rotation(cos_ptr, sin_ptr, stride_ct, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """This program's token t (`program_id(0)`), the half-dimension lanes c and their mask, and
+    t's cos and sin, each as its two halves [BLOCK_HALF] float32: (t, c, ok, cos1, cos2, sin1, sin2)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_HALF)
+    ok = c < HALF
     cos1 = tl.load(cos_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
     cos2 = tl.load(cos_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + t * stride_ct + c, mask=ok, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + t * stride_ct + HALF + c, mask=ok, other=0.0).to(tl.float32)
-    return cos1, cos2, sin1, sin2
+    return t, c, ok, cos1, cos2, sin1, sin2
 
 
 def _row_warps(width: int) -> int:
@@ -112,6 +131,14 @@ class TritonLayerOps(LayerOps):
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
 
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(q, k, cos, sin, wide=False)
+
+    def rotary_float32(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(q, k, cos, sin, wide=True)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         T, width = gate.shape
         out = torch.empty(T, width, dtype=gate.dtype, device=gate.device)
@@ -136,6 +163,24 @@ class TritonLayerOps(LayerOps):
                                        out3.stride(0), out3.stride(1), HEADS=heads, D=D,
                                        BLOCK=triton.next_power_of_2(D), HAS_RESIDUAL=residual is not None,
                                        num_warps=_row_warps(D))
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, Dh], k [T, Hkv, Dh] (rows may be strided) rotated by cos, sin [T, 1, Dh] into new
+    contiguous tensors, one launch (`_rotary_kernel`)."""
+    T, H, Dh = q.shape
+    Hkv = k.shape[1]
+    q_out = torch.empty(T, H, Dh, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, Hkv, Dh, dtype=k.dtype, device=k.device)
+    if T:
+        cos, sin = cos.reshape(T, Dh), sin.reshape(T, Dh)
+        assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+        _rotary_kernel[(T,)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                             cos.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+                             HQ=H, HK=Hkv, HALF=Dh // 2, BLOCK_HALF=triton.next_power_of_2(Dh // 2),
+                             BLOCK_H=triton.next_power_of_2(max(H, Hkv)), WIDE=wide, num_warps=4)
+    return q_out, k_out
 
 
 TRITON_OPS = TritonLayerOps()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.cpu_ops import CPU_OPS
-from mmserve.models.layers import LayerOps, Rope
+from mmserve.models.layers import TORCH_OPS, LayerOps, Rope
 from mmserve.worker.device import to_device
 
 
@@ -236,6 +236,7 @@ class Segments:
     batch of fixed-size images is). Every patch is in exactly one segment; built once per call."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    ops: ClassVar[LayerOps] = TORCH_OPS  # PyTorch's, as transformers' towers compute them
 
     @classmethod
     def from_cu(cls, cu: list[int], device: torch.device) -> Segments:

@@ -50,10 +50,12 @@ class TritonSegments:
 
     cu: torch.Tensor  # [S + 1] int32: segment s is rows cu[s] .. cu[s + 1]
     max_len: int
+    ops: ClassVar[LayerOps] = TRITON_OPS  # the tower's small ops between GEMMs, fused (layer_kernels.py)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q, k, v: [P, H, Dh] -> [P, H, Dh]: full attention within each segment."""
-        return varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.cu, self.max_len, scale)
+        """q, k, v: [P, H, Dh] (rows may be strided: views of the fused QKV) -> [P, H, Dh]:
+        full attention within each segment."""
+        return varlen_attention(q, k, v, self.cu, self.max_len, scale)
 
 
 class TritonBackend:
