@@ -41,8 +41,8 @@ def compiler_env() -> dict[str, str]:
 def report(compiler_env, tmp_path_factory) -> dict:
     """`benchmarks/kernel_resources.py --json`'s report, and its exit code and output."""
     path = tmp_path_factory.mktemp("kernels") / "kernels.json"
-    proc = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--json", str(path)], cwd=ROOT,
-                          env=compiler_env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--sass", "--json", str(path)],
+                          cwd=ROOT, env=compiler_env, capture_output=True, text=True, timeout=900)
     assert path.exists(), proc.stdout + proc.stderr
     return {**json.loads(path.read_text()), "returncode": proc.returncode, "output": proc.stdout + proc.stderr}
 
@@ -107,3 +107,14 @@ def test_a_kernel_the_compiler_refuses_is_reported_with_its_reason(compiler_env,
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Failure"), proc.stdout
     assert "SCALE" in proc.stdout and "constexpr" in proc.stdout
+
+
+def test_attention_kernels_load_whole_vectors(report):
+    """No attention kernel loads its rows 2 bytes at a time (`LDG.E.U16`): a head of 72 (Qwen3-VL's
+    tower) has a stride the compiler cannot see divides by 8 unless told (`varlen_kernel._head`);
+    it loaded every K/V element alone, and unpipelined, before."""
+    attention = {"_split_decode_kernel", "_paged_attention_kernel", "_varlen_attention_kernel"}
+    narrow = [(r["case"], r["sass"]) for r in report["kernels"]
+              if r["kernel"] in attention and "LDG.E.U16" in r["sass"]]
+    assert not narrow
+    assert all(r["sass"] for r in report["kernels"])  # the disassembly was read

@@ -112,3 +112,13 @@ def test_a_head_is_held_in_the_fewest_power_of_two_lanes():
     assert head_parts(72) == (64, 16)
     assert head_parts(64) == (64, 0) and head_parts(128) == (128, 0) and head_parts(16) == (16, 0)
     assert head_parts(112) == (128, 0) and head_parts(24) == (32, 0) and head_parts(8) == (16, 0)
+
+
+def test_head_alignment_is_what_every_head_stride_allows():
+    from mmserve.models.attention.varlen_kernel import head_alignment
+
+    assert head_alignment([72, 72 * 3, 72], 2) == 8  # Qwen3-VL's tower, bfloat16: 16 bytes
+    assert head_alignment([80, 240], 2) == 8
+    assert head_alignment([72], 4) == 4  # float32: 16 bytes
+    assert head_alignment([72, 36], 2) == 4
+    assert head_alignment([72, 9], 2) == 1
