@@ -57,13 +57,16 @@ def source(tmp_path_factory) -> str:
 
 
 def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Each linear holding a weight (a fused group under its first layer's name) by name."""
+    """Each decoder linear holding a weight (a fused group under its first layer's name) by name;
+    not the vision tower's (dense in these checkpoints)."""
     found = {}
     for name, module in model.named_modules():
+        if "visual" in name:
+            continue
         if isinstance(module, FusedLinear):
             found[name] = module
         elif (isinstance(module, ParallelLinear) and getattr(module, module.weight_names[0]).numel()
-              and module.fused is None and "visual" not in name):  # fused siblings' own weights are freed
+              and module.fused is None):  # fused siblings' own weights are freed
             found[name] = module
     return found
 
