@@ -36,21 +36,39 @@ TARGET_PROGRAMS = 264  # twice an H100's SMs: what split-K aims the GEMV's grid 
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, n, k, n_ok, k_ok, K, group, bo, bi,
-                 INT4: tl.constexpr, BLOCKED: tl.constexpr):
-    """W[n, k] float32 [BLOCK_N, BLOCK_K] (0 where masked)."""
+def _weight_tile(w_ptr, s_ptr, z_ptr, n, k_start, n_ok, K, group, bo, bi, INT4: tl.constexpr,
+                 BLOCKED: tl.constexpr, ONE_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[n, k_start .. k_start + BLOCK_K] float32 [BLOCK_N, BLOCK_K] (0 where masked). ONE_SCALE: the
+    tile lies inside one quantization group (int4) or block column (FP8), so each row's scale
+    (and zero) is one load, not one per lane. int4 words are loaded once each ([BLOCK_N,
+    BLOCK_K / 8]) and widened in registers: each word repeated over its 8 lanes by three
+    interleaves, then each lane's nibble shifted out."""
+    k = k_start + tl.arange(0, BLOCK_K)
+    k_ok = k < K
     mask = n_ok[:, None] & k_ok[None, :]
     if INT4:
-        words = tl.load(w_ptr + n[:, None] * (K // 8) + (k // 8)[None, :], mask=mask, other=0)
+        j = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # the tile's words along K
+        words = tl.load(w_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_ok[:, None] & (j < K // 8)[None, :],
+                        other=0)  # [BLOCK_N, BLOCK_K / 8]
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)  # [BLOCK_N, BLOCK_K]: lane k holds word k // 8
         codes = (words >> ((k % 8) * 4)[None, :]) & 15
-        at = n[:, None] * (K // group) + (k // group)[None, :]
-        zeros = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32)
-        scales = tl.load(s_ptr + at, mask=mask, other=0.0)
-        return (codes - zeros).to(tl.float32) * scales
+        if ONE_SCALE:
+            at = n * (K // group) + k_start // group  # [BLOCK_N]
+            zeros = tl.load(z_ptr + at, mask=n_ok, other=0).to(tl.int32)[:, None]
+            scales = tl.load(s_ptr + at, mask=n_ok, other=0.0)[:, None]
+        else:
+            at = n[:, None] * (K // group) + (k // group)[None, :]
+            zeros = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32)
+            scales = tl.load(s_ptr + at, mask=mask, other=0.0)
+        return tl.where(mask, (codes - zeros).to(tl.float32) * scales, 0.0)
     b = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=mask, other=0).to(tl.int32)
     bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
     values = bits.to(tl.float32, bitcast=True) * TWO_TO_120
-    if BLOCKED:
+    if BLOCKED and ONE_SCALE:
+        scales = tl.load(s_ptr + (n // bo) * tl.cdiv(K, bi) + k_start // bi, mask=n_ok, other=0.0)[:, None]
+    elif BLOCKED:
         scales = tl.load(s_ptr + (n // bo)[:, None] * tl.cdiv(K, bi) + (k // bi)[None, :], mask=mask, other=0.0)
     else:
         scales = tl.load(s_ptr + n, mask=n_ok, other=0.0)[:, None]
@@ -59,7 +77,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, n, k, n_ok, k_ok, K, group, bo, bi,
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, group, bo, bi, stride_xm, stride_ym,
-                 INT4: tl.constexpr, BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 INT4: tl.constexpr, BLOCKED: tl.constexpr, ONE_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +87,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, group, bo, b
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, n, k, n_ok, k_ok, K, group, bo, bi, INT4, BLOCKED)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, n, k0, n_ok, K, group, bo, bi, INT4, BLOCKED, ONE_SCALE, BLOCK_K)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -79,17 +97,18 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, group, bo, b
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, M, N, K, k_per_split, group, bo, bi, stride_xm,
-                 INT4: tl.constexpr, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 INT4: tl.constexpr, BLOCKED: tl.constexpr, ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """One row of x, BLOCK_N outputs, K's split `program_id(2)`: partial sums [split, M, N] float32."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row, split = tl.program_id(1), tl.program_id(2)
     n_ok = n < N
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):  # bounds not from program ids: the interpreter's range()
-        k = split * k_per_split + k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, n, k, n_ok, k_ok, K, group, bo, bi, INT4, BLOCKED)
+        k_start = split * k_per_split + k0
+        k = k_start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, n, k_start, n_ok, K, group, bo, bi, INT4, BLOCKED, ONE_SCALE, BLOCK_K)
         acc += tl.sum(w.to(x.dtype).to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(part_ptr + (split * M + row) * N + n, acc, mask=n_ok)
 
@@ -111,15 +130,16 @@ def _run(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         parts = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
         _gemv_kernel[(triton.cdiv(N, BLOCK_N), M, splits)](
             rows, w, scales, zeros, parts, M, N, K, k_per_split, group, bo, bi, rows.stride(0),
-            INT4=int4, BLOCKED=block is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            INT4=int4, BLOCKED=block is not None, ONE_SCALE=(group if int4 else bi) % BLOCK_K == 0,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
         y = parts.sum(0) if bias is None else parts.sum(0) + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
     _gemm_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
         rows, w, scales, zeros, bias if bias is not None else y, y, M, N, K, group, bo, bi, rows.stride(0),
-        y.stride(0), INT4=int4, BLOCKED=block is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        y.stride(0), INT4=int4, BLOCKED=block is not None, ONE_SCALE=(group if int4 else bi) % BLOCK_K == 0,
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y.reshape(*x.shape[:-1], N)
 
 
