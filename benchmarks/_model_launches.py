@@ -1,5 +1,5 @@
-"""Qwen2.5-VL-7B's own steps on the `meta` device with the triton backend, in bfloat16, as a GPU
-would run them eagerly, under gpu_compile's compile-only driver: every Triton launch the model code
+"""Qwen2.5-VL-7B's and Qwen3-VL-8B's own steps on the `meta` device with the triton backend, in
+bfloat16, as a GPU would run them eagerly, under gpu_compile's compile-only driver: every Triton launch the model code
 makes compiles for the target, at the model's real shapes, and nothing runs. Counted per decoder
 layer (or tower block): Triton launches, GEMMs, and every other op that would launch a kernel
 (an aten op with a device output that is neither a view nor an allocation). A step that reads a
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _qwen_7b import QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
+from _qwen_sizes import QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
 from helpers.gpu_compile import META, compiling_for
 
 GEMMS = {"linear", "mm", "addmm", "bmm", "matmul"}
@@ -58,16 +58,24 @@ class _DeviceOps(TorchDispatchMode):
         return out
 
 
-def build_7b() -> Any:
-    """Qwen2.5-VL-7B on `meta` (no weights), triton attention, bfloat16, projections fused as loaded."""
+MODELS = {  # name -> (family, architecture, text sizes, vision sizes, a 1024x768 image's grid (h, w) in patches)
+    "Qwen2.5-VL-7B": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION,
+                      (56, 74)),
+    "Qwen3-VL-8B": ("qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, (48, 64)),
+}
+
+
+def build(name: str) -> Any:
+    """`MODELS[name]` on `meta` (no weights), triton attention, bfloat16, projections fused as loaded."""
     from mmserve.models.builtin_qwen_vl import write_qwen_vl_files
     from mmserve.models.loader import load_model
     from mmserve.models.parallel import fuse_projections
 
+    family, architecture, text, vision, _ = MODELS[name]
     with tempfile.TemporaryDirectory() as folder:
-        config = write_qwen_vl_files(folder, family="qwen2_5_vl", text_config=QWEN25_VL_7B_TEXT,
-                                     vision_config=QWEN25_VL_7B_VISION, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
-        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        config = write_qwen_vl_files(folder, family=family, text_config=text, vision_config=vision,
+                                     min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+        config.architectures = [architecture]
         config.save_pretrained(folder)
         model = load_model(folder, "bfloat16", device="meta", attention="triton")
     fuse_projections(model)
@@ -95,26 +103,28 @@ def _tower(model: Any, h: int, w: int) -> Callable[[], object]:
 
 
 def step_launches(arch: int = 90) -> list[StepLaunches]:
-    """Eager decode at batch 1 and 64 (2,048-token contexts), a 1,000-token prefill, and the tower
-    on one 1024x768 image (74 x 56 patches), each counted as above."""
-    model = build_7b()
-    layers, blocks = model.config.text.num_hidden_layers, model.config.vision.depth
-    steps = [("decode, batch 1 at 2k", layers, _decoder_step(model, [1], [2048])),
-             ("decode, batch 64 at 2k", layers, _decoder_step(model, [1] * 64, [2048] * 64)),
-             ("prefill, 1,000 tokens", layers, _decoder_step(model, [1000], [1000])),
-             ("tower, one 1024x768 image", blocks, _tower(model, 56, 74))]
+    """Each model's eager decode at batch 1 and 64 (2,048-token contexts), a 1,000-token prefill,
+    and its tower on one 1024x768 image, each counted as above."""
     out = []
-    with compiling_for(arch) as seen, torch.inference_mode():
-        for name, count, run in steps:
-            seen.clear()
-            result = StepLaunches(name, count)
-            with _DeviceOps() as ops:
-                try:
-                    run()
-                except Exception as exc:  # a refusal, or a read back to the host
-                    result.error = f"{type(exc).__name__}: {str(exc).strip()[-600:]}"
-            result.triton = dict(Counter(kernel for kernel, _ in seen))
-            result.gemms = sum(n for op, n in ops.ops.items() if op in GEMMS)
-            result.other = {op: n for op, n in ops.ops.items() if op not in GEMMS}
-            out.append(result)
+    for name, (*_, (h, w)) in MODELS.items():
+        model = build(name)
+        layers, blocks = model.config.text.num_hidden_layers, model.config.vision.depth
+        steps = [(f"{name} decode, batch 1 at 2k", layers, _decoder_step(model, [1], [2048])),
+                 (f"{name} decode, batch 64 at 2k", layers, _decoder_step(model, [1] * 64, [2048] * 64)),
+                 (f"{name} prefill, 1,000 tokens", layers, _decoder_step(model, [1000], [1000])),
+                 (f"{name} tower, one 1024x768 image", blocks, _tower(model, h, w))]
+        out.extend(_count(name, count, run, arch) for name, count, run in steps)
     return out
+
+
+def _count(name: str, layers: int, run: Callable[[], object], arch: int) -> StepLaunches:
+    result = StepLaunches(name, layers)
+    with compiling_for(arch) as seen, torch.inference_mode(), _DeviceOps() as ops:
+        try:
+            run()
+        except Exception as exc:  # a refusal, or a read back to the host
+            result.error = f"{type(exc).__name__}: {str(exc).strip()[-600:]}"
+    result.triton = dict(Counter(kernel for kernel, _ in seen))
+    result.gemms = sum(n for op, n in ops.ops.items() if op in GEMMS)
+    result.other = {op: n for op, n in ops.ops.items() if op not in GEMMS}
+    return result

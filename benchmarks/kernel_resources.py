@@ -55,12 +55,12 @@ def table(results: list[Compiled | Failure], arch: int) -> list[str]:
 
 def step_table(steps: list[StepLaunches], arch: int) -> list[str]:
     """One line per step: kernels a layer (block), split into Triton launches, GEMMs and the rest."""
-    lines = [f"{'Qwen2.5-VL-7B, eager, bfloat16':32s} layers  kernels a layer  (Triton, GEMM, other)  Triton launches"]
+    lines = [f"{'eager, bfloat16':44s} layers  kernels a layer  (Triton, GEMM, other)  Triton launches"]
     for s in steps:
         triton, other = sum(s.triton.values()), sum(s.other.values())
         kinds = " ".join(f"{k.strip('_')}={v}" for k, v in sorted(s.triton.items()))
         split = f"({triton / s.layers:.1f}, {s.gemms / s.layers:.1f}, {other / s.layers:.1f})"
-        lines.append(f"{s.step:32s} {s.layers:6d} {s.per_layer:16.1f}  {split}  {kinds}"
+        lines.append(f"{s.step:44s} {s.layers:6d} {s.per_layer:16.1f}  {split}  {kinds}"
                      + (f"\n  FAILED: {s.error}" if s.error else ""))
         if other:
             lines.append(f"  other: {dict(sorted(s.other.items()))}")

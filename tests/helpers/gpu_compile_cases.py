@@ -82,10 +82,11 @@ def _writes(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.
     from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, write_kv_cache
 
     q, k, v = _qkv(tokens, heads, kv_heads, head_dim, dtype)
-    cos = _empty(tokens, 1, head_dim, dtype=dtype)
+    cos, norm = _empty(tokens, 1, head_dim, dtype=dtype), _empty(head_dim, dtype=dtype)
     cache = _empty(4096, BLOCK, kv_heads, head_dim, dtype=dtype)
     slots = _empty(tokens, dtype=I64)
     return lambda: (rotary_write_kv_cache(q, k, v, cos, cos, cache, cache, slots),
+                    rotary_write_kv_cache(q, k, v, cos, cos, cache, cache, slots, (norm, norm, 1e-6)),
                     write_kv_cache(k, v, cache, cache, slots))
 
 
@@ -96,12 +97,16 @@ def _layer_ops(tokens: int, hidden: int, inner: int, heads: int, head_dim: int,
     x, weight = _empty(tokens, hidden, dtype=dtype), _empty(hidden, dtype=dtype)
     gate_up = _empty(tokens, 2 * inner, dtype=dtype)
     q, norm = _empty(tokens, heads, head_dim, dtype=dtype), _empty(head_dim, dtype=dtype)
+    angles = q[:, :1].float()  # [T, 1, Dh]: the towers' cos and sin are float32
     return lambda: (ops.add_rms_norm(x, x, weight, 1e-6), ops.rms_norm(x, weight, 1e-6),
-                    ops.silu_mul(gate_up[:, :inner], gate_up[:, inner:]), ops.qk_norm(q, q, norm, norm, 1e-6))
+                    ops.add_layer_norm(x, x, weight, weight, 1e-6),
+                    ops.silu_mul(gate_up[:, :inner], gate_up[:, inner:]), ops.qk_norm(q, q, norm, norm, 1e-6),
+                    ops.rotary_float32(q, q, angles, angles))
 
 
 def layer_cases() -> list[Case]:
-    """The rotary + KV write, the plain KV write, the norms and SiLU x up."""
+    """The rotary + KV write (with Qwen3's head norms too), the plain KV write, the norms (RMS and
+    layer, with the residual add), SiLU x up, the towers' float32 rotary."""
     return [
         ("kv writes qwen2.5-7b bf16", _writes(64, 28, 4, 128, BF16)),
         ("kv writes llava-7b fp16", _writes(64, 32, 32, 128, F16)),

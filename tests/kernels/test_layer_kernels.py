@@ -1,8 +1,8 @@
-"""Our fused small-op kernels (residual add + RMSNorm, SiLU x up, rotary of q and k with the KV
-write, and into new tensors, in float32 for the towers) against the torch path they replace,
-`LayerOps` (interpreted on CPU): float32 to rounding of a sum's order,
-half precision to the dtype's rounding, strided views of a fused projection's output, widths
-that are not powers of two, and M-RoPE's cos / sin."""
+"""Our fused small-op kernels (residual add + RMSNorm or LayerNorm, SiLU x up, rotary of q and k
+with the KV write, Qwen3's head norms fused in, and into new tensors, in float32 for the towers)
+against the torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding of a
+sum's order, half precision to the dtype's rounding, strided views of a fused projection's output,
+widths that are not powers of two, and M-RoPE's cos / sin."""
 
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ def test_add_rms_norm_updates_the_residual_in_place(dtype, width):
     out, res = TRITON_OPS.add_rms_norm(got_x, got_res, weight.to(DEVICE), 1e-6)
     assert res.data_ptr() == got_res.data_ptr() and out.data_ptr() == got_x.data_ptr()
     torch.testing.assert_close(res.cpu(), want_res, atol=0, rtol=0)  # one rounded add: exact
+    torch.testing.assert_close(out.cpu(), want_out, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [96, 200])
+def test_layer_norm_alone_and_with_the_residual_add(dtype, width):
+    """Qwen3-VL's tower norm (`layer_norm`, `add_layer_norm`: the add fused, in place) against
+    PyTorch's `layer_norm`; rows offset from 0, so the centring matters."""
+    x, residual = rand(5, width, dtype=dtype, seed=1) + 3, rand(5, width, dtype=dtype, seed=2)
+    weight, bias = rand(width, dtype=dtype, seed=3), rand(width, dtype=dtype, seed=4)
+    want_alone = TORCH_OPS.layer_norm(x, weight, bias, 1e-6)
+    want_out, want_res = TORCH_OPS.add_layer_norm(x, residual, weight, bias, 1e-6)
+    got_x, got_res, w, b = (t.to(DEVICE) for t in (x, residual, weight, bias))
+    alone = TRITON_OPS.layer_norm(got_x, w, b, 1e-6)
+    out, res = TRITON_OPS.add_layer_norm(got_x, got_res, w, b, 1e-6)
+    assert res.data_ptr() == got_res.data_ptr() and out.data_ptr() == got_x.data_ptr()
+    torch.testing.assert_close(res.cpu(), want_res, atol=0, rtol=0)  # one rounded add: exact
+    torch.testing.assert_close(alone.cpu(), want_alone, **tol(dtype))
     torch.testing.assert_close(out.cpu(), want_out, **tol(dtype))
 
 
@@ -132,3 +150,27 @@ def test_rotary_of_q_and_k_into_new_tensors(dtype, wide, heads, head_dim):
         assert g.is_contiguous() and g.dtype == dtype
         torch.testing.assert_close(g.cpu(), w, **exact)
     assert torch.equal(fused.cpu(), qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen3s_head_norms_fused_into_the_rotary_and_cache_write(dtype):
+    """`qk_norm` given: each q and k head RMS-normalised by its weight, then rotated and written, in
+    the one launch; equal to `LayerOps.qk_norm` then `rotary` up to the norm's sum order."""
+    T, heads, kv_heads, head_dim, block = 4, 4, 2, 64, 4
+    positions = torch.stack([torch.arange(T) + 5] * 3)
+    cos, sin = rope_of("mrope", head_dim, positions, dtype)
+    qkv = rand(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3) * 3
+    q, k, v = (t.view(T, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                             kv_heads * head_dim], dim=-1))
+    q_w, k_w = rand(head_dim, dtype=dtype, seed=4), rand(head_dim, dtype=dtype, seed=5)
+    want_q, want_k = TORCH_OPS.rotary(*TORCH_OPS.qk_norm(q, k, q_w, k_w, 1e-6), cos, sin)
+    slots = torch.tensor([3, 0, 9, 14])
+    k_cache, v_cache = (torch.zeros(4, block, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    got_k, got_v = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    views = [t.to(DEVICE) for t in (q, k, v)]
+    got_q = rotary_write_kv_cache(*views, cos.to(DEVICE), sin.to(DEVICE), got_k, got_v, slots.to(DEVICE),
+                                  (q_w.to(DEVICE), k_w.to(DEVICE), 1e-6))
+    close = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else tol(dtype)
+    torch.testing.assert_close(got_q.cpu(), want_q, **close)
+    torch.testing.assert_close(got_k.cpu().view(-1, kv_heads, head_dim)[slots], want_k, **close)
+    assert torch.equal(got_v.cpu().view(-1, kv_heads, head_dim)[slots], v)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, Dh]
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # Qwen3's per-head norms: q weight [Dh], k weight [Dh], eps
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +64,16 @@ class LayerOps:
         """x, residual: [T, D] -> (RMSNorm(residual + x) * weight, residual + x)."""
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, D] -> LayerNorm(x) * weight + bias (PyTorch's `layer_norm`), x's shape and dtype."""
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, D] -> (LayerNorm(residual + x) * weight + bias, residual + x)."""
+        residual = residual + x
+        return self.layer_norm(residual, weight, bias, eps), residual
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,9 +62,10 @@ class QwenAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = self.q_norm, self.k_norm
-        if q_norm is not None and k_norm is not None:  # one eps: both are built from rms_norm_eps
-            q, k = meta.ops.qk_norm(q, k, q_norm.weight, k_norm.weight, q_norm.eps)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope)  # [T, H, Dh], rotary inside
+        norms = None  # one eps: both are built from rms_norm_eps
+        if q_norm is not None and k_norm is not None:
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope, norms)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
 
 

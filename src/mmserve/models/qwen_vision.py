@@ -233,10 +233,11 @@ class VisionBlock(nn.Module):
 
 def add_norm(ops: LayerOps, norm: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(stream), stream) of the stream x + residual (x alone when residual is None): an
-    RMSNorm through `ops` (the fused add + norm: x and residual may be overwritten), any other
-    norm (LayerNorm) after PyTorch's add."""
+    """(norm(stream), stream) of the stream x + residual (x alone when residual is None), the norm
+    (RMSNorm or LayerNorm) with the add through `ops`: x and residual may be overwritten."""
     if isinstance(norm, RMSNorm):
         return norm_residual(ops, norm, x, residual)
-    stream = x if residual is None else residual + x
-    return norm(stream), stream
+    assert isinstance(norm, nn.LayerNorm) and norm.bias is not None
+    if residual is None:
+        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps), x
+    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from mmserve.models.layers import LayerOps, Rope
+from mmserve.models.layers import LayerOps, QKNorm, Rope
 
 
 class StepAttention(Protocol):
@@ -27,11 +27,13 @@ class StepAttention(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
-        """Rotate q and k by `rope` (cos, sin: [T, 1, Dh], rotate-half) when given, write the
-        step's K/V into the cache, then attend over each request's context (the triton backend
-        does the first two in one kernel). q: [T, H, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache:
-        [N, S, Hkv, Dh]. Returns [T, H, Dh]; q, k, v may be overwritten."""
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None,
+               qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """Normalise each head of q and k by `qk_norm` (`LayerOps.qk_norm`) and rotate them by
+        `rope` (cos, sin: [T, 1, Dh], rotate-half) when given, write the step's K/V into the
+        cache, then attend over each request's context (the triton backend does the first three
+        in one kernel). q: [T, H, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache: [N, S, Hkv, Dh].
+        Returns [T, H, Dh]; q, k, v may be overwritten."""
         ...
 
 

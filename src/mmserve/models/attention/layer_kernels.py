@@ -15,22 +15,24 @@ from mmserve.models.layers import LayerOps
 
 # Shapes (T = tokens, D = hidden size, H / Hkv = query / KV heads, Dh = head dim, I = MLP width);
 # every last dimension is contiguous, rows may be strided (views of a fused projection's output):
-#   _rms_norm_kernel: x [T, HEADS, D] (HEADS = 1 for hidden states, H for Qwen3's per-head q/k
-#     norms), residual [T, D] (read and overwritten when HAS_RESIDUAL), weight [D], out like x;
-#     one program per (token, head) row
+#   _norm_kernel: x [T, HEADS, D] (HEADS = 1 for hidden states, H for Qwen3's per-head q/k
+#     norms), residual [T, D] (read and overwritten when HAS_RESIDUAL), weight [D] (and bias [D]
+#     for a LayerNorm), out like x; one program per (token, head) row
 #   _silu_mul_kernel: gate, up, out [T, I]; one program per (token, BLOCK lanes)
 #   rotate_heads: one token's heads [heads, Dh] rotated by its cos, sin [Dh] (rotate-half)
 #   _rotary_kernel: q [T, H, Dh], k [T, Hkv, Dh] (rows may be strided) rotated by cos, sin [T, Dh]
 #     into contiguous q_out, k_out; one program per token
 # Masks: lanes past D, I or Dh / 2 and heads past H or Hkv (padding to powers of two) load 0 and
 # store nothing. Values are rounded to the tensors' dtype wherever PyTorch's op-by-op path rounds
-# (after the residual add, the normalisation, each product of the rotary, the SiLU), so bfloat16
-# results equal the torch path's up to the float32 sum's order.
+# (after the residual add, the normalisation, each product of the rotary, the SiLU; a LayerNorm
+# once, at its end, as PyTorch's layer_norm kernel), so bfloat16 results equal the torch path's up
+# to the float32 sum's order.
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
-                     HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, eps, stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
+                 HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 LAYER: tl.constexpr):
     row = tl.program_id(0)
     t = (row // HEADS).to(tl.int64)
     h = row % HEADS
@@ -41,9 +43,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, 
         x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_rt + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(res_ptr + t * stride_rt + c, x, mask=ok)
     xf = x.to(tl.float32)
-    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + c, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    if LAYER:  # LayerNorm: centred, scaled, shifted by the bias, rounded once
+        centred = tl.where(ok, xf - tl.sum(xf, 0) / D, 0.0)
+        b = tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        y = centred * tl.rsqrt(tl.sum(centred * centred, 0) / D + eps) * w + b
+    else:  # RMSNorm: normalised and rounded, then times the weight
+        y = w * (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + c, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -60,11 +67,12 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, str
 
 @triton.jit
 def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constexpr, c, ok, cos1, cos2, sin1, sin2,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr, w_ptr, eps, NORM: tl.constexpr):
     """One token's `heads` rows [heads, 2 * HALF] from src rotated (rotate-half layout) into dst
     (may be src), each value rounded to src's dtype (WIDE: computed in float32, rounded once at
     the end: `LayerOps.rotary_float32`), then to dst's (a cache's may differ); `ok` [BLOCK] masks
-    the half-dimension lanes (and, all False, the whole token)."""
+    the half-dimension lanes (and, all False, the whole token). NORM: each row first RMS-normalised
+    and times the weight [2 * HALF] at w_ptr, rounded as `LayerOps.qk_norm` rounds (Qwen3)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & ok[None, :]
     first = src_ptr + h[:, None] * src_stride_h + c[None, :]
@@ -72,6 +80,12 @@ def rotate_heads(src_ptr, src_stride_h, dst_ptr, dst_stride_h, heads: tl.constex
     dtype = tl.float32 if WIDE else raw1.dtype
     x1 = raw1.to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]  # [BLOCK_H, 1]
+        w1 = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + c, mask=ok, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(raw1.dtype).to(tl.float32)).to(raw1.dtype).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(raw1.dtype).to(tl.float32)).to(raw1.dtype).to(tl.float32)
     out = dst_ptr + h[:, None] * dst_stride_h + c[None, :]
     a = (x1 * cos1[None, :]).to(dtype).to(tl.float32)
     b = (x2 * sin1[None, :]).to(dtype).to(tl.float32)
@@ -88,9 +102,9 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_
                    WIDE: tl.constexpr):
     t, c, ok, cos1, cos2, sin1, sin2 = load_rotation(cos_ptr, sin_ptr, stride_ct, HALF, BLOCK_HALF)
     rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_ot, stride_oh, HQ, c, ok,
-                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE)
+                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE, cos_ptr, 0.0, False)
     rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + t * stride_pt, stride_ph, HK, c, ok,
-                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE)
+                 cos1, cos2, sin1, sin2, HALF, BLOCK_H, WIDE, cos_ptr, 0.0, False)
 
 
 @triton.jit
@@ -113,18 +127,28 @@ def _row_warps(width: int) -> int:
 
 
 class TritonLayerOps(LayerOps):
-    """`LayerOps` as one Triton kernel each (the rotary is fused with the KV write instead:
+    """`LayerOps` as one Triton kernel each (the decoder's rotary is fused with the KV write instead:
     `TritonMetadata.attend`). `add_rms_norm` overwrites x (with the normalised rows) and
     residual (with residual + x)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        self._norm(x, None, weight, eps, out)
+        self._norm(x, None, weight, None, eps, out)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        self._norm(x, residual, weight, eps, x)
+        self._norm(x, residual, weight, None, eps, x)
+        return x, residual
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._norm(x, None, weight, bias, eps, out)
+        return out
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._norm(x, residual, weight, bias, eps, x)
         return x, residual
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -150,19 +174,19 @@ class TritonLayerOps(LayerOps):
         return out
 
     @staticmethod
-    def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              out: torch.Tensor) -> None:
-        """x: [T, D] or [T, heads, D] (out alike); residual: [T, D] or None."""
+    def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+              eps: float, out: torch.Tensor) -> None:
+        """x: [T, D] or [T, heads, D] (out alike); residual: [T, D] or None; a bias: a LayerNorm."""
         x3, out3 = (x[:, None], out[:, None]) if x.dim() == 2 else (x, out)
         T, heads, D = x3.shape
         if T == 0:
             return
         assert x3.stride(2) == 1 and out3.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
         res = residual if residual is not None else x
-        _rms_norm_kernel[(T * heads,)](x3, res, weight, out3, eps, x3.stride(0), x3.stride(1), res.stride(0),
-                                       out3.stride(0), out3.stride(1), HEADS=heads, D=D,
-                                       BLOCK=triton.next_power_of_2(D), HAS_RESIDUAL=residual is not None,
-                                       num_warps=_row_warps(D))
+        _norm_kernel[(T * heads,)](x3, res, weight, weight if bias is None else bias, out3, eps, x3.stride(0),
+                                   x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1), HEADS=heads, D=D,
+                                   BLOCK=triton.next_power_of_2(D), HAS_RESIDUAL=residual is not None,
+                                   LAYER=bias is not None, num_warps=_row_warps(D))
 
 
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

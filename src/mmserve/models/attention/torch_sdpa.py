@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.cpu_ops import CPU_OPS
-from mmserve.models.layers import TORCH_OPS, LayerOps, Rope
+from mmserve.models.layers import TORCH_OPS, LayerOps, QKNorm, Rope
 from mmserve.worker.device import to_device
 
 
@@ -82,9 +82,12 @@ class AttentionMetadata:
         return cls(slots, d_index, d_tables, d_mask[:, None, None, :], prefills, d_lens, splits)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
-        """q and k rotated by `rope` (cos, sin) when given, then this step's `paged_attention`
-        (the models' one call, whatever the backend)."""
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None,
+               qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """q and k normalised by `qk_norm` and rotated by `rope` (cos, sin) when given, then this
+        step's `paged_attention` (the models' one call, whatever the backend)."""
+        if qk_norm is not None:
+            q, k = self.ops.qk_norm(q, k, *qk_norm)
         if rope is not None:
             q, k = self.ops.rotary(q, k, *rope)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)

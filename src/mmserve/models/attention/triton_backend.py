@@ -16,7 +16,7 @@ from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, w
 from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
-from mmserve.models.layers import LayerOps, Rope
+from mmserve.models.layers import LayerOps, QKNorm, Rope
 
 
 @dataclass
@@ -32,14 +32,17 @@ class TritonMetadata:
     ops: ClassVar[LayerOps] = TRITON_OPS  # the small ops between GEMMs, fused (layer_kernels.py)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, rope: Rope | None = None) -> torch.Tensor:
-        """Write the step's K/V at its slots (q and k rotated by `rope` in the same launch), then
-        one paged-attention launch for every request."""
+               v_cache: torch.Tensor, scale: float, rope: Rope | None = None,
+               qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """Write the step's K/V at its slots (q and k normalised by `qk_norm` and rotated by `rope`
+        in the same launch), then one paged-attention launch for every request."""
         if rope is None:
+            if qk_norm is not None:
+                q, k = self.ops.qk_norm(q, k, *qk_norm)
             write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
             q = q.contiguous()
         else:
-            q = rotary_write_kv_cache(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
+            q = rotary_write_kv_cache(q, k, v, *rope, k_cache, v_cache, self.slot_mapping, qk_norm)
         return paged_attention(q, k_cache, v_cache, self.query_start, self.seq_lens, self.block_tables,
                                self.max_query_len, scale)
 
