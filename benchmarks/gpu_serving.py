@@ -41,7 +41,7 @@ from _gpu_decode import decode_read_bytes, decode_step_time, eager, eager_decode
 from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
 from _gpu_quant import quantized_report
 from _gpu_requests import PROMPT, first_token_s, images, with_image
-from _qwen_sizes import QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
+from _model_sizes import QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
 
 TINY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1280, max_position_embeddings=8192)

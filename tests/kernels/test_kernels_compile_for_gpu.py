@@ -60,15 +60,16 @@ def test_every_kernel_compiles_for_sm90_fits_its_shared_memory_and_spills_nothin
 
 
 def test_the_models_steps_compile_whole_and_launch_ten_kernels_a_layer_at_most(report):
-    """Qwen2.5-VL-7B's and Qwen3-VL-8B's eager decode, prefill and tower on `meta` with the triton
-    backend: every launch the model code makes compiles, nothing reads back to the host (it could
-    not on `meta`), and each decoder layer and tower block launches at most 10 kernels (4 GEMMs,
-    the fused small ops, attention). Before the towers' small ops went through the backend's
-    `LayerOps`, Qwen2.5-VL's tower launched 33 a block; before Qwen3's head norms were fused into
-    the rotary + KV write, its decoder 12 a layer."""
+    """Qwen2.5-VL-7B's, Qwen3-VL-8B's and LLaVA-1.5-7B's eager decode, prefill and tower on `meta`
+    with the triton backend: every launch the model code makes compiles, nothing reads back to the
+    host (it could not on `meta`), and each decoder layer and tower block launches at most 10.5
+    kernels (4 GEMMs, the fused small ops, attention). Before the towers' small ops went through
+    the backend's `LayerOps`, Qwen2.5-VL's tower launched 33 a block; before Qwen3's head norms
+    were fused into the rotary + KV write, its decoder 12 a layer."""
     steps = {s["step"]: s for s in report["steps"]}
     kinds = ["decode, batch 1 at 2k", "decode, batch 64 at 2k", "prefill, 1,000 tokens", "tower, one 1024x768 image"]
-    assert set(steps) == {f"{model} {kind}" for model in ("Qwen2.5-VL-7B", "Qwen3-VL-8B") for kind in kinds}
+    models = ("Qwen2.5-VL-7B", "Qwen3-VL-8B", "LLaVA-1.5-7B")
+    assert set(steps) == {f"{model} {kind}" for model in models for kind in kinds}
     assert not [s["error"] for s in steps.values() if s["error"]]
     assert report["returncode"] == 0, report["output"]
     for name, step in steps.items():

@@ -181,6 +181,17 @@ def _processor(tokenizer: Any, config: Any) -> Any:
     )
 
 
+def write_llava_files(path: str | os.PathLike, *, text_config: dict, vision_config: dict) -> Any:
+    """Writes a LLaVA directory's tokenizer and processor files (no config, no weights) and returns
+    its transformers config: for a model whose weights are made elsewhere or never (the kernel
+    resource report builds LLaVA-1.5-7B on the `meta` device)."""
+    tokenizer = build_tokenizer()
+    config = _llava_config(tokenizer, text_config, vision_config, -2, "default")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    _processor(tokenizer, config).save_pretrained(str(path))
+    return config
+
+
 def write_tiny_llava(
     path: str | os.PathLike,
     *,

@@ -14,8 +14,8 @@ from torch import nn
 from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
 from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.hf_config import VisionConfig
-from mmserve.models.layers import EmbeddingTable, activation
-from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from mmserve.models.layers import EmbeddingTable, activation, add_norm
+from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, project
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -41,6 +41,8 @@ class CLIPVisionEmbeddings(nn.Module):
 class CLIPAttention(nn.Module):
     """`num_heads` is this rank's share of the heads."""
 
+    fused_projections = (("q_proj", "k_proj", "v_proj"),)  # one matrix once packed (`fuse_projections`)
+
     def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         D, what = cfg.hidden_size, "the vision tower's num_attention_heads"
@@ -53,9 +55,9 @@ class CLIPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, images: SegmentAttention) -> torch.Tensor:
         # x: [N, L, Dv]; `images`: the N images as N segments of L rows
-        N, L, _ = x.shape
-        q, k, v = (p(x).view(N * L, self.num_heads, self.head_dim)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # [N * L, H/tp, Dh] each
+        N, L, D = x.shape
+        q, k, v = (t.view(N * L, self.num_heads, self.head_dim)  # [N * L, H/tp, Dh] each, views once packed
+                   for t in project(x.view(N * L, D), self.q_proj, self.k_proj, self.v_proj))
         out = images.attend(q, k, v, self.head_dim**-0.5)  # [N * L, H/tp, Dh]
         return self.out_proj(out.reshape(N, L, -1))  # [N, L, Dv], all-reduced
 
@@ -80,9 +82,13 @@ class CLIPEncoderLayer(nn.Module):
         self.mlp = CLIPMLP(cfg, tp)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, images: SegmentAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), images)
-        return x + self.mlp(self.layer_norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                images: SegmentAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [N, L, Dv] -> (the MLP's output, the stream before it); the stream is carried
+        # as the decoder's is (llama.py), each norm with its add through the backend's ops
+        h, residual = add_norm(images.ops, self.layer_norm1, x, residual)
+        h, residual = add_norm(images.ops, self.layer_norm2, self.self_attn(h, images), residual)
+        return self.mlp(h), residual
 
 
 class CLIPEncoder(nn.Module):
@@ -106,8 +112,10 @@ class CLIPVisionTower(nn.Module):
         # pixel_values: [N, C, H, W] -> one [N, P+1, Dv] per feature layer
         x = self.pre_layrnorm(self.embeddings(pixel_values))
         images = attention.equal_segments(x.shape[0], x.shape[1], x.device)
-        hidden = [x]
-        for layer in self.encoder.layers:
-            x = layer(x, images)
-            hidden.append(x)
+        hidden = {0: x.clone()} if 0 in self.feature_layers else {}  # the fused norms overwrite the stream
+        residual = None
+        for index, layer in enumerate(self.encoder.layers, 1):
+            x, residual = layer(x, residual, images)
+            if index in self.feature_layers:
+                hidden[index] = residual + x
         return [hidden[i] for i in self.feature_layers]

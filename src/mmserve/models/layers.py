@@ -108,6 +108,18 @@ class LayerOps:
 TORCH_OPS = LayerOps()
 
 
+def add_norm(ops: LayerOps, norm: nn.Module, x: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(stream), stream) of the stream x + residual (x alone when residual is None), the norm
+    (RMSNorm or LayerNorm) with the add through `ops`: x and residual may be overwritten."""
+    if isinstance(norm, RMSNorm):
+        return norm_residual(ops, norm, x, residual)
+    assert isinstance(norm, nn.LayerNorm) and norm.bias is not None
+    if residual is None:
+        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps), x
+    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+
+
 def norm_residual(ops: LayerOps, norm: RMSNorm, x: torch.Tensor,
                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(stream), stream) of the stream x + residual (x alone when residual is None)."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.attention.backend import SegmentAttention
-from mmserve.models.layers import LayerOps, RMSNorm, norm_residual
+from mmserve.models.layers import add_norm
 from mmserve.models.parallel import SINGLE, ParallelLinear, RowParallelLinear, Shard, TensorParallel
 from mmserve.models.quantization.base import LinearMethod, LinearShape
 from mmserve.models.qwen_config import QwenVisionConfig
@@ -230,14 +230,3 @@ class VisionBlock(nn.Module):
         h, residual = add_norm(ops, self.norm2, self.attn(h, rope, segments), residual)
         return self.mlp(h, ops), residual
 
-
-def add_norm(ops: LayerOps, norm: nn.Module, x: torch.Tensor,
-             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(stream), stream) of the stream x + residual (x alone when residual is None), the norm
-    (RMSNorm or LayerNorm) with the add through `ops`: x and residual may be overwritten."""
-    if isinstance(norm, RMSNorm):
-        return norm_residual(ops, norm, x, residual)
-    assert isinstance(norm, nn.LayerNorm) and norm.bias is not None
-    if residual is None:
-        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps), x
-    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)

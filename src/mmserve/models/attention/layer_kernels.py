@@ -143,12 +143,14 @@ class TritonLayerOps(LayerOps):
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        self._norm(x, None, weight, bias, eps, out)
+        D = x.shape[-1]  # [..., D] as rows [T, D]: CLIP's [N, L, D] stream
+        self._norm(x.reshape(-1, D), None, weight, bias, eps, out.view(-1, D))
         return out
 
     def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        self._norm(x, residual, weight, bias, eps, x)
+        D = x.shape[-1]  # views: both are updated in place
+        self._norm(x.view(-1, D), residual.view(-1, D), weight, bias, eps, x.view(-1, D))
         return x, residual
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

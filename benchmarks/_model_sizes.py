@@ -1,6 +1,6 @@
-"""Qwen2.5-VL-7B-Instruct's and Qwen3-VL-8B-Instruct's published architectures (their config.json's
-sizes), for the benchmarks that build them without downloading them: random weights on a GPU
-(gpu_serving.py), no weights at all on the `meta` device (kernel_resources.py)."""
+"""Qwen2.5-VL-7B-Instruct's, Qwen3-VL-8B-Instruct's and llava-1.5-7b-hf's published architectures
+(their config.json's sizes), for the benchmarks that build them without downloading them: random
+weights on a GPU (gpu_serving.py), no weights at all on the `meta` device (kernel_resources.py)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ QWEN3_VL_8B_TEXT = dict(hidden_size=4096, intermediate_size=12288, num_hidden_la
 QWEN3_VL_8B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+LLAVA_15_7B_TEXT = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5)
+LLAVA_15_7B_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                          image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
+                          layer_norm_eps=1e-5)
