@@ -63,12 +63,33 @@ def compiling_for(arch: int) -> Iterator[list[tuple[str, Any]]]:
     launching; yields the list of (kernel name, CompiledKernel) the launches append to."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compiling for a GPU needs a process without TRITON_INTERPRET=1")
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    class CompileOnly(DriverBase):  # the target a CUDA driver would report; no device behind it
+    seen: list[tuple[str, Any]] = []
+    run = JITFunction.run
+
+    def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        seen.append((self.fn.__name__, kernel))
+        return kernel
+
+    previous = driver._active  # None until something asks for a driver (none exists on a CPU machine)
+    driver.set_active(_compile_only_driver(arch))
+    JITFunction.run = compile_only
+    try:
+        yield seen
+    finally:
+        JITFunction.run = run
+        driver._active = previous
+
+
+def _compile_only_driver(arch: int) -> Any:
+    """A Triton driver reporting `sm_{arch}` as its target, with no device behind it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class CompileOnly(DriverBase):
         def is_active(self) -> bool:
             return True
 
@@ -93,22 +114,7 @@ def compiling_for(arch: int) -> Iterator[list[tuple[str, Any]]]:
         def get_benchmarker(self) -> Any:
             raise RuntimeError("nothing runs: kernels are only compiled")
 
-    seen: list[tuple[str, Any]] = []
-    run = JITFunction.run
-
-    def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        seen.append((self.fn.__name__, kernel))
-        return kernel
-
-    previous = driver._active  # None until something asks for a driver (none exists on a CPU machine)
-    driver.set_active(CompileOnly())
-    JITFunction.run = compile_only
-    try:
-        yield seen
-    finally:
-        JITFunction.run = run
-        driver._active = previous
+    return CompileOnly()
 
 
 def compile_cases(arch: int = 90, sass: bool = False,
