@@ -74,7 +74,10 @@ def compiling_for(arch: int) -> Iterator[list[tuple[str, Any]]]:
         seen.append((self.fn.__name__, kernel))
         return kernel
 
+    from mmserve.models.attention import tuning
+
     previous = driver._active  # None until something asks for a driver (none exists on a CPU machine)
+    nominal, tuning.NOMINAL_ARCH = tuning.NOMINAL_ARCH, arch  # the wrappers pick this GPU's tiles
     driver.set_active(_compile_only_driver(arch))
     JITFunction.run = compile_only
     try:
@@ -82,6 +85,7 @@ def compiling_for(arch: int) -> Iterator[list[tuple[str, Any]]]:
     finally:
         JITFunction.run = run
         driver._active = previous
+        tuning.NOMINAL_ARCH = nominal
 
 
 def _compile_only_driver(arch: int) -> Any:

@@ -78,6 +78,19 @@ def test_tiles_follow_the_head_size_the_dtype_and_the_segments():
     assert prefill_tiles(64, 4, 17, 17) == clip
 
 
+def test_ampere_and_ada_take_their_own_half_precision_tiles():
+    """Tiles that spill no register on sm_80 (`benchmarks/kernel_resources.py --arch 80`); Hopper's
+    elsewhere, and off CUDA the nominal H100's."""
+    from mmserve.models.attention.tuning import (AMPERE_LARGE_HEAD, AMPERE_SMALL_HEAD, HALF_LARGE_HEAD, SINGLE,
+                                                 device_arch, prefill_tiles)
+
+    assert prefill_tiles(128, 2, 5000, 5000, arch=80) == AMPERE_LARGE_HEAD
+    assert prefill_tiles(64, 2, 577, 577, arch=89) == AMPERE_SMALL_HEAD
+    assert prefill_tiles(128, 2, 5000, 5000, arch=90) == HALF_LARGE_HEAD
+    assert prefill_tiles(128, 4, 5000, 5000, arch=80) == SINGLE  # float32: no tensor cores either way
+    assert device_arch(torch.device("cpu")) == device_arch(torch.device("meta")) == 90
+
+
 def exact_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
     """The float64 attention inside each segment (the reference both the kernel and torch round from)."""
     out = torch.empty(q.shape, dtype=torch.float64)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mmserve.models.attention.decode_kernel import decode_attention
 from mmserve.models.attention.online_softmax import attend_tile, load_paged_kv, range_loops
-from mmserve.models.attention.tuning import kv_stages, prefill_tiles
+from mmserve.models.attention.tuning import device_arch, kv_stages, prefill_tiles
 
 # Shapes (T = query tokens of the step, B = sequences, H = query heads, Hkv = key/value heads,
 # G = H / Hkv, Dh = head dim, N = cache blocks, S = block size):
@@ -106,7 +106,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // Hkv
     g_pad = triton.next_power_of_2(group)
-    tiles = prefill_tiles(Dh, q.element_size(), max_query_len * g_pad, block_tables.shape[1] * S)
+    tiles = prefill_tiles(Dh, q.element_size(), max_query_len * g_pad, block_tables.shape[1] * S, device_arch(q.device))
     block_q = max(1, tiles.block_m // g_pad)  # rows are queries x padded group (tl.dot wants >= 16)
     out = torch.empty_like(q)
     B = seq_lens.shape[0]

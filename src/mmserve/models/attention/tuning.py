@@ -10,9 +10,13 @@ two parts (`head_parts`: 80 = 64 + 16, 96 = 64 + 32).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
+import torch
 import triton
+
+NOMINAL_ARCH = 90  # an H100's compute capability: the tiles chosen off CUDA (the interpreter, gpu_compile)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,12 @@ HALF_SMALL_HEAD = TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
 # accumulator and Q tile passes 255 registers and spills (compiled for sm_90: 424 bytes a thread
 # at head 128, none with 8 warps at 181 registers).
 HALF_LARGE_HEAD = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+# Ampere and Ada (sm_80 to sm_89): `mma.sync` keeps the accumulator and the operands in registers
+# where Hopper's `wgmma` reads one from shared memory, and 128 x 64 tiles spill 32-40 bytes a thread
+# at head 128 even with 8 warps (compiled for sm_80); 128 x 32 spill nothing, nor, at heads <= 64,
+# 128 x 64 with 8 warps. Shared memory stays under sm_86's 99 KiB.
+AMPERE_SMALL_HEAD = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+AMPERE_LARGE_HEAD = TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
 # float32: values take twice the bytes and `tl.dot` runs in IEEE precision (no tensor cores):
 # 64-row tiles of 16 keys, 2 stages, 8 warps: the largest tile that spills nothing at head 128
 # under both Triton 3.6 and 3.9 (64 x 32 spills 376 bytes a thread under 3.6; 4 warps spill).
@@ -55,14 +65,18 @@ def head_parts(head_dim: int) -> tuple[int, int]:
     return (first, second) if first + second < whole else (whole, 0)
 
 
-def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int) -> TileConfig:
+def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int, arch: int = NOMINAL_ARCH) -> TileConfig:
     """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes when a program has at most
-    `rows` query rows and `keys` keys: never larger than those (Qwen2.5-VL's 64-patch windows
-    take 64-row tiles, a CLIP image of 17 rows 32), nor than 16 (`tl.dot`'s least)."""
+    `rows` query rows and `keys` keys, on a GPU of compute capability `arch` (`device_arch`):
+    never larger than those (Qwen2.5-VL's 64-patch windows take 64-row tiles, a CLIP image of 17
+    rows 32), nor than 16 (`tl.dot`'s least)."""
+    small = triton.next_power_of_2(head_dim) <= 64
     if itemsize >= 4:
         tiles = SINGLE
+    elif arch < 90:
+        tiles = AMPERE_SMALL_HEAD if small else AMPERE_LARGE_HEAD
     else:
-        tiles = HALF_SMALL_HEAD if triton.next_power_of_2(head_dim) <= 64 else HALF_LARGE_HEAD
+        tiles = HALF_SMALL_HEAD if small else HALF_LARGE_HEAD
     return replace(tiles, block_m=min(tiles.block_m, max(16, triton.next_power_of_2(rows))),
                    block_n=min(tiles.block_n, max(16, triton.next_power_of_2(keys))))
 
@@ -73,3 +87,14 @@ def kv_stages(stages: int, query_itemsize: int, cache_itemsize: int) -> int:
     both widths and registers spill (compiled for sm_90 at head 128: 192 to 5,584 bytes a thread,
     none with one stage)."""
     return 1 if cache_itemsize < query_itemsize else stages
+
+
+def device_arch(device: torch.device) -> int:
+    """`device`'s compute capability as major * 10 + minor; NOMINAL_ARCH off CUDA."""
+    return _cuda_arch(device.index or 0) if device.type == "cuda" else NOMINAL_ARCH
+
+
+@functools.cache
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from mmserve.models.attention.online_softmax import range_loops
-from mmserve.models.attention.tuning import head_parts, prefill_tiles
+from mmserve.models.attention.tuning import device_arch, head_parts, prefill_tiles
 
 # Shapes (P = rows of every segment packed, H = heads, Dh = head dim, S = segments):
 #   q, k, v, out: [P, H, Dh]; cu: [S + 1] int32, segment s is rows cu[s] .. cu[s + 1]
@@ -124,7 +124,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     P, H, Dh = q.shape
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     out = torch.empty_like(q)
-    tiles = prefill_tiles(Dh, q.element_size(), max_len, max_len)
+    tiles = prefill_tiles(Dh, q.element_size(), max_len, max_len, device_arch(q.device))
     d0, d1 = parts or head_parts(Dh)
     grid = (cu.shape[0] - 1, triton.cdiv(max_len, tiles.block_m), H)
     _varlen_attention_kernel[grid](
