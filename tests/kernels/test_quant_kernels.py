@@ -36,7 +36,8 @@ def test_int4_linear_equals_dequantize_then_matmul(M, N, K, group):
 
 
 @pytest.mark.parametrize("M", [1, 20])
-@pytest.mark.parametrize("N, K, block", [(24, 64, None), (40, 96, (16, 32)), (33, 72, (16, 16))])
+@pytest.mark.parametrize("N, K, block", [(24, 64, None), (40, 96, (16, 32)), (33, 72, (16, 16)),
+                                         (40, 200, (128, 128))])  # whole 64-key tiles in a block: one scale a row
 def test_fp8_linear_equals_dequantize_then_matmul(M, N, K, block):
     weight, scale, W = random_fp8(N, K, block, GEN)
     x = torch.randn(M, K, generator=GEN)

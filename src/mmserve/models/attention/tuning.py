@@ -91,7 +91,9 @@ def kv_stages(stages: int, query_itemsize: int, cache_itemsize: int) -> int:
 
 def device_arch(device: torch.device) -> int:
     """`device`'s compute capability as major * 10 + minor; NOMINAL_ARCH off CUDA."""
-    return _cuda_arch(device.index or 0) if device.type == "cuda" else NOMINAL_ARCH
+    if device.type != "cuda":
+        return NOMINAL_ARCH
+    return _cuda_arch(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.cache
