@@ -77,7 +77,9 @@ def _qwen(architecture: str, family: str, text: dict, vision: dict, grid: tuple[
     return ModelSpec(architecture,
                      lambda folder: write_qwen_vl_files(folder, family=family, text_config=text, vision_config=vision,
                                                         min_pixels=56 * 56, max_pixels=28 * 28 * 1280),
-                     lambda model: {"pixel_values": torch.empty(h * w, model.config.vision.patch_dim, device=META),
+                     lambda model: {"pixel_codes": torch.empty(h * w, model.config.vision.patch_dim,
+                                                               dtype=torch.uint8, device=META),
+                                    "pixel_lut": torch.empty(3, 256, device=META),
                                     "image_grid_thw": torch.tensor([[1, h, w]])})
 
 
@@ -88,7 +90,8 @@ def _llava() -> ModelSpec:
     return ModelSpec("LlavaForConditionalGeneration",
                      lambda folder: write_llava_files(folder, text_config=LLAVA_15_7B_TEXT,
                                                       vision_config=LLAVA_15_7B_VISION),
-                     lambda model: {"pixel_values": torch.empty(3, side, side, device=META)})
+                     lambda model: {"pixel_codes": torch.empty(3, side, side, dtype=torch.uint8, device=META),
+                                    "pixel_lut": torch.empty(3, 256, device=META)})
 
 
 def models() -> dict[str, ModelSpec]:

@@ -84,12 +84,13 @@ def build_checkpoint(path: str, tiny: bool, device: torch.device, dtype: torch.d
 
 
 def tower_s(llm: Any, path: str, pictures: list[Any], device: torch.device) -> tuple[float, float]:
-    """Seconds of the vision tower on `pictures` in one call (processing excluded), and its arithmetic."""
+    """Seconds of the vision tower on `pictures` in one call (P0's processing excluded; the
+    lookup of the pixel codes' values included), and its arithmetic."""
     from mmserve.multimodal.qwen_processor import QwenVLProcessor
+    from mmserve.worker.device import item_on
 
     runner, processor = llm.engine.core.executor.runner, QwenVLProcessor(path)
-    datas = [{k: v.to(device) if v.is_floating_point() else v for k, v in processor.process_image(p).items()}
-             for p in pictures]
+    datas = [item_on(processor.process_image(p), device) for p in pictures]
     grids = [tuple(int(x) for x in d["image_grid_thw"].reshape(3).tolist()) for d in datas]
     seconds = best_time(lambda: runner.model.encode_items(datas, runner.dtype), device, repeats=3)
     return seconds, tower_flops(runner.model.model.visual, grids)

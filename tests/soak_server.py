@@ -21,6 +21,7 @@ from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.messages import CacheStats
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
+from helpers.tiny_models import llava_item_bytes
 
 SHM_DIR = "/dev/shm"
 
@@ -32,7 +33,7 @@ def soak_engine_args(model_dir: str, cache_type: str, media_dir: Path, cache_ite
     shadow cache verifier at `verify_rate`, and a stream unread for a second aborted."""
     vision = json.loads((Path(model_dir) / "config.json").read_text())["vision_config"]
     side, patch = vision["image_size"], vision["patch_size"]
-    item_bytes = 3 * side * side * 4 + ENTRY_OVERHEAD_BYTES  # float32 pixel values, one crop
+    item_bytes = llava_item_bytes(side) + ENTRY_OVERHEAD_BYTES  # one crop
     image_tokens = (side // patch) ** 2
     gib = cache_items * item_bytes / (1 << 30)
     block_size = 16

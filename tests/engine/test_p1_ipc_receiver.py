@@ -15,11 +15,11 @@ from mmserve.config import EngineConfig
 from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES
-from helpers.tiny_models import TINY_VISION_CONFIG, make_checkpoint
+from helpers.tiny_models import TINY_VISION_CONFIG, llava_item_bytes, make_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
 
-ITEM_BYTES = 3 * TINY_VISION_CONFIG["image_size"] ** 2 * 4 + ENTRY_OVERHEAD_BYTES
+ITEM_BYTES = llava_item_bytes(TINY_VISION_CONFIG["image_size"]) + ENTRY_OVERHEAD_BYTES
 
 
 @pytest.fixture(scope="module")

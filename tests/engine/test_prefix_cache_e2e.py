@@ -16,6 +16,7 @@ from transformers import LlavaForConditionalGeneration
 
 from mmserve import LLM, SamplingParams
 from mmserve.ipc.messages import EngineCoreRequest
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.outputs import RequestOutput
 from helpers.tiny_models import make_checkpoint, make_image
 
@@ -77,7 +78,7 @@ def tokens(out: RequestOutput) -> list[int]:
 
 def hf_tokens(hf, req: EngineCoreRequest) -> list[int]:
     ids = torch.tensor([req.prompt_token_ids])
-    pixels = torch.stack([item.data["pixel_values"] for item in req.mm_items])
+    pixels = torch.stack([pixel_values(item.data) for item in req.mm_items])
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                           max_new_tokens=req.sampling_params.max_tokens, do_sample=False)

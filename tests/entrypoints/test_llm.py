@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 
 import pytest
 
@@ -92,6 +94,30 @@ def test_chat_accepts_pil_data_urls_and_file_paths(llm, tmp_path):
     assert tokens(outs[0]) == tokens(outs[1]) == tokens(outs[2])
     direct = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, GREEDY)
     assert tokens(outs[0]) == tokens(direct)
+
+
+def test_a_batch_is_processed_on_several_threads_with_the_same_outputs(path):
+    """`generate` processes a batch's prompts at once on its input threads (new images in
+    parallel), an image shared by two prompts once, with each prompt's output as if alone."""
+    llm = LLM(model=path, max_model_len=256)
+    try:
+        seen: set[str] = set()
+        process = llm.engine.input_processor.processor.process_image
+
+        def recording(*args, **kwargs):
+            seen.add(threading.current_thread().name)
+            time.sleep(0.05)  # long enough for the next prompt to start on another thread
+            return process(*args, **kwargs)
+
+        inputs = llm.engine.input_processor
+        inputs.processor.process_image = recording
+        batch = [image_prompt(seed) for seed in (3, 4, 5, 3)]
+        together = tokens(llm.generate(batch, GREEDY))
+        assert len(seen) >= 2 and all(name.startswith("mmserve-inputs") for name in seen)
+        assert inputs.items.num_processed == 3  # the shared image processed once
+        assert together == [tokens(llm.generate([prompt], GREEDY))[0] for prompt in batch]
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("bad, message", [

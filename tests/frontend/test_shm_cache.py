@@ -94,7 +94,7 @@ def test_a_stale_handle_is_reported_missing_not_misread(path):
         assert reader.attach(wire.request_id, wire.mm_items) == [request.mm_items[0].mm_hash]
         wire.mm_items = writer.to_wire(request)  # written again: a fresh handle reads back
         assert reader.attach(wire.request_id, wire.mm_items) == []
-        assert wire.mm_items[0].data["pixel_values"].equal(request.mm_items[0].data["pixel_values"])
+        assert wire.mm_items[0].data["pixel_codes"].equal(request.mm_items[0].data["pixel_codes"])
         reader.release("r")
         reader.close()
     finally:

@@ -101,11 +101,11 @@ def test_decoding_keeps_the_sampled_frames_at_their_target_size(path):
     clip = encode_video(make_frames(61, 10, (160, 96)), fps=4)
     opts = p.videos.resolver.options(None, {"video": {"fps": 4, "max_pixels": 1 << 16}})
     request = video_request(p, clip, media_io_kwargs={"video": {"fps": 4, "max_pixels": 1 << 16}})
-    served = np.concatenate([item.data["pixel_values"].numpy() for item in request.mm_items])
+    served = np.concatenate([item.data["pixel_codes"].numpy() for item in request.mm_items])
     video = p.processor.video
     decoded = decode_video(clip, lambda meta: sample_indices(meta, opts, "qwen3_vl", 2), p.videos.resolver.limits)
     whole = video.process(decoded.frames, decoded.indices, decoded.metadata.fps, 10, opts)
-    assert np.array_equal(served, whole.pixel_values.numpy())
+    assert np.array_equal(served, whole.pixel_codes.numpy())
 
 
 class CountingTokenizer:

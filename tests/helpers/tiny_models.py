@@ -35,6 +35,12 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 }
 
 
+def llava_item_bytes(side: int) -> int:
+    """Bytes of one processed LLaVA image of `side` x `side` as the caches count them: its uint8
+    codes and the [3, 256] float32 table of their values (ipc/pixel_codes.py)."""
+    return 3 * side * side + 3 * 256 * 4
+
+
 def make_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
     """Writes a tiny LLaVA under `tmp_dir` and returns its path.
 

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.models.builtin import resolve_model
 from mmserve.models.builtin_qwen_vl import SPECIAL_TOKENS, write_tiny_qwen_vl
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
@@ -50,7 +51,7 @@ def greedy(path: str, image, max_new_tokens: int = 12) -> list[int]:
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              mm_token_type_ids=(ids == processor.image_token_id).long(),  # else no M-RoPE
-                             pixel_values=data["pixel_values"], image_grid_thw=data["image_grid_thw"][None],
+                             pixel_values=pixel_values(data), image_grid_thw=data["image_grid_thw"][None],
                              max_new_tokens=max_new_tokens)
     return out[0, ids.shape[1]:].tolist()
 

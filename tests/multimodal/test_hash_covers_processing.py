@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.multimodal.hasher import HASHED_INFO_KEYS, ItemHasher
 from mmserve.multimodal.processing import create_processor
 from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint
@@ -72,7 +73,7 @@ def test_images_processed_differently_hash_differently(processor):
             v = image.copy()
             v.info = {} if transparency is None else {"transparency": transparency}
             variants.append(v)
-    processed = [processor.process_image(v)["pixel_values"] for v in variants]
+    processed = [pixel_values(processor.process_image(v)) for v in variants]
     for i in range(len(variants)):
         for j in range(i + 1, len(variants)):
             if processed[i].shape != processed[j].shape or not bool((processed[i] == processed[j]).all()):

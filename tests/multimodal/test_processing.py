@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.multimodal.processing import MultiModalProcessor, ProcessedPrompt
 from helpers.tiny_models import make_checkpoint, make_image
 
@@ -58,8 +59,8 @@ def test_token_ids_and_pixels_equal_llava_processor(processors, case):
     assert got.prompt_token_ids == want["input_ids"][0].tolist()
     assert len(got.mm_items) == len(images)
     for i, item in enumerate(got.mm_items):
-        pixels = item.data["pixel_values"]
-        assert pixels.dtype == torch.float32 and pixels.dim() == 3
+        pixels = pixel_values(item.data)
+        assert item.data["pixel_codes"].dtype == torch.uint8 and pixels.dtype == torch.float32 and pixels.dim() == 3
         assert torch.equal(pixels, want["pixel_values"][i])
 
 
@@ -85,7 +86,7 @@ def test_num_placeholder_tokens_follows_the_strategy(processors, checkpoint):
     config = json.loads(Path(checkpoint, "config.json").read_text())
     data = ours.process_image(make_image(0, (77, 33)))
     size = config["vision_config"]["image_size"]
-    assert tuple(data["pixel_values"].shape) == (3, size, size)
+    assert tuple(data["pixel_codes"].shape) == (3, size, size)
     grid = (size // config["vision_config"]["patch_size"]) ** 2
     extra = 1 if config["vision_feature_select_strategy"] == "full" else 0
     assert ours.num_placeholder_tokens(data) == grid + extra

@@ -104,5 +104,5 @@ def test_llava_1_5_files_as_published(tiny, tmp_path, place):
     processor = create_processor(published_llava(tiny["llava"], tmp_path / "llava", place))
     assert processor.apply_chat_template(IMAGE_TURN) == "USER: <image>\nWhat is this? ASSISTANT:"
     data = processor.process_image(make_image(2, (500, 300)))
-    assert tuple(data["pixel_values"].shape) == (3, 336, 336)  # CLIPImageProcessor: resize 336, crop 336
+    assert tuple(data["pixel_codes"].shape) == (3, 336, 336)  # CLIPImageProcessor: resize 336, crop 336
     assert processor.num_placeholder_tokens(data) == 576  # (336 / 14)², the CLS token dropped ("default")

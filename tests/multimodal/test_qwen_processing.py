@@ -20,6 +20,7 @@ from PIL import Image
 from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
 from helpers.tiny_models import make_image, make_qwen_checkpoint
 
@@ -80,11 +81,11 @@ def test_pixels_and_grid_equal_the_image_processor(family, name):
     image = IMAGES[name]
     got = ours.process_image(image)
     want = Qwen2VLImageProcessorPil.from_pretrained(path)(images=[image], return_tensors="pt")
-    pixels, grid = got["pixel_values"], got["image_grid_thw"]
-    assert pixels.dtype == torch.float32 and grid.dtype == torch.int64 and grid.shape == (3,)
+    codes, pixels, grid = got["pixel_codes"], pixel_values(got), got["image_grid_thw"]
+    assert codes.dtype == torch.uint8 and pixels.dtype == torch.float32 and grid.dtype == torch.int64
     assert torch.equal(pixels, want["pixel_values"]) and grid.tolist() == want["image_grid_thw"][0].tolist()
     processor = ours.image_processor
-    assert pixels.shape == (int(grid.prod()), 3 * processor.temporal_patch_size * processor.patch_size ** 2)
+    assert codes.shape == (int(grid.prod()), 3 * processor.temporal_patch_size * processor.patch_size ** 2)
     assert ours.num_placeholder_tokens(got) == int(grid.prod()) // processor.merge_size ** 2
 
 
@@ -121,7 +122,7 @@ def test_token_ids_equal_the_hf_processor(family, case):
     assert covered == [i for i, t in enumerate(ids) if t == ours.image_token_id]
     assert [rng.length for rng in ranges] == [ours.num_placeholder_tokens(d) for d in datas]
     if images:
-        assert torch.equal(torch.cat([d["pixel_values"] for d in datas]), want["pixel_values"])
+        assert torch.equal(torch.cat([pixel_values(d) for d in datas]), want["pixel_values"])
         assert torch.equal(torch.stack([d["image_grid_thw"] for d in datas]), want["image_grid_thw"])
 
 
@@ -137,7 +138,7 @@ def test_a_request_pixel_budget_changes_the_grid_as_in_hf(family):
         budget = {**ours.default_pixels, **mm_kwargs}
         want = hf(text=prompt, images=[image], return_tensors="pt",
                   images_kwargs={"size": {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}})
-        assert torch.equal(got["pixel_values"], want["pixel_values"])
+        assert torch.equal(pixel_values(got), want["pixel_values"])
         assert got["image_grid_thw"].tolist() == want["image_grid_thw"][0].tolist()
         ids, _ = ours.expand(prompt, [ours.num_placeholder_tokens(got)])
         assert ids == want["input_ids"][0].tolist()
@@ -246,7 +247,7 @@ def test_the_checkpoints_normalization_is_used(family, tmp_path):
     _, path, _, _ = family
     half = _with_preprocessor(path, tmp_path / "half", image_mean=[0.5] * 3, image_std=[0.5] * 3)
     white = Image.new("RGB", (64, 64), (255, 255, 255))
-    assert torch.allclose(QwenVLProcessor(half).process_image(white)["pixel_values"], torch.tensor(1.0))
+    assert torch.allclose(pixel_values(QwenVLProcessor(half).process_image(white)), torch.tensor(1.0))
 
 
 def test_qwen2_5_vl_published_pixel_fields_are_read(family, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers.hf_reference import hf_video_inputs, hf_video_processor
+from mmserve.ipc.pixel_codes import pixel_values
 from mmserve.multimodal.media import MediaError
 from mmserve.multimodal.video import VideoLimits, decode_video, probe_video
 from mmserve.multimodal.video_options import VideoOptions, resolve, sample_indices
@@ -66,7 +67,9 @@ def test_pixels_equal_transformers(family, case):
     picked = np.arange(count) if meta.frames_indices is None else np.asarray(meta.frames_indices)  # None: all
     assert list(indices) == list(picked)
     assert list(got.grid) == expected["video_grid_thw"][0].tolist()
-    assert torch.equal(got.pixel_values, expected["pixel_values_videos"])
+    assert got.pixel_codes.dtype == torch.uint8
+    assert torch.equal(pixel_values({"pixel_codes": got.pixel_codes, "pixel_lut": got.pixel_lut}),
+                       expected["pixel_values_videos"])
     assert got.second_per_grid_ts == pytest.approx(processor.temporal_patch_size / meta.sampled_fps)
 
 
@@ -74,7 +77,8 @@ def test_groups_are_image_shaped_slices(family):
     _, _, _, processor = family
     _, video = ours(processor, make_frames(3, 8, (96, 64)), 2.0, processor.defaults)
     groups = [video.group(g) for g in range(video.grid[0])]
-    assert torch.equal(torch.cat([g["pixel_values"] for g in groups]), video.pixel_values)
+    assert torch.equal(torch.cat([g["pixel_codes"] for g in groups]), video.pixel_codes)
+    assert all(g["pixel_lut"] is video.pixel_lut for g in groups)
     assert all(g["image_grid_thw"].tolist() == [1, *video.grid[1:]] for g in groups)
 
 

@@ -46,8 +46,9 @@ class PlaceholderRange(msgspec.Struct, frozen=True):
 class MultiModalItem(msgspec.Struct):
     """One processed image (or other item) of one request.
 
-    `data` holds the Hugging Face processor's output for this item alone, e.g.
-    `{"pixel_values": Tensor[3, H, W]}` (float32); it is None while the item travels P0 -> P1
+    `data` holds the processor's output for this item alone, its pixels as uint8 codes and their
+    values (ipc/pixel_codes.py), e.g. `{"pixel_codes": Tensor[3, H, W] uint8, "pixel_lut":
+    Tensor[3, 256] float32}`; it is None while the item travels P0 -> P1
     as its hash alone (the engine core's IPC cache restores it) or as `shm_handle`, its place in
     the shared-memory object store (readers map it in place). `mm_hash` identifies the item's
     content (with model, processor settings and salt) for every cache layer.

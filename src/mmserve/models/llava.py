@@ -20,6 +20,7 @@ from mmserve.models.llama import LlamaModel
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                      check_decoder_shardable)
 from mmserve.models.vlm import VisionLanguageModel
+from mmserve.ipc.pixel_codes import pixel_values
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -102,12 +103,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         """A processed image's shape (every LLaVA image has it), zeros on the host: what the
         memory profile encodes."""
         size = self.config.vision.image_size
-        return {"pixel_values": torch.zeros(3, size, size)}
+        return {"pixel_codes": torch.zeros(3, size, size, dtype=torch.uint8), "pixel_lut": torch.zeros(3, 256)}
 
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
         """One processed image per entry -> its embedding rows [F, D], in order."""
-        pixels = torch.stack([data["pixel_values"] for data in datas]).to(dtype)  # [N, C, H, W]
+        pixels = torch.stack([pixel_values(data) for data in datas]).to(dtype)  # [N, C, H, W]
         return list(self.encode_images(pixels))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from mmserve.models.mrope import mrope_positions
 from mmserve.models.qwen_vision import check_vision_shardable
 from mmserve.models.vlm import VisionLanguageModel
 from mmserve.ipc.items import MultiModalItem
+from mmserve.ipc.pixel_codes import pixel_values
 
 
 class QwenVLInner(nn.Module):
@@ -104,14 +105,15 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         (a square grid of `max_item_tokens` merged patches at most): what the memory profile encodes."""
         vision, side = self.config.vision, math.isqrt(self.config.max_item_tokens)
         h = w = side * vision.spatial_merge_size
-        return {"pixel_values": torch.zeros(h * w, vision.patch_dim), "image_grid_thw": torch.tensor([[1, h, w]])}
+        return {"pixel_codes": torch.zeros(h * w, vision.patch_dim, dtype=torch.uint8),
+                "pixel_lut": torch.zeros(vision.in_channels, 256), "image_grid_thw": torch.tensor([[1, h, w]])}
 
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Processed images -> each one's rows [F_i, D * (1 + num_deepstack)], in order.
 
         All images run in one tower call; attention never crosses an image."""
-        pixels = torch.cat([data["pixel_values"] for data in datas]).to(dtype)  # [P, C * Tp * p * p]
+        pixels = torch.cat([pixel_values(data) for data in datas]).to(dtype)  # [P, C * Tp * p * p]
         grids = [_grid_of(data) for data in datas]
         embeds, deepstack = self.model.visual(pixels, grids, self.attention)  # [F, D], each [F, D]
         rows = torch.cat([embeds, *deepstack], dim=-1) if deepstack else embeds

@@ -1,7 +1,8 @@
 """Input processing (P0): prompt text + images -> prompt token ids and multimodal items.
 
 Each image goes through the Hugging Face image processor on its own, so that every item's
-tensors can be cached and moved by themselves; the prompt's `<image>` tokens are expanded to
+tensors can be cached and moved by themselves: its geometry only (resize, crop), the pixels kept
+as uint8 codes beside the table of its arithmetic (multimodal/pixel_table.py); the prompt's `<image>` tokens are expanded to
 each item's placeholder count and tokenized exactly as `LlavaProcessor` does, so the token ids
 equal `processor(text=prompt, images=images)["input_ids"][0]`.
 """
@@ -22,6 +23,7 @@ from mmserve.multimodal.chat_templates import pick_chat_template
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import check_image, to_rgb
+from mmserve.multimodal.pixel_table import geometry, processor_lut
 
 if TYPE_CHECKING:
     from mmserve.multimodal.processor_api import ItemProcessor
@@ -54,6 +56,7 @@ class MultiModalProcessor:
         self.image_token: str = self._hf.image_token
         self.image_token_id: int = self._hf.image_token_id
         self.video: QwenVideoProcessor | None = None  # LLaVA takes no video
+        self.lut = processor_lut(self._hf.image_processor, 1, lambda images: images.flatten(2))  # [C, 256]
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
@@ -62,14 +65,15 @@ class MultiModalProcessor:
         return {}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-        """Runs the image processor on one image: `{"pixel_values": Tensor[3, H, W]}` float32."""
+        """Runs the image processor's geometry on one image: `{"pixel_codes": Tensor[3, H, W] uint8,
+        "pixel_lut": Tensor[3, 256]}`, its `pixel_values` as codes and their values (ipc/pixel_codes.py)."""
         check_image(image)
-        out = self._hf.image_processor(images=[to_rgb(image)], return_tensors="pt")
-        return {"pixel_values": out["pixel_values"][0].to(torch.float32)}
+        codes = geometry(self._hf.image_processor, to_rgb(image))["pixel_values"][0]
+        return {"pixel_codes": codes, "pixel_lut": self.lut}
 
     def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
         """Placeholder tokens of one processed item, with `LlavaProcessor`'s formula."""
-        height, width = data["pixel_values"].shape[-2:]
+        height, width = data["pixel_codes"].shape[-2:]
         patch = self._hf.patch_size
         count = (height // patch) * (width // patch) + self._hf.num_additional_image_tokens
         if self._hf.vision_feature_select_strategy == "default":
@@ -84,7 +88,7 @@ class MultiModalProcessor:
         if not getattr(processor, "do_center_crop", False) or not crop:
             return None
         shape = torch.empty(0, 0, int(crop["height"]), int(crop["width"]))
-        return self.num_placeholder_tokens({"pixel_values": shape})
+        return self.num_placeholder_tokens({"pixel_codes": shape})
 
     def position_key(self, data: dict[str, torch.Tensor],
                      group: tuple[int, float] | None = None) -> tuple[int | float, ...]:

@@ -1,7 +1,8 @@
 """Input processing (P0) for Qwen2.5-VL and Qwen3-VL: dynamic resolution, placeholders expanded here.
 
 transformers' Qwen-VL processor classes need torchvision, which this CPU torch lacks; as vLLM
-does, the pixels come from `Qwen2VLImageProcessorPil` (the same values as the HF processor) and
+does, the pixels are `Qwen2VLImageProcessorPil`'s (the same values as the HF processor): its
+geometry done here on uint8, its arithmetic a table it computed (multimodal/pixel_table.py), and
 each `<|image_pad|>` in the prompt is repeated t*h*w/merge² times before tokenizing, exactly as
 `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` do. A request may bring its own pixel budget
 (`mm_processor_kwargs`: `min_pixels`, `max_pixels`, vLLM's names); it changes the processed item,
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import numpy as np
 import torch
 from PIL import Image
 
 from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
+from mmserve.multimodal.pixel_table import processor_lut
 from mmserve.multimodal.chat_templates import pick_chat_template, processor_chat_template
 from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
-from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
+from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor, patchify
 
 MM_KWARGS = ("min_pixels", "max_pixels")
 _MAX_PIXELS_LIMIT = 1 << 31  # beyond any image a server would accept
@@ -49,6 +52,12 @@ class QwenVLProcessor:
         self.image_token = "<|image_pad|>"
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         self.merge_size: int = self.image_processor.merge_size
+        self.patch_size, self.temporal_patch_size = int(self.image_processor.patch_size), \
+            int(self.image_processor.temporal_patch_size)
+        if not self.image_processor.do_resize:
+            raise ValueError(f"{model_path!r}: an image processor with do_resize false is not supported")
+        self.lut = processor_lut(self.image_processor, self.patch_size * self.merge_size,
+                                 lambda rows: rows.view(rows.shape[0], 3, -1))  # [C, 256]: the pixel values
         size = self.image_processor.size
         self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
         from mmserve.models.hf_config import load_model_config
@@ -85,29 +94,39 @@ class QwenVLProcessor:
         return {k: v for k, v in mm_kwargs.items() if v != self.default_pixels[k]}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-        """One image -> `{"pixel_values": Tensor[P, C * Tp * p * p] float32, "image_grid_thw":
-        Tensor[3] int64}` (P = t * h * w patches in merge-block order). `mm_kwargs`: the request's
-        pixel budget, checked as `check_mm_kwargs` does (ValueError)."""
+        """One image -> `{"pixel_codes": Tensor[P, C * Tp * p * p] uint8, "pixel_lut": Tensor[C, 256],
+        "image_grid_thw": Tensor[3] int64}` (P = t * h * w patches in merge-block order; the values
+        are `Qwen2VLImageProcessorPil`'s `pixel_values`, looked up: ipc/pixel_codes.py).
+        `mm_kwargs`: the request's pixel budget, checked as `check_mm_kwargs` does (ValueError).
+
+        The processor's geometry, done here on uint8: PIL's resize of the RGB image to
+        `smart_resize`'s size with the processor's filter (what its PIL backend calls), the
+        image repeated over the temporal patch, rows in merge-block order."""
         check_image(image)
         budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
-        size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
-        out = self.image_processor(images=[to_rgb(image)], return_tensors="pt", size=size)
-        return {"pixel_values": out["pixel_values"].to(torch.float32),
-                "image_grid_thw": out["image_grid_thw"][0].to(torch.int64)}
+        height, width = self._resized(image.width, image.height, budget)
+        resized = to_rgb(image).resize((width, height), resample=Image.Resampling(int(self.image_processor.resample)))
+        frame = torch.from_numpy(np.array(resized)).permute(2, 0, 1).unsqueeze(0)  # [1, C, H, W] uint8
+        codes, grid = patchify(frame, self.temporal_patch_size, self.patch_size, self.merge_size)
+        return {"pixel_codes": codes, "pixel_lut": self.lut, "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}
+
+    def _resized(self, width: int, height: int, budget: dict[str, int]) -> tuple[int, int]:
+        """(height, width) after the processor's resize: `smart_resize` (MediaError for an aspect
+        ratio it refuses)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        try:
+            return smart_resize(height, width, factor, budget["min_pixels"], budget["max_pixels"])
+        except ValueError as e:
+            raise MediaError(f"the image cannot be sized: {e}") from None
 
     def image_tokens(self, width: int, height: int, mm_kwargs: dict[str, Any]) -> int:
         """Placeholder tokens of a width x height image under the request's pixel budget, from the
         processor's `smart_resize` alone (no pixel touched); MediaError for an aspect ratio the
         processor refuses."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        budget = {**self.default_pixels, **mm_kwargs}
-        patch = int(self.image_processor.patch_size)
-        try:
-            h, w = smart_resize(height, width, patch * self.merge_size, budget["min_pixels"], budget["max_pixels"])
-        except ValueError as e:
-            raise MediaError(f"the image cannot be sized: {e}") from None
-        return (h // patch) * (w // patch) // self.merge_size**2
+        h, w = self._resized(width, height, {**self.default_pixels, **mm_kwargs})
+        return (h // self.patch_size) * (w // self.patch_size) // self.merge_size**2
 
     def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
         """t * h * w / merge²: one embedding per merged block of patches."""

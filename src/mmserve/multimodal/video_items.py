@@ -154,11 +154,12 @@ class VideoModality:
         """The processor-cache entry: the video's tensors and each group's content hash."""
         groups = [video.group(g) for g in range(video.grid[0])]
         if self.hashing:
-            hashes = [self.hasher.hash_item("video_group", g["pixel_values"], salt,
+            hashes = [self.hasher.hash_item("video_group", g["pixel_codes"], salt,
                                             {"grid": g["image_grid_thw"].tolist()}) for g in groups]
         else:
             hashes = [uuid_lib.uuid4().hex for _ in groups]
-        return {"pixel_values": video.pixel_values, "video_grid_thw": torch.tensor(video.grid, dtype=torch.int64),
+        return {"pixel_codes": video.pixel_codes, "pixel_lut": video.pixel_lut,
+                "video_grid_thw": torch.tensor(video.grid, dtype=torch.int64),
                 "timestamps": torch.tensor(video.timestamps, dtype=torch.float64),
                 "second_per_grid_ts": torch.tensor([video.second_per_grid_ts], dtype=torch.float64),
                 "group_hashes": torch.tensor([list(bytes.fromhex(h)) for h in hashes], dtype=torch.uint8)}
@@ -206,7 +207,7 @@ def as_processed(entry: dict[str, Any] | None) -> ProcessedVideo:
     """A processor-cache entry back as the processed video (a resolved video always has one)."""
     assert entry is not None, "a video item without its processed data"
     t, h, w = (int(v) for v in entry["video_grid_thw"].tolist())
-    return ProcessedVideo(entry["pixel_values"], (t, h, w), entry["timestamps"].tolist(),
+    return ProcessedVideo(entry["pixel_codes"], entry["pixel_lut"], (t, h, w), entry["timestamps"].tolist(),
                           float(entry["second_per_grid_ts"][0]))
 
 

@@ -7,13 +7,14 @@ CPU torch lacks; this module does what their `_preprocess` does, step for step:
    (`min_pixels <= h*w <= max_pixels`), Qwen3-VL over the clip (`t*h*w`, t = sampled frames);
 2. resized as torchvision's `resize` does a uint8 [T, C, H, W] tensor on the CPU (bicubic,
    antialias, uint8 in and out: torch's native uint8 kernel; an unchanged size is not resampled);
-3. rescaled and normalized fused, as `TorchvisionBackend.rescale_and_normalize`: float32
-   `(x - mean / r) / (std / r)` with r the rescale factor;
-4. an odd frame count padded with the last frame, then patchified into rows
-   [t * h * w, C * Tp * p * p] in (group, merge-block row, merge-block column, row, column) order.
+3. an odd frame count padded with the last frame, then patchified into rows
+   [t * h * w, C * Tp * p * p] in (group, merge-block row, merge-block column, row, column) order;
+4. rescaled and normalized fused, as `TorchvisionBackend.rescale_and_normalize`: float32
+   `(x - mean / r) / (std / r)` with r the rescale factor. This step is elementwise, so it is a
+   table (`lut`) the worker applies on its device: the rows stay uint8 codes (ipc/pixel_codes.py).
 
 The result is split per temporal group (Tp frames): each group is an item of its own for every
-cache layer (see `qwen_processor.py`), with the data an image has (`pixel_values`,
+cache layer (see `qwen_processor.py`), with the data an image has (`pixel_codes`, `pixel_lut`,
 `image_grid_thw` = (1, h, w)).
 """
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from mmserve.errors import ClientError
+from mmserve.ipc.pixel_codes import lut_from
 from mmserve.multimodal.video_options import VideoOptions
 
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -42,12 +44,13 @@ _FAMILY_DEFAULTS = {  # the transformers classes' defaults, where the checkpoint
 class ProcessedVideo:
     """One video's processed pixels, split per temporal group.
 
-    `pixel_values`: [G * h * w, C * Tp * p * p] float32 (group g's rows are
-    [g * h * w, (g + 1) * h * w)); `grid`: (G, h, w) in patches; `timestamps`: each group's time
-    in seconds (the mean of its first and last frame times, as Qwen3-VL's processor writes it);
-    `second_per_grid_ts`: seconds per group (Qwen2.5-VL's temporal position scale)."""
+    `pixel_codes`: [G * h * w, C * Tp * p * p] uint8 (group g's rows are [g * h * w, (g + 1) * h * w)),
+    `pixel_lut`: [C, 256] float32, their values (ipc/pixel_codes.py); `grid`: (G, h, w) in patches;
+    `timestamps`: each group's time in seconds (the mean of its first and last frame times, as
+    Qwen3-VL's processor writes it); `second_per_grid_ts`: seconds per group (Qwen2.5-VL's temporal position scale)."""
 
-    pixel_values: torch.Tensor
+    pixel_codes: torch.Tensor
+    pixel_lut: torch.Tensor
     grid: tuple[int, int, int]
     timestamps: list[float]
     second_per_grid_ts: float
@@ -55,7 +58,7 @@ class ProcessedVideo:
     def group(self, g: int) -> dict[str, torch.Tensor]:
         """Group g as an item's data: the same keys as an image's."""
         _, h, w = self.grid
-        return {"pixel_values": self.pixel_values[g * h * w:(g + 1) * h * w],
+        return {"pixel_codes": self.pixel_codes[g * h * w:(g + 1) * h * w], "pixel_lut": self.pixel_lut,
                 "image_grid_thw": torch.tensor([1, h, w], dtype=torch.int64)}
 
 
@@ -77,6 +80,8 @@ class QwenVideoProcessor:
         self.image_mean = tuple(config.get("image_mean", defaults["image_mean"]))
         self.image_std = tuple(config.get("image_std", defaults["image_std"]))
         self.defaults = VideoOptions.from_config(config)
+        codes = torch.arange(256, dtype=torch.uint8).expand(3, 256)  # [C, 256]: every code per channel
+        self.lut = lut_from(codes[None], self._normalize(codes[None, :, None])[:, :, 0])  # [C, 256] float32
 
     def settings(self) -> dict[str, Any]:
         """What changes the pixels besides the options (for the item hash)."""
@@ -111,11 +116,11 @@ class QwenVideoProcessor:
                         total_frames: int) -> ProcessedVideo:
         """video: [T, C, H, W] uint8, the sampled frames already at `target_size` (the serving
         path resizes each frame as it is decoded: multimodal/video_items.py)."""
-        pixels = self._normalize(video)
-        patches, grid = self._patchify(pixels)
+        codes, grid = patchify(video, self.temporal_patch_size, self.patch_size, self.merge_size)
         fps = source_fps if source_fps else 24.0
         sampled_fps = len(indices) / total_frames * fps if total_frames else fps
-        return ProcessedVideo(patches, grid, self.timestamps(indices, fps), self.temporal_patch_size / sampled_fps)
+        return ProcessedVideo(codes, self.lut, grid, self.timestamps(indices, fps),
+                              self.temporal_patch_size / sampled_fps)
 
     def timestamps(self, indices: np.ndarray, fps: float) -> list[float]:
         """Qwen3VLProcessor._calculate_timestamps: per group, the mean of its first and last
@@ -127,20 +132,23 @@ class QwenVideoProcessor:
         return [(times[i] + times[i + tp - 1]) / 2 for i in range(0, len(times), tp)]
 
     def _normalize(self, video: torch.Tensor) -> torch.Tensor:
+        """[T, C, H, W] uint8 -> float32, as the transformers class computes it."""
         mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)  # float32, fused as transformers does
         std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
         return video.to(torch.float32).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
 
-    def _patchify(self, video: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """[T, C, H, W] -> rows [G * h * w, C * Tp * p * p] and the grid (G, h, w)."""
-        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        if pad := -video.shape[0] % tp:
-            video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)))
-        frames, channels, height, width = video.shape
-        gt, gh, gw = frames // tp, height // p, width // p
-        patches = video.view(gt, tp, channels, gh // m, m, p, gw // m, m, p)
-        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+
+def patchify(video: torch.Tensor, tp: int, p: int, m: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[T, C, H, W] -> rows [G * h * w, C * tp * p * p] and the grid (G, h, w), as the Qwen-VL
+    processors lay them out (an odd frame count padded with the last frame; an image is one
+    frame, repeated)."""
+    if pad := -video.shape[0] % tp:
+        video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)))
+    frames, channels, height, width = video.shape
+    gt, gh, gw = frames // tp, height // p, width // p
+    patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
 
 
 def resize_like_torchvision(video: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -93,6 +93,12 @@ def staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def item_on(data: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A processed item's tensors with its pixels (uint8 codes, float tables) on `device`; int64
+    metadata (grids) stays on the host, where the model reads it."""
+    return {key: value if value.dtype == torch.int64 else staged(value, device) for key, value in data.items()}
+
+
 def _copy_packed(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Copy CPU tensors to `device` in one transfer; each comes back with its dtype and shape."""
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]

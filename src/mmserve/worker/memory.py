@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.worker.device import staged, to_device
+from mmserve.worker.device import item_on, to_device
 
 if TYPE_CHECKING:
     from mmserve.worker.model_runner import ModelRunner
@@ -53,8 +53,7 @@ def profile_largest_step(runner: ModelRunner) -> None:
         blocks = -(-n // block_size)
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
-    item = {key: staged(value, runner.device) if value.is_floating_point() else value
-            for key, value in runner.model.largest_item_data().items()}
+    item = item_on(runner.model.largest_item_data(), runner.device)
     runner.model.encode_items([item], runner.dtype)
     del item
     runner.allocate_kv_cache(next_block, scratch=False)

@@ -33,7 +33,7 @@ from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.models.quantization.select import describe_quantization
 from mmserve.ipc.items import MultiModalItem
-from mmserve.worker.device import rank_device, resolve_dtype, resolve_kv_cache_dtype, staged, to_device
+from mmserve.worker.device import item_on, rank_device, resolve_dtype, resolve_kv_cache_dtype, to_device
 from mmserve.models.cpu_decoder import CpuDecoder
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.cache_fault import CacheFault
@@ -295,9 +295,9 @@ def _step_seed(seed: int | None, position: int) -> int:
 
 def _data(item: MultiModalItem, device: torch.device) -> dict[str, torch.Tensor]:
     """An item's processed tensors (P1 holds every scheduled item's data: IPC cache or shm), its
-    floating-point ones (pixel values) copied to `device`; integer metadata (grids) stays on the host."""
+    pixels on `device` (`item_on`)."""
     assert item.data is not None, f"item {item.mm_hash} reached the runner without its data"
-    return {key: staged(value, device) if value.is_floating_point() else value for key, value in item.data.items()}
+    return item_on(item.data, device)
 
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:

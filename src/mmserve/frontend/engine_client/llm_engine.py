@@ -4,14 +4,16 @@ One driver for every deployment shape: one rank steps its `EngineCore` in this p
 (`InProcessClient`; `core` is that engine core), N data-parallel ranks run in their own
 processes (`RankProcesses`). Either way a request is validated by the same `InputProcessor`,
 aborted by the same rule and its outputs made by the same `OutputProcessor`:
-- `add_requests` processes every prompt before it sends any: one bad prompt raises its
-  ValueError (a `ClientError`) and nothing of any of them stays;
+- `add_requests` processes every prompt (several at once, on the input threads) before it sends
+  any: one bad prompt raises its ValueError (a `ClientError`) and nothing of any of them stays;
 - a request the engine fails alone (an error output) finishes with finish_reason "abort" and the
   others go on; a failure of a whole engine core raises from `step`, and the caller aborts.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from mmserve.cache_report import CacheReport
@@ -30,6 +32,7 @@ from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
+Processed = tuple[EngineCoreRequest, Prompt, CacheReport, list[ResolvedItem]]  # a request, what P0 holds for it
 
 
 class LLMEngine:
@@ -49,6 +52,7 @@ class LLMEngine:
             raise
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._inputs = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="mmserve-inputs")
 
     @property
     def core(self) -> EngineCore:
@@ -66,17 +70,7 @@ class LLMEngine:
         """Process every request, then queue them all; a fault in any raises and none stays.
 
         Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes)."""
-        processed: list[tuple[EngineCoreRequest, Prompt, CacheReport, list[ResolvedItem]]] = []
-        try:
-            for rid, prompt, p in zip(request_ids, prompts, params):
-                report = CacheReport()
-                pending: list[ResolvedItem] = []
-                processed.append((self.input_processor.process(rid, prompt, p, pending, report=report),
-                                  prompt, report, pending))
-        except BaseException:
-            for *_, pending in processed:
-                self.input_processor.reject(pending)
-            raise
+        processed = self._process_all(request_ids, prompts, params)
         sent: list[str] = []
         try:
             for request, prompt, report, _ in processed:
@@ -91,6 +85,30 @@ class LLMEngine:
             raise
         for *_, pending in processed:
             self.input_processor.accept(pending)
+
+    def _process_all(self, request_ids: Sequence[str], prompts: Sequence[Prompt],
+                     params: Sequence[SamplingParams]) -> list[Processed]:
+        """Every request processed, in order; several at once on the input threads (the image
+        processor, hashing and tokenizing release the GIL), as the server processes concurrent
+        requests. If any fails, what the others hold is rejected and the first fault (in order) raises."""
+        def one(rid: str, prompt: Prompt, p: SamplingParams) -> Processed:
+            pending: list[ResolvedItem] = []
+            report = CacheReport()
+            return self.input_processor.process(rid, prompt, p, pending, report=report), prompt, report, pending
+
+        futures = [self._inputs.submit(one, *args) for args in zip(request_ids, prompts, params)]
+        done: list[Processed] = []
+        fault: BaseException | None = None
+        for future in futures:
+            try:
+                done.append(future.result())
+            except BaseException as exc:
+                fault = fault or exc
+        if fault is not None:
+            for *_, pending in done:
+                self.input_processor.reject(pending)
+            raise fault
+        return done
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)
@@ -116,4 +134,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the engine cores and free what they hold: in process, the runner's weights, KV cache
         and graphs; with data or tensor parallelism, their processes."""
+        self._inputs.shutdown(wait=True, cancel_futures=True)
         self.client.shutdown()
