@@ -2,9 +2,9 @@
 
 Each image goes through the Hugging Face image processor on its own, so that every item's
 tensors can be cached and moved by themselves: its geometry only (resize, crop), the pixels kept
-as uint8 codes beside the table of its arithmetic (multimodal/pixel_table.py); the prompt's `<image>` tokens are expanded to
-each item's placeholder count and tokenized exactly as `LlavaProcessor` does, so the token ids
-equal `processor(text=prompt, images=images)["input_ids"][0]`.
+as uint8 codes beside the table of its arithmetic (multimodal/pixel_table.py); the prompt's
+`<image>` tokens are expanded to each item's placeholder count and tokenized exactly as
+`LlavaProcessor` does, so the token ids equal `processor(text=prompt, images=images)["input_ids"][0]`.
 """
 
 from __future__ import annotations

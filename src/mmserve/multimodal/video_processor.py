@@ -142,10 +142,16 @@ def patchify(video: torch.Tensor, tp: int, p: int, m: int) -> tuple[torch.Tensor
     """[T, C, H, W] -> rows [G * h * w, C * tp * p * p] and the grid (G, h, w), as the Qwen-VL
     processors lay them out (an odd frame count padded with the last frame; an image is one
     frame, repeated)."""
-    if pad := -video.shape[0] % tp:
-        video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)))
     frames, channels, height, width = video.shape
-    gt, gh, gw = frames // tp, height // p, width // p
+    gh, gw = height // p, width // p
+    if frames == 1:  # an image: its patches laid out once, then repeated over tp (the cheaper copy)
+        patches = video[0].reshape(channels, gh // m, m, p, gw // m, m, p)
+        patches = patches.permute(1, 4, 2, 5, 0, 3, 6).contiguous()  # [gh/m, gw/m, m, m, C, p, p]
+        patches = patches.unsqueeze(5).expand(*patches.shape[:5], tp, p, p)  # [..., C, tp, p, p], no copy
+        return patches.reshape(gh * gw, channels * tp * p * p), (1, gh, gw)
+    if pad := -frames % tp:
+        video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)))
+    gt = video.shape[0] // tp
     patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
     patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
