@@ -101,12 +101,12 @@ def _layer_ops(tokens: int, hidden: int, inner: int, heads: int, head_dim: int,
     return lambda: (ops.add_rms_norm(x, x, weight, 1e-6), ops.rms_norm(x, weight, 1e-6),
                     ops.add_layer_norm(x, x, weight, weight, 1e-6),
                     ops.silu_mul(gate_up[:, :inner], gate_up[:, inner:]), ops.qk_norm(q, q, norm, norm, 1e-6),
-                    ops.rotary_float32(q, q, angles, angles))
+                    ops.rotary_float32(q, q, angles, angles), ops.activation("quick_gelu", gate_up))
 
 
 def layer_cases() -> list[Case]:
     """The rotary + KV write (with Qwen3's head norms too), the plain KV write, the norms (RMS and
-    layer, with the residual add), SiLU x up, the towers' float32 rotary."""
+    layer, with the residual add), SiLU x up, the towers' float32 rotary, CLIP's quick GELU."""
     return [
         ("kv writes qwen2.5-7b bf16", _writes(64, 28, 4, 128, BF16)),
         ("kv writes llava-7b fp16", _writes(64, 32, 32, 128, F16)),

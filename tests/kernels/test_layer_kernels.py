@@ -1,4 +1,4 @@
-"""Our fused small-op kernels (residual add + RMSNorm or LayerNorm, SiLU x up, rotary of q and k
+"""Our fused small-op kernels (residual add + RMSNorm or LayerNorm, SiLU x up, quick GELU, rotary of q and k
 with the KV write, Qwen3's head norms fused in, and into new tensors, in float32 for the towers)
 against the torch path they replace, `LayerOps` (interpreted on CPU): float32 to rounding of a
 sum's order, half precision to the dtype's rounding, strided views of a fused projection's output,
@@ -84,6 +84,18 @@ def test_silu_mul_of_one_fused_tensor_and_of_two(dtype):
     torch.testing.assert_close(TRITON_OPS.silu_mul(*halves).cpu(), want, **tol(dtype))
     two = TRITON_OPS.silu_mul(gate.contiguous().to(DEVICE), up.contiguous().to(DEVICE))
     torch.testing.assert_close(two.cpu(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_gelu_of_an_images_rows(dtype):
+    """CLIP's MLP activation on fc1's output [N, L, I] (I not a power of two): one launch, each of
+    PyTorch's three steps rounded where it rounds; other activations are PyTorch's own."""
+    x = rand(2, 5, 1500, dtype=dtype, seed=8) * 4
+    want = TORCH_OPS.activation("quick_gelu", x)
+    got = TRITON_OPS.activation("quick_gelu", x.to(DEVICE))
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), want, **tol(dtype))
+    torch.testing.assert_close(TRITON_OPS.activation("gelu", x.to(DEVICE)).cpu(), TORCH_OPS.activation("gelu", x))
 
 
 def rope_of(kind: str, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):

@@ -14,7 +14,7 @@ from torch import nn
 from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
 from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.hf_config import VisionConfig
-from mmserve.models.layers import EmbeddingTable, activation, add_norm
+from mmserve.models.layers import EmbeddingTable, LayerOps, activation, add_norm
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, project
 
 
@@ -68,10 +68,11 @@ class CLIPMLP(nn.Module):
         what = "the vision tower's intermediate_size"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, tp, what=what)
         self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, what=what)
-        self.act = activation(cfg.hidden_act)
+        activation(cfg.hidden_act)  # an unknown one is refused here, when the model is built
+        self.act = cfg.hidden_act  # applied through the backend's ops (a fused kernel for quick_gelu)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.fc2(ops.activation(self.act, self.fc1(x)))
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -88,7 +89,7 @@ class CLIPEncoderLayer(nn.Module):
         # as the decoder's is (llama.py), each norm with its add through the backend's ops
         h, residual = add_norm(images.ops, self.layer_norm1, x, residual)
         h, residual = add_norm(images.ops, self.layer_norm2, self.self_attn(h, images), residual)
-        return self.mlp(h), residual
+        return self.mlp(h, images.ops), residual
 
 
 class CLIPEncoder(nn.Module):

@@ -91,6 +91,10 @@ class LayerOps:
         """gate, up: [T, I] (two tensors, or the halves of one [T, 2I]) -> SiLU(gate) * up [T, I]."""
         return F.silu(gate) * up
 
+    def activation(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., I] through the activation `name` (`ACTIVATIONS`), as transformers computes it."""
+        return activation(name)(x)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, Dh], k: [T, Hkv, Dh] rotated by cos, sin: [T, 1, Dh] (rotate-half layout)."""
@@ -140,6 +144,7 @@ class EmbeddingTable(nn.Module):
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation, x * sigmoid(1.702 x), op by op as transformers' `QuickGELUActivation`."""
     return x * torch.sigmoid(1.702 * x)
 
 

@@ -1,5 +1,5 @@
-"""Our Triton kernels for the small ops between a decoder layer's GEMMs: residual add + RMSNorm and
-SiLU x up, each one launch where PyTorch makes several (`models/layers.py: LayerOps` is the
+"""Our Triton kernels for the small ops between a decoder layer's GEMMs: residual add + RMSNorm,
+SiLU x up and CLIP's quick GELU, each one launch where PyTorch makes several (`models/layers.py: LayerOps` is the
 reference they equal), and the rotary's parts that cache_write_kernel.py fuses with the KV write.
 
 Imported only by the triton backend (it needs `triton`).
@@ -19,14 +19,15 @@ from mmserve.models.layers import LayerOps
 #     norms), residual [T, D] (read and overwritten when HAS_RESIDUAL), weight [D] (and bias [D]
 #     for a LayerNorm), out like x; one program per (token, head) row
 #   _silu_mul_kernel: gate, up, out [T, I]; one program per (token, BLOCK lanes)
+#   _quick_gelu_kernel: x, out [T, I]; one program per (token, BLOCK lanes)
 #   rotate_heads: one token's heads [heads, Dh] rotated by its cos, sin [Dh] (rotate-half)
 #   _rotary_kernel: q [T, H, Dh], k [T, Hkv, Dh] (rows may be strided) rotated by cos, sin [T, Dh]
 #     into contiguous q_out, k_out; one program per token
 # Masks: lanes past D, I or Dh / 2 and heads past H or Hkv (padding to powers of two) load 0 and
 # store nothing. Values are rounded to the tensors' dtype wherever PyTorch's op-by-op path rounds
-# (after the residual add, the normalisation, each product of the rotary, the SiLU; a LayerNorm
-# once, at its end, as PyTorch's layer_norm kernel), so bfloat16 results equal the torch path's up
-# to the float32 sum's order.
+# (after the residual add, the normalisation, each product of the rotary, the SiLU, each step of
+# the quick GELU; a LayerNorm once, at its end, as PyTorch's layer_norm kernel), so bfloat16
+# results equal the torch path's up to the float32 sum's order.
 
 
 @triton.jit
@@ -63,6 +64,18 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gt, stride_ut, str
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     up = tl.load(up_ptr + t * stride_ut + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + c, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _quick_gelu_kernel(x_ptr, out_ptr, width, stride_xt, stride_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < width
+    x = tl.load(x_ptr + t * stride_xt + c, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    scaled = (xf * 1.702).to(x.dtype).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-scaled))).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + c, (xf * gate).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -174,6 +187,17 @@ class TritonLayerOps(LayerOps):
             _silu_mul_kernel[(T, triton.cdiv(width, block))](gate, up, out, width, gate.stride(0), up.stride(0),
                                                              out.stride(0), BLOCK=block, num_warps=4)
         return out
+
+    def activation(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name != "quick_gelu" or not x.numel():
+            return super().activation(name, x)
+        rows = x.reshape(-1, x.shape[-1])  # [T, I], rows contiguous
+        T, width = rows.shape
+        out = torch.empty_like(rows)
+        block = min(1024, triton.next_power_of_2(width))
+        _quick_gelu_kernel[(T, triton.cdiv(width, block))](rows, out, width, rows.stride(0), out.stride(0),
+                                                           BLOCK=block, num_warps=4)
+        return out.view(x.shape)
 
     @staticmethod
     def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
