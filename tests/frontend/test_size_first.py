@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mmserve.config import EngineConfig
@@ -59,6 +62,47 @@ def test_an_upscaling_pixel_budget_is_refused_from_the_header(path):
     assert p.items.num_processed == 0 and len(p.processor_cache.keys()) == 0
     image_request(p)  # the same image at the checkpoint's budget is served
     assert p.items.num_processed == 1
+
+
+def two_images(p: InputProcessor, first: str, second: str):
+    prompt = IMAGE_PROMPT.replace("<|vision_end|>", "<|vision_end|><|vision_start|><|image_pad|><|vision_end|>")
+    return p.process("two", {"prompt": prompt, "multi_modal_data": {"image": [first, second]}}, SamplingParams())
+
+
+def test_a_request_is_refused_before_any_of_its_images_is_processed(path):
+    """Every image of a request is read and sized before any is decoded: a second image over the
+    server's pixel limit refuses the request with the first one unprocessed."""
+    p = inputs(path, max_media_pixels=100_000)
+    with pytest.raises(ValueError, match="--max-media-pixels"):
+        two_images(p, png_url(), png_url((400, 400)))
+    assert p.items.num_processed == 0 and len(p.processor_cache.keys()) == 0
+    assert p.items.inflight.futures == {}
+
+
+def test_a_requests_new_images_are_processed_at_once_as_one_by_one(path):
+    """Several new images of one request run on the pipeline's threads; the items equal those
+    of each image processed alone."""
+    p, alone = inputs(path), inputs(path, mm_processor_cache_gb=0)
+    seen: set[str] = set()
+    process_image = p.processor.process_image
+
+    def recording(*args, **kwargs):
+        seen.add(threading.current_thread().name)
+        time.sleep(0.05)  # long enough for the next image to start on another thread
+        return process_image(*args, **kwargs)
+
+    p.processor.process_image = recording
+    urls = [png_url((64, 64)), png_url((96, 64))]
+    request = two_images(p, *urls)
+    assert len(seen) == 2 and all(name.startswith("mmserve-items") for name in seen)
+    assert p.items.num_processed == 2
+    for item, url in zip(request.mm_items, urls):
+        want = image_request_of(alone, url).mm_items[0]
+        assert item.mm_hash == want.mm_hash and torch.equal(item.data["pixel_codes"], want.data["pixel_codes"])
+
+
+def image_request_of(p: InputProcessor, url: str):
+    return p.process("one", {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": url}}, SamplingParams())
 
 
 @pytest.mark.parametrize("options,flag", [

@@ -4,8 +4,10 @@ pipeline for every modality, the processor run only on processor-cache misses.
 Order per item: read the source's bytes (no decoding yet), hash them with the request's settings,
 look the hash up in the processor cache (with several API servers, then in the node's store:
 another server may have processed it), size it from what is known before the work (an image's
-header size, a video's container metadata: `Modality.check_size` refuses an item over a limit
-before anything is decoded), and only then decode and process it. A client uuid replaces the
+header size, a video's container metadata: `Modality.plan` refuses an item over a limit), and
+only then decode and process it. The first steps run for every item of the request before any
+item is decoded, so a request is refused before any of its work is done; its misses are then
+decoded and processed together, on the pipeline's threads. A client uuid replaces the
 content hash; a uuid part with no source is served from what P0 still holds (the processor cache,
 else the IPC cache's record of what P1 holds).
 
@@ -26,9 +28,10 @@ pipeline, so one `commit` / `release` covers a request's images and videos.
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid as uuid_lib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -37,7 +40,8 @@ from PIL import Image
 from mmserve.errors import ClientError
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
-from mmserve.multimodal.media import FLAG_MAX_PIXELS, MediaLimits, decode_image, header_size, read_image_source
+from mmserve.multimodal.media import (FLAG_MAX_PIXELS, MediaLimits, check_pixels, decode_image, header_size,
+                                     read_image_source)
 from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.multimodal.processor_cache import ProcessorCache
 
@@ -89,6 +93,17 @@ class Modality(Protocol):
         ...
 
 
+@dataclass
+class Miss:
+    """An item none of the caches holds, read, hashed and sized (`plan`), to be processed."""
+
+    index: int
+    mm_hash: str
+    raw: Any
+    plan: Any
+    hit: bool | None  # False: the processor cache was asked; None: it is off
+
+
 class InFlight:
     """Items being processed (or processed, not committed): mm_hash -> the future of its data."""
 
@@ -118,21 +133,30 @@ class ItemPipeline:
         self.fetch = fetch
         self.inflight = InFlight() if inflight is None else inflight
         self.num_processed = 0  # processor runs since start
+        # a request's misses, processed at once (the image processor and decoders release the GIL)
+        self._workers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="mmserve-items")
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
                 requested: Any = None, bypass: bool = False) -> list[ResolvedItem]:
         """Every item, or an error (and then nothing of this request stays in flight).
-        `requested`: the request's settings for the modality; they are part of every item's hash."""
-        done: list[ResolvedItem] = []
+        `requested`: the request's settings for the modality; they are part of every item's hash.
+
+        Two passes: every item read, hashed, looked up and (a miss) sized, in order, so that a
+        request is refused before any of its items is decoded; then the misses decoded and
+        processed, several at once on the pipeline's threads."""
         settings = self.modality.settings(requested)
-        try:
-            for index, (source, uid) in enumerate(zip(sources, uuids)):
-                done.append(self._reprocess(index, source, uid, salt, settings) if bypass
-                            else self._resolve_one(index, source, uid, salt, settings))
-        except BaseException:
-            self.release(done)
-            raise
-        return done
+        if bypass:
+            done: list[ResolvedItem] = []
+            try:
+                for index, (source, uid) in enumerate(zip(sources, uuids)):
+                    done.append(self._reprocess(index, source, uid, salt, settings))
+            except BaseException:
+                self.release(done)
+                raise
+            return done
+        looked = [self._look_up(index, source, uid, salt, settings)
+                  for index, (source, uid) in enumerate(zip(sources, uuids))]
+        return self._process_misses(looked, settings, salt)
 
     def commit(self, items: list[ResolvedItem]) -> None:
         """Keep the request's freshly processed items (call once the request is accepted)."""
@@ -158,8 +182,9 @@ class ItemPipeline:
             return uuid_lib.uuid4().hex
         return self.hasher.hash_item(kind, self.modality.hash_key(raw), salt, hashed)
 
-    def _resolve_one(self, index: int, source: Any, uid: str | None, salt: str | None,
-                     settings: Any) -> ResolvedItem:
+    def _look_up(self, index: int, source: Any, uid: str | None, salt: str | None,
+                 settings: Any) -> ResolvedItem | Miss:
+        """The item as the caches (or P1, for a uuid alone) hold it, else a sized `Miss`."""
         if uid is not None and source is None:
             return self._from_uuid_alone(self._hash(None, uid, salt, settings), uid)
         raw = self.modality.read(source)
@@ -168,10 +193,36 @@ class ItemPipeline:
         if data is not None:
             return self._item(mm_hash, data, fresh=False, hit=True)
         data = self._fetch(mm_hash)
-        hit = data is not None if self.cache.enabled else None
-        if data is None:
-            data = self._process_once(index, mm_hash, raw, settings, salt)
-        return self._item(mm_hash, data, fresh=True, hit=hit)
+        if data is not None:
+            return self._item(mm_hash, data, fresh=True, hit=True)
+        return Miss(index, mm_hash, raw, self.modality.plan(index, raw, settings),
+                    hit=False if self.cache.enabled else None)
+
+    def _process_misses(self, looked: list[ResolvedItem | Miss], settings: Any,
+                        salt: str | None) -> list[ResolvedItem]:
+        """`looked` with each miss processed (on the pipeline's threads when there are several);
+        on a fault, what the others processed leaves the in-flight table and the first fault (in
+        order) raises."""
+        misses = [miss for miss in looked if isinstance(miss, Miss)]
+
+        def process(miss: Miss) -> ResolvedItem:
+            data = self._process_once(miss.mm_hash, miss.raw, settings, miss.plan, salt)
+            return self._item(miss.mm_hash, data, fresh=True, hit=miss.hit)
+
+        if len(misses) <= 1:
+            return [process(item) if isinstance(item, Miss) else item for item in looked]
+        futures = {miss.index: self._workers.submit(process, miss) for miss in misses}
+        processed: dict[int, ResolvedItem] = {}
+        fault: BaseException | None = None
+        for index, future in futures.items():
+            try:
+                processed[index] = future.result()
+            except BaseException as exc:
+                fault = fault or exc
+        if fault is not None:
+            self.release(list(processed.values()))
+            raise fault
+        return [processed[item.index] if isinstance(item, Miss) else item for item in looked]
 
     def _reprocess(self, index: int, source: Any, uid: str | None, salt: str | None,
                    settings: Any) -> ResolvedItem:
@@ -183,7 +234,7 @@ class ItemPipeline:
         raw = self.modality.read(source)
         mm_hash = self._hash(raw, uid, salt, settings)
         data = self.modality.process(raw, settings, self.modality.plan(index, raw, settings), salt)
-        self.num_processed += 1
+        self._count_processed()
         return self._item(mm_hash, data, fresh=False)
 
     def _item(self, mm_hash: str, data: dict[str, Any], fresh: bool, hit: bool | None = None) -> ResolvedItem:
@@ -197,10 +248,9 @@ class ItemPipeline:
             self.cache.count_shared_hit()
         return data
 
-    def _process_once(self, index: int, mm_hash: str, raw: Any, settings: Any, salt: str | None) -> dict[str, Any]:
-        """Size-check, decode and process `raw`, unless another request holds the same item in
+    def _process_once(self, mm_hash: str, raw: Any, settings: Any, plan: Any, salt: str | None) -> dict[str, Any]:
+        """Decode and process `raw` (sized: `plan`), unless another request holds the same item in
         flight: then wait for its result (or its error: the same content fails the same way)."""
-        plan = self.modality.plan(index, raw, settings)
         table = self.inflight
         with table.lock:
             pending = table.futures.get(mm_hash)
@@ -214,7 +264,7 @@ class ItemPipeline:
             return pending.result()
         try:
             data = self.modality.process(raw, settings, plan, salt)
-            self.num_processed += 1
+            self._count_processed()
             future.set_result(data)
             return data
         except BaseException as e:
@@ -222,6 +272,10 @@ class ItemPipeline:
             with table.lock:
                 del table.futures[mm_hash]
             raise
+
+    def _count_processed(self) -> None:
+        with self.inflight.lock:  # items are processed on several threads
+            self.num_processed += 1
 
     def _from_uuid_alone(self, mm_hash: str, uid: str) -> ResolvedItem:
         data = self.cache.get(mm_hash) if self.cache.enabled else None
@@ -267,10 +321,12 @@ class ImageModality:
         return raw
 
     def plan(self, index: int, raw: bytes | Image.Image, settings: dict[str, Any]) -> None:
-        """ValueError when the image, as its header sizes it under the request's settings, would
-        get more placeholder tokens than the budget holds (an unreadable header is left to the
-        decoder's error)."""
+        """ValueError when the image, as its header sizes it, has more pixels than the server
+        takes or (under the request's settings) would get more placeholder tokens than the budget
+        holds (an unreadable header is left to the decoder's error)."""
         size = raw.size if isinstance(raw, Image.Image) else header_size(raw)
+        if size is not None:
+            check_pixels(size[0], size[1], self.limits)
         tokens = None if size is None else self.processor.image_tokens(size[0], size[1], settings)
         if tokens is not None:
             self.budget.check_image(index, tokens)
