@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmserve.ipc import pixel_codes
 from mmserve.ipc.pixel_codes import codes_of, decode, lut_from, pixel_values
 
 
@@ -53,6 +54,18 @@ def test_both_item_layouts_look_up_by_channel():
     rows = torch.randint(0, 256, (10, 3 * 2 * 4), dtype=torch.uint8)  # Qwen-VL: [P, C * Tp * p * p]
     want = arithmetic(rows.view(10, 3, 8)).view(10, 24)
     assert torch.equal(pixel_values({"pixel_codes": rows, "pixel_lut": table}), want)
+
+
+def test_rows_are_looked_up_in_slices_and_rounded_once_to_the_dtype(monkeypatch):
+    """The int64 index is made a slice of rows at a time (here 12 codes: two rows of 6 a gather,
+    a short last slice); a half-precision lookup rounds each float32 value once."""
+    monkeypatch.setattr(pixel_codes, "SLICE_CODES", 12)
+    table = lut_from(every_code(), arithmetic(every_code()))
+    rows = torch.randint(0, 256, (7, 3 * 2), dtype=torch.uint8)  # [P, C * 2]
+    data = {"pixel_codes": rows, "pixel_lut": table}
+    want = arithmetic(rows.view(7, 3, 2)).view(7, 6)
+    assert torch.equal(pixel_values(data), want)
+    assert torch.equal(pixel_values(data, torch.bfloat16), want.to(torch.bfloat16))
 
 
 def test_codes_must_match_the_table():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 CODES = 256  # uint8 values
+SLICE_CODES = 1 << 24  # codes looked up per gather: the int64 index stays under 128 MiB
 
 
 def lut_from(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -48,23 +49,30 @@ def lut_from(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def decode(codes: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """codes: [A, C, ...] uint8, lut: [C, 256] -> the values [A, C, ...] in lut's dtype, on
-    codes' device: one gather from the table, broadcast over A (two kernels with the index's cast)."""
+    codes' device: a gather from the table broadcast over A (two kernels with the index's cast),
+    in slices of rows that keep the int64 index under `SLICE_CODES` codes."""
     channels = lut.shape[0]
     if codes.dtype != torch.uint8 or codes.dim() < 2 or codes.shape[1] != channels:
         raise ValueError(f"pixel codes {tuple(codes.shape)} {codes.dtype} do not match a table of "
                          f"{channels} channels")
     acb = codes.reshape(codes.shape[0], channels, -1)  # [A, C, B]
-    table = lut.to(codes.device).unsqueeze(0).expand(acb.shape[0], channels, CODES)  # [A, C, 256], no copy
-    return torch.gather(table, 2, acb.long()).view(codes.shape)
+    table = lut.to(codes.device).unsqueeze(0)  # [1, C, 256]
+    out = torch.empty(acb.shape, dtype=lut.dtype, device=codes.device)
+    rows = max(1, SLICE_CODES // max(1, acb[0].numel()))
+    for start in range(0, acb.shape[0], rows):
+        part = acb[start:start + rows]
+        torch.gather(table.expand(part.shape[0], channels, CODES), 2, part.long(), out=out[start:start + rows])
+    return out.view(codes.shape)
 
 
-def pixel_values(data: dict[str, torch.Tensor]) -> torch.Tensor:
-    """An item's pixel values in the processor's layout, on its codes' device: rows [P, C * B]
-    from rows of codes, an image [C, H, W] from an image of codes."""
+def pixel_values(data: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An item's pixel values in `dtype` (each value rounded once, from the processor's float32),
+    in the processor's layout, on its codes' device: rows [P, C * B] from rows of codes, an image
+    [C, H, W] from an image of codes."""
     codes, lut = data["pixel_codes"], data["pixel_lut"]
     channels = lut.shape[0]
     acb = codes.view(codes.shape[0], channels, -1) if codes.dim() == 2 else codes.view(1, channels, -1)
-    return decode(acb, lut).view(codes.shape)
+    return decode(acb, lut.to(dtype)).view(codes.shape)
 
 
 def codes_of(pixels: torch.Tensor) -> torch.Tensor:

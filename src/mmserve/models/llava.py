@@ -108,7 +108,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     @torch.inference_mode()
     def encode_items(self, datas: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
         """One processed image per entry -> its embedding rows [F, D], in order."""
-        pixels = torch.stack([pixel_values(data) for data in datas]).to(dtype)  # [N, C, H, W]
+        pixels = torch.stack([pixel_values(data, dtype) for data in datas])  # [N, C, H, W]
         return list(self.encode_images(pixels))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         """Processed images -> each one's rows [F_i, D * (1 + num_deepstack)], in order.
 
         All images run in one tower call; attention never crosses an image."""
-        pixels = torch.cat([pixel_values(data) for data in datas]).to(dtype)  # [P, C * Tp * p * p]
+        pixels = torch.cat([pixel_values(data, dtype) for data in datas])  # [P, C * Tp * p * p]
         grids = [_grid_of(data) for data in datas]
         embeds, deepstack = self.model.visual(pixels, grids, self.attention)  # [F, D], each [F, D]
         rows = torch.cat([embeds, *deepstack], dim=-1) if deepstack else embeds
