@@ -38,3 +38,16 @@ def first_token_s(llm: Any, prompts: list[Any], device: torch.device) -> tuple[f
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
     sync(device)
     return time.perf_counter() - start, [len(o.prompt_token_ids) for o in outs]
+
+
+def host_s(llm: Any, image: Any) -> float:
+    """Seconds of P0's work on one new image's prompt (hash, image processor, placeholders, the
+    request's checks): the host's part of its first token; nothing of it is kept."""
+    from mmserve import SamplingParams
+
+    inputs, pending = llm.engine.input_processor, []
+    start = time.perf_counter()
+    inputs.process("host-probe", with_image(image), SamplingParams(max_tokens=1), pending)
+    seconds = time.perf_counter() - start
+    inputs.reject(pending)
+    return seconds

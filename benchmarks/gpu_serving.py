@@ -13,6 +13,7 @@ bfloat16 matmul's rate.
   rate; the prefill of a ~1,000-token text prompt likewise;
 - time to first token of one new 1024x768 image and of N new images at once, mmserve against
   transformers' `generate` (the N as one batch), each against (tower + prefill arithmetic) / rate;
+  and P0's host work on one new image, the part of its TTFT no GPU speeds up;
 - a repeated image, cold then warm (every cache hit);
 - per-kernel tables (torch.profiler, top 15 by self device time) of one eager decode step and of
   one new image's first token (processing, tower and prefill).
@@ -40,7 +41,7 @@ from _gpu_baseline import transformers_ttft
 from _gpu_decode import decode_read_bytes, decode_step_time, eager, eager_decode_table, kernel_table
 from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
 from _gpu_quant import quantized_report
-from _gpu_requests import PROMPT, first_token_s, images, with_image
+from _gpu_requests import PROMPT, first_token_s, host_s, images, with_image
 from _model_sizes import QWEN25_VL_7B_TEXT, QWEN25_VL_7B_VISION
 
 TINY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -138,6 +139,9 @@ def first_token_report(llm: Any, path: str, sizes: Sizes, pictures: list[Any], h
     print(ratio_line(f"vision tower, {n} images per image", tower_many_s / n, tower_many / rate / n))
     print(ratio_line(f"prefill, {text_len}-token text", text_s, prefill_flops(model, [text_len]) / rate))
     print(ratio_line("TTFT, one new image", one_s, one_limit, _against(hf, "one_s", one_s)))
+    host = host_s(llm, images(1, seed=77)[0])
+    print(f"  of which P0 on the host (hash, image processor, placeholders): {host * 1e3:.1f} ms "
+          f"({host / one_s:.0%})")
     print(ratio_line(f"TTFT, {n} new images, per image", many_s / n, many_limit / n,
                      _against(hf, "batch_s", many_s, n)))
     repeat = with_image(pictures[2 + n])
