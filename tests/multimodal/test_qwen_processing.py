@@ -182,7 +182,7 @@ def test_mm_kwargs_equal_to_the_defaults_hit_the_item_made_without_them(family, 
     """An explicit max_pixels (or min_pixels) equal to the processor's default is dropped before
     hashing: the request hits the processor-cache entry a request without kwargs made."""
     from mmserve.multimodal.processor_cache import ProcessorCache
-    from mmserve.multimodal.items import ItemResolver
+    from mmserve.multimodal.image_items import ItemResolver
     from mmserve.multimodal.media import MediaLimits
 
     _, _, ours, _ = family

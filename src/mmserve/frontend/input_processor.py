@@ -21,7 +21,8 @@ from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.processor_cache import ProcessorCache
 from mmserve.ipc.items import MultiModalItem
 from mmserve.multimodal.budget import ItemBudget
-from mmserve.multimodal.items import ItemResolver, ResolvedItem
+from mmserve.multimodal.image_items import ItemResolver
+from mmserve.multimodal.items import ResolvedItem
 from mmserve.multimodal.placeholders import max_token_chars, tokens_past
 from mmserve.multimodal.processing import create_processor
 from mmserve.multimodal.processor_api import ItemProcessor
