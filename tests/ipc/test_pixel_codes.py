@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.ipc import pixel_codes
 from mmserve.ipc.pixel_codes import codes_of, decode, lut_from, pixel_values
 
 
@@ -56,10 +55,7 @@ def test_both_item_layouts_look_up_by_channel():
     assert torch.equal(pixel_values({"pixel_codes": rows, "pixel_lut": table}), want)
 
 
-def test_rows_are_looked_up_in_slices_and_rounded_once_to_the_dtype(monkeypatch):
-    """The int64 index is made a slice of rows at a time (here 12 codes: two rows of 6 a gather,
-    a short last slice); a half-precision lookup rounds each float32 value once."""
-    monkeypatch.setattr(pixel_codes, "SLICE_CODES", 12)
+def test_a_half_precision_lookup_rounds_each_value_once():
     table = lut_from(every_code(), arithmetic(every_code()))
     rows = torch.randint(0, 256, (7, 3 * 2), dtype=torch.uint8)  # [P, C * 2]
     data = {"pixel_codes": rows, "pixel_lut": table}
