@@ -36,7 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-
 from mmserve.errors import ClientError
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.processor_cache import ProcessorCache

@@ -90,12 +90,15 @@ class LLMEngine:
                      params: Sequence[SamplingParams]) -> list[Processed]:
         """Every request processed, in order; several at once on the input threads (the image
         processor, hashing and tokenizing release the GIL), as the server processes concurrent
-        requests. If any fails, what the others hold is rejected and the first fault (in order) raises."""
+        requests. If any fails, what the others hold is rejected and the first fault (in order)
+        raises."""
         def one(rid: str, prompt: Prompt, p: SamplingParams) -> Processed:
             pending: list[ResolvedItem] = []
             report = CacheReport()
             return self.input_processor.process(rid, prompt, p, pending, report=report), prompt, report, pending
 
+        if len(prompts) == 1:  # a lone prompt on the caller's thread: no hand-off
+            return [one(request_ids[0], prompts[0], params[0])]
         futures = [self._inputs.submit(one, *args) for args in zip(request_ids, prompts, params)]
         done: list[Processed] = []
         fault: BaseException | None = None
