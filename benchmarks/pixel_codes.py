@@ -4,7 +4,9 @@ Per image size, for Qwen2.5-VL-7B's and LLaVA-1.5-7B's published processor setti
 - P0 time of mmserve's `process_image` (the processor's geometry on uint8: `pixel_codes`) against
   the transformers processor that makes float32 `pixel_values` (what P0 ran before), as a ratio;
 - the item's bytes (what every cache, the shm store and the copy to the device carry), as a ratio;
-- the worker's lookup of the values (`pixel_values`) on the CPU, and on CUDA where there is one.
+- the worker's lookup of the values (`pixel_values`) on the CPU, and on CUDA where there is one;
+- P0's whole work on requests with new 1024x768 images: one, and four in one request against four
+  requests of one (a request's misses are processed together).
 The values are checked bit-equal to the transformers processor's in the same run.
 
 Run: `python benchmarks/pixel_codes.py` (about 30 s on 2 cores).
@@ -91,6 +93,33 @@ def _cuda_s(fn: Callable[[], Any], runs: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / runs
 
 
+def request_rows(path: str, runs: int) -> str:
+    """P0's whole work (`InputProcessor.process`: hash, processor, placeholders) on requests with
+    new 1024x768 images, on the Qwen2.5-VL checkpoint: one image; four in one request against
+    four requests of one, one after another (the request's misses are processed together)."""
+    from mmserve.config import EngineConfig
+    from mmserve.frontend.input_processor import InputProcessor
+    from mmserve.sampling_params import SamplingParams
+
+    inputs = InputProcessor(EngineConfig.from_kwargs(model=path, mm_processor_cache_gb=0), path, 32768, None)
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = "<|im_start|>user\n{}Compare.<|im_end|>\n<|im_start|>assistant\n"
+    prompts = iter([{"prompt": text.format(vision * count),  # made before the clock, each image new
+                     "multi_modal_data": {"image": [photo((1024, 768), 1000 * count + 100 * run + i)
+                                                    for i in range(count)]}}
+                    for count in (1, 4) for run in range(runs + 1)])
+
+    def process() -> None:
+        pending: list[Any] = []
+        inputs.process("r", next(prompts), SamplingParams(max_tokens=1), pending)
+        inputs.reject(pending)
+
+    one, four = median_s(process, runs), median_s(process, runs)
+    return (f"P0 of a request, Qwen2.5-VL, new 1024x768 images: one {one * 1e3:.1f} ms; four in one request "
+            f"{four * 1e3:.1f} ms vs four requests one after another {4 * one * 1e3:.1f} ms  "
+            f"ratio {four / one / 4:.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
@@ -101,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, (ours, hf) in processors(Path(folder)).items():
             for size in SIZES:
                 print(row(name, size, ours, hf, args.runs), flush=True)
+        print(request_rows(str(Path(folder) / "qwen2_5_vl"), args.runs))
 
 
 if __name__ == "__main__":
