@@ -34,11 +34,30 @@ import threading
 import uuid as uuid_lib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from mmserve.errors import ClientError
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.processor_cache import ProcessorCache
+
+
+T = TypeVar("T")
+# P0's processing threads (a request's misses, an offline batch's prompts): the image processor,
+# the decoders and the tokenizer release the GIL; two at least, so work overlaps even on one core
+PROCESSING_THREADS = max(2, min(8, os.cpu_count() or 1))
+
+
+def settled(futures: list[Future[T]]) -> tuple[list[T], BaseException | None]:
+    """Waits for every future: the results of those that succeeded, in order, and the first
+    fault in order (None when none failed), so that a caller can undo the others' work."""
+    results: list[T] = []
+    fault: BaseException | None = None
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:
+            fault = fault or exc
+    return results, fault
 
 
 @dataclass
@@ -129,7 +148,7 @@ class ItemPipeline:
         self.inflight = InFlight() if inflight is None else inflight
         self.num_processed = 0  # processor runs since start
         # a request's misses, processed at once (the image processor and decoders release the GIL)
-        self._workers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="mmserve-items")
+        self._workers = ThreadPoolExecutor(PROCESSING_THREADS, thread_name_prefix="mmserve-items")
 
     def resolve(self, sources: list[Any], uuids: list[str | None], salt: str | None,
                 requested: Any = None, bypass: bool = False) -> list[ResolvedItem]:
@@ -206,18 +225,12 @@ class ItemPipeline:
 
         if len(misses) <= 1:
             return [process(item) if isinstance(item, Miss) else item for item in looked]
-        futures = {miss.index: self._workers.submit(process, miss) for miss in misses}
-        processed: dict[int, ResolvedItem] = {}
-        fault: BaseException | None = None
-        for index, future in futures.items():
-            try:
-                processed[index] = future.result()
-            except BaseException as exc:
-                fault = fault or exc
+        processed, fault = settled([self._workers.submit(process, miss) for miss in misses])
         if fault is not None:
-            self.release(list(processed.values()))
+            self.release(processed)
             raise fault
-        return [processed[item.index] if isinstance(item, Miss) else item for item in looked]
+        done = iter(processed)
+        return [next(done) if isinstance(item, Miss) else item for item in looked]
 
     def _reprocess(self, index: int, source: Any, uid: str | None, salt: str | None,
                    settings: Any) -> ResolvedItem:

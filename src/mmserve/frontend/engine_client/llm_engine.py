@@ -12,7 +12,6 @@ aborted by the same rule and its outputs made by the same `OutputProcessor`:
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -26,7 +25,7 @@ from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hub import resolve_engine_model
 from mmserve.models.hf_config import eos_token_id
-from mmserve.multimodal.items import ResolvedItem
+from mmserve.multimodal.items import PROCESSING_THREADS, ResolvedItem, settled
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
@@ -52,7 +51,7 @@ class LLMEngine:
             raise
         self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._inputs = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="mmserve-inputs")
+        self._inputs = ThreadPoolExecutor(PROCESSING_THREADS, thread_name_prefix="mmserve-inputs")
 
     @property
     def core(self) -> EngineCore:
@@ -99,14 +98,7 @@ class LLMEngine:
 
         if len(prompts) == 1:  # a lone prompt on the caller's thread: no hand-off
             return [one(request_ids[0], prompts[0], params[0])]
-        futures = [self._inputs.submit(one, *args) for args in zip(request_ids, prompts, params)]
-        done: list[Processed] = []
-        fault: BaseException | None = None
-        for future in futures:
-            try:
-                done.append(future.result())
-            except BaseException as exc:
-                fault = fault or exc
+        done, fault = settled([self._inputs.submit(one, *args) for args in zip(request_ids, prompts, params)])
         if fault is not None:
             for *_, pending in done:
                 self.input_processor.reject(pending)
