@@ -30,6 +30,7 @@ import mmserve  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads, a
 import torch
 
 from mmserve.malloc_tuning import zeros_on_huge_pages
+from mmserve import native
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.attention.torch_sdpa import kernel_splits
 
@@ -98,7 +99,7 @@ def main() -> None:
                         help="queries' dtype (default: the cache's)")
     parser.add_argument("--reps", type=int, default=8)
     args = parser.parse_args()
-    floor = cpu_kernels.build(READ_BLOCKS)
+    floor = native.build(READ_BLOCKS)
     if cpu_kernels.load() is None or floor is None:
         print("no C compiler here (or MMSERVE_CPU_KERNELS=0): nothing to measure")
         return

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmserve.models import cpu_ops
-from mmserve.models.attention import cpu_kernels
+from mmserve import native
 from mmserve.models.layers import LayerOps, RotaryEmbedding
 
 REFERENCE = LayerOps()  # PyTorch's ops alone
@@ -18,7 +18,7 @@ ROWS = [1, 3, 8, 64]
 
 @pytest.fixture(autouse=True)
 def library() -> None:
-    if cpu_kernels.build(cpu_ops.SOURCE) is None:
+    if native.build(cpu_ops.SOURCE) is None:
         pytest.skip("no C compiler: the C layer ops are not built")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmserve import native
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.attention.torch_sdpa import AttentionMetadata, kernel_splits, paged_attention
 
@@ -131,17 +132,17 @@ def test_the_library_is_built_once_into_its_cache_folder(tmp_path: Path, monkeyp
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
-    built = cpu_kernels._build()
+    built = native.library_path(cpu_kernels.SOURCE)
     assert built.parent == tmp_path and built.exists()
     stamp = built.stat().st_mtime_ns
-    assert cpu_kernels._build() == built and built.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert native.library_path(cpu_kernels.SOURCE) == built and built.stat().st_mtime_ns == stamp  # found, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no scratch left behind
 
 
 def test_without_a_compiler_or_when_turned_off_there_is_no_library(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MMSERVE_CPU_KERNELS", "0")
-    assert not cpu_kernels.enabled()
+    assert not native.enabled()
     monkeypatch.setenv("MMSERVE_CPU_KERNELS", "1")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(OSError, match="no C compiler"):
-        cpu_kernels._build()
+        native.library_path(cpu_kernels.SOURCE)

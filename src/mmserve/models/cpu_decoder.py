@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from mmserve.models import cpu_ops
+from mmserve import native
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.attention.torch_sdpa import AttentionMetadata
 from mmserve.models.layers import Rope
@@ -64,7 +65,7 @@ class _Step(ctypes.Structure):
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be had."""
-    library = cpu_kernels.build(SOURCE)
+    library = native.build(SOURCE)
     if library is None:
         return None
     library.mmserve_decode_layers.argtypes = [ctypes.POINTER(_Decoder), _P, _P, _I64, ctypes.POINTER(_Step),

@@ -1,13 +1,13 @@
 """The small ops between a decoder layer's GEMMs as our C kernels (`csrc/layer_ops.c`), for decode.
 
-Built per machine as the decode attention kernel is (models/attention/cpu_kernels.py) and called
-by ctypes: RMSNorm (alone, or after the residual add in the same pass), Qwen3's q and k norms in
-one call, and the rotary of q and k in one call, each single-threaded (no OpenMP region) into new
-tensors (inputs are only read), and SiLU(gate) * up. Only float32 CPU tensors of at most `MAX_ROWS` tokens and
-`MAX_ELEMENTS` values, the last dimension contiguous: there PyTorch's per-op dispatch costs more
-than the arithmetic. Each function returns None where the input is not the kernels' or the library
-cannot be had (no compiler, `MMSERVE_CPU_KERNELS=0`); the caller then runs the PyTorch ops
-(models/layers.py: `LayerOps`), as `CpuLayerOps`, the torch backend's set, does.
+Built per machine by mmserve/native.py and called by ctypes: RMSNorm (alone, or after the
+residual add in the same pass), Qwen3's q and k norms in one call, and the rotary of q and k in
+one call, each single-threaded (no OpenMP region) into new tensors (inputs are only read), and
+SiLU(gate) * up. Only float32 CPU tensors of at most `MAX_ROWS` tokens and `MAX_ELEMENTS` values,
+the last dimension contiguous: there PyTorch's per-op dispatch costs more than the arithmetic. Each
+function returns None where the input is not the kernels' or the library cannot be had (no
+compiler, `MMSERVE_CPU_KERNELS=0`); the caller then runs the PyTorch ops (models/layers.py:
+`LayerOps`), as `CpuLayerOps`, the torch backend's set, does.
 
 Each result equals the PyTorch path's bit for bit: products and sums rounded where PyTorch rounds
 them, and a norm's sum of squares added in the order of PyTorch's sum kernel (SumKernel.cpp's
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from mmserve.models.attention import cpu_kernels
+from mmserve import native
 from mmserve.models.layers import LayerOps
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Kernels(NamedTuple):
 @functools.cache
 def load() -> Kernels | None:
     """The compiled library with its checked lane count, or None where either cannot be had."""
-    library = cpu_kernels.build(SOURCE)
+    library = native.build(SOURCE)
     if library is None:
         return None
     for name, argtypes in _SIGNATURES.items():

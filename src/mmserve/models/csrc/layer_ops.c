@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 /* every float operation as written: no reassociation, no fused multiply-add, IEEE division and
- * square root (the file is compiled with -ffast-math, models/attention/cpu_kernels.py) */
+ * square root (the file is compiled with -ffast-math, mmserve/native.py) */
 #if defined(__clang__)
 #pragma float_control(precise, on)
 #pragma clang fp contract(off)

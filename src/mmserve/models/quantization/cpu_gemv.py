@@ -1,5 +1,5 @@
 """Quantized weights' CPU kernels in C, built per machine as the decode attention kernel is
-(models/attention/cpu_kernels.py): decode GEMVs that dequantize in registers (int4 with group
+(built by mmserve/native.py): decode GEMVs that dequantize in registers (int4 with group
 scales and zeros, FP8 e4m3 per row or block) and the dequantized row tiles a prefill's matmul
 reads (`csrc/quant_gemv.c`, AVX2 or plain C), and the GEMVs again with AVX-512 where the machine
 has it (`csrc/quant_gemv512.c`, tried first; `WIDE` turns it off); and the GEMV of a quantized
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from mmserve.models.attention import cpu_kernels
+from mmserve import native
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemv.c"
 WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
@@ -99,7 +99,7 @@ def half_call(weight: torch.Tensor) -> CpuGemv | None:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be had."""
-    library = cpu_kernels.build(SOURCE)
+    library = native.build(SOURCE)
     if library is not None:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(library, name)
@@ -110,7 +110,7 @@ def load() -> ctypes.CDLL | None:
 @functools.cache
 def load_wide() -> ctypes.CDLL | None:
     """The AVX-512 library, or None where it cannot be had or the machine lacks AVX-512."""
-    library = cpu_kernels.build(WIDE_SOURCE)
+    library = native.build(WIDE_SOURCE)
     if library is None or not library.mmserve_q512_built():
         return None
     for name in ("mmserve_int4_gemv512", "mmserve_fp8_gemv512"):
@@ -122,7 +122,7 @@ def load_wide() -> ctypes.CDLL | None:
 @functools.cache
 def load_half() -> ctypes.CDLL | None:
     """The library of 16-bit weights' GEMV, or None where it cannot be had."""
-    library = cpu_kernels.build(HALF_SOURCE)
+    library = native.build(HALF_SOURCE)
     if library is not None:
         library.mmserve_half_gemv.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT, _INT]
         library.mmserve_half_gemv.restype = ctypes.c_int

@@ -4,7 +4,7 @@ codes in integers, as llama.cpp multiplies Q4_0 weights by Q8_0 activations. Fas
 exact GEMV (cpu_gemv.int4_gemv, float32 x) and not exact: x is rounded to 8 bits.
 
 The kernel is `csrc/int4_q8_gemv.c` (its docstring states the quantization and the formula),
-built per machine by models/attention/cpu_kernels.py; `LEVEL` caps the path it takes (2: AVX-512
+built per machine by mmserve/native.py; `LEVEL` caps the path it takes (2: AVX-512
 VNNI, 1: AVX2, 0: plain C; tests lower it to prove the others give the same integers). It reads
 int4.py's resident form with W's rows interleaved by 16 (`interleave`, done once when the layer is
 packed: the same bytes), so that one vector lane holds one row's sums; `deinterleave` gives rows
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mmserve.models.attention import cpu_kernels
+from mmserve import native
 from mmserve.models.quantization import cpu_gemv
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_q8_gemv.c"
@@ -31,7 +31,7 @@ _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be had."""
-    library = cpu_kernels.build(SOURCE)
+    library = native.build(SOURCE)
     if library is not None:
         library.mmserve_int4_q8_gemv.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT]
         library.mmserve_int4_q8_gemv.restype = ctypes.c_int
