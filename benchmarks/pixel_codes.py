@@ -6,8 +6,10 @@ Per image size, for Qwen2.5-VL-7B's and LLaVA-1.5-7B's published processor setti
 - the item's bytes (what every cache, the shm store and the copy to the device carry), as a ratio;
 - the worker's lookup of the values (`pixel_values`) on the CPU, and on CUDA where there is one;
 - P0's whole work on requests with new 1024x768 images: one, and four in one request against four
-  requests of one (a request's misses are processed together).
-The values are checked bit-equal to the transformers processor's in the same run.
+  requests of one (a request's misses are processed together);
+- the resize alone (most of Qwen's processing): ours (multimodal/resample.py) against Pillow's.
+The values and the resized bytes are checked equal to the transformers processor's and Pillow's in
+the same run. The process keeps freed memory for reuse, as P0 does (malloc_tuning.py).
 
 Run: `python benchmarks/pixel_codes.py` (about 30 s on 2 cores).
 """
@@ -29,6 +31,7 @@ from _model_sizes import LLAVA_15_7B_TEXT, LLAVA_15_7B_VISION, QWEN25_VL_7B_TEXT
 
 from mm_cache import timed as median_s  # noqa: E402
 from mmserve.ipc.pixel_codes import pixel_values  # noqa: E402
+from mmserve.malloc_tuning import retain_freed_memory  # noqa: E402
 
 SIZES = ((448, 448), (1024, 768), (1920, 1080))  # width x height
 
@@ -120,10 +123,28 @@ def request_rows(path: str, runs: int) -> str:
             f"ratio {four / one / 4:.2f}")
 
 
+def resize_row(size: tuple[int, int], runs: int) -> str:
+    """Qwen2.5-VL-7B's resize of one image (bicubic, to `smart_resize`'s size): ours against Pillow's."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from mmserve.multimodal.resample import library, resize_rgb
+
+    image = photo(size)
+    height, width = smart_resize(size[1], size[0], 28, 56 * 56, 28 * 28 * 1280)
+    pillow = np.asarray(image.resize((width, height), Image.Resampling.BICUBIC))
+    if library() is None or not np.array_equal(resize_rgb(image, (width, height), Image.Resampling.BICUBIC), pillow):
+        raise AssertionError(f"{size}: our resize is not had, or differs from Pillow's")
+    ours = median_s(lambda: resize_rgb(image, (width, height), Image.Resampling.BICUBIC), runs)
+    theirs = median_s(lambda: np.array(image.resize((width, height), Image.Resampling.BICUBIC)), runs)
+    return (f"resize {size[0]:4}x{size[1]:<4} -> {width}x{height}: ours {ours * 1e3:5.2f} ms vs Pillow "
+            f"{theirs * 1e3:5.2f} ms  ratio {ours / theirs:4.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args(argv)
+    retain_freed_memory()
     print(f"P0's processing of one image (median of {args.runs}), mmserve (codes) vs transformers (float32 values);")
     print("the item's bytes; the worker's lookup of the values. The values are bit-equal (checked).")
     with tempfile.TemporaryDirectory() as folder:
@@ -131,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
             for size in SIZES:
                 print(row(name, size, ours, hf, args.runs), flush=True)
         print(request_rows(str(Path(folder) / "qwen2_5_vl"), args.runs))
+    for size in (*SIZES, (4032, 3024)):
+        print(resize_row(size, args.runs))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,10 @@ its cache folder, off by `MMSERVE_CPU_KERNELS=0`)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from mmserve import native
 from mmserve.models.attention import cpu_kernels
 from mmserve.models.attention.torch_sdpa import AttentionMetadata, kernel_splits, paged_attention
 
@@ -126,23 +124,3 @@ def test_splits_give_every_thread_work_and_keep_parts_of_four_blocks():
     assert kernel_splits(2 * threads, 1000) == 1
     assert kernel_splits(1, 1000) == 2 * threads
     assert kernel_splits(1, 5) == 1
-
-
-def test_the_library_is_built_once_into_its_cache_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    if cpu_kernels.load() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
-    built = native.library_path(cpu_kernels.SOURCE)
-    assert built.parent == tmp_path and built.exists()
-    stamp = built.stat().st_mtime_ns
-    assert native.library_path(cpu_kernels.SOURCE) == built and built.stat().st_mtime_ns == stamp  # found, not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no scratch left behind
-
-
-def test_without_a_compiler_or_when_turned_off_there_is_no_library(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("MMSERVE_CPU_KERNELS", "0")
-    assert not native.enabled()
-    monkeypatch.setenv("MMSERVE_CPU_KERNELS", "1")
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    with pytest.raises(OSError, match="no C compiler"):
-        native.library_path(cpu_kernels.SOURCE)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import numpy as np
 import torch
 from PIL import Image
 
 from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
+from mmserve.multimodal import resample
 from mmserve.multimodal.pixel_table import processor_lut
 from mmserve.multimodal.chat_templates import pick_chat_template, processor_chat_template
 from mmserve.errors import ClientError
@@ -58,6 +58,7 @@ class QwenVLProcessor:
             raise ValueError(f"{model_path!r}: an image processor with do_resize false is not supported")
         self.lut = processor_lut(self.image_processor, self.patch_size * self.merge_size,
                                  lambda rows: rows.view(rows.shape[0], 3, -1))  # [C, 256]: the pixel values
+        resample.library()  # built and checked against Pillow now, not in the first request
         size = self.image_processor.size
         self.default_pixels = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
         from mmserve.models.hf_config import load_model_config
@@ -100,13 +101,14 @@ class QwenVLProcessor:
         `mm_kwargs`: the request's pixel budget, checked as `check_mm_kwargs` does (ValueError).
 
         The processor's geometry, done here on uint8: PIL's resize of the RGB image to
-        `smart_resize`'s size with the processor's filter (what its PIL backend calls), the
+        `smart_resize`'s size with the processor's filter (what its PIL backend calls; by our
+        loops, which give its bytes: multimodal/resample.py), the
         image repeated over the temporal patch, rows in merge-block order."""
         check_image(image)
         budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
         height, width = self._resized(image.width, image.height, budget)
-        resized = to_rgb(image).resize((width, height), resample=Image.Resampling(int(self.image_processor.resample)))
-        frame = torch.from_numpy(np.array(resized)).permute(2, 0, 1).unsqueeze(0)  # [1, C, H, W] uint8
+        resized = resample.resize_rgb(to_rgb(image), (width, height), int(self.image_processor.resample))  # [H, W, C]
+        frame = torch.from_numpy(resized).permute(2, 0, 1).unsqueeze(0)  # [1, C, H, W] uint8
         codes, grid = patchify(frame, self.temporal_patch_size, self.patch_size, self.merge_size)
         return {"pixel_codes": codes, "pixel_lut": self.lut, "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}
 
