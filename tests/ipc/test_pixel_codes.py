@@ -77,3 +77,15 @@ def test_only_whole_values_become_codes():
     for bad in ([0.5], [256.0], [-1.0]):
         with pytest.raises(ValueError, match="not whole"):
             codes_of(torch.tensor(bad))
+
+
+def test_rows_of_one_frame_give_the_values_of_the_repeated_frames():
+    """A still image as Qwen-VL lays it out: each row's C x (Tp x p x p) values hold Tp copies of
+    one frame; carried as rows of one frame and `pixel_frames`, the values are the same."""
+    table = lut_from(every_code(), arithmetic(every_code()))
+    one = torch.randint(0, 256, (6, 3, 1, 16), dtype=torch.uint8)  # [P, C, 1 frame, p * p]
+    repeated = one.expand(6, 3, 2, 16).reshape(6, 3 * 2 * 16)  # what the processor lays out, Tp = 2
+    full = {"pixel_codes": repeated, "pixel_lut": table}
+    carried = {"pixel_codes": one.reshape(6, 3 * 16), "pixel_frames": torch.tensor(2), "pixel_lut": table}
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(pixel_values(carried, dtype), pixel_values(full, dtype))

@@ -85,7 +85,8 @@ def test_pixels_and_grid_equal_the_image_processor(family, name):
     assert codes.dtype == torch.uint8 and pixels.dtype == torch.float32 and grid.dtype == torch.int64
     assert torch.equal(pixels, want["pixel_values"]) and grid.tolist() == want["image_grid_thw"][0].tolist()
     processor = ours.image_processor
-    assert codes.shape == (int(grid.prod()), 3 * processor.temporal_patch_size * processor.patch_size ** 2)
+    assert codes.shape == (int(grid.prod()), 3 * processor.patch_size ** 2)  # one frame, repeated by the lookup
+    assert int(got["pixel_frames"]) == processor.temporal_patch_size
     assert ours.num_placeholder_tokens(got) == int(grid.prod()) // processor.merge_size ** 2
 
 

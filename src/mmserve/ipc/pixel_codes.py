@@ -16,6 +16,11 @@ shared-memory store and the host-to-device copy, and P0 skips the float pass.
 Layouts: `decode` and `lut_from` read the channel at dim 1; `pixel_values` views an item's codes
 that way: Qwen-VL rows [P, C * Tp * p * p] (channel-major columns) as [P, C, Tp * p * p], a LLaVA
 image [C, H, W] as [1, C, H * W].
+
+Repeated frames: a still image that the processor lays out as `Tp` identical frames (Qwen-VL's
+temporal patch) is carried as rows of one frame [P, C * p * p] and `pixel_frames` (an int64 scalar,
+Tp); `pixel_values` repeats each row's values over the frames, so the values are the processor's
+and the bytes half again.
 """
 
 from __future__ import annotations
@@ -66,12 +71,18 @@ def decode(codes: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
 
 def pixel_values(data: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An item's pixel values in `dtype` (each value rounded once, from the processor's float32),
-    in the processor's layout, on its codes' device: rows [P, C * B] from rows of codes, an image
-    [C, H, W] from an image of codes."""
+    in the processor's layout, on its codes' device: rows [P, C * B] from rows of codes, rows
+    [P, C * F * B] from rows of one frame and `pixel_frames` F, an image [C, H, W] from an image
+    of codes."""
     codes, lut = data["pixel_codes"], data["pixel_lut"]
     channels = lut.shape[0]
     acb = codes.view(codes.shape[0], channels, -1) if codes.dim() == 2 else codes.view(1, channels, -1)
-    return decode(acb, lut.to(dtype)).view(codes.shape)
+    values = decode(acb, lut.to(dtype))  # [A, C, B]
+    if "pixel_frames" not in data:
+        return values.view(codes.shape)
+    frames = int(data["pixel_frames"])  # a host int64 (worker/device.py: item_on leaves int64 on the host)
+    rows = codes.shape[0]
+    return values.view(rows, channels, 1, -1).expand(rows, channels, frames, acb.shape[2]).reshape(rows, -1)
 
 
 def codes_of(pixels: torch.Tensor) -> torch.Tensor:

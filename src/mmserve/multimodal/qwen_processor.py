@@ -95,22 +95,25 @@ class QwenVLProcessor:
         return {k: v for k, v in mm_kwargs.items() if v != self.default_pixels[k]}
 
     def process_image(self, image: Image.Image, mm_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-        """One image -> `{"pixel_codes": Tensor[P, C * Tp * p * p] uint8, "pixel_lut": Tensor[C, 256],
-        "image_grid_thw": Tensor[3] int64}` (P = t * h * w patches in merge-block order; the values
-        are `Qwen2VLImageProcessorPil`'s `pixel_values`, looked up: ipc/pixel_codes.py).
+        """One image -> `{"pixel_codes": Tensor[P, C * p * p] uint8, "pixel_frames": Tensor[] int64
+        (Tp), "pixel_lut": Tensor[C, 256], "image_grid_thw": Tensor[3] int64}` (P = t * h * w patches
+        in merge-block order, each row one frame of the Tp identical ones the processor lays out;
+        the values are `Qwen2VLImageProcessorPil`'s `pixel_values`, looked up and repeated over
+        the frames: ipc/pixel_codes.py).
         `mm_kwargs`: the request's pixel budget, checked as `check_mm_kwargs` does (ValueError).
 
         The processor's geometry, done here on uint8: PIL's resize of the RGB image to
         `smart_resize`'s size with the processor's filter (what its PIL backend calls; by our
         loops, which give its bytes: multimodal/resample.py), the
-        image repeated over the temporal patch, rows in merge-block order."""
+        rows in merge-block order (the repeat over the temporal patch left to the lookup)."""
         check_image(image)
         budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
         height, width = self._resized(image.width, image.height, budget)
         resized = resample.resize_rgb(to_rgb(image), (width, height), int(self.image_processor.resample))  # [H, W, C]
         frame = torch.from_numpy(resized).permute(2, 0, 1).unsqueeze(0)  # [1, C, H, W] uint8
-        codes, grid = patchify(frame, self.temporal_patch_size, self.patch_size, self.merge_size)
-        return {"pixel_codes": codes, "pixel_lut": self.lut, "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}
+        codes, grid = patchify(frame, 1, self.patch_size, self.merge_size)  # one frame
+        return {"pixel_codes": codes, "pixel_frames": torch.tensor(self.temporal_patch_size),
+                "pixel_lut": self.lut, "image_grid_thw": torch.tensor(grid, dtype=torch.int64)}
 
     def _resized(self, width: int, height: int, budget: dict[str, int]) -> tuple[int, int]:
         """(height, width) after the processor's resize: `smart_resize` (MediaError for an aspect
