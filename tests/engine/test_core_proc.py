@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import pytest
@@ -95,30 +96,46 @@ def test_a_rejected_request_comes_back_as_an_error_and_the_next_one_runs(client,
 
 
 def test_async_outputs_do_not_block_the_event_loop(client, llm):
-    async def main() -> list[int]:
+    """While the reader awaits P1's outputs, the loop runs other tasks. The request is added from a
+    timer thread once the reader waits, so a reader that blocked the loop would hold it until then
+    (the ticks counted by that time stay at most one or two); P1's speed cannot change that."""
+    async def main() -> tuple[list[int], int]:
         ticks = 0
+        seen: list[int] = []
 
-        async def tick() -> None:  # runs whenever the loop is free: each time the reader below awaits
+        async def tick() -> None:  # runs whenever the loop is free
             nonlocal ticks
             while True:
                 await asyncio.sleep(0)
                 ticks += 1
 
-        ticker = asyncio.create_task(tick())
-        client.add_request(request(llm, "async", seed=2, max_tokens=6))
-        tokens: list[int] = []
-        while True:
-            out: EngineCoreOutputs = await client.get_output_async()
-            tokens += [t for o in out.outputs for t in o.new_token_ids]
-            if any(o.finish_reason for o in out.outputs):
-                break
-        ticker.cancel()
-        assert ticks > 0
-        return tokens
+        async def read() -> list[int]:
+            tokens: list[int] = []
+            while True:
+                out: EngineCoreOutputs = await client.get_output_async()
+                tokens += [t for o in out.outputs for t in o.new_token_ids]
+                if any(o.finish_reason for o in out.outputs):
+                    return tokens
+
+        def add() -> None:
+            seen.append(ticks)  # the ticks while the reader waited on an empty socket
+            client.add_request(request(llm, "async", seed=2, max_tokens=6))
+
+        ticker, reader = asyncio.create_task(tick()), asyncio.create_task(read())
+        timer = threading.Timer(0.2, add)
+        timer.start()
+        try:
+            tokens = await asyncio.wait_for(reader, timeout=60)
+        finally:
+            timer.cancel()
+            ticker.cancel()
+        return tokens, seen[0]
 
     expected = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(2)}},
                             SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))
-    assert asyncio.run(main()) == expected[0].outputs[0].token_ids
+    tokens, ticks_while_waiting = asyncio.run(main())
+    assert ticks_while_waiting >= 10
+    assert tokens == expected[0].outputs[0].token_ids
 
 
 def test_shutdown_stops_p1_and_removes_its_files(client, llm):
