@@ -23,7 +23,7 @@ from mmserve.multimodal.chat_templates import pick_chat_template
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import check_image, to_rgb
-from mmserve.multimodal.pixel_table import geometry, processor_lut
+from mmserve.multimodal.pixel_table import Geometry, processor_lut
 
 if TYPE_CHECKING:
     from mmserve.multimodal.processor_api import ItemProcessor
@@ -57,6 +57,7 @@ class MultiModalProcessor:
         self.image_token_id: int = self._hf.image_token_id
         self.video: QwenVideoProcessor | None = None  # LLaVA takes no video
         self.lut = processor_lut(self._hf.image_processor, 1, lambda images: images.flatten(2))  # [C, 256]
+        self.geometry = Geometry(self._hf.image_processor)
 
     def check_mm_kwargs(self, mm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The request's `mm_processor_kwargs`, validated: LLaVA's fixed-size processor takes none."""
@@ -68,7 +69,7 @@ class MultiModalProcessor:
         """Runs the image processor's geometry on one image: `{"pixel_codes": Tensor[3, H, W] uint8,
         "pixel_lut": Tensor[3, 256]}`, its `pixel_values` as codes and their values (ipc/pixel_codes.py)."""
         check_image(image)
-        codes = geometry(self._hf.image_processor, to_rgb(image))["pixel_values"][0]
+        codes = self.geometry(to_rgb(image))["pixel_values"][0]
         return {"pixel_codes": codes, "pixel_lut": self.lut}
 
     def num_placeholder_tokens(self, data: dict[str, torch.Tensor]) -> int:
