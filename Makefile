@@ -60,7 +60,7 @@ bench-gpu:
 # timeout (together 11 minutes at most), logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
 GPU_WHEELS := msgspec pyzmq blake3 fastapi starlette pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions anyio sniffio uvicorn httptools openai httpx2 httpcore2 truststore jiter httpx httpcore av \
-	setproctitle pybase64 xgrammar apache-tvm-ffi opentelemetry-api
+	setproctitle pybase64 zlib-ng xgrammar apache-tvm-ffi opentelemetry-api
 WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
 	--platform manylinux1_x86_64
 GPU_LOGS ?= $(or $(OUT),/tmp/mmserve-gpu-logs)

@@ -7,9 +7,10 @@ Per image size, for Qwen2.5-VL-7B's and LLaVA-1.5-7B's published processor setti
 - the worker's lookup of the values (`pixel_values`) on the CPU, and on CUDA where there is one;
 - P0's whole work on requests with new 1024x768 images: one, and four in one request against four
   requests of one (a request's misses are processed together);
-- the resize alone (most of Qwen's processing): ours (multimodal/resample.py) against Pillow's.
-The values and the resized bytes are checked equal to the transformers processor's and Pillow's in
-the same run. The process keeps freed memory for reuse, as P0 does (malloc_tuning.py).
+- the resize alone (most of Qwen's processing): ours (multimodal/resample.py) against Pillow's;
+- a PNG's decoding (a screenshot, a photo): ours (multimodal/png.py) against Pillow's.
+The values, the resized bytes and the decoded pixels are checked equal to the transformers
+processor's and Pillow's in the same run. The process keeps freed memory for reuse, as P0 does (malloc_tuning.py).
 
 Run: `python benchmarks/pixel_codes.py` (about 30 s on 2 cores).
 """
@@ -140,6 +141,45 @@ def resize_row(size: tuple[int, int], runs: int) -> str:
             f"{theirs * 1e3:5.2f} ms  ratio {ours / theirs:4.2f}")
 
 
+def screenshot(size: tuple[int, int]) -> Image.Image:
+    """A user interface's statistics: flat panels, boxes and text."""
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", size, (240, 240, 240))
+    draw, rng = ImageDraw.Draw(image), np.random.default_rng(0)
+    for _ in range(300):
+        x, y = int(rng.integers(0, size[0] - 200)), int(rng.integers(0, size[1] - 30))
+        box = [x, y, x + int(rng.integers(20, 200)), y + int(rng.integers(5, 30))]
+        draw.rectangle(box, fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+    for i in range(200):
+        place = (int(rng.integers(0, size[0] - 100)), int(rng.integers(0, size[1] - 20)))
+        draw.text(place, f"Item {i}", fill=(0, 0, 0))
+    return image
+
+
+def png_row(name: str, image: Image.Image, level: int, runs: int) -> str:
+    """One PNG's decoding to its pixels: ours against Pillow's (`Image.open(...).load()`)."""
+    import io
+
+    from mmserve.multimodal.png import decode_png
+
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", compress_level=level)
+    data = buffer.getvalue()
+
+    def pillow() -> Image.Image:
+        decoded = Image.open(io.BytesIO(data))
+        decoded.load()
+        return decoded
+
+    ours = decode_png(data)
+    if ours is None or not np.array_equal(np.asarray(ours), np.asarray(pillow())):
+        raise AssertionError(f"{name}: our PNG decoding is not had, or differs from Pillow's")
+    mine, theirs = median_s(lambda: decode_png(data), runs), median_s(pillow, runs)
+    return (f"PNG {name:22} level {level}  {len(data) / 1e6:5.2f} MB: ours {mine * 1e3:5.1f} ms vs Pillow "
+            f"{theirs * 1e3:5.1f} ms  ratio {mine / theirs:4.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
@@ -154,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         print(request_rows(str(Path(folder) / "qwen2_5_vl"), args.runs))
     for size in (*SIZES, (4032, 3024)):
         print(resize_row(size, args.runs))
+    for name, image in (("screenshot 1920x1080", screenshot((1920, 1080))), ("photo 1024x768", photo((1024, 768)))):
+        for level in (1, 6):
+            print(png_row(name, image, level, args.runs))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def build(source: Path) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(library_path(source)))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU kernels of %s unavailable (%s); the PyTorch path is used", source.name, exc)
+        logger.warning("our C kernels of %s unavailable (%s); their caller does without", source.name, exc)
         return None
 
 

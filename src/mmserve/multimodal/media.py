@@ -21,6 +21,7 @@ import pybase64
 from PIL import Image, UnidentifiedImageError
 
 from mmserve.errors import ClientError
+from mmserve.multimodal.png import decode_png
 
 # Flag names quoted in error messages; keep in step with the CLI flags made from the config.
 FLAG_MAX_BYTES = "--max-media-bytes"
@@ -130,8 +131,10 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
             check_pixels(image.width, image.height, limits)
-            image.load()
-            return to_rgb(image)
+            ours = decode_png(data) if image.format == "PNG" else None  # None: not ours, Pillow decodes
+            if ours is None:
+                image.load()
+            return to_rgb(image if ours is None else ours)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaError(f"image refused as a possible decompression bomb: {exc} The server's limit is "
                          f"{limits.max_pixels} pixels ({FLAG_MAX_PIXELS})") from exc
