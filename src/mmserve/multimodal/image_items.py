@@ -11,6 +11,7 @@ from typing import Any, Callable
 from PIL import Image
 
 from mmserve.errors import ClientError
+from mmserve.multimodal import png
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.hasher import ItemHasher
 from mmserve.multimodal.items import ItemPipeline
@@ -30,6 +31,7 @@ class ImageModality:
         self.processor = processor
         self.limits = limits
         self.budget = budget
+        png.library()  # our PNG decoding built now (once per machine), not in the first PNG's request
 
     def settings(self, requested: Any) -> dict[str, Any]:
         """The processor's check of `mm_processor_kwargs`, then the server's pixel limit."""

@@ -59,8 +59,8 @@ static inline __attribute__((always_inline)) i32x4 predict(int type, i32x4 a, i3
     return (x + b_or_c + ((a - b_or_c) & take_a)) & 0xFF;
 }
 
-/* bytes [from, to) of a Sub, Average or Paeth row, a pixel at a time, for bpp 3 or 4 (BPP a
- * constant); every 4-byte read lies in the row or the byte after it */
+/* bytes [from, to) of a Sub, Average or Paeth row, a pixel at a time, for bpp 3 or 4 (a
+ * constant where inlined); every 4-byte read lies within its row (i + 4 <= to) */
 static inline __attribute__((always_inline)) int64_t pixels(int type, int bpp, const uint8_t *in, const uint8_t *up,
                                                             uint8_t *row, int64_t from, int64_t to)
 {
@@ -98,7 +98,7 @@ static void unfilter_row(int type, const uint8_t *in, const uint8_t *up, uint8_t
 
 int mmserve_png_unfilter(const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t bpp, uint8_t *out)
 {
-    uint8_t *zeros = calloc((size_t)row_bytes + 1, 1); /* the row above the first (and the byte after it) */
+    uint8_t *zeros = calloc((size_t)row_bytes + 1, 1); /* the row above the first */
     if (zeros == NULL)
         return 2;
     int status = 0;
