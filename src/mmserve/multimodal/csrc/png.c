@@ -10,7 +10,8 @@
  *
  * Sub, Average and Paeth chain each byte to the one bpp before it. With 3 or 4 bytes a pixel, a
  * pixel's bytes are reconstructed at once (lanes of a vector), the left pixel kept in registers:
- * the chain is then one pixel long, not one byte, and no byte just stored is loaded again.
+ * the chain is then one pixel long, not one byte, and no byte just stored is loaded again. Two
+ * Paeth rows in a row are done together, so that their two chains overlap.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -96,6 +97,43 @@ static void unfilter_row(int type, const uint8_t *in, const uint8_t *up, uint8_t
         row[i] = (uint8_t)byte(type, row[i - bpp], up[i], up[i - bpp], in[i]);
 }
 
+/* bytes [from, to) of two Paeth rows at once, row0 above row1, a pixel of each at a time: row1's
+ * pixel takes row0's just made as its above (registers, not memory), so the two chains overlap */
+static inline __attribute__((always_inline)) int64_t paeth_pixel_pairs(int bpp, const uint8_t *in0, const uint8_t *in1,
+                                                                       const uint8_t *up0, uint8_t *row0, uint8_t *row1,
+                                                                       int64_t from, int64_t to)
+{
+    i32x4 left0 = load4(row0 + from - bpp), left1 = load4(row1 + from - bpp), above_left1 = left0;
+    int64_t i = from;
+    for (; i + 4 <= to; i += bpp) {
+        const i32x4 above1 = predict(PAETH, left0, load4(up0 + i), load4(up0 + i - bpp), load4(in0 + i));
+        left1 = predict(PAETH, left1, above1, above_left1, load4(in1 + i));
+        above_left1 = left0 = above1;
+        const u8x4 v0 = __builtin_convertvector(above1, u8x4), v1 = __builtin_convertvector(left1, u8x4);
+        memcpy(row0 + i, &v0, (size_t)bpp);
+        memcpy(row1 + i, &v1, (size_t)bpp);
+    }
+    return i;
+}
+
+/* two consecutive Paeth rows (bpp 3 or 4): the first pixels and the tails byte by byte, row0's first */
+static void unfilter_paeth_pair(const uint8_t *in0, const uint8_t *in1, const uint8_t *up0, uint8_t *row0,
+                                uint8_t *row1, int64_t row_bytes, int64_t bpp)
+{
+    int64_t i = 0, j;
+    for (; i < bpp && i < row_bytes; i++) {
+        row0[i] = (uint8_t)byte(PAETH, 0, up0[i], 0, in0[i]);
+        row1[i] = (uint8_t)byte(PAETH, 0, row0[i], 0, in1[i]);
+    }
+    if (i + 4 <= row_bytes)
+        i = bpp == 3 ? paeth_pixel_pairs(3, in0, in1, up0, row0, row1, i, row_bytes)
+                     : paeth_pixel_pairs(4, in0, in1, up0, row0, row1, i, row_bytes);
+    for (j = i; j < row_bytes; j++)
+        row0[j] = (uint8_t)byte(PAETH, row0[j - bpp], up0[j], up0[j - bpp], in0[j]);
+    for (j = i; j < row_bytes; j++)
+        row1[j] = (uint8_t)byte(PAETH, row1[j - bpp], row0[j], row0[j - bpp], in1[j]);
+}
+
 int mmserve_png_unfilter(const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t bpp, uint8_t *out)
 {
     uint8_t *zeros = calloc((size_t)row_bytes + 1, 1); /* the row above the first */
@@ -111,7 +149,10 @@ int mmserve_png_unfilter(const uint8_t *raw, int64_t rows, int64_t row_bytes, in
             status = 1;
             break;
         }
-        if (type == 0)
+        if (type == PAETH && y + 1 < rows && raw[(y + 1) * (row_bytes + 1)] == PAETH && (bpp == 3 || bpp == 4)) {
+            unfilter_paeth_pair(in, in + row_bytes + 1, up, row, row + row_bytes, row_bytes, bpp);
+            y++; /* both rows done */
+        } else if (type == 0)
             memcpy(row, in, (size_t)row_bytes);
         else if (type == UP)
             for (int64_t i = 0; i < row_bytes; i++)
