@@ -107,6 +107,7 @@ def test_pngs_that_are_not_ours_are_left_to_pillow():
         "unknown chunk": encode(pixels, types, extra=((b"zzZz", b"x"),)),
         "bad crc": encode(pixels, types)[:-4] + b"\x00\x00\x00\x00",
         "after IEND": encode(pixels, types) + b"junk",
+        "data split by another chunk": _split_data(pixels, filtered(pixels, types)),  # Pillow: truncated
         "bad filter type": _with_stream(pixels, b"\x07" + filtered(pixels, types)[1:]),
         "short data": _with_stream(pixels, filtered(pixels, types)[:-1]),
         "long data": _with_stream(pixels, filtered(pixels, types) + b"\x00"),
@@ -122,6 +123,15 @@ def test_pngs_that_are_not_ours_are_left_to_pillow():
     assert png.decode_png(interlaced) is None
 
 
+def _split_data(pixels: np.ndarray, rows: bytes) -> bytes:
+    height, width, _ = pixels.shape
+    stream = zlib.compress(rows)
+    half = len(stream) // 2
+    return (png.SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", stream[:half]) + chunk(b"tEXt", b"a\x00b") + chunk(b"IDAT", stream[half:])
+            + chunk(b"IEND", b""))
+
+
 def _with_stream(pixels: np.ndarray, rows: bytes, stream: bytes | None = None, interlace: int = 0) -> bytes:
     height, width, _ = pixels.shape
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, interlace)
@@ -130,6 +140,8 @@ def _with_stream(pixels: np.ndarray, rows: bytes, stream: bytes | None = None, i
 
 
 def test_a_broken_png_is_still_a_client_error():
-    data = _with_stream(np.zeros((4, 4, 3), np.uint8), b"", stream=b"\x78\x9c\xff\xff")
-    with pytest.raises(MediaError):
-        decode_image(data, MediaLimits())
+    pixels = np.zeros((4, 4, 3), np.uint8)
+    broken = _with_stream(pixels, b"", stream=b"\x78\x9c\xff\xff")
+    for data in (broken, _split_data(pixels, filtered(pixels, np.zeros(4)))):  # the second: ours would decode it
+        with pytest.raises(MediaError):
+            decode_image(data, MediaLimits())

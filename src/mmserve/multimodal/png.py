@@ -7,8 +7,9 @@ zlib-ng and unfiltered a pixel at a time. Without zlib-ng (or a C compiler) Pill
 the stdlib's zlib alone would gain nothing.
 
 Ours is the common case alone: 8-bit RGB or RGBA, not interlaced, one image (no animation chunk),
-no transparency chunk, no chunk outside `KNOWN`, each chunk's CRC right, IEND last, and the image
-data inflating to exactly its rows, each with one of the five filter types. Anything else returns
+no transparency chunk, no chunk outside `KNOWN`, each chunk's CRC right, one IHDR, the IDAT chunks
+consecutive (Pillow stops reading the image data at the first other chunk), IEND last, and the
+image data inflating to exactly its rows, each with one of the five filter types. Anything else returns
 None, and Pillow decodes the bytes as before (with its own errors). The pixels of a PNG are defined
 exactly by its data, so where both decode they give the same image (the tests compare with Pillow
 over every filter type).
@@ -48,7 +49,10 @@ def decode_png(data: bytes) -> Image.Image | None:
     width, height, depth, color, compression, method, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
     if depth != 8 or color not in MODES or compression or method or interlace or not width or not height:
         return None
-    if any(name not in KNOWN for name, _ in chunks):
+    names = [name for name, _ in chunks]
+    data_at = [i for i, name in enumerate(names) if name == b"IDAT"]
+    if any(name not in KNOWN for name in names) or b"IHDR" in names[1:] or not data_at \
+            or data_at[-1] - data_at[0] + 1 != len(data_at):  # the image data in one run, as Pillow reads it
         return None
     mode, bpp = MODES[color]
     row_bytes = width * bpp
