@@ -23,8 +23,8 @@ from PIL import Image
 
 from mmserve.ipc.items import PlaceholderRange
 from mmserve.multimodal import placeholders
-from mmserve.multimodal.media import MediaError, check_image, to_rgb
 from mmserve.multimodal import resample
+from mmserve.multimodal.media import MediaError, check_image, to_rgb
 from mmserve.multimodal.pixel_table import processor_lut
 from mmserve.multimodal.chat_templates import pick_chat_template, processor_chat_template
 from mmserve.errors import ClientError
@@ -103,9 +103,9 @@ class QwenVLProcessor:
         `mm_kwargs`: the request's pixel budget, checked as `check_mm_kwargs` does (ValueError).
 
         The processor's geometry, done here on uint8: PIL's resize of the RGB image to
-        `smart_resize`'s size with the processor's filter (what its PIL backend calls; by our
-        loops, which give its bytes: multimodal/resample.py), the
-        rows in merge-block order (the repeat over the temporal patch left to the lookup)."""
+        `smart_resize`'s size with the processor's filter (what its PIL backend calls; by our loops,
+        which give its bytes: multimodal/resample.py), then the rows in merge-block order (the
+        repeat over the temporal patch left to the lookup)."""
         check_image(image)
         budget = {**self.default_pixels, **self.check_mm_kwargs(mm_kwargs)}
         height, width = self._resized(image.width, image.height, budget)

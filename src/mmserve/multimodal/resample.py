@@ -36,6 +36,7 @@ ONE = 1 << 22  # Pillow's fixed-point 1.0 for 8-bit images (PRECISION_BITS)
 SUPPORTS = {Image.Resampling.BOX: 0.5, Image.Resampling.BILINEAR: 1.0, Image.Resampling.HAMMING: 1.0,
             Image.Resampling.BICUBIC: 2.0, Image.Resampling.LANCZOS: 3.0}
 VERTICAL_FIRST_SINCE = 13  # the Pillow major version that picks the pass order
+PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 # (width, height) -> (width, height) resizes that `library` checks, each with every filter: both
@@ -56,7 +57,7 @@ def resize_rgb(image: Image.Image, size: tuple[int, int], resample: int) -> np.n
 
 def horizontal_first(width: int, height: int, out_width: int, out_height: int) -> bool:
     """Whether Pillow resizes along the width first (its `ImagingResampleInner`)."""
-    if int(PIL.__version__.split(".")[0]) < VERTICAL_FIRST_SINCE:
+    if PILLOW_MAJOR < VERTICAL_FIRST_SINCE:
         return True
     return not (height - out_height > 0 and height - out_height > (width - out_width) * 2)
 

@@ -75,19 +75,21 @@ static inline __attribute__((always_inline)) int64_t pixels(int type, int bpp, c
     return i;
 }
 
+/* one byte of a Sub, Average or Paeth row */
 static inline int byte(int type, int a, int b, int c, int x)
 {
-    return (uint8_t)(x + (type == SUB ? a : type == UP ? b : type == AVERAGE ? (a + b) >> 1 : paeth(a, b, c)));
+    return (uint8_t)(x + (type == SUB ? a : type == AVERAGE ? (a + b) >> 1 : paeth(a, b, c)));
 }
 
-/* one row: the first pixel (no left neighbour) and the bytes no vector covers byte by byte */
+/* one Sub, Average or Paeth row: the first pixel (no left neighbour) and the bytes no vector
+ * covers byte by byte */
 static void unfilter_row(int type, const uint8_t *in, const uint8_t *up, uint8_t *row, int64_t row_bytes,
                          int64_t bpp)
 {
     int64_t i = 0;
     for (; i < bpp && i < row_bytes; i++)
         row[i] = (uint8_t)byte(type, 0, up[i], 0, in[i]);
-    if (type != UP && i + 4 <= row_bytes) {
+    if (i + 4 <= row_bytes) {
         if (bpp == 3)
             i = pixels(type, 3, in, up, row, i, row_bytes);
         else if (bpp == 4)
@@ -136,7 +138,7 @@ static void unfilter_paeth_pair(const uint8_t *in0, const uint8_t *in1, const ui
 
 int mmserve_png_unfilter(const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t bpp, uint8_t *out)
 {
-    uint8_t *zeros = calloc((size_t)row_bytes + 1, 1); /* the row above the first */
+    uint8_t *zeros = calloc((size_t)row_bytes, 1); /* the row above the first */
     if (zeros == NULL)
         return 2;
     int status = 0;

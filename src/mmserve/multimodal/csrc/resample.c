@@ -66,12 +66,8 @@ int mmserve_transpose(const uint8_t *src, int64_t rows, int64_t cols, int64_t sr
         transpose_as(src, rows, cols, 3, 4, dst);
     else if (src_elem == 4 && dst_elem == 3)
         transpose_as(src, rows, cols, 4, 3, dst);
-    else if (src_elem == 4 && dst_elem == 4)
-        transpose_as(src, rows, cols, 4, 4, dst);
-    else if (src_elem == 3 && dst_elem == 3)
-        transpose_as(src, rows, cols, 3, 3, dst);
     else
-        return 1;
+        return 1; /* the two the caller uses: RGB into words, words back to RGB */
     return 0;
 }
 
