@@ -20,7 +20,10 @@ from helpers.tiny_models import make_checkpoint, make_image
 def image_processor(tmp_path_factory):
     if resample.library() is None:
         pytest.skip("no C compiler here")
-    return AutoProcessor.from_pretrained(make_checkpoint(tmp_path_factory.mktemp("llava"))).image_processor
+    # the PIL backend's processor, which Geometry replaces; where torchvision exists (GPU machines)
+    # AutoProcessor picks the torchvision backend's, which keeps its own resize
+    path = make_checkpoint(tmp_path_factory.mktemp("llava"))
+    return AutoProcessor.from_pretrained(path, backend="pil").image_processor
 
 
 def test_a_pil_clip_processor_resizes_by_our_loops_and_equals_itself(image_processor):
