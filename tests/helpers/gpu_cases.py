@@ -61,7 +61,9 @@ def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, d
 def release_llms() -> int:
     """Shut down every `LLM` still alive in this process (a failed test's traceback keeps its
     locals alive) and empty torch's CUDA cache: the next test gets the whole GPU. Returns how many."""
-    live = [obj for obj in gc.get_objects() if isinstance(obj, LLM)]
+    # type(), not isinstance(): isinstance reads each object's __class__, and a deprecated torch
+    # object warns on that read
+    live = [obj for obj in gc.get_objects() if issubclass(type(obj), LLM)]
     for llm in live:
         llm.shutdown()
     gc.collect()
