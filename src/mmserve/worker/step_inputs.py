@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from mmserve.models.attention.host_metadata import padded_tables, token_slots
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphInputs
 from mmserve.worker.runner_state import RunnerRequest
 
@@ -96,8 +97,6 @@ def _plain_decode(requests: dict[str, RunnerRequest], req_ids: list[str], query_
 
 def _graph_inputs(seq_lens: list[int], tables: list[list[int]], block_size: int) -> GraphInputs:
     """Each decoding token's slot, the block tables padded to the widest, the lengths."""
-    slots = [table[(s - 1) // block_size] * block_size + (s - 1) % block_size for s, table in zip(seq_lens, tables)]
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return GraphInputs(torch.tensor(slots, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64),
-                       torch.tensor(seq_lens, dtype=torch.int64))
+    padded = padded_tables(tables, torch.int64)
+    slots = token_slots(padded, [1] * len(seq_lens), seq_lens, block_size)
+    return GraphInputs(slots, padded, torch.tensor(seq_lens, dtype=torch.int64))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.models.attention import cpu_kernels
+from mmserve.models.attention.host_metadata import padded_tables
 from mmserve.models.cpu_ops import CPU_OPS
 from mmserve.models.layers import TORCH_OPS, LayerOps, QKNorm, Rope
 from mmserve.worker.device import to_device
@@ -67,10 +68,9 @@ class AttentionMetadata:
         tables = {b: torch.tensor(block_tables[b], dtype=torch.int64) for b, q in enumerate(query_lens) if q > 1}
         slots = _slot_mapping(query_lens, seq_lens, block_tables, tables, block_size)
         decode = [b for b, q in enumerate(query_lens) if q == 1]
-        width = max((len(block_tables[b]) for b in decode), default=0)
         d_index = torch.tensor([ends[b] - 1 for b in decode], dtype=torch.int64)
-        d_tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in decode],
-                                dtype=torch.int64).view(len(decode), width)
+        d_tables = padded_tables([block_tables[b] for b in decode], torch.int64)  # [Bd, width]
+        width = d_tables.shape[1]
         d_lens = torch.tensor([seq_lens[b] for b in decode], dtype=torch.int64)
         d_mask = torch.arange(width * block_size)[None, :] < d_lens[:, None]  # [Bd, L]
         prefills = [PrefillSpan(ends[b] - query_lens[b], ends[b], seq_lens[b] - query_lens[b], table,

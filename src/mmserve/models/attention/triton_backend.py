@@ -7,12 +7,14 @@ them (`max_query_len`, `max_len`) only size the launch grids.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from mmserve.models.attention.cache_write_kernel import rotary_write_kv_cache, write_kv_cache
+from mmserve.models.attention.host_metadata import padded_tables, token_slots
 from mmserve.models.attention.layer_kernels import TRITON_OPS
 from mmserve.models.attention.paged_kernel import paged_attention
 from mmserve.models.attention.varlen_kernel import varlen_attention
@@ -72,13 +74,9 @@ class TritonBackend:
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int) -> TritonMetadata:
         """Host tensors: the runner moves a step's inputs to the device in one copy."""
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)  # [B, width]
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        request = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens.long())  # [T]
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])  # [T]
-        slots = tables[request, positions // block_size].long() * block_size + positions % block_size
-        query_start = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_lens, 0, dtype=torch.int32)])
+        tables = padded_tables(block_tables, torch.int32)  # [B, width]
+        slots = token_slots(tables, query_lens, seq_lens, block_size)
+        query_start = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
         return TritonMetadata(slots, query_start, torch.tensor(seq_lens, dtype=torch.int32), tables, max(query_lens))
 
     @staticmethod
