@@ -71,6 +71,13 @@ def eager(runner: Any) -> Iterator[None]:
 
 def decode_step_time(core: Any, batch: int, context: int, steps: int, warmup: int = 3) -> float:
     """Median seconds of a decode step of `batch` requests at about `context` cached tokens."""
+    return decode_step_times(core, batch, context, steps, warmup)[0]
+
+
+def decode_step_times(core: Any, batch: int, context: int, steps: int,
+                      warmup: int = 3) -> tuple[float, float | None]:
+    """`decode_step_time`'s median, and the share of a few more steps that the device was busy
+    (`device_busy`; None off CUDA)."""
     device = core.executor.runner.device
     with decoding(core, batch, context) as step:
         for _ in range(warmup):
@@ -81,7 +88,30 @@ def decode_step_time(core: Any, batch: int, context: int, steps: int, warmup: in
             start = time.perf_counter()
             step()  # ends with the step's one device-to-host copy
             took.append(time.perf_counter() - start)
-    return statistics.median(took)
+        return statistics.median(took), device_busy(step, device)
+
+
+def device_busy(step: Callable[[], None], device: torch.device, steps: int = 4) -> float | None:
+    """The share of `steps` calls of `step`'s wall time that the device spent in kernels and copies
+    (torch.profiler with the CUDA activity alone, so the host runs unprofiled); the rest is host
+    work (scheduling, inputs, outputs) that no kernel speeds up. None off CUDA, or where the
+    profiler fails (said, and the benchmark goes on)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync(device)
+            wall = time.perf_counter() - start
+        return sum(event.self_device_time_total for event in prof.key_averages()) * 1e-6 / wall
+    except Exception as exc:  # a diagnostic: the timed figures stand without it
+        print(f"  (device busy share not measured: {type(exc).__name__}: {exc})", flush=True)
+        return None
 
 
 def decode_read_bytes(core: Any, batch: int, context: int, steps: int, warmup: int = 3) -> int:

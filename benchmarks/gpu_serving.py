@@ -8,7 +8,8 @@ bfloat16 matmul's rate.
 
 - decode sweep (batch 1, 8, 32, 64, 128 at 2,048 cached tokens, CUDA graphs; batch 1 eager too):
   step time against (bytes the step must read: the decoder's weights with the LM head, the
-  embedding rows of its tokens, every request's K/V; not the vision tower) / bandwidth;
+  embedding rows of its tokens, every request's K/V; not the vision tower) / bandwidth; and the
+  share of a step the GPU was busy (torch.profiler, CUDA activity alone): the rest is the host's;
 - the vision tower on one new 1024x768 image and on N at once, against its arithmetic / the matmul
   rate; the prefill of a ~1,000-token text prompt likewise;
 - time to first token of one new 1024x768 image and of N new images at once, mmserve against
@@ -30,6 +31,7 @@ every piece on the CPU at a tiny size (proves the script without a GPU); without
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from _gpu_baseline import transformers_ttft
-from _gpu_decode import decode_read_bytes, decode_step_time, eager, eager_decode_table, kernel_table
+from _gpu_decode import decode_read_bytes, decode_step_times, eager, eager_decode_table, kernel_table
 from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
 from _gpu_quant import quantized_report
 from _gpu_requests import PROMPT, first_token_s, host_s, images, with_image
@@ -111,15 +113,13 @@ def decode_report(llm: Any, sizes: Sizes, bandwidth: float, rate: float) -> None
           f"arithmetic / matmul rate when larger):", flush=True)
     runs = [(b, "graphs" if runner.decode_graphs is not None else "eager", False) for b in sizes.batches]
     for batch, mode, force_eager in runs + [(1, "eager", True)]:
-        if force_eager:
-            with eager(runner):
-                step = decode_step_time(core, batch, sizes.context, sizes.steps)
-        else:
-            step = decode_step_time(core, batch, sizes.context, sizes.steps)
+        with eager(runner) if force_eager else contextlib.nullcontext():
+            step, busy = decode_step_times(core, batch, sizes.context, sizes.steps)
         read = decode_read_bytes(core, batch, sizes.context, sizes.steps)
         limit = max(read / bandwidth, 2 * matrices * batch / rate)
+        busy_text = "" if busy is None else f", device busy {busy:4.0%}"
         print(ratio_line(f"batch {batch:3d} ({mode})", step, limit,
-                         f"   {read / 1e9:6.2f} GB read, {batch / step:8.0f} tok/s"), flush=True)
+                         f"   {read / 1e9:6.2f} GB read, {batch / step:8.0f} tok/s{busy_text}"), flush=True)
 
 
 def first_token_report(llm: Any, path: str, sizes: Sizes, pictures: list[Any], hf: dict[str, float] | None,
