@@ -75,14 +75,16 @@ def host_steps(core: Any, batch: int) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     from mmserve import LLM
+    from mmserve.models.attention.backend import missing_package
 
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model")
         build_checkpoint(path, tiny=True, device=torch.device("cpu"), dtype=torch.float32)
+        backend = "torch" if missing_package("triton") else "triton"  # triton: the GPU path's metadata
         llm = LLM(model=path, device="cpu", max_model_len=CONTEXT + 512, enforce_eager=True,
-                  attention_backend="triton", max_num_seqs=64)
+                  attention_backend=backend, max_num_seqs=64)
         try:
-            print(f"an engine step's host work (forward stubbed, triton backend's metadata, {CONTEXT}-token "
+            print(f"an engine step's host work (forward stubbed, {backend} backend's metadata, {CONTEXT}-token "
                   "contexts):")
             for batch in (1, 8, 64):
                 step, parts = host_steps(llm.engine.core, batch)
