@@ -80,9 +80,11 @@ class KVCacheManager:
     def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> bool:
         """True when the request's first `num_tokens` tokens can have slots, `computed` (cache
         hits for a request without blocks) covering the first of them."""
-        have = len(self.req_to_blocks.get(request_id, ())) + len(computed)
+        have = len(self.req_to_blocks.get(request_id, ()))
+        if not computed:  # every decode step of every running request: no generator
+            return self.blocks_needed(num_tokens) - have <= self.pool.num_free_blocks
         taken_from_free = sum(1 for b in computed if b.ref_cnt == 0)  # hits that leave the free queue
-        return self.blocks_needed(num_tokens) - have + taken_from_free <= self.pool.num_free_blocks
+        return self.blocks_needed(num_tokens) - have - len(computed) + taken_from_free <= self.pool.num_free_blocks
 
     def allocate_slots(self, request_id: str, num_tokens: int,
                        computed: Sequence[KVBlock] = ()) -> list[int] | None:
@@ -97,7 +99,10 @@ class KVCacheManager:
             self.pool.touch(computed)
             blocks.extend(computed)
             self.num_cached_blocks[request_id] = len(computed)
-        new = self.pool.allocate(max(0, self.blocks_needed(num_tokens) - len(blocks)))
+        needed = self.blocks_needed(num_tokens) - len(blocks)
+        if needed <= 0:  # most decode steps: the last block has room
+            return []
+        new = self.pool.allocate(needed)
         blocks.extend(new)
         return [b.block_id for b in new]
 
