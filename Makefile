@@ -55,9 +55,10 @@ bench-gpu:
 # The next GPU session in one command. Here (with a network): `make gpu-wheels` downloads into .whl/
 # the wheels of what the GPU image lacks (its package list: the device notes' KINDS.md) or holds older
 # than pyproject asks (its transformers is 5.17), each at the version this venv holds, for CPython 3.12
-# on manylinux x86-64, without their dependencies (those the image lacks are named here too). There (no network): `make gpu-session` installs them into
-# /tmp/site and runs the kit, the kernel benchmark, the benchmark and its quantized rows, each under a
-# timeout (together 11 minutes at most), logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
+# on manylinux x86-64, without their dependencies (those the image lacks are named here too). There
+# (no network): `make gpu-session` installs them into /tmp/site and runs the kit, the kernel
+# benchmark, the benchmark and its quantized rows, each under a timeout (together 11 minutes at most),
+# logging each to $$OUT (else /tmp/mmserve-gpu-logs) as it goes.
 GPU_WHEELS := msgspec pyzmq blake3 fastapi starlette pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions anyio sniffio uvicorn httptools openai httpx2 httpcore2 truststore jiter httpx httpcore av \
 	setproctitle pybase64 zlib-ng xgrammar apache-tvm-ffi opentelemetry-api transformers

@@ -71,13 +71,13 @@ def eager(runner: Any) -> Iterator[None]:
 
 def decode_step_time(core: Any, batch: int, context: int, steps: int, warmup: int = 3) -> float:
     """Median seconds of a decode step of `batch` requests at about `context` cached tokens."""
-    return decode_step_times(core, batch, context, steps, warmup)[0]
+    return decode_step_times(core, batch, context, steps, warmup, busy=False)[0]
 
 
-def decode_step_times(core: Any, batch: int, context: int, steps: int,
-                      warmup: int = 3) -> tuple[float, float | None]:
-    """`decode_step_time`'s median, and the share of a few more steps that the device was busy
-    (`device_busy`; None off CUDA)."""
+def decode_step_times(core: Any, batch: int, context: int, steps: int, warmup: int = 3,
+                      busy: bool = True) -> tuple[float, float | None]:
+    """`decode_step_time`'s median, and with `busy` the share of a few more steps that the device
+    was busy (`device_busy`; None off CUDA or without `busy`)."""
     device = core.executor.runner.device
     with decoding(core, batch, context) as step:
         for _ in range(warmup):
@@ -88,7 +88,7 @@ def decode_step_times(core: Any, batch: int, context: int, steps: int,
             start = time.perf_counter()
             step()  # ends with the step's one device-to-host copy
             took.append(time.perf_counter() - start)
-        return statistics.median(took), device_busy(step, device)
+        return statistics.median(took), device_busy(step, device) if busy else None
 
 
 def device_busy(step: Callable[[], None], device: torch.device, steps: int = 4) -> float | None:

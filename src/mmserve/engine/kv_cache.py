@@ -80,11 +80,10 @@ class KVCacheManager:
     def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> bool:
         """True when the request's first `num_tokens` tokens can have slots, `computed` (cache
         hits for a request without blocks) covering the first of them."""
-        have = len(self.req_to_blocks.get(request_id, ()))
-        if not computed:  # every decode step of every running request: no generator
-            return self.blocks_needed(num_tokens) - have <= self.pool.num_free_blocks
-        taken_from_free = sum(1 for b in computed if b.ref_cnt == 0)  # hits that leave the free queue
-        return self.blocks_needed(num_tokens) - have - len(computed) + taken_from_free <= self.pool.num_free_blocks
+        have = len(self.req_to_blocks.get(request_id, ())) + len(computed)
+        # hits that leave the free queue (no generator for a running request's step: it has none)
+        taken_from_free = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
+        return self.blocks_needed(num_tokens) - have + taken_from_free <= self.pool.num_free_blocks
 
     def allocate_slots(self, request_id: str, num_tokens: int,
                        computed: Sequence[KVBlock] = ()) -> list[int] | None:
