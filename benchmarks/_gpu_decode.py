@@ -41,8 +41,7 @@ def decoding(core: Any, batch: int, context: int) -> Iterator[Callable[[], None]
         core.add_request(EngineCoreRequest(rid, prompt, [], params, None, time.time()))
     runner.model.forward = lambda embeds, *rest: embeds.new_zeros(embeds.shape[0], text.hidden_size)
     try:
-        while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                            for r in core.scheduler.running):
+        while not _decoding(core):
             core.step()
     finally:
         del runner.model.forward  # the class's forward again
@@ -57,6 +56,24 @@ def decoding(core: Any, batch: int, context: int) -> Iterator[Callable[[], None]
     finally:
         core.abort_requests(ids)
         core.step()
+
+
+def _decoding(core: Any) -> bool:
+    """Every prompt computed, and with async scheduling a step in flight (a prompt the first-token
+    cache answered has none yet), so that each later step gives one token per request."""
+    prefilled = not core.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                   for r in core.scheduler.running)
+    return prefilled and (core.step_in_flight or not core.overlap)
+
+
+@contextlib.contextmanager
+def overlapped(core: Any, on: bool = True) -> Iterator[None]:
+    """The engine core's async scheduling (`--async-scheduling`) switched `on` inside the block."""
+    was, core.overlap = core.overlap, on
+    try:
+        yield
+    finally:
+        core.overlap = was
 
 
 @contextlib.contextmanager
@@ -77,13 +94,22 @@ def decode_step_time(core: Any, batch: int, context: int, steps: int, warmup: in
 def decode_step_times(core: Any, batch: int, context: int, steps: int, warmup: int = 3,
                       busy: bool = True) -> tuple[float, float | None]:
     """`decode_step_time`'s median, and with `busy` the share of a few more steps that the device
-    was busy (`device_busy`; None off CUDA or without `busy`)."""
+    was busy (`device_busy`; None off CUDA or without `busy`). With the core's async scheduling
+    on (`EngineCore.overlap`) a step overlaps the next one's host work, so the figure is the mean
+    of `steps` steps run back to back (a sync between them would end the overlap)."""
     device = core.executor.runner.device
     with decoding(core, batch, context) as step:
         for _ in range(warmup):
             step()
         took = []
-        for _ in range(steps):
+        if core.overlap:
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync(device)
+            took.append((time.perf_counter() - start) / steps)
+        for _ in range(0 if core.overlap else steps):
             sync(device)
             start = time.perf_counter()
             step()  # ends with the step's one device-to-host copy

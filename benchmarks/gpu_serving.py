@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from _gpu_baseline import transformers_ttft
-from _gpu_decode import decode_read_bytes, decode_step_times, eager, eager_decode_table, kernel_table
+from _gpu_decode import decode_read_bytes, decode_step_times, eager, eager_decode_table, kernel_table, overlapped
 from _gpu_limits import best_time, copy_bandwidth, decoder_matrix_elements, matmul_rate, prefill_flops, tower_flops
 from _gpu_quant import quantized_report
 from _gpu_requests import PROMPT, first_token_s, host_s, images, with_image
@@ -111,9 +111,11 @@ def decode_report(llm: Any, sizes: Sizes, bandwidth: float, rate: float) -> None
         runner.model.config.text.hidden_size
     print(f"decode steps at {sizes.context} cached tokens (limit: bytes read / copy bandwidth; "
           f"arithmetic / matmul rate when larger):", flush=True)
-    runs = [(b, "graphs" if runner.decode_graphs is not None else "eager", False) for b in sizes.batches]
-    for batch, mode, force_eager in runs + [(1, "eager", True)]:
-        with eager(runner) if force_eager else contextlib.nullcontext():
+    graphs = "graphs" if runner.decode_graphs is not None else "eager"
+    # each batch without, then with --async-scheduling (the host's work overlapping the device's)
+    runs = [(b, mode, False, on) for b in sizes.batches for mode, on in ((graphs, False), (f"{graphs}, async", True))]
+    for batch, mode, force_eager, on in runs + [(1, "eager", True, False)]:
+        with eager(runner) if force_eager else contextlib.nullcontext(), overlapped(core, on):
             step, busy = decode_step_times(core, batch, sizes.context, sizes.steps)
         read = decode_read_bytes(core, batch, sizes.context, sizes.steps)
         limit = max(read / bandwidth, 2 * matrices * batch / rate)

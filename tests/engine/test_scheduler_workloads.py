@@ -15,7 +15,7 @@ from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.ipc.messages import EngineCoreRequest, ModelRunnerOutput
+from mmserve.ipc.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
 from helpers.scheduler_sim import BS, IMG
 
@@ -40,7 +40,7 @@ def random_scheduler(rng: random.Random) -> Scheduler:
     return Scheduler(config, kv, 128, 8, first_tokens=FirstTokenCache(16, enabled=rng.random() < 0.7))
 
 
-def step(s: Scheduler, rng: random.Random) -> None:
+def sync_step(s: Scheduler, rng: random.Random) -> None:
     """One step whose runner samples a random token per request at its end, or fails on one request."""
     so = s.schedule()
     if so.num_scheduled_tokens and rng.random() < 0.05:
@@ -52,10 +52,35 @@ def step(s: Scheduler, rng: random.Random) -> None:
     s.check_integrity()
 
 
+class AsyncRunner:
+    """--async-scheduling's order on a scheduler: step N+1 is scheduled before N is updated from;
+    the runner samples a random token for each request whose step reaches its last token, and a
+    step fails on one request now and then (handled before the step in flight is updated from)."""
+
+    def __init__(self) -> None:
+        self.in_flight: tuple[SchedulerOutput, set[str]] | None = None
+
+    def __call__(self, s: Scheduler, rng: random.Random) -> None:
+        so = s.schedule()
+        sampled = {rid for rid in so.num_scheduled_tokens if (r := s.requests[rid]).num_in_flight
+                   and r.num_computed_tokens == r.num_tokens + r.num_in_flight - 1}
+        previous, self.in_flight = self.in_flight, (so, sampled)
+        if so.num_scheduled_tokens and rng.random() < 0.05:
+            s.fail_step(so, rng.choice(list(so.num_scheduled_tokens)), "boom")
+            self.in_flight = None
+        if previous is not None:
+            s.update_from_output(previous[0], ModelRunnerOutput({rid: [rng.randrange(5, 50)] for rid in previous[1]}))
+        else:
+            s.drain_answered()
+        s.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(12))
-def test_every_invariant_holds_and_every_request_ends(seed):
+def test_every_invariant_holds_and_every_request_ends(seed, overlap):
     rng = random.Random(seed)
     s = random_scheduler(rng)
+    step = AsyncRunner() if overlap else sync_step
     prompts = [list(range(100 * k, 100 * k + rng.randint(3, 30))) for k in range(6)]
     for i in range(80):
         for _ in range(rng.choice([0, 0, 1, 2])):
@@ -70,4 +95,5 @@ def test_every_invariant_holds_and_every_request_ends(seed):
         if not s.num_unfinished_requests:
             break
         step(s, rng)
+    step(s, rng)  # the step in flight, if any
     assert s.num_unfinished_requests == 0 and not s.requests

@@ -23,6 +23,11 @@ class SchedulerConfig:
     max_grammar_compile_s: float = opt(
         10.0, "Longest a structured-output grammar may take to compile (off the engine step); a request "
         "whose grammar takes longer is refused.")
+    async_scheduling: bool = opt(
+        False, "Overlap the host's work with the device's (tensor parallel size 1): the next step is "
+        "scheduled and its inputs built while the device runs this one, each running request assumed "
+        "to go on by one token (a request that stopped has its extra token discarded); the same tokens "
+        "as without it, an output one step later.")
     stalled_stream_abort_s: float = opt(
         60.0, "A request whose caller has read none of its outputs for this long while new ones arrive (a "
         "stream nobody reads) is aborted with one log line; until then its unread outputs are merged into one.")

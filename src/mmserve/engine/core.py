@@ -8,6 +8,7 @@ single-rank `LLM`, in the caller's process (`frontend/engine_client/llm_engine.p
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from mmserve.errors import CLIENT, ClientError, RequestFault
 from mmserve.config import EngineConfig, compute_encoder_budget
@@ -65,6 +66,9 @@ class EngineCore:
         self.poison = Poison.from_env()  # a debugging hook: unset, None
         self.grammar_gate = GrammarGate(None if runner is None else runner.grammars,
                                         config.scheduler.max_grammar_compile_s)
+        # --async-scheduling: the step on the device, launched by the last `step` and collected by the next
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        self.overlap = config.scheduler.async_scheduling  # a benchmark may switch it with no step in flight
         logger.info("engine core ready: %d KV blocks of %d tokens in %s (%.1f MiB per rank), max_model_len %d",
                     num_blocks, config.cache.block_size, str(kv_cache_dtype_of(config)).removeprefix("torch."),
                     num_blocks * self.executor.kv_cache_bytes_per_block() / 2**20, self.max_model_len)
@@ -100,16 +104,22 @@ class EngineCore:
         self.grammar_gate.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step launched by `step` awaits the next (--async-scheduling)."""
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0 or self.grammar_gate.num_held > 0
+        return (self.scheduler.num_unfinished_requests > 0 or self.grammar_gate.num_held > 0
+                or self._in_flight is not None)
 
     def step(self) -> EngineCoreOutputs:
         """Queue the requests whose grammar is now compiled, then schedule and run the model
         once; return every request's new tokens (and refusals of grammars that did not compile)."""
         refused = self._admit_compiled()
-        if self.scheduler.num_unfinished_requests == 0:
+        if self.scheduler.num_unfinished_requests == 0 and self._in_flight is None:
             return EngineCoreOutputs(refused, stats=self.stats())
-        outputs = self._step()
+        outputs = self._step_overlapped() if self.overlap else self._step()
         outputs.outputs = refused + outputs.outputs
         return outputs
 
@@ -125,21 +135,59 @@ class EngineCore:
         """Schedule and run the model once. A failure that belongs to one request (a
         `RequestFault`, or any error in a step of one request) fails that request alone; any
         other failure propagates (the rank is restarted)."""
-        scheduler_output = self.scheduler.schedule()
-        if self.poison is not None:
-            self.poison.check(self.scheduler.requests[rid] for rid in scheduler_output.num_scheduled_tokens
-                              if rid in self.scheduler.requests)
+        assert self._in_flight is None, "async scheduling was switched off with a step in flight"
+        scheduler_output = self._schedule()
         try:
             result = self.executor.execute_model(scheduler_output)
         except Exception as exc:
-            culprit = self._culprit(scheduler_output, exc)
-            if culprit is None:
-                raise
-            logger.error("request %s failed in the engine step; the engine goes on", culprit, exc_info=exc)
-            outputs = self.scheduler.fail_step(scheduler_output, culprit, f"the engine failed on this request: {exc}")
+            outputs = self._fail_step(scheduler_output, exc)
             outputs.stats = self.stats()
             return outputs
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        return self._end_step(outputs)
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """--async-scheduling: schedule and prepare step N+1 while step N runs on the device, then
+        collect N, launch N+1, and update from N while N+1 runs. A failure of N+1 is handled as
+        `_step` handles one (before N's update: N+1's first-token answers are taken back); a
+        failure to collect N is the rank's."""
+        scheduled = self._schedule()
+        previous, self._in_flight = self._in_flight, None
+        failure: Exception | None = None
+        try:
+            prepared = self.executor.prepare(scheduled)
+        except Exception as exc:
+            failure, prepared = exc, None
+        collected = None if previous is None else (previous[0], self.executor.collect(previous[1]))
+        if failure is None:
+            try:
+                launched = self.executor.launch(prepared)
+            except Exception as exc:
+                failure = exc
+            else:  # a step of no token (requests only dropped) is done once prepared
+                self._in_flight = None if launched is None else (scheduled, launched)
+        outputs = EngineCoreOutputs([]) if failure is None else self._fail_step(scheduled, failure)
+        outputs.outputs += (self.scheduler.drain_answered() if collected is None
+                            else self.scheduler.update_from_output(*collected).outputs)
+        return self._end_step(outputs)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduled = self.scheduler.schedule()
+        if self.poison is not None:
+            self.poison.check(self.scheduler.requests[rid] for rid in scheduled.num_scheduled_tokens
+                              if rid in self.scheduler.requests)
+        return scheduled
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception) -> EngineCoreOutputs:
+        """A step that raised `exc`: its culprit's error output, the step's other requests requeued
+        (`Scheduler.fail_step`); `exc` again when it belongs to no one request."""
+        culprit = self._culprit(scheduled, exc)
+        if culprit is None:
+            raise exc
+        logger.error("request %s failed in the engine step; the engine goes on", culprit, exc_info=exc)
+        return self.scheduler.fail_step(scheduled, culprit, f"the engine failed on this request: {exc}")
+
+    def _end_step(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         if self.kv_events is not None:
             self.kv_events.end_step()
         outputs.stats = self.stats()
@@ -186,6 +234,7 @@ class EngineCore:
         if self._stopped:
             return
         self._stopped = True
+        self._in_flight = None
         self.grammar_gate.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()

@@ -108,12 +108,13 @@ class PrefixHits:
         if stored and self.kv_cache.events is not None:
             self.kv_cache.events.stored(req, stored)
 
-    def cache_computed(self, req: Request, num_scheduled: int) -> None:
-        """After a step of `num_scheduled` tokens of `req` has run: register the prompt's last
+    def cache_computed(self, req: Request, num_scheduled: int, computed: int) -> None:
+        """After a step of `num_scheduled` tokens of `req` that ended at `computed` tokens has run
+        (--async-scheduling: a later step may be scheduled already): register the prompt's last
         block if the step computed its last token (not when that block holds that token alone),
         and file the blocks whose K/V the step completed in the partial-block index."""
         n, bs = req.num_prompt_tokens, self.kv_cache.block_size
-        computed, index = req.num_computed_tokens, self.kv_cache.partial
+        index = self.kv_cache.partial
         blocks = self.kv_cache.req_to_blocks.get(req.request_id, [])
         if self.kv_cache.cache_last_blocks and (n - 1) % bs and computed - num_scheduled < n <= computed:
             self.kv_cache.cache_last_block(req.request_id, n, req.last_block_hash(n))

@@ -40,8 +40,12 @@ _FINISH_REASONS = {
 class Request:
     """Tokens known so far (prompt + outputs) and how many of them have K/V in the cache.
 
-    Invariant: 0 <= num_computed_tokens <= num_tokens. After a step has been scheduled,
-    `num_computed_tokens` already counts its tokens (the runner computes them that step).
+    Invariant: 0 <= num_computed_tokens <= num_tokens + num_in_flight. After a step has been
+    scheduled, `num_computed_tokens` already counts its tokens (the runner computes them that step).
+    `num_in_flight` counts the tokens that scheduled steps sample and the scheduler has not yet
+    appended: 0 between steps without --async-scheduling; with it, a request may be scheduled again
+    (its next token's K/V, from the token the device already sampled) before the last step's token
+    arrives, so up to 2.
 
     With a `block_hasher` (prefix caching on), `block_hashes[i]` is the hash of full block i of
     `all_token_ids`; it grows as tokens become known (at creation, then in
@@ -65,6 +69,7 @@ class Request:
         self.arrival_time = arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_in_flight = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0

@@ -29,6 +29,7 @@ Policies (`policies/`), each behind a few calls:
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 from mmserve.config import SchedulerConfig, compute_encoder_budget
@@ -73,6 +74,9 @@ class Scheduler:
         self.running: list[Request] = []  # every lane's, in admission order
         self.runner = RunnerMirror(kv_cache)  # what the model runner holds of each request
         self.num_preemptions = 0  # since start, for tests and metrics
+        # each step scheduled with tokens and not yet updated from, oldest first (--async-scheduling: up to
+        # two): its tokens per request, and the requests requeued since (their blocks and encoder references gone)
+        self._unfinished_steps: deque[tuple[dict[str, int], set[str]]] = deque()
         self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
         self.prefix_hits = 0  # of which were cache hits
@@ -105,11 +109,15 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                self.lanes.of(req).waiting.remove(req)
+            self._unqueue(req)
             self._finish(req, status)
+
+    def _unqueue(self, req: Request) -> None:
+        """Take unfinished `req` out of `running` or its lane's queue (preempted with a token in flight)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.lanes.of(req).waiting.remove(req)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -131,6 +139,8 @@ class Scheduler:
             if not preempted:
                 budget = self._schedule_waiting(lane, budget, out)
         out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
+        if out.num_scheduled_tokens:  # a step of none has nothing to update from
+            self._unfinished_steps.append((out.num_scheduled_tokens, set()))
         return out
 
     def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
@@ -140,14 +150,15 @@ class Scheduler:
         for req in reqs:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted for a request before it
+            if req.status is not RequestStatus.RUNNING or self._ends_in_flight(req):
+                continue  # preempted for a request before it, or its tokens in flight end it
             plan = self.encoder_planner.plan(req, req.num_computed_tokens,
-                                             min(req.num_tokens - req.num_computed_tokens, budget))
+                                             min(req.num_tokens + req.num_in_flight - req.num_computed_tokens, budget))
             if plan.num_tokens == 0:  # its next item cannot run this step
                 continue
             while not self.kv_cache.can_allocate(req.request_id, req.num_computed_tokens + plan.num_tokens):
                 victim = self.lanes.victim(self.running)
+                assert victim.request_id not in out.num_scheduled_tokens, "a victim is never scheduled yet"
                 self._preempt(victim)
                 preempted |= not self.lanes.of(victim).spare  # spare blocks: admission goes on
                 if victim is req:
@@ -158,11 +169,21 @@ class Scheduler:
             budget -= plan.num_tokens
         return budget, preempted
 
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether `req`'s tokens in flight (--async-scheduling) reach its `max_tokens` or the
+        model's length: it ends when they arrive, so it is not scheduled again."""
+        if not req.num_in_flight:
+            return False
+        total = req.num_tokens + req.num_in_flight
+        return total - req.num_prompt_tokens >= req.sampling_params.max_tokens or total >= self.max_model_len
+
     def _schedule_waiting(self, lane: Lane, budget: int, out: SchedulerOutput) -> int:
         """Admit `lane`'s waiting requests in its order while budget, `max_num_seqs` and blocks
         allow (a request that cannot be admitted takes a later spare lane's place); the budget left."""
         while lane.waiting and budget > 0 and lane.may_admit(self.running):
             lane.next_up(self.running)
+            if lane.waiting[0].num_in_flight:
+                break  # preempted with a token in flight: admitted once it has arrived
             if len(self.running) < self.config.max_num_seqs and self._admit_next(lane, budget, out):
                 budget -= out.num_scheduled_tokens.get(self.running[-1].request_id, 0)
             elif (spare := self.lanes.spare_after(lane, self.running)) is not None:
@@ -240,6 +261,8 @@ class Scheduler:
         if plan.to_encode:
             out.scheduled_encoder_inputs[rid] = plan.to_encode
         out.num_scheduled_tokens[rid] = n
+        if start + n == req.num_tokens + req.num_in_flight:  # reaches its last token: the step samples one
+            req.num_in_flight += 1
         req.num_computed_tokens += n
         if self.groups.held:
             released = self.groups.release(req)
@@ -257,6 +280,9 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        for tokens, requeued in self._unfinished_steps:
+            if req.request_id in tokens:
+                requeued.add(req.request_id)
         self.lanes.of(req).waiting.appendleft(req)
 
     def fail_step(self, sched: SchedulerOutput, culprit: str, message: str) -> EngineCoreOutputs:
@@ -265,6 +291,7 @@ class Scheduler:
         answered (`FirstTokenAnswers.take_back`) — at the head of their queues, to recompute what
         the step lost (the runner drops their state next step)."""
         outputs: list[EngineCoreOutput] = []
+        self._untrack(sched, newest=True)  # one before it may still be in flight
         answered = self.answers.take_back()
         step = {rid: sched.num_scheduled_tokens.get(rid, 0) for rid in
                 [*sched.num_scheduled_tokens, *(r.request_id for r in answered)]}
@@ -274,6 +301,8 @@ class Scheduler:
                 continue
             req = found
             self.running.remove(req)
+            if step[rid] and req.num_in_flight:
+                req.num_in_flight -= 1  # the failed step's token never comes (one of an earlier step may)
             self.kv_cache.forget_from(rid, req.num_computed_tokens - step[rid])
             if rid == culprit:
                 siblings_running = self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -286,24 +315,43 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------
 
+    def _untrack(self, sched: SchedulerOutput, newest: bool) -> set[str]:
+        """Stop tracking step `sched`, the oldest unfinished one (or the `newest`, which failed):
+        the requests requeued since it was scheduled."""
+        if not sched.num_scheduled_tokens or not self._unfinished_steps:
+            return set()
+        return (self._unfinished_steps.pop() if newest else self._unfinished_steps.popleft())[1]
+
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
-        """Append sampled tokens, finish requests that stop, and say what is new per request."""
+        """Append sampled tokens, finish requests that stop, and say what is new per request.
+
+        With --async-scheduling the next step is scheduled already: a request may have finished
+        since `sched` (aborted: gone, its token dropped) or been preempted (its token, sampled before
+        its blocks were freed, is still its next output)."""
         outputs: list[EngineCoreOutput] = []
-        for rid in sched.num_scheduled_tokens:
-            req = self.requests[rid]
-            if req.status is not RequestStatus.RUNNING:
+        requeued = self._untrack(sched, newest=False)
+        ends = _step_ends(sched)
+        for rid, end in ends.items():
+            req = self.requests.get(rid)
+            if req is None:
                 continue
-            self.prefix.cache_computed(req, sched.num_scheduled_tokens[rid])
-            self.encoder_planner.release_consumed(req)
+            if rid not in requeued:
+                self.prefix.cache_computed(req, sched.num_scheduled_tokens[rid], end)
+                self.encoder_planner.release_consumed(req)
             tokens = result.sampled_token_ids.get(rid)
-            if not tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            if not tokens or not req.num_in_flight:
+                continue  # a prefill chunk that did not reach the end of the prompt, or a failed step's
+            req.num_in_flight -= 1
             req.append_output_token_ids(tokens)
             self.answers.learn(req, tokens)
             outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid)))
-        outputs += [self._output(req, req.output_token_ids[-1:]) for req in self.answers.drain()
-                    if req.status is RequestStatus.RUNNING]
-        return EngineCoreOutputs(outputs)
+        return EngineCoreOutputs(outputs + self.drain_answered())
+
+    def drain_answered(self) -> list[EngineCoreOutput]:
+        """The outputs of the requests answered with a cached first token since the last update
+        (`update_from_output` sends them; --async-scheduling, after a step with none in flight, too)."""
+        return [self._output(req, req.output_token_ids[-1:]) for req in self.answers.drain()
+                if req.status is RequestStatus.RUNNING]
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None,
                 first_logits: bytes | None = None) -> EngineCoreOutput:
@@ -312,7 +360,7 @@ class Scheduler:
         status = req.stop_status(self.max_model_len)
         siblings_running = False
         if status is not None:
-            self.running.remove(req)
+            self._unqueue(req)
             siblings_running = self._finish(req, status)
         first = req.num_output_tokens == len(tokens)
         return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
@@ -350,5 +398,14 @@ class Scheduler:
         for req in self.running:
             blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))
             assert blocks >= self.kv_cache.blocks_needed(req.num_computed_tokens), f"{req} lacks KV blocks"
+            # a step not yet updated from (in flight) releases what it consumes when it is
+            updated = req.num_computed_tokens - sum(step.get(req.request_id, 0) for step, _ in self._unfinished_steps)
             for idx in self.encoder_cache.held_items(req.request_id):
-                assert req.mm_items[idx].placeholder.end > req.num_computed_tokens, f"{req} kept a consumed output"
+                assert req.mm_items[idx].placeholder.end > updated, f"{req} kept a consumed output"
+
+
+def _step_ends(sched: SchedulerOutput) -> dict[str, int]:
+    """Each request's computed tokens at the end of step `sched` (its start plus its tokens)."""
+    starts = {new.request_id: new.num_computed_tokens for new in sched.new_requests}
+    starts.update((cached.request_id, cached.num_computed_tokens) for cached in sched.cached_requests)
+    return {rid: starts[rid] + n for rid, n in sched.num_scheduled_tokens.items()}

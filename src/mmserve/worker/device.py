@@ -72,16 +72,24 @@ def to_device(tree: T, device: torch.device) -> T:
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A device tensor's CPU copy (the step's one device-to-host transfer); a CPU tensor as it is."""
+    out, done = to_host_async(tensor)
+    if done is not None:
+        done.synchronize()
+    return out
+
+
+def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A device tensor's CPU copy under way: (pinned host tensor, the CUDA event that marks it
+    filled: wait on it before reading); a CPU tensor as it is, or another device's copy, with None."""
     if tensor.device.type == "cpu":
-        return tensor
+        return tensor, None
     if tensor.device.type != "cuda":
-        return tensor.cpu()
+        return tensor.cpu(), None
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     out.copy_(tensor, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    done.synchronize()
-    return out
+    return out, done
 
 
 def staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

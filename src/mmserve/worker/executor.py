@@ -44,6 +44,17 @@ class InProcessExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    # a step in three calls, for --async-scheduling (`engine/core.py: EngineCore._step_overlapped`)
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> Any:
+        return self.runner.prepare(scheduler_output)
+
+    def launch(self, prepared: Any) -> Any:
+        return self.runner.launch(prepared)
+
+    def collect(self, launched: Any) -> ModelRunnerOutput:
+        return self.runner.collect(launched)
+
     def check_health(self) -> None:
         pass
 

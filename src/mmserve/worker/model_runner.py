@@ -15,7 +15,13 @@ resumes at exactly the positions of a whole-prompt forward. Encoder outputs of d
 Device: the weights, KV cache, encoder outputs, sampler state and generators live on the rank's
 device (`worker/device.py`). A step's inputs are built on the host and cross in one pinned buffer
 (`to_device`); pixel values cross once, from pinned staging; the sampled tokens (and log
-probabilities) come back in the step's one device-to-host transfer (`sample_requests`).
+probabilities) come back in the step's one device-to-host transfer.
+
+A step is `prepare` (host: states, block copies, encoders, inputs), `launch` (the forward and the
+sampling, the tokens' copy started) and `collect` (the tokens read, each state appended). The engine
+core runs them in that order (`execute_model`), or with --async-scheduling prepares step N+1 while
+step N runs on the device, then collects N and launches N+1 (`engine/core.py`); a decoding token
+still in flight when its step is prepared is filled in at launch (`StepInputs.late`).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
-from mmserve.worker.sampler import sample_requests
-from mmserve.worker.step_inputs import StepInputs, prepare_inputs
+from mmserve.worker.sampler import collect_sampled, launch_sampling
+from mmserve.worker.step_inputs import LaunchedStep, PreparedStep, StepInputs, prepare_inputs
 from mmserve.worker.threads import one_thread_below
 
 
@@ -156,26 +162,62 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, whole: `prepare`, `launch`, `collect`."""
+        return self.collect(self.launch(self.prepare(so)))
+
+    @torch.inference_mode()
+    def prepare(self, so: SchedulerOutput) -> PreparedStep | None:
+        """A step's host work: request states, block copies and encoders (queued on the device after
+        any step in flight), then its inputs; None when it schedules no token."""
         self._update_states(so)
         self._copy_blocks(so.kv_copies)
         if not so.num_scheduled_tokens:
-            return ModelRunnerOutput({})
+            return None
         small = sum(so.num_scheduled_tokens.values()) < self.one_thread_below and not so.scheduled_encoder_inputs
-        torch.set_num_threads(1 if small else self.threads)
+        threads = 1 if small else self.threads
+        torch.set_num_threads(threads)
         try:
             self._run_encoders(so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
             host = prepare_inputs(self.requests, req_ids, so.num_scheduled_tokens, self.block_size,
                                   self.model.attention.build_metadata, self.decode_graphs)
-            step = to_device(host, self.device)
+        finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
+            torch.set_num_threads(self.threads)
+        return PreparedStep(req_ids, so.num_scheduled_tokens, host, threads)
+
+    @torch.inference_mode()
+    def launch(self, prepared: PreparedStep | None) -> LaunchedStep | None:
+        """Run a prepared step's forward and sampling on the device, its tokens' copy to the host
+        under way. Any step before it must be collected first (its tokens may be this one's inputs)."""
+        if prepared is None:
+            return None
+        torch.set_num_threads(prepared.threads)
+        try:
+            prepared.inputs.fill_late()
+            step = to_device(prepared.inputs, self.device)
+            req_ids = prepared.req_ids
             if step.graph_inputs is not None and self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
             else:
-                embeds, deepstack = self._embed(req_ids, so.num_scheduled_tokens, step.input_ids)
+                embeds, deepstack = self._embed(req_ids, prepared.num_scheduled, step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
             return self._sample(req_ids, step, hidden)
-        finally:  # the process's setting outside a step is the caller's (an offline LLM runs in theirs)
+        finally:
             torch.set_num_threads(self.threads)
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep | None) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens; each request's state takes its token."""
+        if launched is None:
+            return ModelRunnerOutput({})
+        result: dict[str, list[int]] = {rid: [] for rid in launched.req_ids}
+        if launched.sampled is None:
+            return ModelRunnerOutput(result)
+        tokens, logprobs = collect_sampled(launched.sampled)
+        for rid, token in zip(launched.sampling, tokens):
+            result[rid] = [token]
+        return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(launched.sampling, logprobs) if lp is not None},
+                                 launched.first_logits)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
@@ -266,10 +308,10 @@ class ModelRunner:
             offset += n
         return embeds, deepstack
 
-    def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
         sampling = step.sampling
         if not sampling:
-            return ModelRunnerOutput({rid: [] for rid in req_ids})
+            return LaunchedStep(req_ids, sampling, None)
         logits = self.model.compute_logits(hidden[step.logits_rows])  # [R, V]
         states = [self.requests[rid] for rid in sampling]
         first_logits = {rid: logits[i].float().cpu().numpy().tobytes()  # raw: before any logits processing
@@ -278,13 +320,8 @@ class ModelRunner:
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
                 state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
-        tokens, logprobs = sample_requests(logits, states, self.generator, self.grammars.control_tokens)
-        result: dict[str, list[int]] = {rid: [] for rid in req_ids}
-        for rid, state, token in zip(sampling, states, tokens):
-            state.token_ids.append(token)
-            result[rid] = [token]
-        return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(sampling, logprobs) if lp is not None},
-                                 first_logits)
+        sampled = launch_sampling(logits, states, self.generator, self.grammars.control_tokens)
+        return LaunchedStep(req_ids, sampling, sampled, first_logits)
 
 
 def _step_seed(seed: int | None, position: int) -> int:

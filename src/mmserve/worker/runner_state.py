@@ -14,7 +14,8 @@ from mmserve.worker.device import to_device
 
 @dataclass
 class RunnerRequest:
-    """Tokens so far (the runner appends what it samples) and the request's sampler state.
+    """Tokens so far (the runner appends what it samples, once it reaches the host) and the
+    request's sampler state.
 
     `token_ids[:num_prompt_tokens]` is the prompt; the rest are outputs (a request resumed after
     preemption arrives with its outputs so far). `grammar` is its structured-output matcher, which
@@ -37,6 +38,7 @@ class RunnerRequest:
     penalty: PenaltyState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
+    num_in_flight: int = 0  # 1 while its last sampled token is on its way to the host (not in token_ids yet)
 
     @property
     def output_token_ids(self) -> list[int]:

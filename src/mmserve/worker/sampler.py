@@ -14,42 +14,71 @@ the temperature (1 when greedy), before top-k / top-p: the distribution the toke
 from, with every alternative still finite (see `SamplingParams`).
 
 The sampled ids and the log probabilities come back to the host together, as one float64 tensor
-(`to_host`: the step's one device-to-host transfer; ids and ranks are exact in float64).
+(the step's one device-to-host transfer; ids and ranks are exact in float64): started by
+`launch_sampling`, waited for by `collect_sampled`, so that with --async-scheduling the host builds
+the next step while the device samples.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mmserve.ipc.messages import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.device import to_device, to_host
+from mmserve.worker.device import to_device, to_host_async
 from mmserve.worker.logits_processors import process_logits, record_sampled
 
 if TYPE_CHECKING:
     from mmserve.worker.runner_state import RunnerRequest
 
 
-def sample_requests(logits: torch.Tensor, states: list[RunnerRequest], default_generator: torch.Generator,
-                    control_tokens: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [R, V] float32, row i of `states[i]` -> one token per row, and its log
-    probabilities where the request asked for them (None elsewhere). Structured requests'
-    matchers accept their token here, and penalised requests count it."""
+@dataclass
+class SampledStep:
+    """One step's sampled tokens (and log probabilities) on their way to the host: `host` [R (+ L *
+    width)] float64 is filled once `ready` (a CUDA event; None: filled already) has fired."""
+
+    states: list[RunnerRequest]  # row i sampled for states[i]
+    params: list[SamplingParams]
+    host: torch.Tensor
+    ready: Any
+    logprob_rows: list[int]
+
+
+def launch_sampling(logits: torch.Tensor, states: list[RunnerRequest], default_generator: torch.Generator,
+                    control_tokens: torch.Tensor | None = None) -> SampledStep:
+    """Sample one token per row of logits [R, V] float32 (row i of `states[i]`) on the logits'
+    device and start their copy to the host; each state has one token in flight until
+    `collect_sampled`."""
     process_logits(logits, states, control_tokens)
     params = [s.params for s in states]
     tokens = sample(logits, params, [s.generator for s in states], default_generator)  # [R] int64
     rows, block = compute_logprobs(logits, params, tokens)
     packed = tokens.double() if block is None else torch.cat([tokens.double(), block.reshape(-1)])
-    host = to_host(packed).tolist()
+    host, ready = to_host_async(packed)
+    for state in states:
+        state.num_in_flight = 1
+    return SampledStep(states, params, host, ready, rows)
+
+
+def collect_sampled(step: SampledStep) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Wait for `step`'s tokens; append each to its request's state (structured requests' matchers
+    accept it, penalised requests count it) and return them with their log probabilities."""
+    if step.ready is not None:
+        step.ready.synchronize()
+    host = step.host.tolist()
+    states = step.states
     token_ids = [int(t) for t in host[:len(states)]]
+    for state, token in zip(states, token_ids):
+        state.token_ids.append(token)
+        state.num_in_flight = 0
     record_sampled(states, token_ids)
     for state, token in zip(states, token_ids):
         if state.grammar is not None and not state.grammar.is_terminated():
             state.grammar.accept_token(token)
-    return token_ids, _unpack_logprobs(host[len(states):], rows, params, token_ids)
+    return token_ids, _unpack_logprobs(host[len(states):], step.logprob_rows, step.params, token_ids)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

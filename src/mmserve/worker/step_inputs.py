@@ -7,7 +7,7 @@ pinned copy (`worker/device.py: to_device`). A plain decode step that a CUDA gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from mmserve.models.attention.host_metadata import padded_tables, token_slots
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphInputs
 from mmserve.worker.runner_state import RunnerRequest
+from mmserve.worker.sampler import SampledStep
 
 
 @dataclass
@@ -27,33 +28,47 @@ class StepInputs:
     logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
     sampling: list[str]  # the R requests that sample, in row order
     graph_inputs: GraphInputs | None = None  # a plain decode step the decode graphs hold
+    # (row of input_ids, its request, token index): tokens still in flight when the step was built
+    late: list[tuple[int, RunnerRequest, int]] = field(default_factory=list)
+
+    def fill_late(self) -> None:
+        """Write the tokens that were in flight into `input_ids` (host), once they have arrived."""
+        if self.late:
+            rows = torch.tensor([row for row, _, _ in self.late], dtype=torch.int64)
+            self.input_ids[rows] = torch.tensor([state.token_ids[i] for _, state, i in self.late], dtype=torch.int64)
+            self.late = []
 
 
 def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
                    block_size: int, build_metadata: Callable[..., Any],
                    graphs: DecodeGraphs | None = None) -> StepInputs:
-    """The step's token ids, positions, attention metadata and sampling rows (request order)."""
+    """The step's token ids, positions, attention metadata and sampling rows (request order). A
+    decoding token the device sampled last step and the host has not yet read (--async-scheduling)
+    is a placeholder, listed in `late`."""
     input_ids: list[int] = []
     query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
+    late: list[tuple[int, RunnerRequest, int]] = []
     for rid in req_ids:
         state, n = requests[rid], num_sched[rid]
-        start = state.num_computed_tokens
+        start, known = state.num_computed_tokens, len(state.token_ids)
         if n == 1:
-            input_ids.append(state.token_ids[start])
+            if start == known:  # in flight
+                late.append((len(input_ids), state, start))
+            input_ids.append(state.token_ids[start] if start < known else 0)
         else:
             input_ids.extend(state.token_ids[start:start + n])
         query_lens.append(n)
         seq_lens.append(start + n)
         tables.append(state.block_ids)
-        if start + n == len(state.token_ids):  # reaches the end of its tokens: samples one
+        if start + n == known + state.num_in_flight:  # reaches the end of its tokens: samples one
             logits_rows.append(len(input_ids) - 1)
             sampling.append(rid)
     positions = _positions([requests[rid] for rid in req_ids], query_lens, seq_lens)
     ids, rows = torch.tensor(input_ids, dtype=torch.int64), torch.tensor(logits_rows, dtype=torch.int64)
     if graphs is not None and _plain_decode(requests, req_ids, query_lens, graphs):
-        return StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size))
+        return StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size), late)
     meta = build_metadata(query_lens, seq_lens, tables, block_size)
-    return StepInputs(ids, positions, meta, rows, sampling)
+    return StepInputs(ids, positions, meta, rows, sampling, late=late)
 
 
 def _positions(states: list[RunnerRequest], query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
@@ -100,3 +115,24 @@ def _graph_inputs(seq_lens: list[int], tables: list[list[int]], block_size: int)
     padded = padded_tables(tables, torch.int64)
     slots = token_slots(padded, [1] * len(seq_lens), seq_lens, block_size)
     return GraphInputs(slots, padded, torch.tensor(seq_lens, dtype=torch.int64))
+
+
+@dataclass
+class PreparedStep:
+    """A step's host work done (`ModelRunner.prepare`): its requests, tokens each and inputs."""
+
+    req_ids: list[str]
+    num_scheduled: dict[str, int]
+    inputs: StepInputs
+    threads: int  # torch threads for its forward
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device (`ModelRunner.launch`): its requests, those that sample (in row order)
+    and their tokens on the way (None: none samples)."""
+
+    req_ids: list[str]
+    sampling: list[str]
+    sampled: SampledStep | None
+    first_logits: dict[str, bytes] = field(default_factory=dict)

@@ -118,8 +118,9 @@ class FirstTokenAnswers:
         self._answered.append(req)
 
     def learn(self, req: Request, tokens: list[int]) -> None:
-        """`req` sampled `tokens` (appended already): keep the first token of a prompt computed whole."""
-        if req.num_output_tokens == 1 and req.num_computed_tokens == req.num_prompt_tokens:
+        """`req` sampled `tokens` (appended already): keep the first token of a prompt computed whole
+        (a step scheduled since, --async-scheduling, counts a token still in flight)."""
+        if req.num_output_tokens == 1 and req.num_computed_tokens - req.num_in_flight == req.num_prompt_tokens:
             self.cache.put(req, tokens[0])
 
     def drain(self) -> list[Request]:
