@@ -2,7 +2,9 @@
 
 On a GPU the engine schedules, builds the step's inputs and handles its outputs while the GPU
 waits (nothing of it overlaps the forward), so at large batches this host work is a share of every
-decode step that no kernel speeds up (`make bench-gpu` prints the share the GPU was busy). Here
+decode step that no kernel speeds up (`make bench-gpu` prints the share the GPU was busy). With
+--async-scheduling the GPU waits only for the tokens' read and the next step's launch; each batch's
+second line says how much of the step that is. Here
 the forward is stubbed (zeros), so a step's time is host work alone: the scheduler, the runner's
 inputs with the triton backend's metadata (the GPU path's), a tiny model's LM head and sampler,
 and the update. Printed per batch at 2,048-token contexts: ms a step, us a request, and its parts.
@@ -24,15 +26,19 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from _gpu_decode import decoding  # noqa: E402
+from _gpu_decode import decoding, overlapped  # noqa: E402
 from gpu_serving import build_checkpoint  # noqa: E402
 
 PARTS = (("scheduler", "schedule"), ("executor", "execute_model"), ("scheduler", "update_from_output"))
+# --async-scheduling: the device waits only for collect and launch; the rest overlaps its step
+ASYNC_PARTS = (("scheduler", "schedule"), ("executor", "prepare"), ("executor", "collect"), ("executor", "launch"),
+               ("scheduler", "update_from_output"))
+WAITED = ("collect", "launch")
 CONTEXT, STEPS = 2048, 60
 
 
-def timed_parts(core: Any) -> dict[str, float]:
-    """Wraps the step's three parts on `core` (instance attributes); returns their running seconds."""
+def timed_parts(core: Any, parts: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """Wraps the step's `parts` on `core` (instance attributes); returns their running seconds."""
     spent: dict[str, float] = {}  # in PARTS' order
 
     def timing(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -44,7 +50,7 @@ def timed_parts(core: Any) -> dict[str, float]:
                 spent[name] += time.perf_counter() - start
         return wrapper
 
-    for owner_name, name in PARTS:
+    for owner_name, name in parts:
         owner = getattr(core, owner_name)
         spent[name] = 0.0
         setattr(owner, name, timing(getattr(owner, name), name))
@@ -53,21 +59,22 @@ def timed_parts(core: Any) -> dict[str, float]:
 
 def host_steps(core: Any, batch: int) -> tuple[float, dict[str, float]]:
     """Median seconds of a decode step of `batch` requests with the forward stubbed, and each
-    part's mean seconds a step."""
+    part's mean seconds a step (with the core's async scheduling on, `ASYNC_PARTS`)."""
     runner, hidden = core.executor.runner, core.executor.runner.model.config.text.hidden_size
+    parts = ASYNC_PARTS if core.overlap else PARTS
     with decoding(core, batch, CONTEXT) as step:
         runner.model.forward = lambda embeds, *rest: embeds.new_zeros(embeds.shape[0], hidden)
         try:
             for _ in range(5):
                 step()
-            spent, took = timed_parts(core), []
+            spent, took = timed_parts(core, parts), []
             for _ in range(STEPS):
                 start = time.perf_counter()
                 step()
                 took.append(time.perf_counter() - start)
         finally:
             del runner.model.forward
-            for owner_name, name in PARTS:
+            for owner_name, name in parts:
                 delattr(getattr(core, owner_name), name)
     return statistics.median(took), {name: seconds / STEPS for name, seconds in spent.items()}
 
@@ -90,6 +97,12 @@ def main() -> None:
                 split = ", ".join(f"{name} {seconds * 1e3:.3f}" for name, seconds in parts.items())
                 print(f"  batch {batch:3d}: {step * 1e3:6.3f} ms a step, {step / batch * 1e6:6.1f} us a request "
                       f"({split} ms)", flush=True)
+                with overlapped(llm.engine.core):
+                    step, parts = host_steps(llm.engine.core, batch)
+                waited = sum(parts[name] for name in WAITED)
+                print(f"    --async-scheduling: the device waits for {waited * 1e3:.3f} ms of it "
+                      f"({', '.join(f'{name} {parts[name] * 1e3:.3f}' for name in WAITED)} ms; "
+                      f"{(step - waited) * 1e3:.3f} ms overlaps the device's step)", flush=True)
         finally:
             llm.shutdown()
 
