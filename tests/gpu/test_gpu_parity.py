@@ -1,6 +1,6 @@
 """On a CUDA GPU: greedy parity with transformers on the same GPU (float32 token-equal, bfloat16
-agreement printed), every cache on vs off, CUDA graphs on vs off. `make test-gpu`; skipped
-(instantly) where CUDA is absent. Each LLM is shut down before the next engine (or transformers)
+agreement printed), every cache on vs off, CUDA graphs on vs off, async scheduling on vs off.
+`make test-gpu`; skipped (instantly) where CUDA is absent. Each LLM is shut down before the next engine (or transformers)
 takes the GPU: every one sizes its KV cache on the whole of it."""
 
 from __future__ import annotations
@@ -77,3 +77,17 @@ def test_cuda_graphs_on_equal_graphs_off(tmp_path, monkeypatch, name):
     assert graphed == eager
     assert graphs.replays > 0
     print(f"\n{name}: decode steps replayed from CUDA graphs: {graphs.replays}")
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-llava", "qwen3_vl"])
+def test_async_scheduling_equals_sync_with_graphs(tmp_path, name):
+    """--async-scheduling on the GPU: step N+1's inputs built while N runs, its decode inputs
+    filled from N's tokens at launch, replayed from CUDA graphs; the same float32 greedy tokens."""
+    path, items = checkpoint(name, tmp_path), prompts(name)
+    sync, first = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512)
+    first.shutdown()
+    overlapped, llm = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512,
+                                 async_scheduling=True)
+    graphs = llm.engine.core.executor.runner.decode_graphs
+    assert overlapped == sync
+    assert graphs is not None and graphs.replays > 0
