@@ -1,8 +1,8 @@
 """--async-scheduling gives the tokens the engine gives without it: step N+1 is scheduled and
 prepared before step N's tokens reach the host, its decode inputs filled in once they have, across
 preemption, chunked prefill, cache hits (prefix, last block, first token, encoder), stops, n > 1,
-structured outputs, penalties and log probabilities; an abort while a step is in flight leaves
-nothing behind. (The scheduler alone, in that order, under every policy: test_scheduler_workloads.)"""
+structured outputs, penalties and log probabilities, on one rank or two; an abort while a step is in
+flight leaves nothing behind. (The scheduler alone, in that order, under every policy: test_scheduler_workloads.)"""
 
 from __future__ import annotations
 
@@ -101,11 +101,10 @@ def test_an_abort_while_a_step_is_in_flight_leaves_nothing(path):
         assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
 
 
-def test_refused_with_tensor_parallelism(capsys):
-    """One `mmserve: error:` line at start, before any model loads."""
-    from mmserve.cli import main
-
-    assert main(["serve", "--port", "0", "--async-scheduling", "--tensor-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["mmserve: error: --async-scheduling needs --tensor-parallel-size 1 (the model runner in the "
-                   "engine core's process)"]
+def test_tensor_parallel_ranks_overlap_too(path):
+    """TP = 2: each rank prepares step N+1, collects N (rank 0 sending its output) and launches N+1
+    on one broadcast message; the same tokens as one rank without async scheduling."""
+    with LLM(model=path, **ENGINE) as sync:
+        expected = outputs(sync)
+    with LLM(model=path, tensor_parallel_size=2, async_scheduling=True, **ENGINE) as tp:
+        same(outputs(tp), expected)

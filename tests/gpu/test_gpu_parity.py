@@ -1,7 +1,7 @@
 """On a CUDA GPU: greedy parity with transformers on the same GPU (float32 token-equal, bfloat16
 agreement printed), every cache on vs off, CUDA graphs on vs off, async scheduling on vs off.
-`make test-gpu`; skipped (instantly) where CUDA is absent. Each LLM is shut down before the next engine (or transformers)
-takes the GPU: every one sizes its KV cache on the whole of it."""
+`make test-gpu`; skipped (instantly) where CUDA is absent. Each LLM is shut down before the next
+engine (or transformers) takes the GPU: every one sizes its KV cache on the whole of it."""
 
 from __future__ import annotations
 

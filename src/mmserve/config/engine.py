@@ -31,9 +31,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for layer in (self.model, self.cache, self.scheduler, self.multimodal, self.parallel, self.device):
             check_finite(layer)
-        if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--async-scheduling needs --tensor-parallel-size 1 (the model runner in the engine "
-                             "core's process)")
 
     @property
     def needs_item_hash(self) -> bool:

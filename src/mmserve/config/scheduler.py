@@ -24,7 +24,7 @@ class SchedulerConfig:
         10.0, "Longest a structured-output grammar may take to compile (off the engine step); a request "
         "whose grammar takes longer is refused.")
     async_scheduling: bool = opt(
-        False, "Overlap the host's work with the device's (tensor parallel size 1): the next step is "
+        False, "Overlap the host's work with the device's: the next step is "
         "scheduled and its inputs built while the device runs this one, each running request assumed "
         "to go on by one token (a request that stopped has its extra token discarded); the same tokens "
         "as without it, an output one step later.")

@@ -274,9 +274,12 @@ class InitializeKVCache(msgspec.Struct, tag="init_kv_cache"):
 
 
 class ExecuteModel(msgspec.Struct, tag="execute_model"):
-    """Run one step; rank 0 answers `WorkerStepOutput`, the others only on failure."""
+    """Run one step; rank 0 answers `WorkerStepOutput`, the others only on failure. With `overlap`
+    (--async-scheduling) each rank prepares the step, collects the step it has in flight (rank 0
+    answering with that one's output) and launches this one."""
 
     scheduler_output: SchedulerOutput
+    overlap: bool = False
 
 
 class ShutdownWorker(msgspec.Struct, tag="shutdown"):

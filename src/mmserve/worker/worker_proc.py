@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -42,6 +43,10 @@ from mmserve.ipc.shm_broadcast import ShmBroadcastReader
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.transport.shm_items import ShmItemReader
 from mmserve.ipc.shm_segment import unlink_segment
+
+if TYPE_CHECKING:
+    from mmserve.worker.model_runner import ModelRunner
+    from mmserve.worker.step_inputs import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,7 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     try:
         results.send(WorkerReady(args.rank, runner.kv_cache_bytes_per_block(), runner.available_kv_cache_bytes(),
                                  runner.dtype_name, runner.model.weight_bytes))
+        in_flight: LaunchedStep | None = None  # --async-scheduling: the step launched by the last ExecuteModel
         while True:
             msg = reader.dequeue(timeout_s=_PARENT_CHECK_S)
             if msg is None:
@@ -109,6 +115,9 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
                     logger.warning("rank %d: the engine core died; exiting", args.rank)
                     _remove_orphaned(info, args.result_address)
                     return 1
+            elif isinstance(msg, ExecuteModel) and msg.overlap:
+                in_flight = _step_overlapped(runner, items.resolve(msg.scheduler_output), in_flight, args.rank,
+                                             results)
             elif isinstance(msg, ExecuteModel):
                 output = runner.execute_model(items.resolve(msg.scheduler_output))
                 if args.rank == 0:
@@ -121,6 +130,19 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
     finally:
         items.close()
         reader.close()
+
+
+def _step_overlapped(runner: ModelRunner, so: SchedulerOutput, in_flight: LaunchedStep | None, rank: int,
+                     results: QueueSender) -> LaunchedStep | None:
+    """--async-scheduling on one rank: prepare `so`, collect the step in flight (rank 0 sends its
+    output, which the engine core waits for), launch `so`; the step now in flight (None when `so`
+    schedules no token)."""
+    prepared = runner.prepare(so)
+    if in_flight is not None:
+        output = runner.collect(in_flight)
+        if rank == 0:
+            results.send(WorkerStepOutput(rank, output))
+    return runner.launch(prepared)
 
 
 def _init_distributed(args: WorkerArgs) -> None:
