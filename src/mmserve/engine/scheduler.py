@@ -29,7 +29,6 @@ Policies (`policies/`), each behind a few calls:
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Sequence
 
 from mmserve.config import SchedulerConfig, compute_encoder_budget
@@ -44,6 +43,7 @@ from mmserve.engine.policies.siblings import SiblingGroups
 from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.runner_mirror import RunnerMirror
+from mmserve.engine.unfinished_steps import UnfinishedSteps, ends as step_ends
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
@@ -74,9 +74,7 @@ class Scheduler:
         self.running: list[Request] = []  # every lane's, in admission order
         self.runner = RunnerMirror(kv_cache)  # what the model runner holds of each request
         self.num_preemptions = 0  # since start, for tests and metrics
-        # each step scheduled with tokens and not yet updated from, oldest first (--async-scheduling: up to
-        # two): its tokens per request, and the requests requeued since (their blocks and encoder references gone)
-        self._unfinished_steps: deque[tuple[dict[str, int], set[str]]] = deque()
+        self.unfinished = UnfinishedSteps()  # scheduled, not yet updated from (--async-scheduling: two)
         self._arrivals = 0  # requests added since start: the next one's `order`
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
         self.prefix_hits = 0  # of which were cache hits
@@ -139,8 +137,7 @@ class Scheduler:
             if not preempted:
                 budget = self._schedule_waiting(lane, budget, out)
         out.free_encoder_ids = self.encoder_cache.get_freed_hashes()
-        if out.num_scheduled_tokens:  # a step of none has nothing to update from
-            self._unfinished_steps.append((out.num_scheduled_tokens, set()))
+        self.unfinished.add(out)
         return out
 
     def _schedule_running(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> tuple[int, bool]:
@@ -280,9 +277,7 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        for tokens, requeued in self._unfinished_steps:
-            if req.request_id in tokens:
-                requeued.add(req.request_id)
+        self.unfinished.requeued(req.request_id)
         self.lanes.of(req).waiting.appendleft(req)
 
     def fail_step(self, sched: SchedulerOutput, culprit: str, message: str) -> EngineCoreOutputs:
@@ -291,7 +286,7 @@ class Scheduler:
         answered (`FirstTokenAnswers.take_back`) — at the head of their queues, to recompute what
         the step lost (the runner drops their state next step)."""
         outputs: list[EngineCoreOutput] = []
-        self._untrack(sched, newest=True)  # one before it may still be in flight
+        self.unfinished.take(sched, newest=True)  # one before it may still be in flight
         answered = self.answers.take_back()
         step = {rid: sched.num_scheduled_tokens.get(rid, 0) for rid in
                 [*sched.num_scheduled_tokens, *(r.request_id for r in answered)]}
@@ -315,13 +310,6 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------
 
-    def _untrack(self, sched: SchedulerOutput, newest: bool) -> set[str]:
-        """Stop tracking step `sched`, the oldest unfinished one (or the `newest`, which failed):
-        the requests requeued since it was scheduled."""
-        if not sched.num_scheduled_tokens or not self._unfinished_steps:
-            return set()
-        return (self._unfinished_steps.pop() if newest else self._unfinished_steps.popleft())[1]
-
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, finish requests that stop, and say what is new per request.
 
@@ -329,9 +317,8 @@ class Scheduler:
         since `sched` (aborted: gone, its token dropped) or been preempted (its token, sampled before
         its blocks were freed, is still its next output)."""
         outputs: list[EngineCoreOutput] = []
-        requeued = self._untrack(sched, newest=False)
-        ends = _step_ends(sched)
-        for rid, end in ends.items():
+        requeued = self.unfinished.take(sched)
+        for rid, end in step_ends(sched).items():
             req = self.requests.get(rid)
             if req is None:
                 continue
@@ -399,13 +386,7 @@ class Scheduler:
             blocks = len(self.kv_cache.req_to_blocks.get(req.request_id, ()))
             assert blocks >= self.kv_cache.blocks_needed(req.num_computed_tokens), f"{req} lacks KV blocks"
             # a step not yet updated from (in flight) releases what it consumes when it is
-            updated = req.num_computed_tokens - sum(step.get(req.request_id, 0) for step, _ in self._unfinished_steps)
+            updated = req.num_computed_tokens - self.unfinished.pending(req.request_id)
             for idx in self.encoder_cache.held_items(req.request_id):
                 assert req.mm_items[idx].placeholder.end > updated, f"{req} kept a consumed output"
 
-
-def _step_ends(sched: SchedulerOutput) -> dict[str, int]:
-    """Each request's computed tokens at the end of step `sched` (its start plus its tokens)."""
-    starts = {new.request_id: new.num_computed_tokens for new in sched.new_requests}
-    starts.update((cached.request_id, cached.num_computed_tokens) for cached in sched.cached_requests)
-    return {rid: starts[rid] + n for rid, n in sched.num_scheduled_tokens.items()}
