@@ -9,7 +9,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.models.attention.torch_sdpa import AttentionMetadata
-from mmserve.worker.device import _copy_packed, rank_device, resolve_device, resolve_dtype, to_device, to_host
+from mmserve.worker.device import _copy_packed, rank_device, resolve_device, resolve_dtype, to_device, to_host_async
 
 
 def test_packed_copy_gives_back_every_tensor_whatever_its_dtype_shape_or_layout():
@@ -36,7 +36,8 @@ def test_to_device_keeps_the_tree_and_moves_every_tensor():
 
 
 def test_device_and_dtype_resolution():
-    assert to_host(torch.ones(2)).device.type == "cpu"
+    host, ready = to_host_async(torch.ones(2))
+    assert host.device.type == "cpu" and ready is None
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16

@@ -3,7 +3,7 @@
 On `meta` every tensor has a shape and no data. A tensor the runner, a model or the sampler makes
 on a hard-coded (or default) CPU device and mixes with the device's tensors is an error there,
 as it would be on CUDA; reading a device tensor's values on the host (`.tolist()`, `.item()`, a
-branch on a tensor) fails too. The one allowed way back is `worker/device.py: to_host`'s copy,
+branch on a tensor) fails too. The one allowed way back is `worker/device.py: to_host_async`'s copy,
 which `HostCopies` counts (handing back zeros): exactly one per step that samples. (Meta has no
 random generators: a seeded draw there is shape-only.)
 """

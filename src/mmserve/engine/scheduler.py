@@ -389,4 +389,3 @@ class Scheduler:
             updated = req.num_computed_tokens - self.unfinished.pending(req.request_id)
             for idx in self.encoder_cache.held_items(req.request_id):
                 assert req.mm_items[idx].placeholder.end > updated, f"{req} kept a consumed output"
-

@@ -2,8 +2,9 @@
 
 A step's host-built metadata (token ids, positions, slot mapping, block tables, masks: any
 dataclass tree of CPU tensors) crosses as one pinned byte buffer copied without blocking
-(`to_device`); the sampled tokens and log probabilities come back as one tensor (`to_host`),
-the step's only device-to-host transfer. On CPU both are the identity: nothing is copied.
+(`to_device`); the sampled tokens and log probabilities come back as one tensor (`to_host_async`,
+read once its event has fired), the step's only device-to-host transfer. On CPU both are the
+identity: nothing is copied.
 """
 
 from __future__ import annotations
@@ -70,17 +71,10 @@ def to_device(tree: T, device: torch.device) -> T:
     return _rebuild(tree, lambda _: next(moved))
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A device tensor's CPU copy (the step's one device-to-host transfer); a CPU tensor as it is."""
-    out, done = to_host_async(tensor)
-    if done is not None:
-        done.synchronize()
-    return out
-
-
 def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A device tensor's CPU copy under way: (pinned host tensor, the CUDA event that marks it
-    filled: wait on it before reading); a CPU tensor as it is, or another device's copy, with None."""
+    """A device tensor's CPU copy under way (the step's one device-to-host transfer): (pinned host
+    tensor, the CUDA event that marks it filled: wait on it before reading); a CPU tensor as it is,
+    or another device's copy, with None."""
     if tensor.device.type == "cpu":
         return tensor, None
     if tensor.device.type != "cuda":

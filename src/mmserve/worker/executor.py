@@ -1,6 +1,7 @@
 """Executors run the model for the engine core: in its own process (tensor parallel size 1) or
 in one worker process per rank (worker/multiproc_executor.py). Both offer the same calls:
-`kv_cache_bytes_per_block`, `available_kv_cache_bytes`, `initialize_kv_cache`, `execute_model`,
+`kv_cache_bytes_per_block`, `available_kv_cache_bytes`, `initialize_kv_cache`, `execute_model` (or,
+for --async-scheduling, a step in three: `prepare`, `collect` of the step in flight, `launch`),
 `check_health`, `shutdown`."""
 
 from __future__ import annotations
