@@ -101,6 +101,40 @@ def test_an_abort_while_a_step_is_in_flight_leaves_nothing(path):
         assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
 
 
+def test_a_step_that_fails_while_one_is_in_flight_fails_its_request_alone(path):
+    """Step N+1 raises in one request's work while step N is in flight: N is collected and updated
+    from, the culprit ends with an internal error, and the others decode on as they would alone."""
+    decode = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    poison = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True))
+    with LLM(model=path, **ENGINE) as sync:
+        alone = [o.outputs[0].token_ids for o in sync.generate([TEXT, PROMPT.replace("<image>", "")], decode)]
+    with LLM(model=path, async_scheduling=True, **ENGINE) as llm:
+        core = llm.engine.core
+        grammars = core.executor.runner.grammars
+        grammars.prepare(poison.structured_outputs, None)  # compiled: the request is scheduled when added
+        grammars.matcher = lambda spec, eos: (_ for _ in ()).throw(RuntimeError("compiler crashed"))
+        tokenizer = llm.get_tokenizer()
+        for rid, text in (("a", TEXT), ("b", PROMPT.replace("<image>", ""))):
+            core.add_request(EngineCoreRequest(rid, tokenizer(text).input_ids, [], decode, None, 0.0))
+        got: dict[str, list[int]] = {"a": [], "b": []}
+        while not core.step_in_flight or len(got["a"]) < 2:
+            for out in core.step().outputs:
+                got[out.request_id] += out.new_token_ids
+        core.add_request(EngineCoreRequest("poison", [5, 6, 7, 8], [], poison, None, 0.0))
+        failed = []
+        while core.has_unfinished_requests():
+            assert core.step_in_flight or failed, "the failure must meet a step in flight"
+            for out in core.step().outputs:
+                if out.error is not None:
+                    failed.append((out.request_id, out.error_kind, "compiler crashed" in out.error))
+                else:
+                    got[out.request_id] += out.new_token_ids
+        assert failed == [("poison", "internal", True)]
+        assert [got["a"], got["b"]] == alone
+        core.check_integrity()
+        assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
+
+
 def test_tensor_parallel_ranks_overlap_too(path):
     """TP = 2: each rank prepares step N+1, collects N (rank 0 sending its output) and launches N+1
     on one broadcast message; the same tokens as one rank without async scheduling."""

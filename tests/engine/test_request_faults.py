@@ -13,10 +13,11 @@ from mmserve.structured_outputs import StructuredOutputsParams
 POISON = StructuredOutputsParams.for_schema({"type": "object", "properties": {"poison": {"type": "integer"}}})
 
 
-@pytest.fixture
-def poisoned(path):
-    """An engine whose grammar cache raises for the POISON schema (as a compile bug would)."""
-    llm = LLM(model=path, num_kv_blocks=64)
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def poisoned(path, request):
+    """An engine whose grammar cache raises for the POISON schema (as a compile bug would); with
+    --async-scheduling too (the failing step prepared while the one before it is in flight)."""
+    llm = LLM(model=path, num_kv_blocks=64, async_scheduling=request.param)
     grammars = llm.engine.core.executor.runner.grammars
     real = grammars.matcher
 
