@@ -28,8 +28,9 @@ class StepInputs:
     logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
     sampling: list[str]  # the R requests that sample, in row order
     graph_inputs: GraphInputs | None = None  # a plain decode step the decode graphs hold
-    # (row of input_ids, its request, token index): tokens still in flight when the step was built
-    late: list[tuple[int, RunnerRequest, int]] = field(default_factory=list)
+    # (row of input_ids, its request, token index): tokens still in flight when the step was built;
+    # not an init field, so `to_device` never walks into the requests
+    late: list[tuple[int, RunnerRequest, int]] = field(default_factory=list, init=False)
 
     def fill_late(self) -> None:
         """Write the tokens that were in flight into `input_ids` (host), once they have arrived."""
@@ -66,9 +67,11 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
     positions = _positions([requests[rid] for rid in req_ids], query_lens, seq_lens)
     ids, rows = torch.tensor(input_ids, dtype=torch.int64), torch.tensor(logits_rows, dtype=torch.int64)
     if graphs is not None and _plain_decode(requests, req_ids, query_lens, graphs):
-        return StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size), late)
-    meta = build_metadata(query_lens, seq_lens, tables, block_size)
-    return StepInputs(ids, positions, meta, rows, sampling, late=late)
+        inputs = StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size))
+    else:
+        inputs = StepInputs(ids, positions, build_metadata(query_lens, seq_lens, tables, block_size), rows, sampling)
+    inputs.late = late
+    return inputs
 
 
 def _positions(states: list[RunnerRequest], query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
