@@ -174,7 +174,7 @@ class Bench:
         for name in ("prepare_inputs", "to_device"):
             setattr(mr, name, clock.timed("inputs", getattr(mr, name)))
         runner._sample = clock.timed("sampling", runner._sample)
-        runner._embed = clock.timed("model", runner._embed)
+        runner.encoders.embed = clock.timed("model", runner.encoders.embed)
         runner.model.compute_logits = clock.timed("model", runner.model.compute_logits)
         forward = clock.timed("model", runner.model.forward)
         self.real_forward = forward

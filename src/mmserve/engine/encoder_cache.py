@@ -1,6 +1,6 @@
 """The encoder cache's bookkeeping (P1): which items' encoder outputs the model runner holds.
 
-The tensors live in the runner (`ModelRunner.encoder_outputs`, keyed by `mm_hash`); this file
+The tensors live in the runner (`worker/encoder_outputs.py: EncoderOutputs`, keyed by `mm_hash`); this file
 decides which hashes are resident, who uses them and which go when space is short. Sizes are
 embedding tokens: an item's placeholder length (one embedding row per placeholder token).
 `mm_hash` is salted (model, processor settings, the request's `cache_salt`), so sharing an

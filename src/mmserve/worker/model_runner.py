@@ -38,11 +38,11 @@ from mmserve.models.loader import load_model
 from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears
 from mmserve.models.quantization.select import describe_quantization
-from mmserve.ipc.items import MultiModalItem
-from mmserve.worker.device import item_on, rank_device, resolve_dtype, resolve_kv_cache_dtype, to_device
+from mmserve.worker.device import rank_device, resolve_dtype, resolve_kv_cache_dtype, to_device
 from mmserve.models.cpu_decoder import CpuDecoder
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.cache_fault import CacheFault
+from mmserve.worker.encoder_outputs import EncoderOutputs
 from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
@@ -78,12 +78,20 @@ class ModelRunner:
         self.kv_scratch_block: int | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.requests: dict[str, RunnerRequest] = {}
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [F, D]
-        self.num_encoded_items = 0  # items run through the vision encoder since start (tests, benchmarks)
-        self._encoded: set[str] = set()  # the hashes encoded this step (the rest are cache reads)
         self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
         self.fault = CacheFault.from_env()  # a debugging hook that alters cache hits (tests of the verifier)
+        self.encoders = EncoderOutputs(self.model, self.device, self.dtype, self.fault)
+
+    @property
+    def encoder_outputs(self) -> dict[str, torch.Tensor]:
+        """The resident encoder outputs by `mm_hash` ([F, D'] each)."""
+        return self.encoders.outputs
+
+    @property
+    def num_encoded_items(self) -> int:
+        """Items run through the vision encoder since start (tests, benchmarks)."""
+        return self.encoders.num_encoded_items
 
     @property
     def dtype_name(self) -> str:
@@ -150,7 +158,7 @@ class ModelRunner:
         runner is unusable after. Idempotent."""
         self.decode_graphs = None
         self.kv_caches = []
-        self.encoder_outputs.clear()
+        self.encoders.outputs.clear()
         self.requests.clear()
         self.__dict__.pop("model", None)
         gc.collect()  # modules and graphs may sit in reference cycles
@@ -177,7 +185,7 @@ class ModelRunner:
         threads = 1 if small else self.threads
         torch.set_num_threads(threads)
         try:
-            self._run_encoders(so.scheduled_encoder_inputs)
+            self.encoders.run(self.requests, so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
             host = prepare_inputs(self.requests, req_ids, so.num_scheduled_tokens, self.block_size,
                                   self.model.attention.build_metadata, self.decode_graphs)
@@ -199,7 +207,7 @@ class ModelRunner:
             if step.graph_inputs is not None and self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
             else:
-                embeds, deepstack = self._embed(req_ids, prepared.num_scheduled, step.input_ids)
+                embeds, deepstack = self.encoders.embed(self.requests, req_ids, prepared.num_scheduled, step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
             return self._sample(req_ids, step, hidden)
         finally:
@@ -223,7 +231,7 @@ class ModelRunner:
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
         for key in so.free_encoder_ids:
-            self.encoder_outputs.pop(key, None)
+            self.encoders.outputs.pop(key, None)
         for new in so.new_requests:
             state = self.requests[new.request_id] = self._new_state(new)
             if self.model.uses_mrope:
@@ -262,52 +270,6 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
-        """Encode the scheduled items, once per `mm_hash`, into `encoder_outputs`."""
-        keyed = {item.mm_hash: item for rid, idxs in scheduled.items()
-                 for item in (self.requests[rid].mm_items[idx] for idx in idxs)}
-        self._encoded = set(keyed)
-        if not keyed:
-            return
-        datas = [_data(item, self.device) for item in keyed.values()]
-        features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
-        for (key, item), feats in zip(keyed.items(), features):
-            if feats.shape[0] != item.placeholder.length:  # the request's item is at fault, not the engine
-                owner = next(rid for rid, idxs in scheduled.items() if any(
-                    self.requests[rid].mm_items[i].mm_hash == key for i in idxs))
-                raise RequestFault(owner, ValueError(f"image gives {feats.shape[0]} embeddings for "
-                                                     f"{item.placeholder.length} placeholders"))
-            self.encoder_outputs[key] = feats
-        self.num_encoded_items += len(keyed)
-
-    def _embed(self, req_ids: list[str], num_sched: dict[str, int],
-               input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token embeddings [T, D], with image placeholders overwritten by encoder outputs, and
-        for deepstack models the features added after the first decoder layers [layers, T, D]
-        (zero on text tokens; None when the step has no image token)."""
-        embeds = self.model.embed_tokens(input_ids)
-        D, layers = embeds.shape[-1], self.model.num_deepstack
-        deepstack = None
-        offset = 0
-        for rid in req_ids:
-            state, n = self.requests[rid], num_sched[rid]
-            start = state.num_computed_tokens
-            for item in state.mm_items:
-                ph = item.placeholder
-                lo, hi = max(start, ph.offset), min(start + n, ph.end)
-                if lo < hi:
-                    feats = self.encoder_outputs[item.mm_hash][lo - ph.offset: hi - ph.offset]  # [n, D']
-                    if self.fault is not None and item.mm_hash not in self._encoded:
-                        feats = self.fault.on_encoder_hit(feats)
-                    rows = slice(offset + lo - start, offset + hi - start)
-                    embeds[rows] = feats[:, :D]
-                    if layers:
-                        if deepstack is None:
-                            deepstack = embeds.new_zeros(layers, embeds.shape[0], D)
-                        deepstack[:, rows] = feats[:, D:].view(-1, layers, D).transpose(0, 1)
-            offset += n
-        return embeds, deepstack
-
     def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
         sampling = step.sampling
         if not sampling:
@@ -328,13 +290,6 @@ def _step_seed(seed: int | None, position: int) -> int:
     """The generator seed for a seeded request's token at `position`: a request resumed after
     preemption (its runner state rebuilt) draws the same numbers it would have drawn."""
     return ((seed or 0) ^ (position * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
-
-
-def _data(item: MultiModalItem, device: torch.device) -> dict[str, torch.Tensor]:
-    """An item's processed tensors (P1 holds every scheduled item's data: IPC cache or shm), its
-    pixels on `device` (`item_on`)."""
-    assert item.data is not None, f"item {item.mm_hash} reached the runner without its data"
-    return item_on(item.data, device)
 
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:
