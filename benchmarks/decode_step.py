@@ -173,7 +173,8 @@ class Bench:
         core.scheduler.update_from_output = clock.timed("output", core.scheduler.update_from_output)
         for name in ("prepare_inputs", "to_device"):
             setattr(mr, name, clock.timed("inputs", getattr(mr, name)))
-        runner._sample = clock.timed("sampling", runner._sample)
+        runner.sample = clock.timed("sampling", runner.sample)
+        runner.collect = clock.timed("sampling", runner.collect)
         runner.encoders.embed = clock.timed("model", runner.encoders.embed)
         runner.model.compute_logits = clock.timed("model", runner.model.compute_logits)
         forward = clock.timed("model", runner.model.forward)

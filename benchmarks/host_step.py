@@ -3,8 +3,9 @@
 On a GPU the engine schedules, builds the step's inputs and handles its outputs while the GPU
 waits (nothing of it overlaps the forward), so at large batches this host work is a share of every
 decode step that no kernel speeds up (`make bench-gpu` prints the share the GPU was busy). With
---async-scheduling the GPU waits only for the tokens' read and the next step's launch; each batch's
-second line says how much of the step that is. Here
+--async-scheduling all of it runs while the GPU runs the step before (the next forward is queued
+before the host reads the last tokens), so the GPU waits only where the host's step is the longer;
+each batch's second line says how long that is, and the part run under the queued forward. Here
 the forward is stubbed (zeros), so a step's time is host work alone: the scheduler, the runner's
 inputs with the triton backend's metadata (the GPU path's), a tiny model's LM head and sampler,
 and the update. Printed per batch at 2,048-token contexts: ms a step, us a request, and its parts.
@@ -30,10 +31,10 @@ from _gpu_decode import decoding, overlapped  # noqa: E402
 from gpu_serving import build_checkpoint  # noqa: E402
 
 PARTS = (("scheduler", "schedule"), ("executor", "execute_model"), ("scheduler", "update_from_output"))
-# --async-scheduling: the device waits only for collect and launch; the rest overlaps its step
-ASYNC_PARTS = (("scheduler", "schedule"), ("executor", "prepare"), ("executor", "collect"), ("executor", "launch"),
-               ("scheduler", "update_from_output"))
-WAITED = ("collect", "launch")
+# --async-scheduling: the next step's forward is queued before the host collects and samples
+ASYNC_PARTS = (("scheduler", "schedule"), ("executor", "prepare"), ("executor", "launch"), ("executor", "collect"),
+               ("executor", "sample"), ("scheduler", "update_from_output"))
+UNDER_FORWARD = ("collect", "sample")
 CONTEXT, STEPS = 2048, 60
 
 
@@ -99,10 +100,10 @@ def main() -> None:
                       f"({split} ms)", flush=True)
                 with overlapped(llm.engine.core):
                     step, parts = host_steps(llm.engine.core, batch)
-                waited = sum(parts[name] for name in WAITED)
-                print(f"    --async-scheduling: the device waits for {waited * 1e3:.3f} ms of it "
-                      f"({', '.join(f'{name} {parts[name] * 1e3:.3f}' for name in WAITED)} ms; "
-                      f"{(step - waited) * 1e3:.3f} ms overlaps the device's step)", flush=True)
+                under = sum(parts[name] for name in UNDER_FORWARD)
+                print(f"    --async-scheduling: {step * 1e3:.3f} ms a step, all of it while the device runs the "
+                      f"step before; {under * 1e3:.3f} ms of it (collect, sample) under the forward it queued",
+                      flush=True)
         finally:
             llm.shutdown()
 

@@ -147,25 +147,24 @@ class EngineCore:
         return self._end_step(outputs)
 
     def _step_overlapped(self) -> EngineCoreOutputs:
-        """--async-scheduling: schedule and prepare step N+1 while step N runs on the device, then
-        collect N, launch N+1, and update from N while N+1 runs. A failure of N+1 is handled as
-        `_step` handles one (before N's update: N+1's first-token answers are taken back); a
-        failure to collect N is the rank's."""
+        """--async-scheduling: schedule, prepare and launch step N+1 while step N runs on the device
+        (N+1's forward reads N's tokens there), then collect N, sample N+1, and update from N while
+        N+1 runs. A failure of N+1 is handled as `_step` handles one (after N is collected, before
+        its update: N+1's first-token answers are taken back); a failure to collect N is the rank's."""
         scheduled = self._schedule()
         previous, self._in_flight = self._in_flight, None
         failure: Exception | None = None
         try:
-            prepared = self.executor.prepare(scheduled)
+            launched = self.executor.launch(self.executor.prepare(scheduled), None if previous is None else previous[1])
         except Exception as exc:
-            failure, prepared = exc, None
+            failure, launched = exc, None
         collected = None if previous is None else (previous[0], self.executor.collect(previous[1]))
-        if failure is None:
+        if launched is not None:  # None: a step of no token (requests only dropped), done once prepared
             try:
-                launched = self.executor.launch(prepared)
+                self.executor.sample(launched)
+                self._in_flight = (scheduled, launched)
             except Exception as exc:
                 failure = exc
-            else:  # a step of no token (requests only dropped) is done once prepared
-                self._in_flight = None if launched is None else (scheduled, launched)
         outputs = EngineCoreOutputs([]) if failure is None else self._fail_step(scheduled, failure)
         outputs.outputs += (self.scheduler.drain_answered() if collected is None
                             else self.scheduler.update_from_output(*collected).outputs)

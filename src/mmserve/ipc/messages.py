@@ -275,8 +275,8 @@ class InitializeKVCache(msgspec.Struct, tag="init_kv_cache"):
 
 class ExecuteModel(msgspec.Struct, tag="execute_model"):
     """Run one step; rank 0 answers `WorkerStepOutput`, the others only on failure. With `overlap`
-    (--async-scheduling) each rank prepares the step, collects the step it has in flight (rank 0
-    answering with that one's output) and launches this one."""
+    (--async-scheduling) each rank prepares and launches the step, collects the step before (rank 0
+    answering with that one's output) and samples this one."""
 
     scheduler_output: SchedulerOutput
     overlap: bool = False

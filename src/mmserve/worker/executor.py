@@ -1,7 +1,7 @@
 """Executors run the model for the engine core: in its own process (tensor parallel size 1) or
 in one worker process per rank (worker/multiproc_executor.py). Both offer the same calls:
 `kv_cache_bytes_per_block`, `available_kv_cache_bytes`, `initialize_kv_cache`, `execute_model` (or,
-for --async-scheduling, a step in three: `prepare`, `collect` of the step in flight, `launch`),
+for --async-scheduling, a step in four: `prepare`, `launch`, `collect` of the step before, `sample`),
 `check_health`, `shutdown`."""
 
 from __future__ import annotations
@@ -45,16 +45,19 @@ class InProcessExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
-    # a step in three calls, for --async-scheduling (`engine/core.py: EngineCore._step_overlapped`)
+    # a step in four calls, for --async-scheduling (`engine/core.py: EngineCore._step_overlapped`)
 
     def prepare(self, scheduler_output: SchedulerOutput) -> Any:
         return self.runner.prepare(scheduler_output)
 
-    def launch(self, prepared: Any) -> Any:
-        return self.runner.launch(prepared)
+    def launch(self, prepared: Any, previous: Any) -> Any:
+        return self.runner.launch(prepared, previous)
 
     def collect(self, launched: Any) -> ModelRunnerOutput:
         return self.runner.collect(launched)
+
+    def sample(self, launched: Any) -> None:
+        self.runner.sample(launched)
 
     def check_health(self) -> None:
         pass

@@ -18,10 +18,11 @@ device (`worker/device.py`). A step's inputs are built on the host and cross in 
 probabilities) come back in the step's one device-to-host transfer.
 
 A step is `prepare` (host: states, block copies, encoders, inputs), `launch` (the forward and the
-sampling, the tokens' copy started) and `collect` (the tokens read, each state appended). The engine
-core runs them in that order (`execute_model`), or with --async-scheduling prepares step N+1 while
-step N runs on the device, then collects N and launches N+1 (`engine/core.py`); a decoding token
-still in flight when its step is prepared is filled in at launch (`StepInputs.late`).
+logits), `sample` (the sampling, the tokens' copy started) and `collect` (the tokens read, each state
+appended). The engine core runs them in that order (`execute_model`), or with --async-scheduling
+prepares and launches step N+1 while step N runs on the device, then collects N and samples N+1
+(`engine/core.py`): a decoding token still in flight when its step is prepared (`StepInputs.late`)
+is read on the device from N's sampled tokens, so the device never waits for the host.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mmserve.worker.grammar import GrammarCache
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import collect_sampled, launch_sampling
-from mmserve.worker.step_inputs import LaunchedStep, PreparedStep, StepInputs, prepare_inputs
+from mmserve.worker.step_inputs import LaunchedStep, PreparedStep, late_indices, prepare_inputs
 from mmserve.worker.threads import one_thread_below
 
 
@@ -170,8 +171,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step, whole: `prepare`, `launch`, `collect`."""
-        return self.collect(self.launch(self.prepare(so)))
+        """One step, whole: `prepare`, `launch`, `sample`, `collect`."""
+        launched = self.launch(self.prepare(so))
+        self.sample(launched)
+        return self.collect(launched)
 
     @torch.inference_mode()
     def prepare(self, so: SchedulerOutput) -> PreparedStep | None:
@@ -194,28 +197,48 @@ class ModelRunner:
         return PreparedStep(req_ids, so.num_scheduled_tokens, host, threads)
 
     @torch.inference_mode()
-    def launch(self, prepared: PreparedStep | None) -> LaunchedStep | None:
-        """Run a prepared step's forward and sampling on the device, its tokens' copy to the host
-        under way. Any step before it must be collected first (its tokens may be this one's inputs)."""
+    def launch(self, prepared: PreparedStep | None, previous: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Queue a prepared step's forward and logits on the device. Its decoding tokens still in
+        flight (`StepInputs.late`) are read there from `previous`, the step that sampled them, so
+        the forward follows that step's sampling without waiting for the host."""
         if prepared is None:
             return None
         torch.set_num_threads(prepared.threads)
         try:
-            prepared.inputs.fill_late()
-            step = to_device(prepared.inputs, self.device)
+            step, late = to_device((prepared.inputs, late_indices(prepared.inputs, previous)), self.device)
+            if late is not None:
+                assert previous is not None and previous.sampled is not None
+                step.input_ids[late[0]] = previous.sampled.tokens[late[1]]
             req_ids = prepared.req_ids
             if step.graph_inputs is not None and self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
             else:
                 embeds, deepstack = self.encoders.embed(self.requests, req_ids, prepared.num_scheduled, step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
-            return self._sample(req_ids, step, hidden)
+            logits = self.model.compute_logits(hidden[step.logits_rows]) if step.sampling else None  # [R, V]
+            return LaunchedStep(req_ids, step.sampling, logits)
         finally:
             torch.set_num_threads(self.threads)
 
     @torch.inference_mode()
+    def sample(self, launched: LaunchedStep | None) -> None:
+        """Queue a launched step's sampling, its tokens' copy to the host started. Every step before
+        it must be collected first: grammars, penalties and seeds read each request's tokens."""
+        if launched is None or launched.logits is None:
+            return
+        logits, launched.logits = launched.logits, None
+        states = [self.requests[rid] for rid in launched.sampling]
+        launched.first_logits = {rid: logits[i].float().cpu().numpy().tobytes()  # raw: before any processing
+                                 for i, (rid, state) in enumerate(zip(launched.sampling, states))
+                                 if state.return_first_logits and len(state.token_ids) == state.num_prompt_tokens}
+        for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
+            if state.generator is not None:
+                state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
+        launched.sampled = launch_sampling(logits, states, self.generator, self.grammars.control_tokens)
+
+    @torch.inference_mode()
     def collect(self, launched: LaunchedStep | None) -> ModelRunnerOutput:
-        """Wait for a launched step's tokens; each request's state takes its token."""
+        """Wait for a sampled step's tokens; each request's state takes its token."""
         if launched is None:
             return ModelRunnerOutput({})
         result: dict[str, list[int]] = {rid: [] for rid in launched.req_ids}
@@ -269,22 +292,6 @@ class ModelRunner:
         for k, v in self.kv_caches:  # each [num_blocks, block_size, Hkv, Dh]
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
-
-    def _sample(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
-        sampling = step.sampling
-        if not sampling:
-            return LaunchedStep(req_ids, sampling, None)
-        logits = self.model.compute_logits(hidden[step.logits_rows])  # [R, V]
-        states = [self.requests[rid] for rid in sampling]
-        first_logits = {rid: logits[i].float().cpu().numpy().tobytes()  # raw: before any logits processing
-                        for i, (rid, state) in enumerate(zip(sampling, states))
-                        if state.return_first_logits and len(state.token_ids) == state.num_prompt_tokens}
-        for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
-            if state.generator is not None:
-                state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
-        sampled = launch_sampling(logits, states, self.generator, self.grammars.control_tokens)
-        return LaunchedStep(req_ids, sampling, sampled, first_logits)
-
 
 def _step_seed(seed: int | None, position: int) -> int:
     """The generator seed for a seeded request's token at `position`: a request resumed after

@@ -184,8 +184,8 @@ class MultiprocExecutor:
         self._send(ExecuteModel(scheduler_output))
         return self._collect(WorkerStepOutput, [0], _STEP_TIMEOUT_S, "run a step")[0].output
 
-    # a step in three calls, for --async-scheduling (`engine/core.py: EngineCore._step_overlapped`): each
-    # rank prepares a step, collects the one it has in flight and launches the new one on one message
+    # a step in four calls, for --async-scheduling (`engine/core.py: EngineCore._step_overlapped`): each
+    # rank prepares and launches a step, collects the one before and samples the new one on one message
 
     def prepare(self, scheduler_output: SchedulerOutput) -> SchedulerOutput | None:
         """Send the step; it is launched (every rank's step in flight) when it schedules a token."""
@@ -194,12 +194,15 @@ class MultiprocExecutor:
         self._send(ExecuteModel(scheduler_output, overlap=True))
         return scheduler_output if scheduler_output.num_scheduled_tokens else None
 
-    def launch(self, prepared: SchedulerOutput | None) -> SchedulerOutput | None:
-        return prepared  # each rank launches once it has collected the step before
+    def launch(self, prepared: SchedulerOutput | None, previous: SchedulerOutput | None) -> SchedulerOutput | None:
+        return prepared  # each rank launches on the message `prepare` sent
 
     def collect(self, launched: SchedulerOutput) -> ModelRunnerOutput:
-        """The output of the step in flight, which rank 0 sends once it has read its tokens."""
+        """The output of the step before, which rank 0 sends once it has read its tokens."""
         return self._collect(WorkerStepOutput, [0], _STEP_TIMEOUT_S, "run a step")[0].output
+
+    def sample(self, launched: SchedulerOutput) -> None:
+        pass  # each rank samples once it has collected the step before
 
     def check_health(self) -> None:
         """WorkerFailedError if the executor failed or a worker process is gone."""

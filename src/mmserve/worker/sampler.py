@@ -42,6 +42,7 @@ class SampledStep:
 
     states: list[RunnerRequest]  # row i sampled for states[i]
     params: list[SamplingParams]
+    tokens: torch.Tensor  # [R] int64 on the device: the next step's inputs in flight are read from it
     host: torch.Tensor
     ready: Any
     logprob_rows: list[int]
@@ -60,7 +61,7 @@ def launch_sampling(logits: torch.Tensor, states: list[RunnerRequest], default_g
     host, ready = to_host_async(packed)
     for state in states:
         state.num_in_flight = 1
-    return SampledStep(states, params, host, ready, rows)
+    return SampledStep(states, params, tokens, host, ready, rows)
 
 
 def collect_sampled(step: SampledStep) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -28,16 +28,9 @@ class StepInputs:
     logits_rows: torch.Tensor  # [R] int64: the row of `hidden` each sampling request samples from
     sampling: list[str]  # the R requests that sample, in row order
     graph_inputs: GraphInputs | None = None  # a plain decode step the decode graphs hold
-    # (row of input_ids, its request, token index): tokens still in flight when the step was built;
-    # not an init field, so `to_device` never walks into the requests
-    late: list[tuple[int, RunnerRequest, int]] = field(default_factory=list, init=False)
-
-    def fill_late(self) -> None:
-        """Write the tokens that were in flight into `input_ids` (host), once they have arrived."""
-        if self.late:
-            rows = torch.tensor([row for row, _, _ in self.late], dtype=torch.int64)
-            self.input_ids[rows] = torch.tensor([state.token_ids[i] for _, state, i in self.late], dtype=torch.int64)
-            self.late = []
+    # (row of input_ids, request id): decoding tokens still in flight when the step was built (a
+    # placeholder 0 in input_ids until `ModelRunner.launch` reads them from the step that sampled them)
+    late: list[tuple[int, str]] = field(default_factory=list, init=False)
 
 
 def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
@@ -48,13 +41,13 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
     is a placeholder, listed in `late`."""
     input_ids: list[int] = []
     query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
-    late: list[tuple[int, RunnerRequest, int]] = []
+    late: list[tuple[int, str]] = []
     for rid in req_ids:
         state, n = requests[rid], num_sched[rid]
         start, known = state.num_computed_tokens, len(state.token_ids)
         if n == 1:
             if start == known:  # in flight
-                late.append((len(input_ids), state, start))
+                late.append((len(input_ids), rid))
             input_ids.append(state.token_ids[start] if start < known else 0)
         else:
             input_ids.extend(state.token_ids[start:start + n])
@@ -72,6 +65,17 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
         inputs = StepInputs(ids, positions, build_metadata(query_lens, seq_lens, tables, block_size), rows, sampling)
     inputs.late = late
     return inputs
+
+
+def late_indices(inputs: StepInputs, previous: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a step's tokens in flight: (their rows in `input_ids`, their rows in `previous`'s sampled
+    tokens) [n] int64 each, host tensors; None when it has none."""
+    if not inputs.late:
+        return None
+    assert previous is not None, "a step's tokens in flight were sampled by the step before it"
+    row_of = {rid: i for i, rid in enumerate(previous.sampling)}
+    return (torch.tensor([row for row, _ in inputs.late], dtype=torch.int64),
+            torch.tensor([row_of[rid] for _, rid in inputs.late], dtype=torch.int64))
 
 
 def _positions(states: list[RunnerRequest], query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
@@ -133,9 +137,11 @@ class PreparedStep:
 @dataclass
 class LaunchedStep:
     """A step on the device (`ModelRunner.launch`): its requests, those that sample (in row order)
-    and their tokens on the way (None: none samples)."""
+    with their logits [R, V] until `ModelRunner.sample` takes them, then their tokens on the way
+    (`sampled`; None before, or when none samples)."""
 
     req_ids: list[str]
     sampling: list[str]
-    sampled: SampledStep | None
+    logits: torch.Tensor | None
+    sampled: SampledStep | None = None
     first_logits: dict[str, bytes] = field(default_factory=dict)

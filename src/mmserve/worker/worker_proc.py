@@ -134,15 +134,16 @@ def _serve(args: WorkerArgs, ctx: zmq.Context, results: QueueSender) -> int:
 
 def _step_overlapped(runner: ModelRunner, so: SchedulerOutput, in_flight: LaunchedStep | None, rank: int,
                      results: QueueSender) -> LaunchedStep | None:
-    """--async-scheduling on one rank: prepare `so`, collect the step in flight (rank 0 sends its
-    output, which the engine core waits for), launch `so`; the step now in flight (None when `so`
-    schedules no token)."""
-    prepared = runner.prepare(so)
+    """--async-scheduling on one rank: prepare and launch `so` (its forward reads the tokens in
+    flight on the device), collect the step before (rank 0 sends its output, which the engine core
+    waits for), sample `so`; the step now in flight (None when `so` schedules no token)."""
+    launched = runner.launch(runner.prepare(so), in_flight)
     if in_flight is not None:
         output = runner.collect(in_flight)
         if rank == 0:
             results.send(WorkerStepOutput(rank, output))
-    return runner.launch(prepared)
+    runner.sample(launched)
+    return launched
 
 
 def _init_distributed(args: WorkerArgs) -> None:
