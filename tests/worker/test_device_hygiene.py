@@ -111,3 +111,22 @@ def test_a_greedy_batch_without_extras_copies_back_once(tmp_path, graphs):
                                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), graphs)
     assert [n for n, _ in steps] == [1] * len(steps) and len(steps) == 3
     assert not graphs or runner.decode_graphs.eager_runs == 2  # the two decode steps ran in the static buffers
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_async_scheduling_reads_nothing_on_the_host_and_copies_back_once_a_token(tmp_path, graphs):
+    """--async-scheduling: a step's tokens in flight are read on the device by the next step's
+    forward (no host read), and each sampled step still copies back once."""
+    llm = LLM(model=make_checkpoint(tmp_path), device="meta", max_model_len=256, num_kv_blocks=64,
+              async_scheduling=True)
+    runner = llm.engine.core.executor.runner
+    if graphs:
+        runner.allocate_kv_cache(64, scratch=True)
+        runner.enable_decode_graphs(torch_decode_metadata, capture=False)
+    copies = HostCopies()
+    with copies:
+        out = llm.generate([{"prompt": LLAVA_PROMPT, "multi_modal_data": {"image": make_image(1)}}],
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, **EXTRAS))
+    assert copies.reads == [], f"device values read on the host: {copies.reads}"
+    assert len(out[0].outputs[0].token_ids) == 4 and copies.copies == 4
+    assert not graphs or runner.decode_graphs.eager_runs == 3  # the decode steps, their inputs filled there
