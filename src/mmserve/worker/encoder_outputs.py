@@ -22,10 +22,10 @@ from mmserve.worker.runner_state import RunnerRequest
 
 class EncoderOutputs:
     """`outputs`: mm_hash -> [F, D'] on the model's device; `num_encoded_items` counts the items
-    run through the vision encoder since start (tests, benchmarks)."""
+    run through the vision encoder since start (tests, benchmarks). The model is the caller's,
+    passed to each call (a runner that shuts down drops it: nothing here may keep it alive)."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, fault: CacheFault | None) -> None:
-        self.model = model
+    def __init__(self, device: torch.device, dtype: torch.dtype, fault: CacheFault | None) -> None:
         self.device = device
         self.dtype = dtype
         self.fault = fault
@@ -33,7 +33,7 @@ class EncoderOutputs:
         self.num_encoded_items = 0
         self._encoded: set[str] = set()  # the hashes encoded this step (the rest are cache reads)
 
-    def run(self, requests: dict[str, RunnerRequest], scheduled: dict[str, list[int]]) -> None:
+    def run(self, model: Any, requests: dict[str, RunnerRequest], scheduled: dict[str, list[int]]) -> None:
         """Encode the scheduled items (request id -> its item indices), once per `mm_hash`; an item
         whose output does not fill its placeholders fails its request (`RequestFault`)."""
         keyed = {item.mm_hash: item for rid, idxs in scheduled.items()
@@ -42,7 +42,7 @@ class EncoderOutputs:
         if not keyed:
             return
         datas = [_data(item, self.device) for item in keyed.values()]
-        features = self.model.encode_items(datas, self.dtype)  # each [F, D'], on the device
+        features = model.encode_items(datas, self.dtype)  # each [F, D'], on the device
         for (key, item), feats in zip(keyed.items(), features):
             if feats.shape[0] != item.placeholder.length:  # the request's item is at fault, not the engine
                 owner = next(rid for rid, idxs in scheduled.items() if any(
@@ -52,14 +52,14 @@ class EncoderOutputs:
             self.outputs[key] = feats
         self.num_encoded_items += len(keyed)
 
-    def embed(self, requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
+    def embed(self, model: Any, requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
               input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [T, D] of the step (`req_ids` in order, `num_sched` tokens each from
         its `num_computed_tokens`), image placeholders overwritten by encoder outputs, and for
         deepstack models the features added after the first decoder layers [layers, T, D] (zero on
         text tokens; None when the step has no image token)."""
-        embeds = self.model.embed_tokens(input_ids)
-        D, layers = embeds.shape[-1], self.model.num_deepstack
+        embeds = model.embed_tokens(input_ids)
+        D, layers = embeds.shape[-1], model.num_deepstack
         deepstack = None
         offset = 0
         for rid in req_ids:

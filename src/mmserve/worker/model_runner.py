@@ -82,7 +82,7 @@ class ModelRunner:
         self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
         self.fault = CacheFault.from_env()  # a debugging hook that alters cache hits (tests of the verifier)
-        self.encoders = EncoderOutputs(self.model, self.device, self.dtype, self.fault)
+        self.encoders = EncoderOutputs(self.device, self.dtype, self.fault)
 
     @property
     def encoder_outputs(self) -> dict[str, torch.Tensor]:
@@ -188,7 +188,7 @@ class ModelRunner:
         threads = 1 if small else self.threads
         torch.set_num_threads(threads)
         try:
-            self.encoders.run(self.requests, so.scheduled_encoder_inputs)
+            self.encoders.run(self.model, self.requests, so.scheduled_encoder_inputs)
             req_ids = list(so.num_scheduled_tokens)
             host = prepare_inputs(self.requests, req_ids, so.num_scheduled_tokens, self.block_size,
                                   self.model.attention.build_metadata, self.decode_graphs)
@@ -213,7 +213,8 @@ class ModelRunner:
             if step.graph_inputs is not None and self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(step.input_ids, step.positions, step.graph_inputs)  # [T, D]
             else:
-                embeds, deepstack = self.encoders.embed(self.requests, req_ids, prepared.num_scheduled, step.input_ids)
+                embeds, deepstack = self.encoders.embed(self.model, self.requests, req_ids, prepared.num_scheduled,
+                                                        step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
             logits = self.model.compute_logits(hidden[step.logits_rows]) if step.sampling else None  # [R, V]
             return LaunchedStep(req_ids, step.sampling, logits)
