@@ -104,10 +104,12 @@ def test_tp1_starts_no_process(tmp_path_factory):
     assert set(multiprocessing.active_children()) == before
 
 
-def test_a_killed_rank_fails_the_step_in_seconds_and_leaves_nothing(tmp_path_factory):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_killed_rank_fails_the_step_in_seconds_and_leaves_nothing(tmp_path_factory, overlap):
+    """With --async-scheduling too: the engine core then waits in `MultiprocExecutor.collect`."""
     path = make_checkpoint(tmp_path_factory.mktemp("kill"), **VARIANTS["gqa-4h-2kv"])
     before = shm_listing()
-    llm = LLM(model=path, tensor_parallel_size=2, max_num_batched_tokens=8, **SMALL)
+    llm = LLM(model=path, tensor_parallel_size=2, max_num_batched_tokens=8, async_scheduling=overlap, **SMALL)
     executor = llm.engine.core.executor
     pids, ipc_dir = executor.pids, executor._res.ipc_dir
     send, steps = executor._send, []
