@@ -43,7 +43,7 @@ from mmserve.engine.policies.siblings import SiblingGroups
 from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.runner_mirror import RunnerMirror
-from mmserve.engine.unfinished_steps import UnfinishedSteps, ends as step_ends
+from mmserve.engine.unfinished_steps import UnfinishedSteps
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
@@ -318,12 +318,12 @@ class Scheduler:
         its blocks were freed, is still its next output)."""
         outputs: list[EngineCoreOutput] = []
         requeued = self.unfinished.take(sched)
-        for rid, end in step_ends(sched).items():
+        for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if rid not in requeued:
-                self.prefix.cache_computed(req, sched.num_scheduled_tokens[rid], end)
+            if rid not in requeued:  # where `sched` left it: before the tokens of a step scheduled since
+                self.prefix.cache_computed(req, n, req.num_computed_tokens - self.unfinished.pending(rid))
                 self.encoder_planner.release_consumed(req)
             tokens = result.sampled_token_ids.get(rid)
             if not tokens or not req.num_in_flight:

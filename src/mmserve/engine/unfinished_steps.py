@@ -3,12 +3,11 @@
 Without --async-scheduling a step is updated from before the next is scheduled, so there is at
 most one, between `schedule` and `update_from_output`. With it the engine core schedules step N+1
 before step N's tokens arrive: two. What the scheduler must know of them:
-- where each request of a step ended (`ends`): its `num_computed_tokens` may count the next step's
-  tokens already;
+- how many of a request's computed tokens belong to steps not yet updated from (`pending`): where
+  a step left the request is its `num_computed_tokens` less the tokens of the steps scheduled since,
+  and what those steps consume is released when they are updated from;
 - which of a step's requests were requeued since (preempted, or a later step failed): their blocks
-  and encoder references are gone, so nothing of the step is filed in the caches for them;
-- how many of a running request's computed tokens belong to steps not yet updated from (`pending`):
-  what those steps consume is released when they are.
+  and encoder references are gone, so nothing of the step is filed in the caches for them.
 A step that schedules no token is not tracked (it has nothing to update from).
 """
 
@@ -47,9 +46,3 @@ class UnfinishedSteps:
         """The tokens of `request_id` that tracked steps compute."""
         return sum(tokens.get(request_id, 0) for tokens, _ in self._steps)
 
-
-def ends(sched: SchedulerOutput) -> dict[str, int]:
-    """Each request's computed tokens at the end of step `sched` (its start plus its tokens)."""
-    starts = {new.request_id: new.num_computed_tokens for new in sched.new_requests}
-    starts.update((cached.request_id, cached.num_computed_tokens) for cached in sched.cached_requests)
-    return {rid: starts[rid] + n for rid, n in sched.num_scheduled_tokens.items()}
