@@ -31,7 +31,7 @@ def test_a_repeat_copies_the_first_prompts_last_block_and_computes_one_token():
     own = so.new_requests[0].block_ids
     assert own[:4] == so.new_requests[0].block_ids[:4] and so.kv_copies == [(last_block, own[4])]
     assert so.new_requests[0].num_computed_tokens == 18
-    assert (s.prefix_queries, s.prefix_hits) == (38, 18)
+    assert (s.admission.prefix_queries, s.admission.prefix_hits) == (38, 18)
 
 
 def test_a_full_last_block_is_copied_too():

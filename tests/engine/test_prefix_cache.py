@@ -194,7 +194,7 @@ def test_first_output_carries_num_cached_tokens_and_stats_count_it():
     s.add_request(make_request("b", range(100, 120), max_tokens=2))
     outs = [o for _ in range(2) for o in fake_step(s)[1].outputs]
     assert [o.num_cached_tokens for o in outs] == [16, 0]
-    assert (s.prefix_queries, s.prefix_hits) == (40, 16)
+    assert (s.admission.prefix_queries, s.admission.prefix_hits) == (40, 16)
 
 
 def test_no_hits_with_caching_disabled():
@@ -203,7 +203,7 @@ def test_no_hits_with_caching_disabled():
     req = make_request("b", range(100, 120))
     run(s, req)
     assert req.num_cached_tokens == 0 and s.kv_cache.pool.num_cached_blocks == 0
-    assert (s.prefix_queries, s.prefix_hits) == (0, 0)
+    assert (s.admission.prefix_queries, s.admission.prefix_hits) == (0, 0)
 
 
 def test_a_preempted_request_resumes_from_its_own_cached_blocks():

@@ -211,8 +211,8 @@ class EngineCore:
         First-token layer: lookups and hits in requests, entries in kept tokens (`first_tokens.py`)."""
         s = self.scheduler
         pool, enc = self.kv_cache.pool, s.encoder_cache
-        prefix = CacheStats(queries=s.prefix_queries, hits=s.prefix_hits, evictions=pool.num_evictions,
-                            entries=pool.num_cached_blocks)
+        prefix = CacheStats(queries=s.admission.prefix_queries, hits=s.admission.prefix_hits,
+                            evictions=pool.num_evictions, entries=pool.num_cached_blocks)
         encoder = CacheStats(queries=enc.num_queries, hits=enc.num_hits, evictions=enc.num_evictions,
                              entries=enc.num_resident_items, bytes_used=enc.num_resident_tokens)
         return SchedulerStats(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks,

@@ -158,6 +158,14 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight (--async-scheduling) reach `max_tokens` or the model's
+        length: the request ends when they arrive, so it is not scheduled again."""
+        if not self.num_in_flight:
+            return False
+        total = self.num_tokens + self.num_in_flight
+        return total - self.num_prompt_tokens >= self.sampling_params.max_tokens or total >= max_model_len
+
     def last_block_hash(self, num_tokens: int) -> BlockHash | None:
         """The prefix-cache key of the block holding token `num_tokens - 1`, over its tokens up to
         that one (`BlockHasher.last_block_hash`); None without a block hasher."""

@@ -8,13 +8,14 @@ that had to preempt. When KV blocks run out, the most recently admitted running 
 last lane that has one is preempted: its blocks are freed and it waits at the front of its queue,
 to be recomputed from token 0 (its outputs so far become part of what is recomputed).
 
-Caches at admission: the prefix cache (`prefix_hits.py`: full-block hits, then an identical
-prompt's last block or the reusable leading part of a computed block, copied by the runner before
-the step) and the encoder cache (`encoder_planner.py`: a chunk that reaches an item's placeholders
-references its output, resident or encoded this step within the encoder budget, until it has
-computed them all). Blocks join the prefix cache as soon as the scheduled tokens fill them; finished,
-aborted and preempted requests free their blocks into the LRU queue, keys kept, and release their
-encoder references (unused outputs stay resident until the cache needs room).
+Caches at admission (`admission_planner.py`, decided before anything changes): the prefix cache
+(`prefix_hits.py`: full-block hits, then an identical prompt's last block or the reusable leading
+part of a computed block, copied by the runner before the step) and the encoder cache
+(`encoder_planner.py`: a chunk that reaches an item's placeholders references its output,
+resident or encoded this step within the encoder budget, until it has computed them all). Blocks
+join the prefix cache as soon as the scheduled tokens fill them; finished, aborted and preempted
+requests free their blocks into the LRU queue, keys kept, and release their encoder references
+(unused outputs stay resident until the cache needs room).
 
 Policies (`policies/`), each behind a few calls:
 - lanes (`policies/lane.py`): the users' lane in fair-share order (`policies/fairness.py: FairLane`,
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mmserve.config import SchedulerConfig, compute_encoder_budget
+from mmserve.engine.admission_planner import AdmissionPlanner
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.encoder_planner import EncoderPlan, EncoderPlanner
 from mmserve.engine.kv_cache import KVBlock, KVCacheManager
@@ -40,7 +42,7 @@ from mmserve.engine.policies.first_tokens import FirstTokenAnswers, FirstTokenCa
 from mmserve.engine.policies.lane import Lane, Lanes
 from mmserve.engine.policies.shadows import ShadowLane
 from mmserve.engine.policies.siblings import SiblingGroups
-from mmserve.engine.prefix_hits import PrefixHit, PrefixHits
+from mmserve.engine.prefix_hits import PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.runner_mirror import RunnerMirror
 from mmserve.engine.unfinished_steps import UnfinishedSteps
@@ -63,6 +65,7 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(cache_size, keep_unused=config.encoder_cache_tokens != 0)
         self.encoder_planner = EncoderPlanner(self.encoder_cache, compute_budget, not config.disable_chunked_mm_input)
         self.prefix = PrefixHits(kv_cache, self.encoder_cache.contains)
+        self.admission = AdmissionPlanner(kv_cache, self.prefix, self.answers, self.encoder_planner)
         self.requests: dict[str, Request] = {}
         self.groups = SiblingGroups()
         self.users = FairLane(config.max_num_seqs)
@@ -76,8 +79,6 @@ class Scheduler:
         self.num_preemptions = 0  # since start, for tests and metrics
         self.unfinished = UnfinishedSteps()  # scheduled, not yet updated from (--async-scheduling: two)
         self._arrivals = 0  # requests added since start: the next one's `order`
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission, since start
-        self.prefix_hits = 0  # of which were cache hits
 
     def _running_in(self, lane: Lane) -> list[Request]:
         """`lane`'s running requests, in admission order."""
@@ -147,7 +148,7 @@ class Scheduler:
         for req in reqs:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or self._ends_in_flight(req):
+            if req.status is not RequestStatus.RUNNING or req.ends_in_flight(self.max_model_len):
                 continue  # preempted for a request before it, or its tokens in flight end it
             plan = self.encoder_planner.plan(req, req.num_computed_tokens,
                                              min(req.num_tokens + req.num_in_flight - req.num_computed_tokens, budget))
@@ -166,14 +167,6 @@ class Scheduler:
             budget -= plan.num_tokens
         return budget, preempted
 
-    def _ends_in_flight(self, req: Request) -> bool:
-        """Whether `req`'s tokens in flight (--async-scheduling) reach its `max_tokens` or the
-        model's length: it ends when they arrive, so it is not scheduled again."""
-        if not req.num_in_flight:
-            return False
-        total = req.num_tokens + req.num_in_flight
-        return total - req.num_prompt_tokens >= req.sampling_params.max_tokens or total >= self.max_model_len
-
     def _schedule_waiting(self, lane: Lane, budget: int, out: SchedulerOutput) -> int:
         """Admit `lane`'s waiting requests in its order while budget, `max_num_seqs` and blocks
         allow (a request that cannot be admitted takes a later spare lane's place); the budget left."""
@@ -190,59 +183,28 @@ class Scheduler:
         return budget
 
     def _admit_next(self, lane: Lane, budget: int, out: SchedulerOutput) -> bool:
-        """Schedule the first waiting request of `lane` within `budget` tokens, after its prefix-cache
-        hit; False (and nothing scheduled) when its blocks or its first encoder input do not fit."""
+        """Admit the first waiting request of `lane` within `budget` tokens (`AdmissionPlanner`):
+        scheduled after its prefix-cache hit, or answered with its prompt's cached first token;
+        False (and nothing done) when it does not fit."""
         req = lane.waiting[0]
-        hit = self.prefix.hits(req) if lane.reads_caches else PrefixHit([])
-        token = self.answers.token_for(req, hit.last_block)
-        if token is not None:
-            return self._admit_answered(req, hit, token, out, lane)
-        n = min(req.num_tokens - hit.num_tokens, budget)
-        if not self.kv_cache.can_allocate(req.request_id, hit.num_tokens + n, hit.blocks):
+        admission = self.admission.plan(req, lane, budget)
+        if admission is None:
             return False
-        plan = self.encoder_planner.plan(req, hit.num_tokens, n)  # may shorten the chunk: it still fits the blocks
-        if plan.num_tokens == 0:
-            return False  # took no reference: its first needed item was the one that cannot run
-        self._admit(req, hit.num_tokens, lane)
-        self._schedule(req, plan, out, hit.blocks)
-        self._copy_block(req, hit, out)
-        return True
-
-    def _admit_answered(self, req: Request, hit: PrefixHit, token: int, out: SchedulerOutput, lane: Lane) -> bool:
-        """Admit `req` with its whole prompt cached (`hit`: its blocks, then a copy of the last)
-        and `token`, its prompt's cached first token, appended; nothing of it is computed this
-        step. False (and nothing done) when its blocks do not fit."""
-        rid, n = req.request_id, req.num_tokens
-        if not self.kv_cache.can_allocate(rid, n, hit.blocks):
-            return False
-        self._admit(req, n, lane)
-        self.kv_cache.allocate_slots(rid, n, hit.blocks)
-        self.answers.answer(req, token)
-        out.new_requests.append(self.runner.new(req))
-        self._copy_block(req, hit, out)
-        return True
-
-    def _copy_block(self, req: Request, hit: PrefixHit, out: SchedulerOutput) -> None:
-        """Have the runner copy the hit's block to copy (a last or partial block) into `req`'s
-        block after its shared ones, before the step's forward writes to any block."""
-        if hit.copy is not None:
-            dst = self.kv_cache.get_block_ids(req.request_id)[len(hit.blocks)]
-            out.kv_copies.append((hit.copy.block_id, dst))
-
-    def _admit(self, req: Request, num_hit: int, lane: Lane) -> None:
-        """Move `req`, the first of `lane`'s queue, to running after its `num_hit` cached tokens;
-        the first admission sets its `num_cached_tokens` and, when its lane reads caches, counts
-        the lookup in `prefix_queries` / `prefix_hits` and the request's own `cache_counts`."""
+        hit, num_computed = admission.hit, admission.num_computed(req)
         lane.waiting.popleft()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        req.num_computed_tokens = num_hit
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = num_hit
-            if self.kv_cache.enable_caching and lane.reads_caches:
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += num_hit
-                req.count_cache("prefix", num_hit, req.num_tokens)
+        req.num_computed_tokens = num_computed
+        self.admission.record(req, num_computed, lane)
+        if admission.plan is not None:
+            self._schedule(req, admission.plan, out, hit.blocks)
+        else:  # answered: nothing of it is computed this step
+            assert admission.token is not None
+            self.kv_cache.allocate_slots(req.request_id, num_computed, hit.blocks)
+            self.answers.answer(req, admission.token)
+            out.new_requests.append(self.runner.new(req))
+        out.kv_copies += self.admission.block_copies(req, hit)
+        return True
 
     def _schedule(self, req: Request, plan: EncoderPlan, out: SchedulerOutput,
                   computed: Sequence[KVBlock] = ()) -> None:
