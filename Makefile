@@ -39,8 +39,9 @@ test: lint
 GPU_PY ?= python3
 GPU_RUN := PYTHONPATH=src:tests $(GPU_PY)
 
-# in one process each: tests/gpu (parity with transformers on the same GPU, caches and CUDA graphs on
-# vs off, every LLM's memory given back, the server), then the Triton kernels compiled for the GPU
+# in one process each: tests/gpu (parity with transformers on the same GPU, caches, CUDA graphs and
+# async scheduling on vs off, the sampler's GPU paths against the CPU's, a 16-bit KV cache in graphs,
+# every LLM's memory given back, the server), then the Triton kernels compiled for the GPU
 test-gpu:
 	$(GPU_RUN) -m pytest -p no:cacheprovider -m gpu -s tests/gpu
 	$(GPU_RUN) -m pytest -p no:cacheprovider -q tests/kernels

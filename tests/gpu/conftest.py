@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from helpers.gpu_cases import release_llms
 
@@ -14,3 +15,12 @@ from helpers.gpu_cases import release_llms
 def _release_engines() -> Iterator[None]:
     yield
     release_llms()
+
+
+@pytest.fixture
+def exact_float32() -> Iterator[None]:
+    """No TF32 anywhere (cuDNN convolutions use it by default): float32 means float32 here."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

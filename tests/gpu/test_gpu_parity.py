@@ -13,19 +13,10 @@ from mmserve.worker.cuda_graphs import torch_decode_metadata
 from helpers.gpu_cases import CHECKPOINTS, checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
 MAX_NEW = 12
 CACHES_OFF = dict(enable_prefix_caching=False, enable_last_block_caching=False, enable_first_token_caching=False,
                   mm_processor_cache_gb=0, encoder_cache_tokens=0)
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    """No TF32 anywhere (cuDNN convolutions use it by default): float32 means float32 here."""
-    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)

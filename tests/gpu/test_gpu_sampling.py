@@ -1,0 +1,88 @@
+"""On a CUDA GPU, the paths that only run there: a JSON grammar's masks applied to GPU logits
+(xgrammar's Triton kernel), penalties, logit bias, min_tokens and log probabilities give the
+float32 tokens the CPU engine gives; a 16-bit KV cache under a float32 model replays from CUDA
+graphs with the tokens it gives eagerly; seeded sampling gives the same tokens again.
+`make test-gpu`; skipped (instantly) where CUDA is absent."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.structured_outputs import StructuredOutputsParams
+from helpers.gpu_cases import checkpoint, prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
+DEVICE = "cuda"
+CLICK = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer", "minimum": 0},
+                                          "button": {"enum": ["left", "right"]}}, "required": ["x", "y", "button"]}
+
+
+def sampler_rows() -> list[SamplingParams]:
+    """One row per path of the sampler, all greedy: their tokens depend on the logits alone."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams.for_schema(CLICK)),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8, logit_bias={5: 2.0, 9: -50.0}, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json_object=True)),
+        SamplingParams(temperature=0.0, max_tokens=12),
+    ]
+
+
+def run(llm: LLM, params: list[SamplingParams]) -> list:
+    items = prompts("builtin:tiny-llava")
+    outs = llm.generate(items, params)
+    core = llm.engine.core
+    core.check_integrity()
+    assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
+    return [o.outputs[0] for o in outs]
+
+
+def test_the_samplers_paths_on_the_gpu_equal_the_cpus(tmp_path):
+    path = checkpoint("builtin:tiny-llava", tmp_path)
+    cpu = LLM(model=path, device="cpu", dtype="float32")
+    expected = run(cpu, sampler_rows())
+    cpu.shutdown()
+    gpu = LLM(model=path, device=DEVICE, dtype="float32", max_model_len=512)
+    got = run(gpu, sampler_rows())
+    assert gpu.engine.core.executor.runner.device.type == DEVICE
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    jsonschema.validate(json.loads(got[0].text), CLICK)
+    assert isinstance(json.loads(got[3].text), dict)
+    assert 9 not in got[2].token_ids and len(got[2].token_ids) >= 8
+    for position, reference in zip(got[2].logprobs or [], expected[2].logprobs or [], strict=True):
+        token = next(t for t, lp in position.items() if lp.rank == 1)  # greedy: the sampled token ranks first
+        assert abs(position[token].logprob - reference[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("name, kv_cache_dtype", [("builtin:tiny-llava", "float16"), ("qwen3_vl", "bfloat16")])
+def test_a_16_bit_kv_cache_replays_from_graphs_as_it_runs_eagerly(tmp_path, name, kv_cache_dtype):
+    """A float32 model over a half-precision cache: the Triton kernels cast on store and on load,
+    in the captured graphs as in eager steps."""
+    path, items = checkpoint(name, tmp_path), prompts(name)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(model=path, device=DEVICE, dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=512,
+                  enforce_eager=eager)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(items, greedy)])
+        llm.engine.core.check_integrity()
+        graphs = llm.engine.core.executor.runner.decode_graphs
+        llm.shutdown()
+    assert runs[1] == runs[0]
+    assert graphs is not None and graphs.replays > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_again(tmp_path):
+    path = checkpoint("builtin:tiny-llava", tmp_path)
+    seeded = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True) for s in range(3)] + \
+        [SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=7, max_tokens=12, ignore_eos=True),
+         SamplingParams(temperature=0.0, max_tokens=12)]
+    llm = LLM(model=path, device=DEVICE, dtype="float32", max_model_len=512)
+    first = [c.token_ids for c in run(llm, seeded)]
+    again = [c.token_ids for c in run(llm, seeded)]  # through every cache this time
+    assert again == first
