@@ -11,6 +11,10 @@ measured in the same run.
   head dim per segment) against a large bfloat16 matmul's rate; the head in 64 + 16 lanes as the
   backend runs it, and in one 128-lane part (the kernel before) beside it.
 
+Kernels are timed as CUDA-graph replays (`replay_timed`: no host launch between two kernels, as in
+the engine's decode graphs), decode over enough distinct K/V (`decode_inputs`) that no call reads
+what the call before left in L2.
+
 Run: `python benchmarks/attention_kernels.py` on a CUDA machine (without one it says so and exits
 0); `--smoke` runs the script's own code at tiny sizes on CPU under Triton's interpreter.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import time
 from typing import Callable
@@ -27,6 +32,7 @@ import torch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 TOWER_HEADS, TOWER_HEAD_DIM, FRAME_ROWS, WINDOW_ROWS = 16, 80, 4070, 64
+L2_FLUSH_BYTES = 256 << 20  # K/V read in turn by a decode benchmark: past any GPU's L2
 
 
 def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -45,6 +51,45 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     end.record()
     end.synchronize()
     return begin.elapsed_time(end) / 1e3 / reps
+
+
+def replay_timed(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Mean seconds of one call, `calls` taken in turn: on a GPU, `reps` of them (at least one
+    round) captured in a CUDA graph and the graph replayed, so that a small kernel is timed as the
+    engine's decode graphs run it, without the host's launch between two kernels; off CUDA, timed."""
+    if device.type != "cuda":
+        turn = itertools.cycle(calls)
+        return timed(lambda: next(turn)(), device, reps)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for call in calls * 2:  # compiled and warm before the capture
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    n = max(reps, len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    return timed(graph.replay, device, 5) / n
+
+
+def decode_inputs(batch: int, context: int, device: torch.device, dtype: torch.dtype,
+                  min_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(q, k_cache, v_cache, seq_lens, block tables) for Qwen2.5-VL-7B's decode attention: `batch`
+    sequences of `context` keys in shuffled blocks, in as many sets of tables (disjoint blocks) as
+    take `min_bytes` of K/V together, so that calls taking them in turn read memory, not a cache
+    that one set fits in (an H100's L2 holds 50 MB; batch 1 reads 4 MB a layer)."""
+    blocks = batch * context // BLOCK
+    set_bytes = 2 * blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    sets = max(1, -(-min_bytes // set_bytes))
+    k_cache, v_cache = (torch.randn(sets * blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+                        for _ in range(2))
+    order = torch.randperm(sets * blocks, device=device).to(torch.int32)
+    tables = [order[i * blocks:(i + 1) * blocks].view(batch, -1) for i in range(sets)]
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device).to(dtype)
+    return q, k_cache, v_cache, lens, tables
 
 
 def copy_bandwidth(device: torch.device, reps: int) -> float:
@@ -75,16 +120,15 @@ def decode_row(device: torch.device, batch: int, context: int, bandwidth: float,
     from mmserve.models.attention.decode_kernel import decode_attention, decode_splits, sm_count
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    blocks = batch * context // BLOCK
-    k_cache, v_cache = (torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device).to(dtype) for _ in range(2))
-    tables = torch.randperm(blocks, device=device).view(batch, -1).to(torch.int32)  # shuffled blocks
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=device).to(dtype)
+    flush = L2_FLUSH_BYTES if device.type == "cuda" else 0
+    q, k_cache, v_cache, lens, tables = decode_inputs(batch, context, device, dtype, flush)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    splits = decode_splits(batch, KV_HEADS, tables.shape[1] * BLOCK, sm_count(device))
-    split = timed(functools.partial(decode_attention, q, k_cache, v_cache, lens, tables, 0.088), device, reps)
-    single = timed(functools.partial(decode_attention, q, k_cache, v_cache, lens, tables, 0.088, splits=1), device,
-                   reps)
+    splits = decode_splits(batch, KV_HEADS, tables[0].shape[1] * BLOCK, sm_count(device))
+
+    def calls(n: int | None) -> list[Callable[[], object]]:
+        return [functools.partial(decode_attention, q, k_cache, v_cache, lens, t, 0.088, splits=n) for t in tables]
+    split = replay_timed(calls(None), device, reps)
+    single = replay_timed(calls(1), device, reps)
     print(f"{batch:>6} {splits:>6} {split * 1e6:>9.1f} {kv_bytes / split / 1e9:>7.0f} "
           f"{kv_bytes / split / bandwidth:>6.2f} {single * 1e6:>10.1f} {kv_bytes / single / 1e9:>7.0f} "
           f"{kv_bytes / single / bandwidth:>6.2f} {single / split:>8.2f}")
@@ -110,9 +154,9 @@ def prefill_rows(device: torch.device, frame_rows: int, rate: float, reps: int) 
         segments = backend.segments(cu, device)
         flops = sum(4 * (hi - lo) ** 2 * TOWER_HEADS * TOWER_HEAD_DIM for lo, hi in zip(cu[:-1], cu[1:]))
         scale = TOWER_HEAD_DIM**-0.5
-        seconds = timed(functools.partial(segments.attend, q, k, v, scale), device, reps)
-        one_part = timed(functools.partial(varlen_attention, q, k, v, segments.cu, segments.max_len, scale, padded),
-                         device, reps)
+        seconds = replay_timed([functools.partial(segments.attend, q, k, v, scale)], device, reps)
+        one_part = replay_timed([functools.partial(varlen_attention, q, k, v, segments.cu, segments.max_len, scale,
+                                                   padded)], device, reps)
         print(f"{name:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} {flops / seconds / rate:>6.2f} "
               f"{one_part * 1e3:>13.3f} {flops / one_part / rate:>6.2f} {one_part / seconds:>8.2f}")
 

@@ -103,3 +103,23 @@ def test_the_gpu_benchmarks_quantized_rows_run_on_the_cpu(gpu_bench, capsys):
                          rf"{number} \(target <= 1.00\)", out), out
     assert byte_ratios["awq"] < byte_ratios["fp8"] < 1 and "failed" not in out
     assert os.listdir(os.path.dirname(path)) == ["model"]
+
+
+def test_the_attention_sweep_runs_on_the_cpu():
+    """`attention_sweep.py --smoke`: every shape's table under Triton's interpreter, each launch the
+    current one or one knob away from it, and a best line; nothing refused."""
+    import subprocess
+
+    root = BENCHMARKS.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests")])}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "attention_sweep.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    titles = re.findall(r"^(decode, batch 1|decoder prefill|tower, \d+ rows, full|tower, \d+ rows, \d+ windows)", out,
+                        re.MULTILINE)
+    assert len(titles) == 4 and out.count("  best: ") == 4, out
+    labels = re.findall(r"^ +(\S+(?: \d+x\d+)?) +\d+\.\d us", out, re.MULTILINE)
+    assert all(label.startswith(("current", "tile_n=", "num_warps=", "num_stages=", "splits=", "block_m=",
+                                 "block_n=")) for label in labels), labels
+    assert "refused" not in out and "splits=2" in out

@@ -9,6 +9,7 @@ gives every SM work. Imported only by the triton backend (it needs `triton`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,10 +58,23 @@ def decode_splits(batch: int, kv_heads: int, max_context: int, sms: int) -> int:
     return max(1, min(wanted, MAX_SPLITS, max_context // MIN_SPLIT_KEYS))
 
 
-def split_warps(dtype: torch.dtype) -> int:
-    """Warps of a split program: 4 in half precision; 8 for a float32 query, whose [ROWS, BLOCK_D]
-    tiles in float32 (K and V widened from a 16-bit cache too) pass 4 warps' registers and spill."""
-    return 8 if dtype == torch.float32 else 4
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A split program's shape: `tile_n` keys per tile, its warps and its pipeline stages."""
+
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_launch(dtype: torch.dtype, cache_itemsize: int) -> DecodeLaunch:
+    """The split kernel's launch for a query of `dtype` over a cache of `cache_itemsize`-byte
+    elements: TILE_N keys a tile; 4 warps in half precision, 8 for a float32 query, whose
+    [ROWS, BLOCK_D] tiles in float32 (K and V widened from a 16-bit cache too) pass 4 warps'
+    registers and spill; 3 stages (`kv_stages`). `benchmarks/attention_sweep.py` replaces it to
+    time other launches."""
+    warps = 8 if dtype == torch.float32 else 4
+    return DecodeLaunch(TILE_N, warps, kv_stages(3, dtype.itemsize, cache_itemsize))
 
 
 @triton.jit
@@ -160,6 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits is None:
         splits = decode_splits(B, Hkv, block_tables.shape[1] * S, sm_count(q.device))
     block_d = max(16, triton.next_power_of_2(Dh))
+    launch = decode_launch(q.dtype, k_cache.element_size())
     out = torch.empty_like(q)
     part, lse = out, out  # not read with one split
     if splits > 1:
@@ -171,10 +186,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=Dh, GROUP=group, BLOCK_SIZE=S, ROWS=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        TILE_N=TILE_N, NUM_SPLITS=splits, RANGE_LOOP=range_loops(q.device), num_warps=split_warps(q.dtype),
-        num_stages=kv_stages(3, q.element_size(), k_cache.element_size()))
+        TILE_N=launch.tile_n, NUM_SPLITS=splits, RANGE_LOOP=range_loops(q.device), num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     if splits > 1:
         _reduce_splits_kernel[(B, H)](
-            part, lse, out, seq_lens, out.stride(0), out.stride(1), HEAD_DIM=Dh, BLOCK_D=block_d, TILE_N=TILE_N,
+            part, lse, out, seq_lens, out.stride(0), out.stride(1), HEAD_DIM=Dh, BLOCK_D=block_d, TILE_N=launch.tile_n,
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -1,8 +1,9 @@
 """Tile sizes, warps and pipeline stages of the prefill attention kernels, per head size and dtype.
 
-Not timed here (no GPU at hand when chosen): each comes from what published Hopper kernels use for
-the same head size, written beside it, with warps enough that `ptxas` spills no register at the
+Not timed when chosen (no GPU at hand): each comes from what published Hopper kernels use for the
+same head size, written beside it, with warps enough that `ptxas` spills no register at the
 shipped models' shapes (`benchmarks/kernel_resources.py` compiles them for sm_90 without a GPU).
+`benchmarks/attention_sweep.py` times each beside its neighbours on a GPU.
 `tl.arange` (and `tl.dot`, at least 16) need powers of two: the paged kernel runs a head of 80 or
 96 in 128 lanes (the rest masked), as a head of 128; the tower's variable-length kernel holds it in
 two parts (`head_parts`: 80 = 64 + 16, 96 = 64 + 32).
@@ -65,18 +66,23 @@ def head_parts(head_dim: int) -> tuple[int, int]:
     return (first, second) if first + second < whole else (whole, 0)
 
 
-def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int, arch: int = NOMINAL_ARCH) -> TileConfig:
-    """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes when a program has at most
-    `rows` query rows and `keys` keys, on a GPU of compute capability `arch` (`device_arch`):
-    never larger than those (Qwen2.5-VL's 64-patch windows take 64-row tiles, a CLIP image of 17
-    rows 32), nor than 16 (`tl.dot`'s least)."""
+def base_tiles(head_dim: int, itemsize: int, arch: int = NOMINAL_ARCH) -> TileConfig:
+    """The tiles for heads of `head_dim` in a dtype of `itemsize` bytes on a GPU of compute
+    capability `arch` (`device_arch`), before `prefill_tiles` fits them to a launch's rows and keys
+    (`benchmarks/attention_sweep.py` replaces it to time other tiles)."""
     small = triton.next_power_of_2(head_dim) <= 64
     if itemsize >= 4:
-        tiles = SINGLE
-    elif arch < 90:
-        tiles = AMPERE_SMALL_HEAD if small else AMPERE_LARGE_HEAD
-    else:
-        tiles = HALF_SMALL_HEAD if small else HALF_LARGE_HEAD
+        return SINGLE
+    if arch < 90:
+        return AMPERE_SMALL_HEAD if small else AMPERE_LARGE_HEAD
+    return HALF_SMALL_HEAD if small else HALF_LARGE_HEAD
+
+
+def prefill_tiles(head_dim: int, itemsize: int, rows: int, keys: int, arch: int = NOMINAL_ARCH) -> TileConfig:
+    """`base_tiles` for a launch whose programs have at most `rows` query rows and `keys` keys:
+    never larger than those (Qwen2.5-VL's 64-patch windows take 64-row tiles, a CLIP image of 17
+    rows 32), nor than 16 (`tl.dot`'s least)."""
+    tiles = base_tiles(head_dim, itemsize, arch)
     return replace(tiles, block_m=min(tiles.block_m, max(16, triton.next_power_of_2(rows))),
                    block_n=min(tiles.block_n, max(16, triton.next_power_of_2(keys))))
 
