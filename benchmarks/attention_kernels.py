@@ -161,13 +161,21 @@ def prefill_rows(device: torch.device, frame_rows: int, rate: float, reps: int) 
               f"{one_part * 1e3:>13.3f} {flops / one_part / rate:>6.2f} {one_part / seconds:>8.2f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str, reps: int) -> argparse.Namespace:
+    """A kernel benchmark's flags: `--smoke` (tiny sizes on CPU under Triton's interpreter, turned
+    on here, before triton is imported) and `--reps`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under Triton's interpreter")
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=reps)
     args = parser.parse_args()
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "", 50)
+    if args.smoke:
         device, batches, context, frame_rows, reps = torch.device("cpu"), [1, 2], 256, 130, 1
     elif torch.cuda.is_available():
         device, batches, context, frame_rows, reps = torch.device("cuda"), [1, 8, 32, 64], 2048, FRAME_ROWS, args.reps

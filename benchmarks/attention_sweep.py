@@ -18,10 +18,8 @@ sizes on CPU under Triton's interpreter, one alternative per knob.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,7 +27,7 @@ from typing import Any
 import torch
 
 from attention_kernels import (BLOCK, HEAD_DIM, HEADS, KV_HEADS, L2_FLUSH_BYTES, TOWER_HEAD_DIM, TOWER_HEADS,
-                               copy_bandwidth, decode_inputs, matmul_rate, replay_timed)
+                               copy_bandwidth, decode_inputs, matmul_rate, parse_args, replay_timed)
 
 DECODE_KNOBS = {"tile_n": [32, 128], "num_warps": [2, 8], "num_stages": [2, 4]}
 PREFILL_KNOBS = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
@@ -167,12 +165,8 @@ def prefill_sweep(sizes: Sizes, rate: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under Triton's interpreter")
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+    args = parse_args(__doc__ or "", 20)
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         sizes = Sizes(torch.device("cpu"), torch.float16, [1], 128, 24, 70, 32, 1, 1)
     elif torch.cuda.is_available():
         sizes = Sizes(torch.device("cuda"), torch.bfloat16, [1, 8, 64], 2048, 1000, 4070, 64, args.reps, 3)
