@@ -204,16 +204,20 @@ def _check_answers(reports: list[SoakReport], reference: LoopbackServer, concurr
 
 
 def run_soak(model: str, cache_types: list[str], requests: int, seconds: float, concurrency: int,
-             seed: int = 0, cache_items: int = 3, verify_rate: float = 0.2) -> list[SoakReport]:
-    """Soak one server per cache type (lru, shm) and check everything above; one report each."""
+             seed: int = 0, cache_items: int = 3, verify_rate: float = 0.2,
+             async_scheduling: bool = False) -> list[SoakReport]:
+    """Soak one server per cache type (lru, shm) and check everything above; one report each. With
+    `async_scheduling` the soaked servers run --async-scheduling and the reference does not."""
     model_dir = resolve_model(model)
     reports = [SoakReport(cache_type) for cache_type in cache_types]
     with tempfile.TemporaryDirectory(prefix="mmserve-soak-") as media, _poison_env():
         for report in reports:
-            engine_args = soak_engine_args(model_dir, report.cache_type, Path(media), cache_items, verify_rate)
+            engine_args = {**soak_engine_args(model_dir, report.cache_type, Path(media), cache_items, verify_rate),
+                           "async_scheduling": async_scheduling}
             _soak(report, LoopbackServer(model_dir, engine_args), Path(media), requests, seconds, concurrency, seed)
         off = {**engine_args, "mm_processor_cache_gb": 0, "mm_ipc_cache_gb": 0, "mm_cache_type": "lru",
-               "enable_prefix_caching": False, "encoder_cache_tokens": 0, "cache_verify_rate": 0.0}
+               "enable_prefix_caching": False, "encoder_cache_tokens": 0, "cache_verify_rate": 0.0,
+               "async_scheduling": False}
         start = time.monotonic()
         os.environ.pop(POISON_ENV, None)  # the reference server's engine core carries no poison
         with LoopbackServer(model_dir, off) as reference:
@@ -308,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-items", type=int, default=3, help="items each small cache holds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-verify-rate", type=float, default=0.2, help="the shadow verifier's sampling rate")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the soaked servers run --async-scheduling (the reference server does not)")
     args = parser.parse_args(argv)
     reports = run_soak(args.model, args.cache_type, args.requests, args.seconds, args.concurrency, args.seed,
-                       args.cache_items, args.cache_verify_rate)
+                       args.cache_items, args.cache_verify_rate, args.async_scheduling)
     for report in reports:
         print(report.summary(), flush=True)
         for failure in report.failures:

@@ -3,7 +3,8 @@ and uuid-only requests and streams nobody reads, at concurrency against a real s
 caches, lru and shm, then a poison request (its own 500, two restarts); then no other 5xx, an
 idle engine with every block free, P0 and P1 IPC keys equal, /dev/shm as before, the answers
 of a fresh server with every cache off, and the shadow cache verifier (on at the soak's rate)
-re-ran some cache-served requests and found no mismatch."""
+re-ran some cache-served requests and found no mismatch; then all of it again with
+--async-scheduling."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ def model_path(tmp_path_factory):
 
 
 @pytest.mark.soak
-def test_short_soak(model_path):
-    reports = run_soak(model_path, ["lru", "shm"], requests=120, seconds=8.0, concurrency=12, seed=1)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_short_soak(model_path, async_scheduling):
+    """With --async-scheduling the soaked servers overlap each step with the next; the reference
+    server does not, so the answers compared are the synchronous engine's."""
+    reports = run_soak(model_path, ["lru", "shm"], requests=120, seconds=8.0, concurrency=12, seed=1,
+                       async_scheduling=async_scheduling)
     for report in reports:
         print(report.summary())
     assert not [f for report in reports for f in report.failures], "\n".join(
