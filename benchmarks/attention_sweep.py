@@ -10,8 +10,9 @@ are chosen by measurement (until now, by what published Hopper kernels use).
   (Qwen2.5-VL-7B's: 16 heads of 80, a 1024x768 image's full 4,070 rows and its 64-row windows):
   `block_m`, `block_n`, `num_warps`, `num_stages`, as attention FLOP/s against a bfloat16 matmul.
 
-A launch the compiler refuses (shared memory, registers) prints why. Each shape ends with its best
-launch and its speed-up over the current one. Run: `python benchmarks/attention_sweep.py` on a
+A launch the compiler refuses (shared memory, registers) prints why; one whose output differs from
+the current launch's is marked WRONG and never named best. Each shape ends with its best launch
+and its speed-up over the current one. Run: `python benchmarks/attention_sweep.py` on a
 CUDA machine (without one it says so and exits 0); `--smoke` runs the script's own code at tiny
 sizes on CPU under Triton's interpreter, one alternative per knob.
 """
@@ -32,6 +33,7 @@ from attention_kernels import (BLOCK, HEAD_DIM, HEADS, KV_HEADS, L2_FLUSH_BYTES,
 DECODE_KNOBS = {"tile_n": [32, 128], "num_warps": [2, 8], "num_stages": [2, 4]}
 PREFILL_KNOBS = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
 SPLIT_FACTORS = (0.5, 2, 4)
+TOLERANCE = 2e-2  # a launch's output against the current one's: 16-bit rounding, summed in another order
 
 
 @dataclass(frozen=True)
@@ -67,22 +69,28 @@ def neighbours(current: Any, knobs: dict[str, list[int]], alternatives: int) -> 
     return cases
 
 
-def sweep(title: str, cases: list[tuple[str, list[Callable[[], object]]]], work: float, limit: float, unit: str,
+def sweep(title: str, cases: list[tuple[str, list[Callable[[], Any]]]], work: float, limit: float, unit: str,
           sizes: Sizes) -> None:
     """Time each case (its calls taken in turn, `replay_timed`; `work` units a call against `limit`
-    units per second); print the table and the best case's speed-up over the first (the current
-    launch)."""
+    units per second), its first call's output checked against the current launch's; print the
+    table and the best correct case's speed-up over the first (the current launch)."""
     print(f"{title}:")
     results: list[tuple[str, float]] = []
+    reference = None
     for label, calls in cases:
         try:
+            out = calls[0]().float()
             seconds = replay_timed(calls, sizes.device, sizes.reps)
         except Exception as e:  # the compiler refuses a launch: say why, go on
             print(f"  {label:>16}  refused: {str(e).splitlines()[0][:100]}")
             continue
-        results.append((label, seconds))
+        reference = out if reference is None else reference
+        error = (out - reference).abs().max().item()
+        wrong = f"   WRONG: max error {error:.3g}" if error > TOLERANCE else ""
+        if not wrong:
+            results.append((label, seconds))
         print(f"  {label:>16} {seconds * 1e6:>10.1f} us {work / seconds / 1e9:>9.0f} {unit} "
-              f"ratio {work / seconds / limit:5.2f}", flush=True)
+              f"ratio {work / seconds / limit:5.2f}{wrong}", flush=True)
     if results and results[0][0].startswith("current"):
         best = min(results, key=lambda r: r[1])
         print(f"  best: {best[0]} ({results[0][1] / best[1]:.2f}x the current launch)")

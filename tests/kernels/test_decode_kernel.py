@@ -98,3 +98,20 @@ def test_one_split_writes_the_output_itself():
     """Large batches run one split per (sequence, KV head) and skip the reduce."""
     assert decode_splits(66, 4, 256, NOMINAL_SMS) == 1
     check([1 + 3 * i for i in range(66)], 4, 4, 16, 16, seed=4)
+
+
+@pytest.mark.parametrize("tile_n,warps,stages", [(32, 4, 3), (128, 4, 3), (64, 2, 3), (64, 8, 2), (64, 4, 4)])
+@pytest.mark.parametrize("splits", [None, 1, 32])
+def test_every_launch_the_sweep_tries_computes_the_same_attention(monkeypatch, tile_n, warps, stages, splits):
+    """`benchmarks/attention_sweep.py` times the launch's neighbours (keys a tile, warps, stages,
+    split counts) on a GPU: each one gives the attention the current launch gives."""
+    from mmserve.models.attention import decode_kernel
+
+    launch = decode_kernel.DecodeLaunch(tile_n, warps, stages)
+    monkeypatch.setattr(decode_kernel, "decode_launch", lambda dtype, cache_itemsize: launch)
+    q, k_cache, v_cache, tables, seq_lens = make_decode([1, 300, 700], 7, 1, 80, 16, torch.float32, seed=tile_n)
+    scale = 80**-0.5
+    got = decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), seq_lens.to(DEVICE),
+                           tables.to(DEVICE), scale, splits=splits)
+    torch.testing.assert_close(got.cpu().double(), reference(q, k_cache, v_cache, tables, seq_lens, scale),
+                               atol=2e-5, rtol=2e-5)

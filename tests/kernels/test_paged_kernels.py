@@ -116,3 +116,16 @@ def test_the_cache_write_skips_padded_tokens():
     k_cache.view(16, 3, 24)[slots[real]] = k[real]
     v_cache.view(16, 3, 24)[slots[real]] = v[real]
     assert torch.equal(got_k.cpu(), k_cache) and torch.equal(got_v.cpu(), v_cache)
+
+
+@pytest.mark.parametrize("block_m,block_n,warps,stages", [(64, 64, 8, 3), (128, 32, 8, 3), (128, 128, 4, 2),
+                                                          (32, 16, 4, 4)])
+def test_every_tile_the_sweep_tries_computes_the_same_attention(monkeypatch, block_m, block_n, warps, stages):
+    """`benchmarks/attention_sweep.py` times the tiles' neighbours on a GPU (`tuning.base_tiles`
+    replaced): each one gives a mixed step's attention."""
+    from mmserve.models.attention import tuning
+
+    tiles = tuning.TileConfig(block_m, block_n, warps, stages)
+    monkeypatch.setattr(tuning, "base_tiles", lambda head_dim, itemsize, arch=tuning.NOMINAL_ARCH: tiles)
+    got, want = run_both(MIXED, 8, 2, 80, 16, seed=block_m + block_n)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -135,3 +135,15 @@ def test_head_alignment_is_what_every_head_stride_allows():
     assert head_alignment([72], 4) == 4  # float32: 16 bytes
     assert head_alignment([72, 36], 2) == 4
     assert head_alignment([72, 9], 2) == 1
+
+
+@pytest.mark.parametrize("block_m,block_n,warps,stages", [(64, 64, 8, 3), (128, 32, 8, 3), (128, 128, 4, 2),
+                                                          (32, 16, 4, 4)])
+def test_every_tile_the_sweep_tries_computes_the_same_attention(monkeypatch, block_m, block_n, warps, stages):
+    """`benchmarks/attention_sweep.py` times the tiles' neighbours on a GPU (`tuning.base_tiles`
+    replaced): each one gives the tower's attention, windows and a frame alike."""
+    from mmserve.models.attention import tuning
+
+    tiles = tuning.TileConfig(block_m, block_n, warps, stages)
+    monkeypatch.setattr(tuning, "base_tiles", lambda head_dim, itemsize, arch=tuning.NOMINAL_ARCH: tiles)
+    compare([0, 64, 128, 150, 300], 2, 80, seed=block_m + block_n)
