@@ -67,6 +67,7 @@ class DecodeLaunch:
     num_stages: int
 
 
+@functools.cache  # called per layer per eager step: one launch per (dtype, cache element size)
 def decode_launch(dtype: torch.dtype, cache_itemsize: int) -> DecodeLaunch:
     """The split kernel's launch for a query of `dtype` over a cache of `cache_itemsize`-byte
     elements: TILE_N keys a tile; 4 warps in half precision, 8 for a float32 query, whose
