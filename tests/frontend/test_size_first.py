@@ -4,26 +4,22 @@ videos decoded, the tokenizer's calls; and a refused request leaves no processor
 
 from __future__ import annotations
 
-import base64
-import io
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.multimodal.video import decode_video
 from mmserve.multimodal.video_options import VideoOptions, sample_indices
 from mmserve.sampling_params import SamplingParams
+from helpers.qwen_inputs import IMAGE_PROMPT, VIDEO_PROMPT, input_processor, png_url
 from helpers.tiny_models import make_qwen_checkpoint
 from helpers.tiny_videos import encode_video, make_frames
 
-IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
-VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
 CLIP = encode_video(make_frames(60, 12, (64, 64)), fps=4, codec="h264")  # a small MP4
 
 
@@ -31,15 +27,6 @@ CLIP = encode_video(make_frames(60, 12, (64, 64)), fps=4, codec="h264")  # a sma
 def path(tmp_path_factory):
     return make_qwen_checkpoint(tmp_path_factory.mktemp("size-first"), family="qwen3_vl")
 
-
-def inputs(path: str, **engine_args) -> InputProcessor:
-    return InputProcessor(EngineConfig.from_kwargs(model=path, **engine_args), path, 2048, None)
-
-
-def png_url(size: tuple[int, int] = (64, 64)) -> str:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (10, 200, 30)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def image_request(p: InputProcessor, **mm_kwargs):
@@ -54,7 +41,7 @@ def video_request(p: InputProcessor, clip: bytes = CLIP, **prompt):
 def test_an_upscaling_pixel_budget_is_refused_from_the_header(path):
     """A 64x64 PNG with min_pixels = max_pixels = 4e7 (the server's own pixel limit) would be
     upscaled to 4e7 pixels: refused from its header size, never decoded or processed."""
-    p = inputs(path)
+    p = input_processor(path)
     with pytest.raises(ValueError, match=r"image 0 needs \d+ embedding tokens, more than the encoder"):
         image_request(p, min_pixels=40_000_000, max_pixels=40_000_000)
     with pytest.raises(ValueError, match="--max-media-pixels"):
@@ -72,7 +59,7 @@ def two_images(p: InputProcessor, first: str, second: str):
 def test_a_request_is_refused_before_any_of_its_images_is_processed(path):
     """Every image of a request is read and sized before any is decoded: a second image over the
     server's pixel limit refuses the request with the first one unprocessed."""
-    p = inputs(path, max_media_pixels=100_000)
+    p = input_processor(path, max_media_pixels=100_000)
     with pytest.raises(ValueError, match="--max-media-pixels"):
         two_images(p, png_url(), png_url((400, 400)))
     assert p.items.num_processed == 0 and len(p.processor_cache.keys()) == 0
@@ -82,7 +69,7 @@ def test_a_request_is_refused_before_any_of_its_images_is_processed(path):
 def test_a_requests_new_images_are_processed_at_once_as_one_by_one(path):
     """Several new images of one request run on the pipeline's threads; the items equal those
     of each image processed alone."""
-    p, alone = inputs(path), inputs(path, mm_processor_cache_gb=0)
+    p, alone = input_processor(path), input_processor(path, mm_processor_cache_gb=0)
     seen: set[str] = set()
     process_image = p.processor.process_image
 
@@ -114,7 +101,7 @@ def image_request_of(p: InputProcessor, url: str):
     ({"media_io_kwargs": {"video": {"fps": None, "min_frames": 1 << 31, "max_frames": 1 << 31}}}, "--max-video-frames"),
 ])
 def test_video_options_beyond_the_server_limits_are_refused_undecoded(path, options, flag):
-    p = inputs(path)
+    p = input_processor(path)
     with pytest.raises(ValueError, match=flag):
         video_request(p, **options)
     assert p.videos.resolver.num_decoded == 0 and len(p.processor_cache.keys()) == 0
@@ -122,11 +109,11 @@ def test_video_options_beyond_the_server_limits_are_refused_undecoded(path, opti
 
 def test_a_video_over_the_total_pixel_budget_is_refused_before_decoding(path):
     """frames x pixels after sampling, from the container's metadata: 6 frames of 64x64."""
-    p = inputs(path, max_video_pixels=6 * 64 * 64 - 1)
+    p = input_processor(path, max_video_pixels=6 * 64 * 64 - 1)
     with pytest.raises(ValueError, match="--max-video-pixels"):
         video_request(p)
     assert p.videos.resolver.num_decoded == 0
-    assert len(video_request(inputs(path, max_video_pixels=6 * 64 * 64)).mm_items) == 3
+    assert len(video_request(input_processor(path, max_video_pixels=6 * 64 * 64)).mm_items) == 3
 
 
 def test_a_video_over_the_prompt_is_refused_before_decoding(path):
@@ -141,7 +128,7 @@ def test_a_video_over_the_prompt_is_refused_before_decoding(path):
 def test_decoding_keeps_the_sampled_frames_at_their_target_size(path):
     """The served pixels equal the whole-clip path's (every sampled frame decoded at full size,
     stacked, then resized), while each frame is resized as it is decoded."""
-    p = inputs(path)
+    p = input_processor(path)
     clip = encode_video(make_frames(61, 10, (160, 96)), fps=4)
     opts = p.videos.resolver.options(None, {"video": {"fps": 4, "max_pixels": 1 << 16}})
     request = video_request(p, clip, media_io_kwargs={"video": {"fps": 4, "max_pixels": 1 << 16}})
@@ -168,7 +155,7 @@ class CountingTokenizer:
 
 @pytest.mark.parametrize("prompt", ["text", "dict"])
 def test_a_prompt_longer_than_max_model_len_can_spell_is_refused_untokenized(path, prompt):
-    p = inputs(path)
+    p = input_processor(path)
     counting = CountingTokenizer(p.processor.tokenizer)
     p.processor.tokenizer = counting
     text = "word " * (2 << 20)  # 10 MiB
@@ -189,7 +176,7 @@ def test_the_same_new_video_in_a_burst_is_decoded_once(path):
     """Videos share the images' in-flight dedup: concurrent requests with one new clip decode it once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    p = inputs(path)
+    p = input_processor(path)
     clip = encode_video(make_frames(62, 12, (64, 64)), fps=4)
     with ThreadPoolExecutor(6) as pool:
         requests = list(pool.map(lambda i: video_request(p, clip), range(6)))
@@ -200,7 +187,7 @@ def test_the_same_new_video_in_a_burst_is_decoded_once(path):
 
 
 def test_a_video_request_refused_after_processing_leaves_nothing_in_flight(path):
-    p = inputs(path)
+    p = input_processor(path)
     clip = encode_video(make_frames(63, 12, (64, 64)), fps=4)
     long_text = VIDEO_PROMPT + " word" * 3000
     with pytest.raises(ValueError, match="max_model_len"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,11 @@ from mmserve.config.fields import comma_list, opt
 if TYPE_CHECKING:
     from mmserve.multimodal.media import MediaLimits
     from mmserve.multimodal.video import VideoLimits
+
+# the keys of mm_processor_kwargs (qwen_processor.MM_KWARGS, video_options.REQUEST_KEYS): an image's
+# pixel budget, a video's sampling
+IMAGE_KWARGS = ("min_pixels", "max_pixels")
+VIDEO_KWARGS = ("fps", "num_frames", "min_frames", "max_frames")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,11 @@ class MultiModalConfig:
         {}, 'Server-wide media loading options, as JSON: {"video": {"fps": 1, "num_frames": 16, "min_frames": 4, '
         '"max_frames": 64, "min_pixels": 4096, "max_pixels": 65536}} (a request\'s media_io_kwargs and '
         'mm_processor_kwargs override them).', parse=json.loads)
+    mm_processor_kwargs: dict[str, Any] = opt(
+        {}, 'Server-wide processor settings, as JSON (vLLM\'s): an image\'s pixel budget {"min_pixels": 3136, '
+        '"max_pixels": 1003520} and a video\'s sampling {"fps": 1, "num_frames": 16, "min_frames": 4, '
+        '"max_frames": 64}, for the models that take them (Qwen-VL); a request\'s own mm_processor_kwargs (and, '
+        'for videos, media_io_kwargs) override them key by key.', parse=json.loads)
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_media_domains, str):
@@ -63,6 +74,7 @@ class MultiModalConfig:
                              "positive")
         if not isinstance(self.media_io_kwargs, dict) or set(self.media_io_kwargs) - {"video"}:
             raise ValueError('media_io_kwargs takes only the key "video" (an object of video options)')
+        _check_processor_kwargs(self.mm_processor_kwargs)
         for name in ("mm_processor_cache_gb", "mm_ipc_cache_gb", "mm_shm_cache_gb", "mm_shm_max_object_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
@@ -76,6 +88,16 @@ class MultiModalConfig:
                            allowed_local_media_path=self.allowed_local_media_path,
                            allowed_media_domains=tuple(self.allowed_media_domains),
                            allow_private_addresses=self.allow_private_media_addresses)
+
+    @property
+    def image_processor_kwargs(self) -> dict[str, Any]:
+        """The image keys of `mm_processor_kwargs`: each request's, unless it gives its own."""
+        return {k: v for k, v in self.mm_processor_kwargs.items() if k in IMAGE_KWARGS}
+
+    @property
+    def video_processor_kwargs(self) -> dict[str, Any]:
+        """The video keys of `mm_processor_kwargs`: the server's video options, over `media_io_kwargs`'."""
+        return {k: v for k, v in self.mm_processor_kwargs.items() if k in VIDEO_KWARGS}
 
     @property
     def max_images(self) -> int:
@@ -104,3 +126,19 @@ class MultiModalConfig:
         """Capacity of the mirrored IPC cache, the same on both sides: 0 under shm (P1 keeps no
         receiver entries then, neither inline items nor views of shared memory)."""
         return 0 if self.mm_cache_type == "shm" else int(self.mm_ipc_cache_gb * (1 << 30))
+
+
+def _check_processor_kwargs(kwargs: Any) -> None:
+    """The server's `mm_processor_kwargs`: an object of known keys, each a positive integer (`fps`: a
+    positive finite number). Whether the model takes them is the processor's to say (at start)."""
+    if not isinstance(kwargs, dict):
+        raise ValueError("mm_processor_kwargs must be an object of processor settings")
+    unknown = sorted(set(kwargs) - set(IMAGE_KWARGS) - set(VIDEO_KWARGS))
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: unknown key(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(IMAGE_KWARGS + VIDEO_KWARGS)}")
+    for key, value in kwargs.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value <= 0 or (key != "fps" and not isinstance(value, int)):
+            kind = "a positive finite number" if key == "fps" else "a positive integer"
+            raise ValueError(f"mm_processor_kwargs.{key} must be {kind}; got {value!r:.40}")

@@ -56,8 +56,19 @@ class InputProcessor:
                                   config.needs_item_hash, known_tokens, fetch, budget)
         self.videos = VideoInputs(config, self.processor, self.processor_cache, self.items.hasher, budget,
                                   self.items.inflight)
+        self.mm_defaults = self._server_image_kwargs(config)
         self.vocab_size = model_config.text.vocab_size
         self.max_prompt_chars = max_model_len * max_token_chars(self.tokenizer)
+
+    def _server_image_kwargs(self, config: EngineConfig) -> dict[str, Any]:
+        """`--mm-processor-kwargs`' image keys, which each request's own override key by key: what
+        the model's processor takes, checked now (the video keys, by `VideoInputs`)."""
+        mm = config.multimodal
+        try:
+            self.items.modality.settings(mm.mm_processor_kwargs)  # the processor's check, the server's pixel limit
+        except ClientError as e:
+            raise ValueError(f"--mm-processor-kwargs: {e}") from None
+        return mm.image_processor_kwargs
 
     def process(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                 pending: list[ResolvedItem] | None = None, bypass_caches: bool = False,
@@ -72,8 +83,8 @@ class InputProcessor:
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
         prompt = Prompt.parse(prompt)
-        text, images = prompt.text, prompt.images
-        salt, mm_kwargs = prompt.settings.cache_salt, prompt.settings.mm_processor_kwargs
+        text, images, salt = prompt.text, prompt.images, prompt.settings.cache_salt
+        mm_kwargs = {**self.mm_defaults, **(prompt.settings.mm_processor_kwargs or {})}  # the request's win
         self.check_prompt_length(text)
         limit = self.config.multimodal.max_images
         if len(images) > limit:

@@ -34,9 +34,14 @@ class VideoInputs:
         self.resolver: VideoResolver | None = None
         self.video_processor = video_support(processor)
         if self.video_processor is not None:
-            self.resolver = VideoResolver(hasher, self.video_processor, cache, mm.media_limits(), mm.video_limits(),
-                                          mm.max_video_bytes, mm.media_io_kwargs.get("video"),
-                                          config.needs_item_hash, budget, inflight)
+            try:  # the server's video options: --media-io-kwargs, then --mm-processor-kwargs' video keys
+                self.resolver = VideoResolver(hasher, self.video_processor, cache, mm.media_limits(),
+                                              mm.video_limits(), mm.max_video_bytes,
+                                              (mm.media_io_kwargs.get("video"), mm.video_processor_kwargs),
+                                              config.needs_item_hash, budget, inflight)
+                self.resolver.options(None, None)  # within the server's limits
+            except ClientError as e:
+                raise ValueError(f"--media-io-kwargs / --mm-processor-kwargs: {e}") from None
 
     def resolve(self, prompt: Prompt, bypass: bool = False) -> list[ResolvedItem]:
         """The prompt's videos, resolved (ValueError / MediaError for anything refused)."""

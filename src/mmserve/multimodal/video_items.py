@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import uuid as uuid_lib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -170,13 +170,13 @@ class VideoResolver(ItemPipeline):
     merged over the checkpoint's and the server's, and clamped to the server's limits."""
 
     def __init__(self, hasher: ItemHasher, processor: VideoItemProcessor, cache: ProcessorCache, media: MediaLimits,
-                 video_limits: VideoLimits, max_video_bytes: int, server_options: dict[str, Any] | None,
+                 video_limits: VideoLimits, max_video_bytes: int, server_options: Sequence[dict[str, Any] | None],
                  hashing: bool, budget: ItemBudget | None = None, inflight: InFlight | None = None) -> None:
         media = dataclasses.replace(media, max_bytes=max_video_bytes)
         self.video_modality = VideoModality(processor, media, video_limits, budget or ItemBudget(), hasher, hashing)
         super().__init__(self.video_modality, hasher, cache, hashing, inflight=inflight)
         self.limits = video_limits
-        self.base = resolve(processor.video.defaults, server_options)
+        self.base = resolve(processor.video.defaults, *server_options)  # each applied in turn
 
     @property
     def num_decoded(self) -> int:
