@@ -47,3 +47,22 @@ def test_a_good_config_still_passes():
                                        "replay_endpoint": "tcp://*:5558"})
     assert config.publishes
     assert EngineConfig.from_kwargs(kv_cache_memory_gb=0.5, kv_events_config={"enable_kv_cache_events": False})
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--chat-template", "/no/such/template.jinja"], "neither a file nor a Jinja template"),
+    (["--chat-template", "{% for m in messages %}"], "syntax error at line 1"),
+    (["--default-chat-template-kwargs", '{"tokenize": true}'], "--default-chat-template-kwargs cannot set tokenize"),
+])
+def test_chat_template_flags_are_checked_before_anything_loads(capsys, flags, words):
+    assert main(["serve", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmserve: error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("value", ["[1]", "{not json"])
+def test_default_chat_template_kwargs_must_be_a_json_object(capsys, value):
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--port", "0", "--default-chat-template-kwargs", value])
+    assert exit.value.code == 2
+    assert "--default-chat-template-kwargs" in capsys.readouterr().err

@@ -96,6 +96,36 @@ def test_chat_accepts_pil_data_urls_and_file_paths(llm, tmp_path):
     assert tokens(outs[0]) == tokens(direct)
 
 
+def test_chat_template_controls_equal_generate_on_transformers_rendering(llm, path, tmp_path):
+    """`LLM.chat`'s vLLM arguments: a template file, its variables, a prefilled answer continued —
+    the same prompt and tokens as `generate` on the text transformers renders."""
+    from transformers import AutoProcessor
+
+    template = ("{% for m in messages %}{{ m['role'] }}> {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                "<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ lead }}{% endif %}")
+    file = tmp_path / "template.jinja"
+    file.write_text(template)
+    image = make_image(4)
+    turn = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": "What is this?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]
+    hf = AutoProcessor.from_pretrained(path)
+    hf_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}, turn[1]]
+    for kwargs, hf_kwargs in (({"chat_template_kwargs": {"lead": "bot>"}}, {"add_generation_prompt": True,
+                                                                             "lead": "bot>"}),
+                              ({"add_generation_prompt": False, "continue_final_message": True},
+                               {"continue_final_message": True})):
+        rendered = hf.apply_chat_template(hf_turn, chat_template=template, tokenize=False, **hf_kwargs)
+        out = llm.chat(turn, GREEDY, chat_template=str(file), **kwargs)[0]
+        direct = llm.generate({"prompt": rendered, "multi_modal_data": {"image": image}}, GREEDY)[0]
+        assert out.prompt == rendered and out.prompt_token_ids == direct.prompt_token_ids
+        assert tokens([out]) == tokens([direct])
+    assert rendered.endswith("assistant> It is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(turn, GREEDY, continue_final_message=True)
+
+
 def test_a_batch_is_processed_on_several_threads_with_the_same_outputs(path):
     """`generate` processes a batch's prompts at once on its input threads (new images in
     parallel), an image shared by two prompts once, with each prompt's output as if alone."""

@@ -14,6 +14,7 @@ from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.ipc.messages import SchedulerStats
 from mmserve.models.generation_config import GenerationDefaults
+from mmserve.multimodal.chat_templates import ChatTemplateOptions
 from mmserve.multimodal.media import MediaError
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -51,7 +52,8 @@ class FakeEngine:
         return self._stats
 
     async def build_prompt(self, messages: list[dict], tools: list[dict] | None = None,
-                           settings: PromptSettings | None = None) -> Prompt:
+                           settings: PromptSettings | None = None,
+                           template: ChatTemplateOptions | None = None) -> Prompt:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ClientError(f"bad role {m['role']!r}")
@@ -63,7 +65,7 @@ class FakeEngine:
         parts = [p for m in messages for p in (m["content"] if isinstance(m["content"], list)
                                                else [{"type": "text", "text": m["content"]}])]
         text = " ".join(p["text"] for p in parts if p["type"] == "text")
-        self.prompts.append({"messages": messages, "prompt": text})
+        self.prompts.append({"messages": messages, "prompt": text, "template": template})
         return Prompt(text, settings=settings or PromptSettings())
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,

@@ -11,6 +11,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.engine_client.llm_engine import LLMEngine
 from mmserve.models.hub import resolve_engine_model
+from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -87,17 +88,26 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """OpenAI-style messages (or a list of conversations) through the model's chat template;
-        `tools` (OpenAI function tools) are rendered by the template as it defines."""
+             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (or a list of conversations) through the model's chat template, or
+        `chat_template` (a Jinja template or a file holding one); `tools` (OpenAI function tools)
+        are rendered by the template as it defines. `add_generation_prompt` ends the prompt with the
+        reply's header; `continue_final_message` (with add_generation_prompt False) ends it inside
+        the last message, which the model continues; `chat_template_kwargs` are template variables
+        (vLLM's `LLM.chat`). Every conversation renders before any runs (ValueError: none run)."""
         tools = check_tools(tools) if tools is not None else None
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        options = ChatTemplatePolicy(trust_request_templates=True).options(
+            template, chat_template_kwargs, add_generation_prompt, continue_final_message)
         render = self.engine.input_processor.processor.apply_chat_template
         conversations = cast(list[list[dict[str, Any]]],
                              messages if messages and isinstance(messages[0], list) else [messages])
         prompts = []
         for conversation in conversations:
             inputs = parse_chat_messages(conversation)
-            prompts.append(inputs.prompt(render(inputs.conversation, tools)).to_dict())  # LLMEngine's form
+            prompts.append(inputs.prompt(render(inputs.conversation, tools, options)).to_dict())  # LLMEngine's form
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:

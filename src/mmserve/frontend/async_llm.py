@@ -52,6 +52,7 @@ from mmserve.frontend.output.output_processor import OutputProcessor
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from mmserve.metrics import VerifyFigures, log_stats_periodically
 from mmserve.rank_metrics import DataParallelFigures
+from mmserve.multimodal.chat_templates import ChatTemplateOptions
 from mmserve.multimodal.processing import create_processor
 from mmserve.models.hub import resolve_engine_model
 from mmserve.outputs import RequestOutput
@@ -140,17 +141,19 @@ class AsyncLLM:
         return self.figures.dp_figures()
 
     async def build_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                           settings: PromptSettings | None = None) -> Prompt:
-        """OpenAI messages (and function `tools`, rendered by the template) -> the request's prompt
-        naming its media, with `settings` (ValueError for bad input); the template renders in a
-        worker thread and the media are read, hashed and processed by `generate`, also off the event loop."""
-        return await asyncio.to_thread(self._render_prompt, messages, tools, settings)
+                           settings: PromptSettings | None = None,
+                           template: ChatTemplateOptions | None = None) -> Prompt:
+        """OpenAI messages (and function `tools`) rendered by the chat template as `template` says
+        -> the request's prompt naming its media, with `settings` (ValueError for bad input); the
+        template renders in a worker thread and the media are read, hashed and processed by
+        `generate`, also off the event loop."""
+        return await asyncio.to_thread(self._render_prompt, messages, tools, settings, template)
 
     def _render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       settings: PromptSettings | None) -> Prompt:
+                       settings: PromptSettings | None, template: ChatTemplateOptions | None) -> Prompt:
         inputs = parse_chat_messages(messages)
         checked = check_tools(tools) if tools is not None else None
-        text = self.input_processor.processor.apply_chat_template(inputs.conversation, checked)
+        text = self.input_processor.processor.apply_chat_template(inputs.conversation, checked, template)
         return inputs.prompt(text, settings)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,

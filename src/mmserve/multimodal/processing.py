@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from mmserve.errors import ClientError
-from mmserve.multimodal.chat_templates import pick_chat_template
+from mmserve.multimodal.chat_templates import ChatTemplateOptions, pick_chat_template, render_chat
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.media import check_image, to_rgb
@@ -128,14 +128,16 @@ class MultiModalProcessor:
                 "strategy": self._hf.vision_feature_select_strategy,
                 "extra_tokens": self._hf.num_additional_image_tokens}
 
-    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            options: ChatTemplateOptions | None = None) -> str:
         """Renders a conversation with the model's chat template (wherever it is published:
-        multimodal/chat_templates.py), ending with the reply prompt."""
+        multimodal/chat_templates.py) or `options.template`, ending as `options` say (default:
+        with the reply prompt); ClientError for what the template refuses."""
+        options = options or ChatTemplateOptions()
         own, processors = self.tokenizer.chat_template, self._hf.chat_template  # str, a dict of named ones, or None
-        template = pick_chat_template(processors if isinstance(processors, str) else None,
-                                      own if isinstance(own, str) else None, bool(tools))
-        return self._hf.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                            add_generation_prompt=True, tokenize=False)
+        template = options.template or pick_chat_template(processors if isinstance(processors, str) else None,
+                                                          own if isinstance(own, str) else None, bool(tools))
+        return render_chat(self._hf.apply_chat_template, template, conversation, tools, options)
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from mmserve.ipc.items import PlaceholderRange
+    from mmserve.multimodal.chat_templates import ChatTemplateOptions
     from mmserve.multimodal.video_processor import ProcessedVideo, QwenVideoProcessor
 
 
@@ -79,8 +80,10 @@ class ItemProcessor(Protocol):
         """What changes the processed output, for the item hash."""
         ...
 
-    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
-        """A conversation rendered with the checkpoint's chat template."""
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            options: ChatTemplateOptions | None = None) -> str:
+        """A conversation rendered with the checkpoint's chat template, or `options.template`, ending
+        as `options` say (`multimodal/chat_templates.py`)."""
         ...
 
 

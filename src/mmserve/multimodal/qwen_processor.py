@@ -26,7 +26,8 @@ from mmserve.multimodal import placeholders
 from mmserve.multimodal import resample
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
 from mmserve.multimodal.pixel_table import processor_lut
-from mmserve.multimodal.chat_templates import pick_chat_template, processor_chat_template
+from mmserve.multimodal.chat_templates import (ChatTemplateOptions, pick_chat_template, processor_chat_template,
+                                                render_chat)
 from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
@@ -188,10 +189,13 @@ class QwenVLProcessor:
             raise ClientError(f"each video needs its {wrapped} in the prompt (as the chat template writes it)")
         return pieces[0] + "".join(self.video_text(v) + piece for v, piece in zip(videos, pieces[1:]))
 
-    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            options: ChatTemplateOptions | None = None) -> str:
         """Renders a conversation with the checkpoint's chat template (wherever it is published:
-        multimodal/chat_templates.py), ending with the reply prompt."""
+        multimodal/chat_templates.py) or `options.template`, ending as `options` say (default:
+        with the reply prompt); ClientError for what the template refuses."""
+        options = options or ChatTemplateOptions()
         own = self.tokenizer.chat_template
-        template = pick_chat_template(self.chat_template, own if isinstance(own, str) else None, bool(tools))
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                                  add_generation_prompt=True, tokenize=False)
+        template = options.template or pick_chat_template(self.chat_template, own if isinstance(own, str) else None,
+                                                          bool(tools))
+        return render_chat(self.tokenizer.apply_chat_template, template, conversation, tools, options)

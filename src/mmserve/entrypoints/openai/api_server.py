@@ -36,6 +36,7 @@ from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_b
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
 from mmserve.entrypoints.openai.server_config import ServerConfig
+from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -62,12 +63,14 @@ HEALTH_POLL_S = 0.5
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
-              responses_store_bytes: int = 256 << 20, responses_store: str | None = None) -> FastAPI:
+              responses_store_bytes: int = 256 << 20, responses_store: str | None = None,
+              chat_templates: ChatTemplatePolicy | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
     for previous_response_id in `responses_store_bytes`, or in the node's store at the address
-    `responses_store` (a launcher's, shared by its API servers)."""
+    `responses_store` (a launcher's, shared by its API servers); `chat_templates` is what the
+    `--chat-template` flags allow (default: the checkpoint's template, no request's own)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -81,10 +84,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
-    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
-    responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store))
+    responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store),
+                                       chat_templates)
     v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
 
     @app.get("/health")
@@ -221,7 +225,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
                         int(server_config.responses_store_mb * (1 << 20)),
-                        attachment.responses if attachment is not None else None)
+                        attachment.responses if attachment is not None else None,
+                        server_config.chat_template_policy())
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s))

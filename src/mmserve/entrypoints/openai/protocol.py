@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
 from mmserve.frontend.request.prompt import PromptSettings
+from mmserve.multimodal.chat_templates import ChatTemplateOptions, ChatTemplatePolicy
 from mmserve.sampling_params import SamplingParams
 
 
@@ -145,6 +146,10 @@ class ChatCompletionRequest(SamplingExtras):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # vLLM's extras
+    add_generation_prompt: bool | None = True  # the template's assistant header ends the prompt
+    continue_final_message: bool | None = False  # the prompt ends inside the last message: the model continues it
+    chat_template: str | None = None  # a template of the request's own (with --trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"add_vision_id": true}
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -189,6 +194,11 @@ class ChatCompletionRequest(SamplingExtras):
 
     def prompt_settings(self) -> PromptSettings:
         return PromptSettings(self.cache_salt, self.mm_processor_kwargs, self.media_io_kwargs)
+
+    def template_options(self, policy: ChatTemplatePolicy) -> ChatTemplateOptions:
+        """How the template renders this request's messages, under the server's `policy`."""
+        return policy.options(self.chat_template, self.chat_template_kwargs,
+                              self.add_generation_prompt is not False, bool(self.continue_final_message))
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """The messages as plain OpenAI-style dicts, for `AsyncLLM.build_prompt`."""

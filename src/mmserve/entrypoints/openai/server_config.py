@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mmserve.config import check_finite
+from mmserve.errors import ClientError
+from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -41,6 +44,15 @@ class ServerConfig:
     max_request_body_mb: float | None = field(default=None, metadata={
         "help": "Largest request body in MiB, refused with 413 before it is buffered (default: room for "
                 "--limit-mm-per-prompt images of --max-media-bytes as base64, plus 1 MiB)."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "A Jinja chat template, or a file holding one, used instead of the checkpoint's (vLLM's flag); "
+                "checked when the server starts."})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "Let a chat request bring its own chat_template (a Jinja template run in a sandbox; refused "
+                "with 400 without this flag, as in vLLM).", "action": "store_true"})
+    default_chat_template_kwargs: dict[str, Any] | None = field(default=None, metadata={
+        "help": "Template variables for every chat request, as a JSON object (e.g. '{\"add_vision_id\": true}'); "
+                "a request's chat_template_kwargs override them."})
     request_read_timeout_s: float = field(default=30.0, metadata={
         "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
@@ -64,6 +76,7 @@ class ServerConfig:
             raise ValueError(f"request_read_timeout_s must be positive; got {self.request_read_timeout_s}")
         if self.responses_store_mb < 0:
             raise ValueError(f"responses_store_mb must not be negative; got {self.responses_store_mb}")
+        self.chat_template_policy()  # a missing file, a syntax error or a reserved variable stops the start
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
@@ -75,6 +88,16 @@ class ServerConfig:
         """The parser for tool_choice "auto": `--tool-call-parser` when given, else the model
         family's (`deployment_defaults.family_tool_parser`); None where "auto" is refused."""
         return self.tool_call_parser or family_parser
+
+    def chat_template_policy(self) -> ChatTemplatePolicy:
+        """The chat template settings requests are rendered under (`--chat-template` read here)."""
+        try:
+            template = None if self.chat_template is None else load_chat_template(self.chat_template)
+            return ChatTemplatePolicy(template, self.trust_request_chat_template,
+                                      self.default_chat_template_kwargs or {})
+        except ClientError as exc:  # the policy's checks speak to requests; here it is a flag
+            flag = str(exc).replace("default_chat_template_kwargs", "--default-chat-template-kwargs")
+            raise ValueError(flag) from None
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerConfig:
@@ -90,9 +113,22 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
             kw["type"] = int
         if f.name in ("max_request_body_mb", "responses_store_mb", "request_read_timeout_s"):
             kw["type"] = float
+        if f.name == "default_chat_template_kwargs":
+            kw["type"] = json_object
         if f.metadata.get("action"):
             kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}
         for key in ("nargs", "choices"):
             if key in f.metadata:
                 kw[key] = f.metadata[key]
         parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (argparse names the flag when this raises)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r:.80}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"add_vision_id\": true}}'; got {text!r:.80}")
+    return value

@@ -35,6 +35,7 @@ from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
 from mmserve.entrypoints.openai.tool_calls import ToolMode
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.metrics import ServerMetrics
+from mmserve.multimodal.chat_templates import ChatTemplateOptions, ChatTemplatePolicy
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -140,11 +141,12 @@ class OpenAIServing:
     """The base of the OpenAI handlers over an `AsyncLLM`-like engine."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 auto_tool_parser: str | None = None) -> None:
+                 auto_tool_parser: str | None = None, chat_templates: ChatTemplatePolicy | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
+        self.chat_templates = chat_templates or ChatTemplatePolicy()  # the server's --chat-template flags
 
     async def serve(self, raw_request: Request, request_type: type[R], id_prefix: str,
                     handler: Callable[[ServeContext[R]], Awaitable[Response]]) -> Response:
@@ -184,16 +186,19 @@ class OpenAIServing:
         return name
 
     async def start_chat(self, ctx: ServeContext[Any], messages: list[dict[str, Any]], tools: ToolMode | None,
-                         tool_specs: list[dict[str, Any]] | None, format_param: str = "response_format") -> Outputs:
+                         tool_specs: list[dict[str, Any]] | None, format_param: str = "response_format",
+                         template: ChatTemplateOptions | None = None) -> Outputs:
         """Start a conversation, as chat and responses both do: a forced tool call becomes the
         grammar (refused next to another structure, named by `format_param`), the chat template
-        renders the messages with `tool_specs` into the request's prompt. Returns the engine's outputs."""
+        renders the messages with `tool_specs` into the request's prompt as `template` says (None:
+        the server's template, ending with the reply prompt). Returns the engine's outputs."""
         params = ctx.params
         if tools is not None and tools.forced:
             if params.structured_outputs is not None:
                 raise ParameterError(format_param, f"{format_param} cannot be combined with a forced tool call")
             params = msgspec.structs.replace(params, structured_outputs=tools.structured())
-        prompt = await self.engine.build_prompt(messages, tool_specs, ctx.settings)
+        prompt = await self.engine.build_prompt(messages, tool_specs, ctx.settings,
+                                                template or self.chat_templates.options())
         return self.generate(ctx, prompt, params)
 
     def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,

@@ -32,7 +32,8 @@ class OpenAIServingChat(OpenAIServing):
     async def _create(self, ctx: ServeContext[ChatCompletionRequest]) -> Response:
         request = ctx.request
         tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
-        outputs = await self.start_chat(ctx, request.messages_as_dicts(), tools, request.tools)
+        template = request.template_options(self.chat_templates)
+        outputs = await self.start_chat(ctx, request.messages_as_dicts(), tools, request.tools, template=template)
         top = request.top_logprobs or 0
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 

@@ -26,6 +26,7 @@ from mmserve.entrypoints.openai.responses_stream import ResponsesStream
 from mmserve.entrypoints.openai.serving_base import OpenAIServing, ServeContext
 from mmserve.entrypoints.openai.tool_calls import tool_mode
 from mmserve.metrics import ServerMetrics
+from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ class OpenAIServingResponses(OpenAIServing):
     """The responses handler: the serving base plus the store of finished responses."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 auto_tool_parser: str | None, store: KeptResponses) -> None:
-        super().__init__(engine, served_model_names, metrics, auto_tool_parser)
+                 auto_tool_parser: str | None, store: KeptResponses,
+                 chat_templates: ChatTemplatePolicy | None = None) -> None:
+        super().__init__(engine, served_model_names, metrics, auto_tool_parser, chat_templates)
         self.store = store
 
     async def create_response(self, raw_request: Request) -> Response:
