@@ -66,3 +66,9 @@ def test_default_chat_template_kwargs_must_be_a_json_object(capsys, value):
         main(["serve", "--port", "0", "--default-chat-template-kwargs", value])
     assert exit.value.code == 2
     assert "--default-chat-template-kwargs" in capsys.readouterr().err
+
+
+def test_chat_template_content_format_takes_vllms_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "0", "--chat-template-content-format", "jinja"])
+    assert "--chat-template-content-format" in capsys.readouterr().err

@@ -124,6 +124,12 @@ def test_chat_template_controls_equal_generate_on_transformers_rendering(llm, pa
     assert rendered.endswith("assistant> It is")
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(turn, GREEDY, continue_final_message=True)
+    # a template that prints content as a string (most text models'): the image as its token, on its line
+    strings = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }} {% endfor %}ASSISTANT:"
+    out = llm.chat(turn[:1], GREEDY, chat_template=strings)[0]
+    direct = llm.generate({"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}},
+                          GREEDY)[0]
+    assert out.prompt_token_ids == direct.prompt_token_ids and tokens([out]) == tokens([direct])
 
 
 def test_a_batch_is_processed_on_several_threads_with_the_same_outputs(path):

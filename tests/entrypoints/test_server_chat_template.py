@@ -1,6 +1,7 @@
 """vLLM's chat-template controls through the real server (tiny LLaVA): `--chat-template` (a file),
 `--default-chat-template-kwargs`, `--trust-request-chat-template`, and a request's
-`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `chat_template`.
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `chat_template`,
+content given to the template as parts or as one string, as the template reads it.
 
 Each chat answer is checked against /v1/completions on the text transformers' own
 `apply_chat_template` renders with the same template and arguments: the same prompt tokens and the
@@ -95,6 +96,23 @@ def test_continue_final_message_ends_the_prompt_inside_the_answer(server, render
 def test_a_trusted_requests_own_template(server, render):
     own = "{% for m in messages %}Q: {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} A:{% endif %}"
     same_as_completion(server, chat(server, QUESTION, chat_template=own), render(QUESTION, template=own))
+
+
+def test_a_template_that_prints_content_as_a_string_gets_the_image_token(server, checkpoint):
+    """A text model's template (`{{ m['content'] }}`) is detected and given one string per message,
+    the image as `<image>` on its line: the same prompt and answer as a template that loops over
+    the parts to print the same text."""
+    from helpers.server_process import data_url
+    from helpers.tiny_models import make_image
+
+    strings = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    parts = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+             "<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}{{ '\\n' }}{% endfor %}")  # trim_blocks
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(make_image(5))}},
+                                          {"type": "text", "text": "What is this?"}]}]
+    one, other = (chat(server, image, chat_template=t).json() for t in (strings, parts))
+    assert one["usage"]["prompt_tokens"] == other["usage"]["prompt_tokens"] > 10, (one, other)
+    assert one["choices"][0]["message"]["content"] == other["choices"][0]["message"]["content"]
 
 
 def test_the_responses_api_renders_with_the_servers_template(server):

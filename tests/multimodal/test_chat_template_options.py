@@ -1,7 +1,8 @@
 """vLLM's chat-template controls (multimodal/chat_templates.py): `add_generation_prompt`,
 `continue_final_message`, `chat_template_kwargs` and a template of the caller's own render exactly
 as transformers' `apply_chat_template` does with the same arguments, for LLaVA (the processor's
-renderer) and Qwen2.5-VL's published template (the tokenizer's); what a template refuses, and a
+renderer) and Qwen2.5-VL's published template (the tokenizer's), content parts or one string per
+message as the template reads them (vLLM's content format); what a template refuses, and a
 checkpoint with no template, are `ClientError`s (400s) — a checkpoint without a template was a
 plain ValueError from transformers before, a 500."""
 
@@ -12,11 +13,11 @@ import os
 
 import pytest
 
-from helpers.published import published_qwen
+from helpers.published import DATA as PUBLISHED, published_qwen
 from helpers.tiny_models import make_checkpoint, make_qwen_checkpoint
 from mmserve.errors import ClientError
 from mmserve.multimodal.chat_templates import (ChatTemplateOptions, ChatTemplatePolicy, check_template_syntax,
-                                               load_chat_template)
+                                               content_format, load_chat_template)
 from mmserve.multimodal.processing import create_processor
 
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -153,3 +154,40 @@ def test_load_chat_template_reads_a_file_or_takes_a_template(tmp_path):
         load_chat_template(str(path))
     # transformers' extensions parse: loop controls and the {% generation %} block
     check_template_syntax("{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% break %}{% endfor %}")
+
+
+STRING_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def test_the_content_format_is_read_from_the_template():
+    from mmserve.models.builtin import CHAT_TEMPLATE as BUILTIN_LLAVA
+    from mmserve.models.builtin_qwen_vl import CHAT_TEMPLATE as BUILTIN_QWEN
+
+    published = [json.loads(path.read_text())["chat_template"]
+                 for path in PUBLISHED.glob("*/chat_template.json")]
+    assert len(published) == 3
+    assert all(content_format(t) == "openai" for t in [*published, BUILTIN_LLAVA, BUILTIN_QWEN])
+    assert content_format(STRING_TEMPLATE) == "string" == content_format(RAISING)
+    assert content_format("{% for m in messages %}{% set parts = m.content %}"
+                          "{% for p in parts %}{{ p.text }}{% endfor %}{% endfor %}") == "openai"
+    assert content_format("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'eq', 'text') %}"
+                          "{{ p.text }}{% endfor %}{% endfor %}") == "openai"
+
+
+@pytest.mark.parametrize("family, image", [("llava", "<image>"),
+                                           ("qwen", "<|vision_start|><|image_pad|><|vision_end|>")])
+def test_a_template_that_prints_strings_gets_one_per_message(processors, family, image):
+    processor = processors[family]
+    conversation = QUESTION + [{"role": "assistant", "content": "A cat."},
+                               {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                                            {"type": "image"}]}]
+    text = processor.apply_chat_template(conversation, options=ChatTemplateOptions(template=STRING_TEMPLATE))
+    assert text == f"user: {image}\nWhat is this?\nassistant: A cat.\nuser: And this?\n{image}\n"
+    forced = ChatTemplateOptions(template=STRING_TEMPLATE, content_format="openai")
+    assert "'type': 'image'" in processor.apply_chat_template(QUESTION, options=forced)  # the list, printed
+    video = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    if family == "qwen":
+        assert processor.apply_chat_template(video, options=ChatTemplateOptions(template=STRING_TEMPLATE)) == \
+            "user: <|vision_start|><|video_pad|><|vision_end|>\nWhat happens?\n"
+    with pytest.raises(ValueError, match="content format"):
+        ChatTemplateOptions(content_format="jinja")

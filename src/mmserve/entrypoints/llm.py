@@ -90,16 +90,19 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """OpenAI-style messages (or a list of conversations) through the model's chat template, or
         `chat_template` (a Jinja template or a file holding one); `tools` (OpenAI function tools)
         are rendered by the template as it defines. `add_generation_prompt` ends the prompt with the
         reply's header; `continue_final_message` (with add_generation_prompt False) ends it inside
-        the last message, which the model continues; `chat_template_kwargs` are template variables
-        (vLLM's `LLM.chat`). Every conversation renders before any runs (ValueError: none run)."""
+        the last message, which the model continues; `chat_template_kwargs` are template variables;
+        `chat_template_content_format` "openai" / "string" / "auto" says whether the template gets a
+        message's content parts or one string (vLLM's `LLM.chat`). Every conversation renders before
+        any runs (ValueError: none run)."""
         tools = check_tools(tools) if tools is not None else None
         template = load_chat_template(chat_template) if chat_template is not None else None
-        options = ChatTemplatePolicy(trust_request_templates=True).options(
+        options = ChatTemplatePolicy(trust_request_templates=True, content_format=chat_template_content_format).options(
             template, chat_template_kwargs, add_generation_prompt, continue_final_message)
         render = self.engine.input_processor.processor.apply_chat_template
         conversations = cast(list[list[dict[str, Any]]],

@@ -31,6 +31,7 @@ RESERVED_KWARGS = frozenset({
     "continue_final_message", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask",
     "padding", "truncation", "max_length", "processor_kwargs", "tokenizer_kwargs", "sanitize_control_tokens"})
 JINJA_MARKS = ("{{", "{%", "{#", "\n")  # a template literal, not a file name
+CONTENT_FORMATS = ("auto", "string", "openai")
 NO_TEMPLATE = ("the model has no chat template (its checkpoint publishes none): start the server with "
                "--chat-template, or send a prompt to /v1/completions")
 
@@ -44,14 +45,19 @@ class ChatTemplateOptions:
     of the assistant's reply. `continue_final_message`: end inside the last message, so the model
     continues it (a prefilled answer); the two exclude each other. `kwargs`: extra template
     variables (`chat_template_kwargs`, e.g. Qwen-VL's `add_vision_id`); ones the template never
-    reads are ignored. A bad combination raises `ClientError` naming the field."""
+    reads are ignored. `content_format` (vLLM's `--chat-template-content-format`): "openai" hands
+    the template each message's content parts, "string" one string per message (`as_strings`),
+    "auto" whichever the template reads (`content_format`). A bad combination raises `ClientError`
+    naming the field."""
 
     template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    content_format: str = "auto"  # how a message's content parts reach the template: CONTENT_FORMATS
 
     def __post_init__(self) -> None:
+        check_content_format(self.content_format)
         if self.add_generation_prompt and self.continue_final_message:
             raise ClientError("continue_final_message and add_generation_prompt cannot both be true: set "
                               "add_generation_prompt to false to continue the final message",
@@ -68,8 +74,10 @@ class ChatTemplatePolicy:
     template: str | None = None  # loaded (`load_chat_template`); None: the checkpoint's
     trust_request_templates: bool = False
     default_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    content_format: str = "auto"
 
     def __post_init__(self) -> None:
+        check_content_format(self.content_format)
         if self.template is not None:
             check_template_syntax(self.template)
         check_template_kwargs(self.default_kwargs, "default_chat_template_kwargs")
@@ -91,7 +99,12 @@ class ChatTemplatePolicy:
                 raise ClientError(str(exc), param="chat_template") from None
         own = check_template_kwargs(kwargs if kwargs is not None else {}, "chat_template_kwargs")
         return ChatTemplateOptions(template or self.template, add_generation_prompt, continue_final_message,
-                                   {**self.default_kwargs, **own})
+                                   {**self.default_kwargs, **own}, self.content_format)
+
+
+def check_content_format(value: str) -> None:
+    if value not in CONTENT_FORMATS:
+        raise ValueError(f"chat template content format must be one of {', '.join(CONTENT_FORMATS)}; got {value!r}")
 
 
 def check_template_kwargs(kwargs: object, where: str) -> Mapping[str, Any]:
@@ -156,6 +169,46 @@ def _environment() -> Any:
     return ImmutableSandboxedEnvironment(extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
 
 
+@functools.lru_cache(maxsize=64)
+def content_format(template: str) -> str:
+    """"openai" when the template loops over a message's content (`{% for p in m['content'] %}`,
+    directly or through a `{% set %}` name), else "string": vLLM's detection, on the template's syntax tree."""
+    from jinja2 import nodes
+
+    tree = _environment().parse(template)
+    content_names = {node.target.name for node in tree.find_all(nodes.Assign)
+                     if isinstance(node.target, nodes.Name) and _reads_content(node.node)}
+
+    def over_content(expr: Any) -> bool:
+        while isinstance(expr, (nodes.Filter, nodes.Test)) and expr.node is not None:
+            expr = expr.node  # `m['content'] | selectattr(...)`
+        return _reads_content(expr) or (isinstance(expr, nodes.Name) and expr.name in content_names)
+
+    return "openai" if any(over_content(loop.iter) for loop in tree.find_all(nodes.For)) else "string"
+
+
+def _reads_content(expr: Any) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(expr, nodes.Getitem):
+        return isinstance(expr.arg, nodes.Const) and expr.arg.value == "content"
+    return isinstance(expr, nodes.Getattr) and expr.attr == "content"
+
+
+def as_strings(conversation: list[dict], placeholders: Mapping[str, str]) -> list[dict]:
+    """The conversation for a template that prints content as a string: each message's parts joined,
+    one per line, an image or video part as the model's placeholder text (`placeholders[type]`)."""
+    out = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            text = "\n".join(part["text"] if part["type"] == "text" else placeholders[part["type"]]
+                             for part in content)
+            message = {**message, "content": text}
+        out.append(message)
+    return out
+
+
 def processor_chat_template(model_path: str) -> str | None:
     """The template a checkpoint publishes for its processor: `chat_template.jinja`, else
     `chat_template.json`'s (transformers' `ProcessorMixin` order); None if it publishes neither."""
@@ -181,15 +234,19 @@ def pick_chat_template(processor_template: str | None, tokenizer_template: str |
 
 
 def render_chat(apply: Callable[..., Any], template: str | None, conversation: list[dict],
-                tools: list[dict] | None, options: ChatTemplateOptions) -> str:
+                tools: list[dict] | None, options: ChatTemplateOptions, placeholders: Mapping[str, str]) -> str:
     """`conversation` rendered by `apply` (a tokenizer's or processor's `apply_chat_template`) with
-    `template` (None: the checkpoint has none) and `options`; ClientError for what the template refuses."""
+    `template` (None: the checkpoint has none) and `options`, media as `placeholders` for a template
+    that reads strings; ClientError for what the template refuses."""
     if template is None:
         raise ClientError(NO_TEMPLATE)
     try:
         variables = _template_variables(template)
     except ValueError as exc:  # a request's own template (the server's was checked at start)
         raise ClientError(str(exc), param="chat_template") from None
+    fmt = content_format(template) if options.content_format == "auto" else options.content_format
+    if fmt == "string":
+        conversation = as_strings(conversation, placeholders)
     kwargs = {k: v for k, v in options.kwargs.items() if k in variables}  # transformers warns about others
     import jinja2
 

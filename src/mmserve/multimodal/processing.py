@@ -137,7 +137,8 @@ class MultiModalProcessor:
         own, processors = self.tokenizer.chat_template, self._hf.chat_template  # str, a dict of named ones, or None
         template = options.template or pick_chat_template(processors if isinstance(processors, str) else None,
                                                           own if isinstance(own, str) else None, bool(tools))
-        return render_chat(self._hf.apply_chat_template, template, conversation, tools, options)
+        return render_chat(self._hf.apply_chat_template, template, conversation, tools, options,
+                           {"image": self.image_token})
 
     def _validate(self, prompt: str, images: list[Any]) -> None:
         if not isinstance(images, (list, tuple)):

@@ -198,4 +198,6 @@ class QwenVLProcessor:
         own = self.tokenizer.chat_template
         template = options.template or pick_chat_template(self.chat_template, own if isinstance(own, str) else None,
                                                           bool(tools))
-        return render_chat(self.tokenizer.apply_chat_template, template, conversation, tools, options)
+        return render_chat(self.tokenizer.apply_chat_template, template, conversation, tools, options,
+                           {"image": f"<|vision_start|>{self.image_token}<|vision_end|>",
+                            "video": f"<|vision_start|>{self.video_token}<|vision_end|>"})

@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve.config import check_finite
 from mmserve.errors import ClientError
-from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
+from mmserve.multimodal.chat_templates import CONTENT_FORMATS, ChatTemplatePolicy, load_chat_template
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -53,6 +53,10 @@ class ServerConfig:
     default_chat_template_kwargs: dict[str, Any] | None = field(default=None, metadata={
         "help": "Template variables for every chat request, as a JSON object (e.g. '{\"add_vision_id\": true}'); "
                 "a request's chat_template_kwargs override them."})
+    chat_template_content_format: str = field(default="auto", metadata={
+        "help": "How a message's content reaches the chat template: 'openai', its list of parts; 'string', one "
+                "string (text parts one per line, an image as the model's image token); 'auto' (default) "
+                "whichever the template reads (vLLM's flag).", "choices": CONTENT_FORMATS})
     request_read_timeout_s: float = field(default=30.0, metadata={
         "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
@@ -94,7 +98,7 @@ class ServerConfig:
         try:
             template = None if self.chat_template is None else load_chat_template(self.chat_template)
             return ChatTemplatePolicy(template, self.trust_request_chat_template,
-                                      self.default_chat_template_kwargs or {})
+                                      self.default_chat_template_kwargs or {}, self.chat_template_content_format)
         except ClientError as exc:  # the policy's checks speak to requests; here it is a flag
             flag = str(exc).replace("default_chat_template_kwargs", "--default-chat-template-kwargs")
             raise ValueError(flag) from None
