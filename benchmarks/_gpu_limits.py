@@ -1,5 +1,6 @@
-"""The GPU benchmark's limits and work counts (`gpu_serving.py`; the leading underscore keeps
-`mmserve bench components` from running it).
+"""The benchmarks' limits and work counts (`gpu_serving.py`, `attention_kernels.py`,
+`attention_sweep.py`, `decode_step.py`; the leading underscore keeps `mmserve bench components`
+from running it).
 
 Limits are measured in the same run on the same device: the rate memory moves bytes (a large
 device-to-device copy, bytes read + written per second) and the rate a large matmul in the

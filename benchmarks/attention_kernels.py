@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from _gpu_limits import copy_bandwidth, matmul_rate
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 128, 16
 TOWER_HEADS, TOWER_HEAD_DIM, FRAME_ROWS, WINDOW_ROWS = 16, 80, 4070, 64
 L2_FLUSH_BYTES = 256 << 20  # K/V read in turn by a decode benchmark: past any GPU's L2
@@ -92,18 +94,12 @@ def decode_inputs(batch: int, context: int, device: torch.device, dtype: torch.d
     return q, k_cache, v_cache, lens, tables
 
 
-def copy_bandwidth(device: torch.device, reps: int) -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (64 MiB in the smoke run)."""
-    n = (1 << 30 if device.type == "cuda" else 1 << 26) // 2
-    src, dst = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
-    return 2 * src.nbytes / timed(lambda: dst.copy_(src), device, reps)
-
-
-def matmul_rate(device: torch.device, reps: int) -> float:
-    """FLOP/s of an 8,192-square bfloat16 matmul (512 in the smoke run)."""
-    n = 8192 if device.type == "cuda" else 512
-    a, b = (torch.randn(n, n, device=device).to(torch.bfloat16) for _ in range(2))
-    return 2 * n**3 / timed(lambda: a @ b, device, reps)
+def device_limits(device: torch.device) -> tuple[float, float]:
+    """The copy bandwidth (bytes read + written per second, a 1 GiB copy) and a bfloat16 matmul's
+    FLOP/s (8,192-square), measured now (`_gpu_limits.py`, as `make bench-gpu`); 64 MiB and 512 on CPU."""
+    cuda = device.type == "cuda"
+    return (copy_bandwidth(device, (1 << 30) if cuda else (1 << 26)),
+            matmul_rate(device, torch.bfloat16, 8192 if cuda else 512))
 
 
 def decode_rows(device: torch.device, batches: list[int], context: int, bandwidth: float, reps: int) -> None:
@@ -182,8 +178,9 @@ def main() -> None:
     else:
         print("no CUDA GPU here: nothing to measure (--smoke checks the script on CPU)")
         return
-    decode_rows(device, batches, context, copy_bandwidth(device, reps), reps)
-    prefill_rows(device, frame_rows, matmul_rate(device, reps), reps)
+    bandwidth, rate = device_limits(device)
+    decode_rows(device, batches, context, bandwidth, reps)
+    prefill_rows(device, frame_rows, rate, reps)
     print("target: decode ratio >= 0.85 of the copy bandwidth; prefill ratio near the matmul rate")
 
 

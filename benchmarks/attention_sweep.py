@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from attention_kernels import (BLOCK, HEAD_DIM, HEADS, KV_HEADS, L2_FLUSH_BYTES, TOWER_HEAD_DIM, TOWER_HEADS,
-                               copy_bandwidth, decode_inputs, matmul_rate, parse_args, replay_timed)
+                               decode_inputs, device_limits, parse_args, replay_timed)
 
 DECODE_KNOBS = {"tile_n": [32, 128], "num_warps": [2, 8], "num_stages": [2, 4]}
 PREFILL_KNOBS = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
@@ -181,10 +181,10 @@ def main() -> None:
     else:
         print("no CUDA GPU here: nothing to measure (--smoke checks the script on CPU)")
         return
-    bandwidth = copy_bandwidth(sizes.device, sizes.reps)
+    bandwidth, rate = device_limits(sizes.device)
     for batch in sizes.batches:
         decode_sweep(sizes, batch, bandwidth)
-    prefill_sweep(sizes, matmul_rate(sizes.device, sizes.reps))
+    prefill_sweep(sizes, rate)
 
 
 if __name__ == "__main__":

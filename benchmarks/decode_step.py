@@ -63,6 +63,7 @@ import torch
 from mmserve.models.attention import cpu_kernels, torch_sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_limits import copy_bandwidth, matmul_rate  # noqa: E402
 from quant_formats import FORMATS, activation_quant, format_checkpoint, summarize  # noqa: E402
 
 TEXT = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
@@ -90,31 +91,6 @@ class PhaseClock:
                 if self._stack:
                     self._stack[-1][0] += took
         return wrapper
-
-
-def copy_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
-    """Bytes per second (read + written) of a large float32 copy, median of `repeats`."""
-    src = torch.rand(megabytes << 18)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    took = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        took.append(time.perf_counter() - t)
-    return 2 * src.numel() * 4 / statistics.median(took)
-
-
-def matmul_rate(size: int = 2048, repeats: int = 5) -> float:
-    """Floating-point operations per second of a large float32 matmul on every thread, median of `repeats`."""
-    a, b = torch.rand(size, size), torch.rand(size, size)
-    a @ b
-    took = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        took.append(time.perf_counter() - t)
-    return 2 * size**3 / statistics.median(took)
 
 
 def write_model(text_config: dict[str, Any], model_dir: str) -> str:
@@ -323,7 +299,8 @@ def measure(bench: Bench, fmt: str, path: str, batch: int, context: int,
     """One configuration's row: (median step seconds, step / bound, bytes a step reads, median CPU
     seconds of a step: every thread's)."""
     weights, per_token = bench.weight_bytes(), bench.kv_bytes_per_token()
-    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    cpu = torch.device("cpu")
+    bandwidth, rate = copy_bandwidth(cpu, 512 << 20), matmul_rate(cpu, torch.float32, 2048)
     with attention_path(path, bench):
         took, phases = bench.run(batch, context, steps)
     step, cpu = statistics.median(took), statistics.median(bench.cpu_took)
