@@ -1,6 +1,6 @@
 """vLLM's chat-template controls through the real server (tiny LLaVA): `--chat-template` (a file),
 `--default-chat-template-kwargs`, `--trust-request-chat-template`, and a request's
-`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `chat_template`,
+`add_generation_prompt`, `continue_final_message` (with `echo`), `chat_template_kwargs` and `chat_template`,
 content given to the template as parts or as one string, as the template reads it.
 
 Each chat answer is checked against /v1/completions on the text transformers' own
@@ -10,6 +10,8 @@ reserved variable and a request template with a syntax error are 400s with OpenA
 and the server goes on serving."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -91,6 +93,24 @@ def test_continue_final_message_ends_the_prompt_inside_the_answer(server, render
     same_as_completion(server, response, prompt)
     bare = chat(server, QUESTION, add_generation_prompt=False)
     same_as_completion(server, bare, render(QUESTION, add_generation_prompt=False))
+
+
+def test_echo_puts_the_prefilled_answer_before_its_continuation(server):
+    """vLLM's chat `echo`: with the last message the assistant's, the answer starts with its text —
+    whole, and streamed as the first content after the role; a user's last message is not echoed."""
+    prefill = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = chat(server, PREFILLED, **prefill).json()["choices"][0]["message"]["content"]
+    echoed = chat(server, PREFILLED, echo=True, **prefill).json()["choices"][0]["message"]["content"]
+    assert echoed == "The sky is" + plain
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": PREFILLED, "max_tokens": 6, "temperature": 0, "stream": True, "echo": True,
+            **prefill}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert deltas[:2] == ["", "The sky is"] and "".join(d or "" for d in deltas) == echoed
+    assert chat(server, QUESTION, echo=True).json()["choices"][0]["message"]["content"] == \
+        chat(server, QUESTION).json()["choices"][0]["message"]["content"]
 
 
 def test_a_trusted_requests_own_template(server, render):

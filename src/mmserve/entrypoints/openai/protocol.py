@@ -150,6 +150,7 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool | None = False  # the prompt ends inside the last message: the model continues it
     chat_template: str | None = None  # a template of the request's own (with --trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"add_vision_id": true}
+    echo: bool | None = False  # the answer starts with the last message's text when that is the assistant's
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -199,6 +200,16 @@ class ChatCompletionRequest(SamplingExtras):
         """How the template renders this request's messages, under the server's `policy`."""
         return policy.options(self.chat_template, self.chat_template_kwargs,
                               self.add_generation_prompt is not False, bool(self.continue_final_message))
+
+    def echoed(self) -> str:
+        """What `echo` puts before the answer: the last message's text when it is an assistant's
+        (a prefilled answer continued), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "".join(part.text for part in last.content if isinstance(part, TextPart))
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """The messages as plain OpenAI-style dicts, for `AsyncLLM.build_prompt`."""

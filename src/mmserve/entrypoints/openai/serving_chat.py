@@ -37,21 +37,25 @@ class OpenAIServingChat(OpenAIServing):
         top = request.top_logprobs or 0
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
+        echo = request.echoed()
+
         def stream(first: RequestOutput) -> ChatStream:
-            return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top, tools=tools)
+            return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top, tools=tools,
+                              echo=echo)
 
         async def whole(final: RequestOutput) -> Response:
-            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools)
+            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo)
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
 def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRecord, top_logprobs: int,
-           tools: ToolMode | None) -> JSONResponse:
-    """The whole completion (one choice per `n`)."""
+           tools: ToolMode | None, echo: str = "") -> JSONResponse:
+    """The whole completion (one choice per `n`), each choice's content after `echo`."""
     choices = []
     for c in final.outputs:
         content, calls = tools.extract(c.text) if tools is not None else (c.text, [])
+        content = echo + (content or "") if echo else content
         message = AssistantMessage(content=content, tool_calls=[call_entry(call) for call in calls] or None)
         choices.append(ChatCompletionChoice(
             index=c.index, message=message, finish_reason=finish_reason(c.finish_reason, bool(calls), tools),
@@ -66,16 +70,23 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
 
 
 class ChatStream(ChoiceStream):
-    """Chat chunks: the assistant role per choice first, then per choice and step its new text (and
-    the new tokens' log probabilities when asked for), and a chunk with its finish reason."""
+    """Chat chunks: the assistant role per choice first (and the `echo`ed text), then per choice and
+    step its new text (and the new tokens' log probabilities when asked for), and a chunk with its
+    finish reason."""
 
-    def __init__(self, *args: Any, tools: ToolMode | None = None) -> None:
+    def __init__(self, *args: Any, tools: ToolMode | None = None, echo: str = "") -> None:
         super().__init__(*args)
         self.tools = tools
+        self.echo = echo
         self._tool_streams: dict[int, ChoiceTools] = {}  # choice index -> its tool-call parsing
 
     def _open(self) -> list[str]:
-        return [self._chunk(DeltaMessage(role="assistant", content=""), index=c.index) for c in self.first.outputs]
+        events = []
+        for c in self.first.outputs:
+            events.append(self._chunk(DeltaMessage(role="assistant", content=""), index=c.index))
+            if self.echo:
+                events.append(self._chunk(DeltaMessage(content=self.echo), index=c.index))
+        return events
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
         if self.tools is not None:
