@@ -36,7 +36,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     in the prompt or the output; `frequency_penalty` subtracts itself times the token's count in the
     output, `presence_penalty` subtracts itself once per token present in the output. `min_tokens`
     masks EOS and `stop_token_ids` (and holds back stop strings) until that many tokens are out.
-    `logit_bias` adds to a token id's logit. `structured_outputs` constrains the output to JSON.
+    `logit_bias` adds to a token id's logit. `structured_outputs` constrains the output to JSON, a
+    regex, a choice or a grammar.
     """
 
     max_tokens: int = 16

@@ -23,6 +23,26 @@ MAX_SCHEMA_DEPTH = 64
 MAX_ENUM_VALUES = 1024
 MAX_PROPERTIES = 1024
 MAX_OPTIONAL_PROPERTIES = 128
+MAX_GRAMMAR_CHARS = 64 << 10  # a regex's or an EBNF grammar's text
+MAX_CHOICES = MAX_ENUM_VALUES  # `choice` strings
+MAX_CHOICE_CHARS = 64 << 10  # all `choice` strings together
+
+
+def check_grammar_text(name: str, text: object) -> None:
+    """A `SchemaError` unless `text` is a non-empty string of at most `MAX_GRAMMAR_CHARS`."""
+    if not isinstance(text, str) or not text:
+        raise SchemaError(f"structured outputs' {name} must be a non-empty string")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise SchemaError(f"structured outputs' {name} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}")
+
+
+def check_choices(choices: object) -> None:
+    """A `SchemaError` unless `choices` is 1 to `MAX_CHOICES` non-empty strings, `MAX_CHOICE_CHARS` in all."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise SchemaError("structured outputs' choice must be a non-empty list of non-empty strings")
+    if len(choices) > MAX_CHOICES or sum(map(len, choices)) > MAX_CHOICE_CHARS:
+        raise SchemaError(f"structured outputs' choice is limited to {MAX_CHOICES} strings of "
+                          f"{MAX_CHOICE_CHARS} characters in all")
 
 
 def text_depth(text: str) -> int:

@@ -1,5 +1,9 @@
 """What a structured-output request asks for, checked and normalised in P0 (no heavy imports).
 
+Five kinds, vLLM's: a JSON schema (`json`), any JSON object (`json_object`), a regular expression
+(`regex`, xgrammar's flavour: ECMAScript-like), one of a list of strings (`choice`) and an EBNF
+grammar (`grammar`, xgrammar's / llama.cpp's GBNF dialect with a `root` rule).
+
 `StructuredOutputsParams` crosses to the engine inside `SamplingParams`; its `key` (kind and the
 canonical schema text) names the compiled grammar the workers cache (worker/grammar.py). Nothing
 here reaches a cache key of the prompt: the prefix and encoder caches never see it.
@@ -13,13 +17,15 @@ grammar cannot enforce are refused by name (`unsupported_schema_keyword`) rather
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import msgspec
 
 from mmserve.errors import ClientError, SchemaError
-from mmserve.schema_limits import check_satisfiable, check_schema_size, check_text_depth
+from mmserve.schema_limits import (check_choices, check_grammar_text, check_satisfiable, check_schema_size,
+                                   check_text_depth)
 
 MAX_SAFE_INTEGER = 2**53 - 1
 SEPARATORS = (",", ":")  # compact JSON, as clients parse best
@@ -34,15 +40,34 @@ _SUBSCHEMA = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", 
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
-    """`json_object`: any JSON object. `json`: a JSON schema as canonical JSON text (use
-    `for_schema` to build one from a dict: it is checked and normalised there)."""
+    """Exactly one kind. `json_object`: any JSON object. `json`: a JSON schema as canonical JSON
+    text (use `for_schema` to build one from a dict: it is checked and normalised there). `regex`:
+    the whole output matches it. `choice`: the output is one of these strings. `grammar`: an EBNF
+    grammar whose `root` rule the output derives. Sizes are bounded here (`schema_limits.py`);
+    whether xgrammar can build the grammar is `check_structure`'s (P0, before the engine)."""
 
     json: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is None) == (not self.json_object):
-            raise ClientError("structured outputs take exactly one of a JSON schema or json_object")
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
+            raise ClientError("structured outputs take exactly one of json, json_object, regex, choice or grammar")
+        for name in ("regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None:
+                check_grammar_text(name, text)
+        if self.choice is not None:
+            check_choices(self.choice)
+
+    @property
+    def is_json(self) -> bool:
+        """A JSON kind: its output is compact JSON, which never holds a raw control character."""
+        return self.json is not None or self.json_object
 
     @classmethod
     def for_schema(cls, schema: Any) -> StructuredOutputsParams:
@@ -64,7 +89,20 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def key(self) -> str:
         """What the compiled grammar is cached under."""
-        return "json_object" if self.json_object else "schema:" + (self.json or "")
+        if self.json_object:
+            return "json_object"
+        if self.regex is not None:
+            return "regex:" + self.regex
+        if self.choice is not None:
+            return "choice:" + json.dumps(self.choice, ensure_ascii=False)
+        if self.grammar is not None:
+            return "grammar:" + self.grammar
+        return "schema:" + (self.json or "")
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """The EBNF grammar of "exactly one of `choices`" (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def normalise_schema(schema: dict[str, Any], path: str = "$") -> dict[str, Any]:
@@ -103,15 +141,31 @@ def _types(schema: dict[str, Any]) -> set[str]:
     return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
 
 
-def check_schema(spec: StructuredOutputsParams) -> None:
+def check_structure(spec: StructuredOutputsParams) -> None:
     """P0's check that xgrammar can build the grammar (no tokenizer needed): a SchemaError naming
-    the problem for a malformed or unsupported schema."""
-    if spec.json is None:
-        return
+    the problem for a malformed or unsupported schema, regex or grammar. The HTTP layer checks as
+    it parses (to name the field) and the input processor again: the verdict is cached by key."""
+    if not spec.json_object:
+        problem = _problem(spec.key)
+        if problem is not None:
+            raise SchemaError(problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(key: str) -> str | None:
+    """What xgrammar says against the structure named by `key` (`StructuredOutputsParams.key`), or None."""
     import xgrammar as xgr
 
+    kind, _, text = key.partition(":")
+    what = {"schema": "JSON schema", "regex": "regex"}.get(kind, "grammar")
     try:
-        xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+        if kind == "schema":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        else:
+            xgr.Grammar.from_ebnf(text if kind == "grammar" else choice_ebnf(json.loads(text)))
     except Exception as e:  # xgrammar raises RuntimeError with the converter's message
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise SchemaError(f"invalid or unsupported JSON schema: {message.split('] ')[-1]}") from None
+        return f"invalid or unsupported {what}: {message.split('] ')[-1]}"
+    return None

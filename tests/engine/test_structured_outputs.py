@@ -107,3 +107,59 @@ def test_the_spec_takes_one_kind():
         StructuredOutputsParams()
     with pytest.raises(ValueError):
         StructuredOutputsParams(json="{}", json_object=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_grammar_hold_whatever_the_weights(builtin, temperature):
+    """vLLM's other kinds: the whole output matches the regex (a newline in it included: the
+    control-character mask is JSON's alone), is one of the choices, derives the grammar."""
+    date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}\n(AM|PM)"
+    choices = ["cat", "dog", "a \"bird\"", "fish\tbowl"]
+    grammar = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [a-z]{1,4} | [0-9]{1,3}'
+    specs = [StructuredOutputsParams(regex=date), StructuredOutputsParams(choice=choices),
+             StructuredOutputsParams(grammar=grammar), StructuredOutputsParams(json_object=True)]
+    outs = builtin.generate(prompts()[:2] * 2, [SamplingParams(max_tokens=60, temperature=temperature, seed=i,
+                                                               structured_outputs=spec)
+                                                for i, spec in enumerate(specs)])
+    texts = [out.outputs[0].text for out in outs]
+    assert all(out.outputs[0].finish_reason == "stop" for out in outs), texts
+    assert re.fullmatch(date, texts[0]) and texts[1] in choices, texts
+    assert re.fullmatch(r"\((?:[a-z]{1,4}|[0-9]{1,3})(?:,(?:[a-z]{1,4}|[0-9]{1,3})){0,2}\)", texts[2]), texts
+    assert isinstance(json.loads(texts[3]), dict)
+    builtin.engine.core.check_integrity()
+
+
+@pytest.mark.parametrize("spec, word", [({"regex": "[a-"}, "regex: Regex parsing error"),
+                                        ({"grammar": 'start ::= "a"'}, 'root rule with name "root" is not found'),
+                                        ({"grammar": 'root ::= "a" |'}, "EBNF parser error")])
+def test_a_malformed_regex_or_grammar_is_refused_before_the_engine(llm, spec, word):
+    with pytest.raises(ValueError, match="invalid or unsupported") as err:
+        llm.generate(prompts()[0], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**spec)))
+    assert word.split(": ")[-1] in str(err.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": ["a", ""]},
+                                    {"choice": "ab"}, {"regex": ""}, {"grammar": "x" * ((64 << 10) + 1)},
+                                    {"choice": ["a"] * 1025}])
+def test_each_kind_is_checked_when_made(fields):
+    with pytest.raises(ValueError):
+        StructuredOutputsParams(**fields)
+
+
+def test_the_control_character_mask_is_for_json_rows_alone(path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from mmserve.worker.grammar import GrammarCache, apply_grammar_masks
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cache = GrammarCache(path, len(tokenizer))
+    eos = tokenizer.eos_token_id
+    matchers = [cache.matcher(StructuredOutputsParams(json_object=True), eos),
+                cache.matcher(StructuredOutputsParams(regex="\n[a-z]"), eos)]  # a newline first
+    logits = torch.zeros(3, len(tokenizer))
+    apply_grammar_masks(logits, [0, 2], matchers, cache.control_tokens, [True, False])
+    newlines = [t for t in cache.control_tokens.tolist() if tokenizer.decode([t]).startswith("\n")]
+    assert newlines and torch.isinf(logits[0, cache.control_tokens]).all()
+    assert torch.isfinite(logits[2, newlines]).any() and (logits[1] == 0).all()

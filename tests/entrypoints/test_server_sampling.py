@@ -1,10 +1,12 @@
 """Issue 17 through a real server with the official client: /v1/completions, logprobs, n, the
-penalties, min_tokens, logit_bias and response_format, whole and streamed, each equal to what the
+penalties, min_tokens, logit_bias, response_format and vLLM's structured_outputs / guided_* fields,
+whole and streamed, each equal to what the
 offline engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -135,11 +137,40 @@ def test_response_format_json_schema_and_json_object(client, stream):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("field", ["structured_outputs", "guided"])
+def test_vllms_structured_outputs_fields_choice_regex_and_json(client, field):
+    """vLLM's `structured_outputs` object and its older `guided_*` names, on chat and completions:
+    a classification by choice (the catalogue-captioning case), a regex, a schema, each held."""
+    def body(kind: str, value: object) -> dict:
+        return {"structured_outputs": {kind: value}} if field == "structured_outputs" else {f"guided_{kind}": value}
+
+    labels = ["cat", "dog", "neither"]
+    r = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=8, temperature=1.0, seed=3,
+                                       extra_body=body("choice", labels))
+    assert r.choices[0].message.content in labels and r.choices[0].finish_reason == "stop"
+    code = r"[A-Z]{2}-[0-9]{3}"
+    for stream in (False, True):
+        c = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=4,
+                                      stream=stream, extra_body=body("regex", code))
+        text = "".join(x.choices[0].text for x in c if x.choices) if stream else c.choices[0].text
+        assert re.fullmatch(code, text), text
+    r = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=150, temperature=1.0, seed=2,
+                                       extra_body=body("json", SCHEMA))
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
 @pytest.mark.parametrize("kind, body, param", [
+    ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+    ("chat", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ("text", {"guided_regex": "(ab"}, "guided_regex"),
+    ("text", {"guided_grammar": 'start ::= "a"'}, "guided_grammar"),
+    ("text", {"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ("text", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ("chat", {"guided_choice": []}, "guided_choice"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"n": 0}, None),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
-     None),
+     "response_format"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format"),
     ("chat", {"presence_penalty": 3}, None),

@@ -97,6 +97,7 @@ def test_none_answers_text_and_a_follow_up_turn_with_the_tool_result_answers(cli
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tools"),
     ({"tools": [], "tool_choice": "none"}, "tools"),
+    ({"tool_choice": "required", "extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
 ])
 def test_bad_tool_requests_are_400s(client, extra, param):
     body = {"tools": TOOLS, **extra}

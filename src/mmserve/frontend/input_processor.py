@@ -27,7 +27,7 @@ from mmserve.multimodal.placeholders import max_token_chars, tokens_past
 from mmserve.multimodal.processing import create_processor
 from mmserve.multimodal.processor_api import ItemProcessor
 from mmserve.sampling_params import SamplingParams
-from mmserve.structured_outputs import check_schema
+from mmserve.structured_outputs import check_structure
 
 
 class InputProcessor:
@@ -157,7 +157,7 @@ class InputProcessor:
             raise ClientError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
                              f"{self.vocab_size})")
         if params.structured_outputs is not None:
-            check_schema(params.structured_outputs)
+            check_structure(params.structured_outputs)
 
     def _check_item_sizes(self, resolved: list[ResolvedItem]) -> None:
         """A ValueError for an item larger than the engine's encoder budget (it could never run)."""

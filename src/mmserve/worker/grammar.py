@@ -13,9 +13,10 @@ compile). Each request gets its own `GrammarMatcher` over the shared compiled gr
 is the request's alone and dies with it. With tensor parallelism
 every rank compiles and advances the same matchers (every rank samples the same tokens).
 
-Tokens whose text holds a raw control character (U+0000..U+001F) are masked for every structured
+Tokens whose text holds a raw control character (U+0000..U+001F) are masked for every JSON
 request: compact JSON never contains one, and xgrammar 0.2.8 lets them into strings that have a
-`maxLength` (JSON parsers then refuse the output).
+`maxLength` (JSON parsers then refuse the output). A regex, choice or grammar may ask for a newline
+or a tab: its own grammar decides alone.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from mmserve.worker.device import to_device
 
-from mmserve.structured_outputs import SEPARATORS, StructuredOutputsParams
+from mmserve.structured_outputs import SEPARATORS, StructuredOutputsParams, choice_ebnf
 
 # `json_object`: any JSON object, compact and bounded so that it ends within an ordinary budget
 # whatever the weights: at most 16 members per object or array, keys of 1-32 characters, strings of
@@ -108,6 +109,12 @@ class GrammarCache:
         self.num_compiles += 1
         if spec.json_object:
             return compiler.compile_grammar(JSON_OBJECT_EBNF)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(choice_ebnf(spec.choice))
+        if spec.grammar is not None:
+            return compiler.compile_grammar(spec.grammar)
         return compiler.compile_json_schema(spec.json, any_whitespace=False, separators=SEPARATORS,
                                             strict_mode=True)
 
@@ -125,9 +132,11 @@ class GrammarCache:
         return self._compiler
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, control_tokens: torch.Tensor) -> None:
-    """Mask, in place, the tokens each matcher forbids next and the `control_tokens`. logits:
-    [R, V] float32; `rows[i]` is the row of `matchers[i]`. Rows not named are untouched."""
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, control_tokens: torch.Tensor,
+                        json_rows: list[bool] | None = None) -> None:
+    """Mask, in place, the tokens each matcher forbids next, and the `control_tokens` in the rows
+    whose `json_rows[i]` is true (default: all). logits: [R, V] float32; `rows[i]` is the row of
+    `matchers[i]`. Rows not named are untouched."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [G, ceil(V / 32)] int32
@@ -137,6 +146,10 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, c
                                                logits.device)  # one pinned copy
     sub = logits[index]  # [G, V]
     xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=logits.shape[-1])
-    sub[:, control_tokens] = float("-inf")
+    if json_rows is None or all(json_rows):
+        sub[:, control_tokens] = float("-inf")
+    elif any(json_rows):
+        masked = torch.tensor([i for i, is_json in enumerate(json_rows) if is_json], device=sub.device)
+        sub[masked[:, None], control_tokens[None, :]] = float("-inf")
     logits[index] = sub
 

@@ -40,7 +40,13 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
     structured = [i for i in rows if states[i].grammar is not None and not states[i].grammar.is_terminated()]
     if structured:
         assert control_tokens is not None  # set once a grammar was compiled
-        apply_grammar_masks(logits, structured, [states[i].grammar for i in structured], control_tokens)
+        apply_grammar_masks(logits, structured, [states[i].grammar for i in structured], control_tokens,
+                            [_is_json(states[i]) for i in structured])
+
+
+def _is_json(state: RunnerRequest) -> bool:
+    spec = state.params.structured_outputs
+    return spec is not None and spec.is_json
 
 
 def _holds_back_stop(state: RunnerRequest) -> bool:

@@ -79,6 +79,9 @@ class ResponsesRequest(BaseModel):
     def prompt_settings(self) -> PromptSettings:
         return PromptSettings(self.cache_salt, self.mm_processor_kwargs)
 
+    def structure_param(self) -> str | None:
+        return "text.format"
+
     def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's sampling parameters (ValueError for a bad value); `defaults` fill unset fields."""
         values: dict[str, Any] = {

@@ -1,5 +1,7 @@
 """Request fields shared by chat and completions beyond the basic sampling ones: penalties,
-`min_tokens`, `logit_bias` and `response_format` (OpenAI's names, vLLM's extras), and their
+`min_tokens`, `logit_bias`, `response_format` and vLLM's `structured_outputs` (`{"json" |
+"json_object" | "regex" | "choice" | "grammar": ...}`, and its older top-level names `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`; one structure per request), and their
 translation into `SamplingParams` values. A bad value is a `ParameterError` naming the field
 (imported where raised: protocol.py builds its request bodies on `SamplingExtras`)."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.sampling_params import MAX_LOGPROBS
@@ -60,16 +63,77 @@ class SamplingExtras(BaseModel):
     min_tokens: int | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"regex": "[0-9]+"}, {"choice": [...]}, ...
+    guided_json: Any = None  # vLLM's older names for structured_outputs' kinds
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def extra_sampling_values(self) -> dict[str, Any]:
         values: dict[str, Any] = {"presence_penalty": self.presence_penalty,
                                   "frequency_penalty": self.frequency_penalty,
                                   "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
                                   "min_p": self.min_p,
-                                  "logit_bias": _token_bias(self.logit_bias)}
-        if self.response_format is not None:
-            values["structured_outputs"] = self.response_format.to_structured_outputs()
+                                  "logit_bias": _token_bias(self.logit_bias),
+                                  "structured_outputs": self._structure()}
         return {k: v for k, v in values.items() if v is not None}
+
+    def structure_param(self) -> str | None:
+        """The field that asks for a structure (the first, if several: `_structure` refuses that)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next((f"guided_{k}" for k in ("json", "regex", "choice", "grammar")
+                     if getattr(self, f"guided_{k}") is not None), None)
+
+    def _structure(self) -> StructuredOutputsParams | None:
+        """The one structure the request asks for, whichever field names it; a `ParameterError`
+        naming the second field when two do."""
+        from mmserve.entrypoints.openai.protocol import ParameterError
+
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        if self.response_format is not None:
+            spec = self.response_format.to_structured_outputs()
+            asked += [("response_format", spec)] if spec is not None else []
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", structure_of(self.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked.append((f"guided_{kind}", structure_of({kind: value}, f"guided_{kind}")))
+        if len(asked) > 1:
+            raise ParameterError(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; "
+                                 "give one")
+        return asked[0][1] if asked else None
+
+
+# vLLM's structured_outputs keys: the kinds, switches that are what mmserve does anyway (compact
+# JSON, no fallback backend, no properties beyond a schema's), and what it cannot honour
+STRUCTURE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURE_AS_DONE = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+
+
+def structure_of(fields: Any, param: str = "structured_outputs") -> StructuredOutputsParams:
+    """vLLM's `structured_outputs` object (or one `guided_*` field, as `{kind: value}`) as the
+    engine's spec, checked; a `ParameterError` naming `param` otherwise."""
+    from mmserve.entrypoints.openai.protocol import ParameterError
+
+    if not isinstance(fields, dict):
+        raise ParameterError(param, f"{param} must be an object with one of {', '.join(STRUCTURE_KINDS)}")
+    unknown = sorted(set(fields) - set(STRUCTURE_KINDS) - set(STRUCTURE_AS_DONE))
+    if unknown:
+        raise ParameterError(param, f"{param}.{unknown[0]} is not supported (mmserve takes "
+                             f"{', '.join(STRUCTURE_KINDS)})", code="unsupported_parameter")
+    kinds = {k: v for k, v in fields.items() if k in STRUCTURE_KINDS and v is not None and v is not False}
+    try:
+        if set(kinds) == {"json_object"} and kinds["json_object"] is not True:
+            raise ValueError("json_object must be true")
+        if set(kinds) == {"json"}:
+            return StructuredOutputsParams.for_schema(kinds["json"])
+        return StructuredOutputsParams(**kinds)
+    except (ValueError, TypeError, msgspec.ValidationError) as e:
+        raise ParameterError(param, f"{param}: {e}") from None
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -29,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mmserve.cache_report import CacheReport, cache_headers
+from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ParameterError
 from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
@@ -38,6 +39,7 @@ from mmserve.metrics import ServerMetrics
 from mmserve.multimodal.chat_templates import ChatTemplateOptions, ChatTemplatePolicy
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+from mmserve.structured_outputs import check_structure
 
 if TYPE_CHECKING:
     from mmserve.frontend.async_llm import AsyncLLM
@@ -64,6 +66,8 @@ class OpenAIRequest(Protocol):
                            ) -> SamplingParams: ...
 
     def prompt_settings(self) -> PromptSettings: ...
+
+    def structure_param(self) -> str | None: ...
 
 
 R = TypeVar("R", bound=OpenAIRequest)
@@ -173,6 +177,12 @@ class OpenAIServing:
                            ", ".join(request.unknown_fields()))
         defaults = self.engine.generation_defaults  # the engine stops at max_model_len
         params = request.to_sampling_params(defaults.max_tokens(self.engine.max_model_len), defaults.request_defaults)
+        if params.structured_outputs is not None:  # xgrammar's verdict, named by field, off the event loop
+            try:
+                await asyncio.to_thread(check_structure, params.structured_outputs)
+            except SchemaError as e:
+                param = request.structure_param() or "response_format"
+                raise ParameterError(param, f"{param}: {e}") from None
         return ServeContext(raw_request, request, request_id, model, params, request.prompt_settings(), record)
 
     def check_model(self, name: str | None) -> str:

@@ -33,7 +33,8 @@ class OpenAIServingChat(OpenAIServing):
         request = ctx.request
         tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
         template = request.template_options(self.chat_templates)
-        outputs = await self.start_chat(ctx, request.messages_as_dicts(), tools, request.tools, template=template)
+        outputs = await self.start_chat(ctx, request.messages_as_dicts(), tools, request.tools,
+                                        request.structure_param() or "response_format", template)
         top = request.top_logprobs or 0
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
