@@ -1,7 +1,8 @@
 """vLLM's chat-template controls through the real server (tiny LLaVA): `--chat-template` (a file),
 `--default-chat-template-kwargs`, `--trust-request-chat-template`, and a request's
 `add_generation_prompt`, `continue_final_message` (with `echo`), `chat_template_kwargs` and `chat_template`,
-content given to the template as parts or as one string, as the template reads it.
+content given to the template as parts or as one string, as the template reads it; a Thinking
+template turns `reasoning_content` on.
 
 Each chat answer is checked against /v1/completions on the text transformers' own
 `apply_chat_template` renders with the same template and arguments: the same prompt tokens and the
@@ -12,6 +13,7 @@ and the server goes on serving."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import pytest
@@ -161,3 +163,25 @@ def test_what_the_template_refuses_is_a_400_and_the_server_serves_on(server, ren
     assert error["type"] == "invalid_request_error" and (param is None or error["param"] == param), error
     assert words is None or words in error["message"], error
     same_as_completion(server, chat(server, QUESTION), render(QUESTION, greeting="ANSWER:"))
+
+
+def test_a_template_that_opens_thinking_turns_reasoning_content_on(checkpoint, tmp_path):
+    """A Thinking model's template (its generation prompt opens `<think>`) needs no flag: the
+    server says so at start, and a chat answer's text up to `</think>` is its reasoning_content —
+    here all of it, a random model never closing the block — equal to the completion's text."""
+    model = tmp_path / "thinking"
+    shutil.copytree(checkpoint, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                               "{% endfor %}{% if add_generation_prompt %}assistant: <think>\n"
+                                               "{% endif %}")
+    server = ServerProcess(str(model), "--served-model-name", "m", "--max-model-len", "256")
+    try:
+        answer = chat(server, QUESTION).json()["choices"][0]["message"]
+        text = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": "m", "prompt": "user: What colour is the sky?\nassistant: <think>\n", "max_tokens": 6,
+            "temperature": 0}).json()["choices"][0]["text"]
+        thinking, _, rest = text.partition("</think>")
+        assert (answer["reasoning_content"], answer["content"]) == (thinking, rest.lstrip("\n")), (answer, text)
+        assert "reasoning_content" in answer and "opens a <think> block" in server.output()
+    finally:
+        server.stop()

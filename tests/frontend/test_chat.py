@@ -126,3 +126,12 @@ def test_video_parts_become_video_sources():
     prompt = inputs.prompt("rendered").to_dict()
     assert prompt["multi_modal_data"]["video"] == ["data:video/mp4;base64,AAAA", None]
     assert prompt["multi_modal_uuids"] == {"video": [None, "clip"]}
+
+
+def test_an_assistant_turns_reasoning_content_reaches_the_template() -> None:
+    """Qwen3's templates show (or drop) an earlier answer's thinking from `reasoning_content`."""
+    inputs = parse_chat_messages([{"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"},
+                                  {"role": "user", "content": "Bye", "reasoning_content": "not an answer's"}])
+    assert inputs.conversation[1] == {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"}
+    assert "reasoning_content" not in inputs.conversation[2]

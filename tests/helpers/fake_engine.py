@@ -42,6 +42,7 @@ class FakeEngine:
         self.prompts: list[dict[str, Any]] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []
+        self.pieces = PIECES  # the text each step adds
         self._stats: SchedulerStats | None = None
 
     @property
@@ -75,19 +76,20 @@ class FakeEngine:
         if "too long" in prompt.text:
             raise ClientError("the prompt has 999 tokens, but max_model_len is 64")
         self.params.append(params)
-        n = min(params.max_tokens, len(PIECES))
+        pieces = self.pieces
+        n = min(params.max_tokens, len(pieces))
         text, ids, done = "", [], False
         try:
             for i in range(n):
                 await asyncio.sleep(self.step_s)
                 if self.die_after is not None and i >= self.die_after:
                     raise EngineDeadError("engine core died")
-                text += PIECES[i]
+                text += pieces[i]
                 ids.append(100 + i)
                 done = i == n - 1
                 reason = ("length" if n == params.max_tokens else "stop") if done else None
                 yield RequestOutput(request_id, prompt.text, PROMPT_IDS, [CompletionOutput(
-                    0, text, list(ids), finish_reason=reason, delta_text=PIECES[i])], finished=done,
+                    0, text, list(ids), finish_reason=reason, delta_text=pieces[i])], finished=done,
                     num_cached_tokens=CACHED)
         finally:
             (self.finished if done else self.aborted).append(request_id)

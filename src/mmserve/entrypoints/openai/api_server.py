@@ -35,6 +35,7 @@ from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
+from mmserve.entrypoints.openai.reasoning import opens_thinking
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -64,13 +65,14 @@ HEALTH_POLL_S = 0.5
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
               responses_store_bytes: int = 256 << 20, responses_store: str | None = None,
-              chat_templates: ChatTemplatePolicy | None = None) -> FastAPI:
+              chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
     for previous_response_id in `responses_store_bytes`, or in the node's store at the address
     `responses_store` (a launcher's, shared by its API servers); `chat_templates` is what the
-    `--chat-template` flags allow (default: the checkpoint's template, no request's own)."""
+    `--chat-template` flags allow (default: the checkpoint's template, no request's own);
+    `reasoning_parser` splits a reasoning model's thinking from chat answers."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -84,7 +86,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
-    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates,
+                             reasoning_parser=reasoning_parser)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
     responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store),
@@ -196,6 +199,23 @@ def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | No
     return parser
 
 
+def _reasoning_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
+    """The flag's parser, else qwen3's where the checkpoint's template opens the thinking block
+    itself (a Thinking model: every answer starts inside it), said once at start-up."""
+    if server_config.reasoning_parser is not None:
+        return server_config.reasoning_parser
+    try:
+        prompt = engine.input_processor.processor.apply_chat_template([{"role": "user", "content": "?"}])
+    except ValueError:  # no template (chat requests are refused) or one that refuses this turn
+        return None
+    if not opens_thinking(prompt):
+        return None
+    if engine.config.parallel.api_server_index == 0:
+        logger.info("the chat template opens a <think> block: answers' thinking is their reasoning_content "
+                    "(--reasoning-parser qwen3, the default for this checkpoint)")
+    return "qwen3"
+
+
 def _loop_factory() -> Any:
     """uvloop's event loop when installed (a faster loop for every request's hops), else asyncio's;
     MMSERVE_EVENT_LOOP=asyncio forces asyncio's."""
@@ -226,7 +246,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
                         int(server_config.responses_store_mb * (1 << 20)),
                         attachment.responses if attachment is not None else None,
-                        server_config.chat_template_policy())
+                        server_config.chat_template_policy(), _reasoning_parser(server_config, engine))
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s))

@@ -243,6 +243,7 @@ class UsageInfo(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser; vLLM's name)
     tool_calls: list[dict[str, Any]] | None = None  # [{"id", "type": "function", "function": {"name", "arguments"}}]
 
 
@@ -265,6 +266,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # [{"index", "id"?, "type"?, "function": {...}}]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mmserve.config import check_finite
+from mmserve.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from mmserve.errors import ClientError
 from mmserve.multimodal.chat_templates import CONTENT_FORMATS, ChatTemplatePolicy, load_chat_template
 
@@ -38,6 +39,11 @@ class ServerConfig:
         "help": "How calls are read from free answers for tool_choice auto: hermes (<tool_call> JSON). Default: "
                 "the model family's format (hermes for Qwen2.5-VL and Qwen3-VL; none known for LLaVA).",
         "choices": ("hermes",)})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "Answer a reasoning model's <think>...</think> as the message's reasoning_content, apart from its "
+                "content (vLLM's flag; qwen3 and deepseek_r1 read the same tags). Default: on (qwen3) for a "
+                "checkpoint whose chat template opens the thinking block itself (Qwen3-VL-Thinking), off otherwise.",
+        "choices": REASONING_PARSERS})
     responses_store_mb: float = field(default=256.0, metadata={
         "help": "Memory for finished /v1/responses kept for previous_response_id, in MiB for the node (one store "
                 "for every API server; least recently used evicted first; 0 keeps none)."})

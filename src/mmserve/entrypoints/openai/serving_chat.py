@@ -18,13 +18,19 @@ from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_l
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
 from mmserve.entrypoints.openai.serving_base import OpenAIServing, RequestRecord, ServeContext
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, call_entry, finish_reason, tool_mode
 from mmserve.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat completions handler."""
+    """The chat completions handler; with `reasoning_parser`, a reasoning model's thinking is the
+    answer's `reasoning_content`, apart from its `content` (`reasoning.py`)."""
+
+    def __init__(self, *args: Any, reasoning_parser: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, raw_request: Request) -> Response:
         return await self.serve(raw_request, ChatCompletionRequest, "chatcmpl-", self._create)
@@ -39,25 +45,31 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
         echo = request.echoed()
+        # a structured answer (a grammar from its first token) has no thinking to split off
+        reasoning = self.reasoning_parser is not None and ctx.params.structured_outputs is None and \
+            not (tools is not None and tools.forced)
 
         def stream(first: RequestOutput) -> ChatStream:
             return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top, tools=tools,
-                              echo=echo)
+                              echo=echo, reasoning=reasoning)
 
         async def whole(final: RequestOutput) -> Response:
-            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo)
+            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo, reasoning)
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
 def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRecord, top_logprobs: int,
-           tools: ToolMode | None, echo: str = "") -> JSONResponse:
-    """The whole completion (one choice per `n`), each choice's content after `echo`."""
+           tools: ToolMode | None, echo: str = "", reasoning: bool = False) -> JSONResponse:
+    """The whole completion (one choice per `n`), each choice's content after `echo`, its thinking
+    apart when `reasoning`."""
     choices = []
     for c in final.outputs:
-        content, calls = tools.extract(c.text) if tools is not None else (c.text, [])
+        thinking, text = ReasoningSplitter(final.prompt or "").split(c.text) if reasoning else (None, c.text)
+        content, calls = tools.extract(text) if tools is not None else (text, [])
         content = echo + (content or "") if echo else content
-        message = AssistantMessage(content=content, tool_calls=[call_entry(call) for call in calls] or None)
+        message = AssistantMessage(content=content, reasoning_content=thinking,
+                                   tool_calls=[call_entry(call) for call in calls] or None)
         choices.append(ChatCompletionChoice(
             index=c.index, message=message, finish_reason=finish_reason(c.finish_reason, bool(calls), tools),
             logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
@@ -65,8 +77,9 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     body = response.model_dump()
     for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers
-        if choice["message"]["tool_calls"] is None:
-            del choice["message"]["tool_calls"]
+        for key in ("tool_calls", "reasoning_content"):
+            if choice["message"][key] is None:
+                del choice["message"][key]
     return JSONResponse(body, headers=cache_headers(record.report))
 
 
@@ -75,11 +88,13 @@ class ChatStream(ChoiceStream):
     step its new text (and the new tokens' log probabilities when asked for), and a chunk with its
     finish reason."""
 
-    def __init__(self, *args: Any, tools: ToolMode | None = None, echo: str = "") -> None:
+    def __init__(self, *args: Any, tools: ToolMode | None = None, echo: str = "", reasoning: bool = False) -> None:
         super().__init__(*args)
         self.tools = tools
         self.echo = echo
+        self.reasoning = reasoning
         self._tool_streams: dict[int, ChoiceTools] = {}  # choice index -> its tool-call parsing
+        self._splitters: dict[int, ReasoningSplitter] = {}  # choice index -> its thinking / answer split
 
     def _open(self) -> list[str]:
         events = []
@@ -90,15 +105,24 @@ class ChatStream(ChoiceStream):
         return events
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        events = self._thinking(d) if self.reasoning else []
         if self.tools is not None:
-            return self._tool_delta(d)
-        events = []
+            return events + self._tool_delta(d)
         logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
         if d.text or logprobs:
             events.append(self._chunk(DeltaMessage(content=d.text), index=d.index, logprobs=logprobs))
         if d.finish_reason is not None:
             events.append(self._chunk(DeltaMessage(), finish_reason=d.finish_reason, index=d.index))
         return events
+
+    def _thinking(self, d: ChoiceDelta) -> list[str]:
+        """The delta's thinking as a `reasoning_content` chunk; `d.text` keeps the answer's part."""
+        splitter = self._splitters.setdefault(d.index, ReasoningSplitter(self.first.prompt or ""))
+        thinking, d.text = splitter.feed(d.text)
+        if d.finish_reason is not None:
+            rest_thinking, rest = splitter.finish()
+            thinking, d.text = thinking + rest_thinking, d.text + rest
+        return [self._chunk(DeltaMessage(reasoning_content=thinking), index=d.index)] if thinking else []
 
     def _tool_delta(self, d: ChoiceDelta) -> list[str]:
         """The choice's text through its tool-call parsing: content, then calls as they complete."""

@@ -39,7 +39,7 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
 
     A message is `{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": ...}`
     ("developer" is rendered as "system"; an assistant turn may carry `tool_calls`, with content
-    None, and a "tool" turn names the call it answers in `tool_call_id`) where content is a
+    None, and its `reasoning_content`; a "tool" turn names the call it answers in `tool_call_id`) where content is a
     string (kept as a string) or a list of parts: `{"type": "text", "text": str}`,
     `{"type": "image_url", "image_url": {"url": str}, "uuid"?: str}` (or `"image_url": str`; with a
     `uuid`, the url may be left out to reuse an image sent before), `{"type": "image_pil",
@@ -66,6 +66,8 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ChatInputs:
         elif not (content is None and role == "assistant" and message.get("tool_calls")):
             raise ClientError(f"{where}.content must be a string or a list of content parts; "
                              f"got {type(content).__name__}")
+        if role == "assistant" and isinstance(message.get("reasoning_content"), str):
+            turn["reasoning_content"] = message["reasoning_content"]  # a reasoning model's template may show it
         if role == "assistant" and message.get("tool_calls") is not None:
             turn["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls", call_ids)
         if role == "tool":

@@ -1,0 +1,92 @@
+"""A reasoning model's thinking apart from its answer (entrypoints/openai/reasoning.py): the
+splitter's rule on every shape of output, cut anywhere across deltas, and chat's
+`reasoning_content` whole and streamed over the HTTP layer (a fake engine scripting the text)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from helpers.fake_engine import MODEL, FakeEngine, post
+from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
+
+OPENED = "<|im_start|>assistant\n<think>\n"  # a Thinking model's template opens the block
+PLAIN = "<|im_start|>assistant\n"
+CASES = [
+    (OPENED, "plan it</think>\n\nThe answer.", ("plan it", "The answer.")),
+    (PLAIN, "<think>plan</think>\n\nAns", ("plan", "Ans")),  # the model opens it
+    (PLAIN, "  <think>plan</think>Ans", ("plan", "Ans")),
+    (PLAIN + "<think>\n\n</think>\n\n", "Just answer", (None, "Just answer")),  # thinking switched off
+    (PLAIN, "Just answer <think>x</think>", (None, "Just answer <think>x</think>")),
+    (OPENED, "cut off in thou", ("cut off in thou", "")),  # max_tokens inside the thinking
+    (OPENED, "cut </thi", ("cut </thi", "")),
+    (PLAIN, "<thi", (None, "<thi")),
+    (PLAIN, "   ", (None, "   ")),
+    (OPENED, "</think>", ("", "")),
+]
+
+
+@pytest.mark.parametrize("prompt, text, want", CASES)
+def test_the_split_is_the_same_whole_or_cut_anywhere(prompt, text, want):
+    assert ReasoningSplitter(prompt).split(text) == want
+    rng = random.Random(text)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        splitter, thinking, answer = ReasoningSplitter(prompt), "", ""
+        for piece in (text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])):
+            more_thinking, more_answer = splitter.feed(piece)
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        rest_thinking, rest_answer = splitter.finish()
+        assert (thinking + rest_thinking if splitter.reasoned else None, answer + rest_answer) == want
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    engine = FakeEngine()
+    engine.pieces = ["<thi", "nk>Let me ", "see.</th", "ink>\n\nA c", "at."]
+    return engine
+
+
+def chat(client: TestClient, stream: bool = False, **body) -> dict | list[dict]:
+    r = post(client, {"model": MODEL, "messages": [{"role": "user", "content": "What is it?"}], "max_tokens": 9,
+                      "stream": stream, **body})
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["message"]
+    return [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+
+
+def test_chat_answers_the_thinking_apart_whole_and_streamed(engine):
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    assert chat(client) == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
+    deltas = chat(client, stream=True)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "A cat."
+    assert not any("reasoning_content" in d and "content" in d and d["content"] for d in deltas)
+    # a structured answer is constrained from its first token: nothing to split off
+    structured = chat(client, response_format={"type": "json_object"})
+    assert structured["content"] == "<think>Let me see.</think>\n\nA cat." and "reasoning_content" not in structured
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_answer_inside_it():
+    engine = FakeEngine()  # its prompt is the messages' text: this one ends as a Thinking template's
+    engine.pieces = ["Let me ", "see.</think>", "A cat."]
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    opened = {"messages": [{"role": "user", "content": "What is it?<think>\n"}]}
+    assert chat(client, **opened) == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
+
+
+def test_without_the_parser_the_tags_stay_in_the_content(engine):
+    client = TestClient(build_app(engine, [MODEL]))
+    assert chat(client) == {"role": "assistant", "content": "<think>Let me see.</think>\n\nA cat."}
+
+
+def test_an_answer_that_does_not_think_has_no_reasoning_content():
+    engine = FakeEngine()
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="deepseek_r1"))
+    assert chat(client) == {"role": "assistant", "content": "Hello world"}
