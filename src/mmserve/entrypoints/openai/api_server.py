@@ -39,6 +39,7 @@ from mmserve.entrypoints.openai.reasoning import opens_thinking
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -93,6 +94,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store),
                                        chat_templates)
     v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
+    tokens = OpenAIServingTokenization(engine, served_model_names, metrics, chat_templates=chat_templates)
+    root = APIRouter(dependencies=[Depends(_api_key_check(api_key))])  # vLLM's routes, behind the key too
+    root.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
+    root.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -113,6 +118,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(v1)
+    app.include_router(root)
     return app
 
 
