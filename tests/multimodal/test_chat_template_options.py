@@ -189,5 +189,8 @@ def test_a_template_that_prints_strings_gets_one_per_message(processors, family,
     if family == "qwen":
         assert processor.apply_chat_template(video, options=ChatTemplateOptions(template=STRING_TEMPLATE)) == \
             "user: <|vision_start|><|video_pad|><|vision_end|>\nWhat happens?\n"
+    else:
+        with pytest.raises(ClientError, match="no video input"):
+            processor.apply_chat_template(video, options=ChatTemplateOptions(template=STRING_TEMPLATE))
     with pytest.raises(ValueError, match="content format"):
         ChatTemplateOptions(content_format="jinja")

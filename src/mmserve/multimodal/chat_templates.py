@@ -202,6 +202,9 @@ def as_strings(conversation: list[dict], placeholders: Mapping[str, str]) -> lis
     for message in conversation:
         content = message.get("content")
         if isinstance(content, list):
+            kinds = {part["type"] for part in content} - {"text"} - set(placeholders)
+            if kinds:
+                raise ClientError(f"this model takes no {kinds.pop()} input")
             text = "\n".join(part["text"] if part["type"] == "text" else placeholders[part["type"]]
                              for part in content)
             message = {**message, "content": text}

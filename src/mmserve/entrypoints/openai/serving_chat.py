@@ -76,7 +76,7 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     body = response.model_dump()
-    for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers
+    for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers (so thinking)
         for key in ("tool_calls", "reasoning_content"):
             if choice["message"][key] is None:
                 del choice["message"][key]
@@ -117,7 +117,9 @@ class ChatStream(ChoiceStream):
 
     def _thinking(self, d: ChoiceDelta) -> list[str]:
         """The delta's thinking as a `reasoning_content` chunk; `d.text` keeps the answer's part."""
-        splitter = self._splitters.setdefault(d.index, ReasoningSplitter(self.first.prompt or ""))
+        splitter = self._splitters.get(d.index)
+        if splitter is None:
+            splitter = self._splitters[d.index] = ReasoningSplitter(self.first.prompt or "")
         thinking, d.text = splitter.feed(d.text)
         if d.finish_reason is not None:
             rest_thinking, rest = splitter.finish()
