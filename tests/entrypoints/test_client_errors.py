@@ -23,7 +23,7 @@ from helpers.fake_engine import GOOD, MODEL, FakeEngine, post
 class QuirkyEngine(FakeEngine):
     """The fake engine whose prompt building raises what the user text names."""
 
-    async def build_prompt(self, messages, tools=None, settings=None):
+    async def build_prompt(self, messages, tools=None, settings=None, template=None):
         text = messages[-1]["content"][-1]["text"]
         if text == "internal":
             raise ValueError("a bug's message, not the client's fault")
