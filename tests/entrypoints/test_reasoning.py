@@ -90,3 +90,35 @@ def test_an_answer_that_does_not_think_has_no_reasoning_content():
     engine = FakeEngine()
     client = TestClient(build_app(engine, [MODEL], reasoning_parser="deepseek_r1"))
     assert chat(client) == {"role": "assistant", "content": "Hello world"}
+
+
+def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(engine):
+    """Whole: a `reasoning` item (its text as `reasoning_text`) before the message; streamed:
+    `response.reasoning_text.delta`s, then the same items; a later turn's history carries the
+    thinking as the assistant's `reasoning_content`. The items parse as the openai client's types."""
+    from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
+
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    whole = client.post("/v1/responses", json={"model": MODEL, "input": "What is it?", "max_output_tokens": 9})
+    assert whole.status_code == 200, whole.text
+    body = whole.json()
+    reasoning, message = body["output"]
+    ResponseReasoningItem.model_validate(reasoning), ResponseOutputMessage.model_validate(message)
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                          "text": "Let me see."}]
+    assert message["content"][0]["text"] == "A cat." and body["id"]
+    later = client.post("/v1/responses", json={"model": MODEL, "input": "And?", "previous_response_id": body["id"]})
+    assert later.status_code == 200, later.text
+    turn = engine.prompts[-1]["messages"][1]
+    assert turn["role"] == "assistant" and turn["reasoning_content"] == "Let me see." and turn["content"] == "A cat."
+
+    streamed = client.post("/v1/responses", json={"model": MODEL, "input": "What is it?", "max_output_tokens": 9,
+                                                  "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    kinds = [e["type"] for e in events]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Let me see."
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
+    done = events[-1]["response"]
+    ResponseReasoningItem.model_validate(done["output"][0])
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"] == reasoning["content"] and done["output"][1]["content"][0]["text"] == "A cat."

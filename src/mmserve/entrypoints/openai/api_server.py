@@ -73,7 +73,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     for previous_response_id in `responses_store_bytes`, or in the node's store at the address
     `responses_store` (a launcher's, shared by its API servers); `chat_templates` is what the
     `--chat-template` flags allow (default: the checkpoint's template, no request's own);
-    `reasoning_parser` splits a reasoning model's thinking from chat answers."""
+    `reasoning_parser` splits a reasoning model's thinking from chat and responses answers."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -87,12 +87,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
-    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates,
-                             reasoning_parser=reasoning_parser)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates, reasoning_parser)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
     text = OpenAIServingCompletion(engine, served_model_names, metrics)
     responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store),
-                                       chat_templates)
+                                       chat_templates, reasoning_parser)
     v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
     tokens = OpenAIServingTokenization(engine, served_model_names, metrics, chat_templates=chat_templates)
     root = APIRouter(dependencies=[Depends(_api_key_check(api_key))])  # vLLM's routes, behind the key too

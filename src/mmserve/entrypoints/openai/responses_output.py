@@ -1,7 +1,8 @@
 """The Responses API's output objects: output items, the response body and its usage.
 
-A response's `output` holds, in the order they were opened, at most one `message` item (the
-answer's text as one `output_text` part) and one `function_call` item per tool call. Usage is
+A response's `output` holds, in the order they were opened, a reasoning model's `reasoning` item
+(its thinking as one `reasoning_text` part, with a reasoning parser), at most one `message` item
+(the answer's text as one `output_text` part) and one `function_call` item per tool call. Usage is
 chat's `UsageInfo` (made once, by `UsageInfo.of`) renamed: `prompt_tokens_details` becomes
 `input_tokens_details` whole, so a field added there shows on both APIs.
 """
@@ -28,6 +29,12 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning item (vLLM's shape: the thinking as `content`, no summary); `text` None while empty."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def function_call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}
@@ -50,6 +57,9 @@ def history_turn(items: list[dict[str, Any]]) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         turn["tool_calls"] = calls
+    thinking = [part["text"] for item in items if item["type"] == "reasoning" for part in item["content"]]
+    if thinking:
+        turn["reasoning_content"] = "".join(thinking)
     return turn
 
 
@@ -86,9 +96,9 @@ class ResponseShape:
         }
 
     def whole(self, content: str | None, calls: list[ToolCall], usage: UsageInfo,
-              finish_reason: str | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """A finished answer's body and its output items."""
-        items = []
+              finish_reason: str | None, thinking: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A finished answer's body and its output items (its `thinking` first, when it thought)."""
+        items = [] if thinking is None else [reasoning_item(new_item_id("rs"), thinking, "completed")]
         if content or not calls:
             items.append(message_item(new_item_id("msg"), content or "", "completed"))
         items += [function_call_item(new_item_id("fc"), call, "completed") for call in calls]

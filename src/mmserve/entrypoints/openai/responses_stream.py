@@ -2,10 +2,11 @@
 
 Order, as OpenAI sends it and its client assembles it: `response.created`, `response.in_progress`;
 then per output item `response.output_item.added`, for a message `response.content_part.added`
-and `response.output_text.delta`s, for a call `response.function_call_arguments.delta`s; at the
-end each open item's `...done` events (`response.output_text.done`, `response.content_part.done`,
-`response.function_call_arguments.done`, `response.output_item.done`) and `response.completed`
-with the whole response and its usage. Every event carries `type` and a `sequence_number`. A
+and `response.output_text.delta`s, for a call `response.function_call_arguments.delta`s, for a
+reasoning model's thinking (with a reasoning parser) `response.reasoning_text.delta`s; at the
+end each open item's `...done` events (`response.reasoning_text.done`, `response.output_text.done`,
+`response.content_part.done`, `response.function_call_arguments.done`, `response.output_item.done`)
+and `response.completed` with the whole response and its usage. Every event carries `type` and a `sequence_number`. A
 failure after the first event ends the stream with `response.failed`: the whole response so far,
 its `status` "failed" and its `error` (`code`, `message`).
 The tool-call parsing is chat's (`tool_calls.py: ChoiceTools`): text that turns out to be a call
@@ -20,8 +21,9 @@ from typing import Any, Awaitable, Callable
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
 from mmserve.entrypoints.openai.responses_output import (ResponseShape, function_call_item, message_item,
-                                                         new_item_id)
+                                                         new_item_id, reasoning_item)
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, compact_arguments
 from mmserve.entrypoints.openai.tool_parsers import ToolCall
 
@@ -31,8 +33,11 @@ class ResponsesStream(ChoiceStream):
     before its last events are written (a follow-up that read them finds the response kept)."""
 
     def __init__(self, *args: Any, shape: ResponseShape, tools: ToolMode | None,
-                 on_done: Callable[[list[dict[str, Any]]], Awaitable[None]]) -> None:
+                 on_done: Callable[[list[dict[str, Any]]], Awaitable[None]], reasoning: bool = False) -> None:
         super().__init__(*args)
+        self.splitter = ReasoningSplitter(self.first.prompt or "") if reasoning else None
+        self.thinking: dict[str, Any] | None = None  # the reasoning item, once it opened
+        self.thought = ""  # its text so far
         self.shape = shape
         self.on_done = on_done
         self.parsing: ChoiceTools | None = tools.stream() if tools is not None else None
@@ -47,6 +52,7 @@ class ResponsesStream(ChoiceStream):
                 self._event("response.in_progress", response=self.shape.body("in_progress", []))]
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        events = self._thought(d) if self.splitter is not None else []
         content, calls = d.text, []
         if self.parsing is not None:
             step = self.parsing.feed(d.text)
@@ -54,11 +60,29 @@ class ResponsesStream(ChoiceStream):
                 tail = self.parsing.finish()
                 step.content, step.calls = step.content + tail.content, step.calls + tail.calls
             content, calls = step.content, step.calls
-        events = self._text(content) if content else []
+        events += self._text(content) if content else []
         for entry in calls:
             events += self._call(entry)
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
+        return events
+
+    def _thought(self, d: ChoiceDelta) -> list[str]:
+        """The delta's thinking as reasoning-text deltas (its item opened first); `d.text` keeps the answer's part."""
+        assert self.splitter is not None
+        thinking, d.text = self.splitter.feed(d.text)
+        if d.finish_reason is not None:
+            rest_thinking, rest = self.splitter.finish()
+            thinking, d.text = thinking + rest_thinking, d.text + rest
+        events = []
+        if self.thinking is None and self.splitter.reasoned:
+            self.thinking = reasoning_item(new_item_id("rs"), None, "in_progress")
+            self.items.append(self.thinking)
+            events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                      item=self.thinking))
+        if thinking and self.thinking is not None:
+            self.thought += thinking
+            events.append(self._event("response.reasoning_text.delta", **self._where(self.thinking), delta=thinking))
         return events
 
     def _text(self, text: str) -> list[str]:
@@ -93,9 +117,13 @@ class ResponsesStream(ChoiceStream):
 
     def _usage(self, usage: UsageInfo) -> str:
         """The end: every open item's done events, then `response.completed` (the whole response)."""
-        events = self._open_message() if not self.items else []  # an empty answer is an empty message, as whole
+        answered = any(item["type"] != "reasoning" for item in self.items)
+        events = [] if answered else self._open_message()  # an empty answer is an empty message, as whole
         for index, item in enumerate(self.items):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                item.update(reasoning_item(item["id"], self.thought, "completed"))
+                events.append(self._event("response.reasoning_text.done", **self._where(item), text=self.thought))
+            elif item["type"] == "message":
                 item["content"], item["status"] = [_part(self.text or "")], "completed"
                 where = self._where(item)
                 events += [self._event("response.output_text.done", **where, text=self.text or "", logprobs=[]),

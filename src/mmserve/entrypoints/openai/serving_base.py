@@ -145,12 +145,20 @@ class OpenAIServing:
     """The base of the OpenAI handlers over an `AsyncLLM`-like engine."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 auto_tool_parser: str | None = None, chat_templates: ChatTemplatePolicy | None = None) -> None:
+                 auto_tool_parser: str | None = None, chat_templates: ChatTemplatePolicy | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
         self.chat_templates = chat_templates or ChatTemplatePolicy()  # the server's --chat-template flags
+        self.reasoning_parser = reasoning_parser  # a reasoning model's thinking answered apart (reasoning.py)
+
+    def splits_thinking(self, ctx: ServeContext[Any], tools: ToolMode | None) -> bool:
+        """Whether a chat-path answer's thinking is split off: a reasoning parser is on and the
+        answer is free (a structured or forced-tool answer is a grammar's from its first token)."""
+        return self.reasoning_parser is not None and ctx.params.structured_outputs is None and \
+            not (tools is not None and tools.forced)
 
     async def serve(self, raw_request: Request, request_type: type[R], id_prefix: str,
                     handler: Callable[[ServeContext[R]], Awaitable[Response]]) -> Response:

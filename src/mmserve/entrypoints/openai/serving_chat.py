@@ -25,12 +25,8 @@ from mmserve.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat completions handler; with `reasoning_parser`, a reasoning model's thinking is the
+    """The chat completions handler; with a reasoning parser, a reasoning model's thinking is the
     answer's `reasoning_content`, apart from its `content` (`reasoning.py`)."""
-
-    def __init__(self, *args: Any, reasoning_parser: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, raw_request: Request) -> Response:
         return await self.serve(raw_request, ChatCompletionRequest, "chatcmpl-", self._create)
@@ -45,9 +41,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
         echo = request.echoed()
-        # a structured answer (a grammar from its first token) has no thinking to split off
-        reasoning = self.reasoning_parser is not None and ctx.params.structured_outputs is None and \
-            not (tools is not None and tools.forced)
+        reasoning = self.splits_thinking(ctx, tools)
 
         def stream(first: RequestOutput) -> ChatStream:
             return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top, tools=tools,

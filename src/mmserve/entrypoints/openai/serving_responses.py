@@ -20,6 +20,7 @@ from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
 from mmserve.entrypoints.openai.response_store import Conversation, KeptResponses, scope_of
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
@@ -38,8 +39,8 @@ class OpenAIServingResponses(OpenAIServing):
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
                  auto_tool_parser: str | None, store: KeptResponses,
-                 chat_templates: ChatTemplatePolicy | None = None) -> None:
-        super().__init__(engine, served_model_names, metrics, auto_tool_parser, chat_templates)
+                 chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None) -> None:
+        super().__init__(engine, served_model_names, metrics, auto_tool_parser, chat_templates, reasoning_parser)
         self.store = store
 
     async def create_response(self, raw_request: Request) -> Response:
@@ -54,6 +55,7 @@ class OpenAIServingResponses(OpenAIServing):
         tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls, self.auto_tool_parser)
         outputs = await self.start_chat(ctx, system + history, tools, tool_specs, format_param="text.format")
         shape = ResponseShape(response_id, ctx.model, request)
+        reasoning = self.splits_thinking(ctx, tools)
 
         async def keep(items: list[dict[str, Any]]) -> None:
             if request.store is not False:
@@ -61,14 +63,16 @@ class OpenAIServingResponses(OpenAIServing):
 
         def stream(first: RequestOutput) -> ResponsesStream:
             return ResponsesStream(response_id, ctx.model, outputs, first, ctx.record, True, 0, shape=shape,
-                                   tools=tools, on_done=keep)
+                                   tools=tools, on_done=keep, reasoning=reasoning)
 
         async def whole(final: RequestOutput) -> Response:
             choice = final.outputs[0]
-            content, calls = tools.extract(choice.text) if tools is not None else (choice.text, [])
+            thinking, text = ReasoningSplitter(final.prompt or "").split(choice.text) if reasoning \
+                else (None, choice.text)
+            content, calls = tools.extract(text) if tools is not None else (text, [])
             record = ctx.record
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
-            body, items = shape.whole(content, calls, usage, choice.finish_reason)
+            body, items = shape.whole(content, calls, usage, choice.finish_reason, thinking)
             await keep(items)
             return JSONResponse(body, headers=cache_headers(record.report))
 
