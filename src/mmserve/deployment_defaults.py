@@ -6,6 +6,8 @@
 - The tool-call parser for `tool_choice` "auto": the model family's known format (Qwen2.5-VL and
   Qwen3-VL emit hermes calls) when `--tool-call-parser` is not given; a family without a known
   format keeps "auto" refused with a clear 400.
+- The reasoning parser: qwen3's where the checkpoint's chat template opens the thinking block
+  itself (a Thinking model: every answer starts inside it) and `--reasoning-parser` is not given.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+from typing import Any, Callable
 
 from mmserve.config import EngineConfig
 
@@ -54,6 +57,18 @@ def shm_free_bytes(shm_dir: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def template_reasoning_parser(render: Callable[[list[dict[str, Any]]], str]) -> str | None:
+    """"qwen3" when the chat template (`render`: a processor's `apply_chat_template`) ends its
+    reply prompt inside a `<think>` block, else None (no template, or one that refuses this turn)."""
+    from mmserve.entrypoints.openai.reasoning import opens_thinking
+
+    try:
+        prompt = render([{"role": "user", "content": "?"}])
+    except ValueError:
+        return None
+    return "qwen3" if opens_thinking(prompt) else None
 
 
 def family_tool_parser(model_dir: str) -> str | None:

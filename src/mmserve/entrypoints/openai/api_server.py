@@ -29,13 +29,12 @@ from fastapi.responses import JSONResponse, Response
 
 from mmserve import log_levels
 from mmserve.config import EngineConfig
-from mmserve.deployment_defaults import family_tool_parser
+from mmserve.deployment_defaults import family_tool_parser, template_reasoning_parser
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
-from mmserve.entrypoints.openai.reasoning import opens_thinking
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -205,15 +204,10 @@ def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | No
 
 
 def _reasoning_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
-    """The flag's parser, else qwen3's where the checkpoint's template opens the thinking block
-    itself (a Thinking model: every answer starts inside it), said once at start-up."""
+    """The flag's parser, else the checkpoint template's (`template_reasoning_parser`), said once at start-up."""
     if server_config.reasoning_parser is not None:
         return server_config.reasoning_parser
-    try:
-        prompt = engine.input_processor.processor.apply_chat_template([{"role": "user", "content": "?"}])
-    except ValueError:  # no template (chat requests are refused) or one that refuses this turn
-        return None
-    if not opens_thinking(prompt):
+    if template_reasoning_parser(engine.input_processor.processor.apply_chat_template) is None:
         return None
     if engine.config.parallel.api_server_index == 0:
         logger.info("the chat template opens a <think> block: answers' thinking is their reasoning_content "
