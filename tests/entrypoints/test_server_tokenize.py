@@ -64,6 +64,7 @@ def test_a_prompts_tokens_strings_and_their_decoding(server, checkpoint):
     ("/tokenize", {"prompt": "a" * 5000}, None),  # past max_model_len, as its request would be
     ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
     ("/detokenize", {"tokens": "12"}, None),
+    ("/detokenize", {"tokens": [1] * 257}, "tokens"),
 ])
 def test_bad_input_is_a_400_with_the_openai_body(server, path, body, param):
     r = post(server, path, body)

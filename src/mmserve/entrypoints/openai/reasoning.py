@@ -73,8 +73,15 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         return (held, "") if self.state == "thinking" else ("", held)
 
+    def step(self, text: str, last: bool) -> tuple[str, str]:
+        """A streamed delta's (thinking, answer): `feed`, and at the `last` delta `finish` too."""
+        thinking, answer = self.feed(text)
+        if last:
+            rest_thinking, rest_answer = self.finish()
+            thinking, answer = thinking + rest_thinking, answer + rest_answer
+        return thinking, answer
+
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (thinking, or None if it did not think; answer)."""
-        thinking, answer = self.feed(text)
-        rest_thinking, rest_answer = self.finish()
-        return (thinking + rest_thinking if self.reasoned else None), answer + rest_answer
+        thinking, answer = self.step(text, True)
+        return (thinking if self.reasoned else None), answer

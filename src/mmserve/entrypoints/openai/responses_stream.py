@@ -70,10 +70,7 @@ class ResponsesStream(ChoiceStream):
     def _thought(self, d: ChoiceDelta) -> list[str]:
         """The delta's thinking as reasoning-text deltas (its item opened first); `d.text` keeps the answer's part."""
         assert self.splitter is not None
-        thinking, d.text = self.splitter.feed(d.text)
-        if d.finish_reason is not None:
-            rest_thinking, rest = self.splitter.finish()
-            thinking, d.text = thinking + rest_thinking, d.text + rest
+        thinking, d.text = self.splitter.step(d.text, d.finish_reason is not None)
         events = []
         if self.thinking is None and self.splitter.reasoned:
             self.thinking = reasoning_item(new_item_id("rs"), None, "in_progress")

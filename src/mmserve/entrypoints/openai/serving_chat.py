@@ -114,10 +114,7 @@ class ChatStream(ChoiceStream):
         splitter = self._splitters.get(d.index)
         if splitter is None:
             splitter = self._splitters[d.index] = ReasoningSplitter(self.first.prompt or "")
-        thinking, d.text = splitter.feed(d.text)
-        if d.finish_reason is not None:
-            rest_thinking, rest = splitter.finish()
-            thinking, d.text = thinking + rest_thinking, d.text + rest
+        thinking, d.text = splitter.step(d.text, d.finish_reason is not None)
         return [self._chunk(DeltaMessage(reasoning_content=thinking), index=d.index)] if thinking else []
 
     def _tool_delta(self, d: ChoiceDelta) -> list[str]:

@@ -6,7 +6,8 @@ fields, tools and `mm_processor_kwargs`) and answers `{"count", "max_model_len",
 request (a message's image counts as its placeholder tokens, at the size the processor gives it;
 the processed image joins the processor cache, so the request that follows finds it there), so
 `count` equals the `usage.prompt_tokens` of the same request. A prompt past max_model_len is the
-same 400 as its request. `/detokenize` decodes token ids (`{"tokens"}` -> `{"prompt"}`).
+same 400 as its request. `/detokenize` decodes token ids (`{"tokens"}` -> `{"prompt"}`), at most
+max_model_len of them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class OpenAIServingTokenization(OpenAIServing):
     async def detokenize(self, raw_request: Request) -> JSONResponse:
         request = DetokenizeRequest.model_validate_json(await raw_request.body())
         self.check_model(request.model)
+        if len(request.tokens) > self.engine.max_model_len:  # no sequence of this model is longer
+            raise ParameterError("tokens", f"{len(request.tokens)} tokens: more than max_model_len "
+                                 f"({self.engine.max_model_len})")
         vocab = self.engine.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
