@@ -8,6 +8,11 @@ grammar (`grammar`, xgrammar's / llama.cpp's GBNF dialect with a `root` rule).
 canonical schema text) names the compiled grammar the workers cache (worker/grammar.py). Nothing
 here reaches a cache key of the prompt: the prefix and encoder caches never see it.
 
+With a reasoning parser the server sets `after_thinking` (the `<think>` and `</think>` token ids):
+the grammar then binds the answer only, after the model's thinking block, as vLLM's reasoning
+parsers do (the runner's `ThinkingGate`). A template that opened the block leaves the thinking free
+until `</think>`; otherwise the first token may open one or begin the answer.
+
 Outputs are compact JSON (no whitespace between tokens, separators "," and ":"), so a weak or
 random model cannot spend its budget on spaces; an `integer` or `number` without bounds gets
 JSON's safe range (±(2**53 - 1): at most 16 digits, and xgrammar then allows at most 6 decimals),
@@ -44,13 +49,15 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True):
     text (use `for_schema` to build one from a dict: it is checked and normalised there). `regex`:
     the whole output matches it. `choice`: the output is one of these strings. `grammar`: an EBNF
     grammar whose `root` rule the output derives. Sizes are bounded here (`schema_limits.py`);
-    whether xgrammar can build the grammar is `check_structure`'s (P0, before the engine)."""
+    whether xgrammar can build the grammar is `check_structure`'s (P0, before the engine).
+    `after_thinking` (not part of `key`): the grammar binds after the thinking block (above)."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after_thinking: tuple[int, int] | None = None  # (<think>, </think>) ids: bind only after thinking
 
     def __post_init__(self) -> None:
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,

@@ -151,13 +151,13 @@ def test_the_control_character_mask_is_for_json_rows_alone(path):
     import torch
     from transformers import AutoTokenizer
 
-    from mmserve.worker.grammar import GrammarCache, apply_grammar_masks
+    from mmserve.worker.grammar import GrammarCache, RequestGrammar, apply_grammar_masks
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     cache = GrammarCache(path, len(tokenizer))
     eos = tokenizer.eos_token_id
-    matchers = [cache.matcher(StructuredOutputsParams(json_object=True), eos),
-                cache.matcher(StructuredOutputsParams(regex="\n[a-z]"), eos)]  # a newline first
+    matchers = [RequestGrammar(cache.matcher(StructuredOutputsParams(json_object=True), eos)),
+                RequestGrammar(cache.matcher(StructuredOutputsParams(regex="\n[a-z]"), eos))]  # a newline first
     logits = torch.zeros(3, len(tokenizer))
     apply_grammar_masks(logits, [0, 2], matchers, cache.control_tokens, [True, False])
     newlines = [t for t in cache.control_tokens.tolist() if tokenizer.decode([t]).startswith("\n")]

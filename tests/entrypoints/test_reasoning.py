@@ -68,9 +68,37 @@ def test_chat_answers_the_thinking_apart_whole_and_streamed(engine):
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see."
     assert "".join(d.get("content") or "" for d in deltas) == "A cat."
     assert not any("reasoning_content" in d and "content" in d and d["content"] for d in deltas)
-    # a structured answer is constrained from its first token: nothing to split off
+    # tags that are not single tokens (no tokenizer here): a structured answer is constrained from
+    # its first token, nothing to split off
     structured = chat(client, response_format={"type": "json_object"})
     assert structured["content"] == "<think>Let me see.</think>\n\nA cat." and "reasoning_content" not in structured
+    assert engine.params[-1].structured_outputs.after_thinking is None
+
+
+def tagged(engine: FakeEngine) -> tuple[int, int]:
+    """Gives `engine` a tokenizer with `<think>` and `</think>` as single tokens; returns their ids."""
+    from mmserve.models.builtin_qwen_vl import build_qwen_tokenizer
+
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    engine.tokenizer = tokenizer
+    return tuple(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
+
+
+def test_with_single_token_tags_a_structured_answer_binds_after_the_thinking(engine):
+    """The grammar waits for `</think>` (the ids go to the engine; tests/engine/test_grammar_after_thinking.py
+    runs them) and the thinking is split off as for a free answer; a forced tool call's grammar too."""
+    tags = tagged(engine)
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    structured = chat(client, response_format={"type": "json_object"})
+    assert structured == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
+    assert engine.params[-1].structured_outputs.after_thinking == tags
+    tool = {"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}
+    chat(client, tools=[tool], tool_choice="required")
+    assert engine.params[-1].structured_outputs.after_thinking == tags
+    plain = TestClient(build_app(engine, [MODEL]))  # no reasoning parser: the grammar binds at once
+    assert chat(plain, response_format={"type": "json_object"})["content"].startswith("<think>")
+    assert engine.params[-1].structured_outputs.after_thinking is None
 
 
 def test_a_prompt_that_opens_the_thinking_starts_the_answer_inside_it():
@@ -122,3 +150,24 @@ def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(engine):
     ResponseReasoningItem.model_validate(done["output"][0])
     assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
     assert done["output"][0]["content"] == reasoning["content"] and done["output"][1]["content"][0]["text"] == "A cat."
+
+
+def test_the_responses_usage_counts_the_thinking_tokens(engine):
+    """`output_tokens_details.reasoning_tokens`: the tokens up to and with `</think>`, whole and
+    streamed; 0 when the tags are not single tokens (the split is the text's alone)."""
+    engine.pieces = ["<think>", "Let me ", "see.", "</think>", "\n\nA c", "at."]
+    body = {"model": MODEL, "input": "What is it?", "max_output_tokens": 9}
+    untagged = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    assert untagged.post("/v1/responses", json=body).json()["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": 0}
+    start, end = tagged(engine)
+    engine.piece_ids = [start, 7, 8, end, 9, 10]
+    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    usage = client.post("/v1/responses", json=body).json()["usage"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 4} and usage["output_tokens"] == 6
+    streamed = client.post("/v1/responses", json={**body, "stream": True})
+    done = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+    assert done["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 4}
+    engine.pieces, engine.piece_ids = ["Just ", "an answer"], [7, 8]
+    assert client.post("/v1/responses", json=body).json()["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": 0}

@@ -43,6 +43,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.pieces = PIECES  # the text each step adds
+        self.piece_ids: list[int] | None = None  # the token id of each piece (default 100, 101, ...)
         self._stats: SchedulerStats | None = None
 
     @property
@@ -85,7 +86,7 @@ class FakeEngine:
                 if self.die_after is not None and i >= self.die_after:
                     raise EngineDeadError("engine core died")
                 text += pieces[i]
-                ids.append(100 + i)
+                ids.append(100 + i if self.piece_ids is None else self.piece_ids[i])
                 done = i == n - 1
                 reason = ("length" if n == params.max_tokens else "stop") if done else None
                 yield RequestOutput(request_id, prompt.text, PROMPT_IDS, [CompletionOutput(

@@ -10,8 +10,10 @@ compact-separator switch for JSON schemas and would add a Lark front end we do n
 use, so a runner whose requests never ask pays nothing). The engine compiles off the step
 (`engine/grammar_gate.py`: `prepare` in its compile thread; `ready` says whether a matcher would
 compile). Each request gets its own `GrammarMatcher` over the shared compiled grammar: its state
-is the request's alone and dies with it. With tensor parallelism
-every rank compiles and advances the same matchers (every rank samples the same tokens).
+is the request's alone and dies with it; `RequestGrammar` drives it, behind a `<think>` gate when
+the request's grammar binds only after the model's thinking (`StructuredOutputsParams.after_thinking`,
+set by a server with a reasoning parser). With tensor parallelism every rank compiles and advances
+the same matchers (every rank samples the same tokens).
 
 Tokens whose text holds a raw control character (U+0000..U+001F) are masked for every JSON
 request: compact JSON never contains one, and xgrammar 0.2.8 lets them into strings that have a
@@ -132,16 +134,71 @@ class GrammarCache:
         return self._compiler
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list, control_tokens: torch.Tensor,
-                        json_rows: list[bool] | None = None) -> None:
-    """Mask, in place, the tokens each matcher forbids next, and the `control_tokens` in the rows
+class RequestGrammar:
+    """One request's grammar as the runner drives it: its xgrammar `matcher` accepts each output
+    token and says what may come next. With `after_thinking` (the `<think>`, `</think>` ids) it
+    binds the answer only: while the request thinks (`phase` "thinking": its prompt opened a block
+    it has not closed, or its first token opened one) nothing is masked and the matcher waits; at
+    "start" (the prompt closed or never opened a block) the first token may be `<think>` or the
+    answer's first; the answer (`phase` "answer") is the grammar's."""
+
+    def __init__(self, matcher: Any, after_thinking: tuple[int, int] | None = None,
+                 prompt_ids: list[int] | None = None) -> None:
+        self.matcher = matcher
+        self.after_thinking = after_thinking
+        self.phase = "answer"
+        if after_thinking is not None:
+            start, end = after_thinking
+            prompt = prompt_ids or []
+            opened = _last_index(prompt, start) > _last_index(prompt, end)
+            self.phase = "thinking" if opened else "start"
+
+    def binds(self) -> bool:
+        """Whether the next token is masked (the grammar's turn, and it has not ended)."""
+        return self.phase != "thinking" and not self.matcher.is_terminated()
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled `token`."""
+        if self.after_thinking is not None and self.phase != "answer":
+            start, end = self.after_thinking
+            if self.phase == "thinking":
+                self.phase = "answer" if token == end else "thinking"
+                return
+            if token == start:  # "start": the model opens its thinking
+                self.phase = "thinking"
+                return
+            self.phase = "answer"
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of the int32 `bitmask`: the tokens allowed next (the grammar's, and at
+        "start" `<think>` too)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == "start" and self.after_thinking is not None:
+            word, bit = divmod(self.after_thinking[0], 32)
+            value = (int(bitmask[row, word]) | (1 << bit)) & 0xFFFFFFFF
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _last_index(ids: list[int], token: int) -> int:
+    """The index of `token`'s last occurrence in `ids`, -1 if none."""
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
+            return i
+    return -1
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar],
+                        control_tokens: torch.Tensor, json_rows: list[bool] | None = None) -> None:
+    """Mask, in place, the tokens each grammar forbids next, and the `control_tokens` in the rows
     whose `json_rows[i]` is true (default: all). logits: [R, V] float32; `rows[i]` is the row of
-    `matchers[i]`. Rows not named are untouched."""
+    `grammars[i]`. Rows not named are untouched."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [G, ceil(V / 32)] int32
-    for i, matcher in enumerate(matchers):
-        matcher.fill_next_token_bitmask(bitmask, i)
+    for i, grammar in enumerate(grammars):
+        grammar.fill(bitmask, i)
     index, bitmask, control_tokens = to_device((torch.tensor(rows, dtype=torch.int64), bitmask, control_tokens),
                                                logits.device)  # one pinned copy
     sub = logits[index]  # [G, V]

@@ -37,11 +37,11 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
     penalized = [i for i in rows if states[i].params.has_penalties]
     if penalized:
         apply_penalties(logits, penalized, [states[i] for i in penalized])
-    structured = [i for i in rows if states[i].grammar is not None and not states[i].grammar.is_terminated()]
-    if structured:
+    grammars = {i: g for i in rows if (g := states[i].grammar) is not None and g.binds()}
+    if grammars:
         assert control_tokens is not None  # set once a grammar was compiled
-        apply_grammar_masks(logits, structured, [states[i].grammar for i in structured], control_tokens,
-                            [_is_json(states[i]) for i in structured])
+        apply_grammar_masks(logits, list(grammars), list(grammars.values()), control_tokens,
+                            [_is_json(states[i]) for i in grammars])
 
 
 def _is_json(state: RunnerRequest) -> bool:

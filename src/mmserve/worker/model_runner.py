@@ -44,7 +44,7 @@ from mmserve.models.cpu_decoder import CpuDecoder
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metadata_for
 from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.encoder_outputs import EncoderOutputs
-from mmserve.worker.grammar import GrammarCache
+from mmserve.worker.grammar import GrammarCache, RequestGrammar
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import collect_sampled, launch_sampling
@@ -278,11 +278,13 @@ class ModelRunner:
             self.fault.on_prefix_hit(self.kv_caches, new.block_ids[0])
         if params.structured_outputs is not None:
             try:  # the request's own work: a failure here is the request's, not the engine's
-                state.grammar = self.grammars.matcher(params.structured_outputs, new.eos_token_id)
+                spec = params.structured_outputs
+                state.grammar = RequestGrammar(self.grammars.matcher(spec, new.eos_token_id), spec.after_thinking,
+                                               state.token_ids[:num_prompt])
             except Exception as exc:
                 raise RequestFault(new.request_id, exc) from exc
             for token in state.output_token_ids:  # resumed after preemption: replay its outputs
-                state.grammar.accept_token(token)
+                state.grammar.accept(token)
         return state
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

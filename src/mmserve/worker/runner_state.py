@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmserve.ipc.items import MultiModalItem
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.device import to_device
+
+if TYPE_CHECKING:
+    from mmserve.worker.grammar import RequestGrammar
 
 
 @dataclass
@@ -34,7 +37,7 @@ class RunnerRequest:
     mrope: tuple[torch.Tensor, int] | None = None  # M-RoPE positions [3, L] of token_ids[:L], and the delta
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
-    grammar: Any = None  # an xgrammar GrammarMatcher, or None
+    grammar: RequestGrammar | None = None  # its structured-output matcher (worker/grammar.py)
     penalty: PenaltyState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row

@@ -77,8 +77,8 @@ def collect_sampled(step: SampledStep) -> tuple[list[int], list[TokenLogprobs | 
         state.num_in_flight = 0
     record_sampled(states, token_ids)
     for state, token in zip(states, token_ids):
-        if state.grammar is not None and not state.grammar.is_terminated():
-            state.grammar.accept_token(token)
+        if state.grammar is not None:
+            state.grammar.accept(token)
     return token_ids, _unpack_logprobs(host[len(states):], step.logprob_rows, step.params, token_ids)
 
 

@@ -11,17 +11,47 @@ newlines after it dropped), and an output cut off before `</think>` is all think
 
 `ReasoningSplitter` applies it as text streams, holding back what may be the start of a tag; the
 whole answer goes through the same splitter, so a stream's pieces join to the whole answer's.
+
+A structured answer (`response_format`, a forced tool call) binds after the thinking when both tags
+are single tokens of the tokenizer (`thinking_token_ids`, as Qwen3's and DeepSeek-R1's are): the
+grammar starts after `</think>` (the runner's `RequestGrammar`) and the thinking is split off as
+for a free answer. With tags that are not single tokens the grammar binds from the first token and
+nothing is split, as before a reasoning parser.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 THINK, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names; both follow the rule above
 
 
+def thinking_token_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` when each is one token of `tokenizer`, else None."""
+    if tokenizer is None:
+        return None
+    ids = []
+    for tag in (THINK, END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1 or tokenizer.convert_ids_to_tokens(encoded[0]) != tag:
+            return None
+        ids.append(encoded[0])
+    return ids[0], ids[1]
+
+
 def opens_thinking(prompt: str) -> bool:
     """Whether `prompt` ends inside a thinking block its template opened."""
     return prompt.rfind(THINK) > prompt.rfind(END)
+
+
+def thinking_tokens(token_ids: list[int], reasoned: bool, end_id: int | None) -> int:
+    """How many of a choice's `token_ids` are its thinking (the Responses API's `reasoning_tokens`):
+    up to and with `</think>` (`end_id`), all of them if it never closed; 0 if it did not think,
+    or if `</think>` is not one token (the split is then the text's alone)."""
+    if not reasoned or end_id is None:
+        return 0
+    return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
 
 
 def _partial_tail(text: str, tag: str) -> int:

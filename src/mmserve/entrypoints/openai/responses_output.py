@@ -40,11 +40,12 @@ def function_call_item(item_id: str, call: ToolCall, status: str) -> dict[str, A
             "arguments": call.arguments, "status": status}
 
 
-def responses_usage(usage: UsageInfo) -> dict[str, Any]:
-    """Chat's usage in the Responses API's names (`input_tokens_details.cached_tokens`, ...)."""
+def responses_usage(usage: UsageInfo, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """Chat's usage in the Responses API's names (`input_tokens_details.cached_tokens`, ...), with
+    the output's `reasoning_tokens` (`reasoning.py: thinking_tokens`)."""
     details = usage.prompt_tokens_details.model_dump() if usage.prompt_tokens_details else {"cached_tokens": 0}
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": details,
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
@@ -74,7 +75,7 @@ class ResponseShape:
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict[str, Any]], usage: UsageInfo | None = None,
-             finish_reason: str | None = None) -> dict[str, Any]:
+             finish_reason: str | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
         """The response object: `status` "in_progress", or "completed" / "incomplete" by `finish_reason`."""
         r = self.request
         if status != "in_progress":
@@ -92,14 +93,14 @@ class ResponseShape:
             "previous_response_id": r.previous_response_id, "text": {"format": text_format},
             "metadata": r.metadata or {}, "store": r.store is not False, "truncation": "disabled",
             "reasoning": None, "user": r.user,
-            "usage": None if usage is None else responses_usage(usage),
+            "usage": None if usage is None else responses_usage(usage, reasoning_tokens),
         }
 
-    def whole(self, content: str | None, calls: list[ToolCall], usage: UsageInfo,
-              finish_reason: str | None, thinking: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def whole(self, content: str | None, calls: list[ToolCall], usage: UsageInfo, finish_reason: str | None,
+              thinking: str | None = None, reasoning_tokens: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """A finished answer's body and its output items (its `thinking` first, when it thought)."""
         items = [] if thinking is None else [reasoning_item(new_item_id("rs"), thinking, "completed")]
         if content or not calls:
             items.append(message_item(new_item_id("msg"), content or "", "completed"))
         items += [function_call_item(new_item_id("fc"), call, "completed") for call in calls]
-        return self.body("completed", items, usage, finish_reason), items
+        return self.body("completed", items, usage, finish_reason, reasoning_tokens), items

@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable
 from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
-from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter, thinking_tokens
 from mmserve.entrypoints.openai.responses_output import (ResponseShape, function_call_item, message_item,
                                                          new_item_id, reasoning_item)
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, compact_arguments
@@ -33,9 +33,12 @@ class ResponsesStream(ChoiceStream):
     before its last events are written (a follow-up that read them finds the response kept)."""
 
     def __init__(self, *args: Any, shape: ResponseShape, tools: ToolMode | None,
-                 on_done: Callable[[list[dict[str, Any]]], Awaitable[None]], reasoning: bool = False) -> None:
+                 on_done: Callable[[list[dict[str, Any]]], Awaitable[None]], reasoning: bool = False,
+                 thinking_end: int | None = None) -> None:
         super().__init__(*args)
         self.splitter = ReasoningSplitter(self.first.prompt or "") if reasoning else None
+        self.thinking_end = thinking_end  # `</think>`'s id when one token: its thinking tokens are counted
+        self.token_ids: list[int] = []  # the output's, while they may be thinking
         self.thinking: dict[str, Any] | None = None  # the reasoning item, once it opened
         self.thought = ""  # its text so far
         self.shape = shape
@@ -70,6 +73,8 @@ class ResponsesStream(ChoiceStream):
     def _thought(self, d: ChoiceDelta) -> list[str]:
         """The delta's thinking as reasoning-text deltas (its item opened first); `d.text` keeps the answer's part."""
         assert self.splitter is not None
+        if self.thinking_end is not None and self.thinking_end not in self.token_ids:
+            self.token_ids += d.token_ids
         thinking, d.text = self.splitter.step(d.text, d.finish_reason is not None)
         events = []
         if self.thinking is None and self.splitter.reasoned:
@@ -131,7 +136,9 @@ class ResponsesStream(ChoiceStream):
                 events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                           output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self._event("response.output_item.done", output_index=index, item=item))
-        body = self.shape.body("completed", self.items, usage, self.finish_reason)
+        reasoned = self.splitter is not None and self.splitter.reasoned
+        body = self.shape.body("completed", self.items, usage, self.finish_reason,
+                               thinking_tokens(self.token_ids, reasoned, self.thinking_end))
         return "".join(events) + self._event("response.completed", response=body)
 
     async def _finished(self) -> None:

@@ -8,7 +8,8 @@ model names and the metrics, and `OpenAIServingChat`, `OpenAIServingCompletion` 
   in `SamplingParams`, the request's `PromptSettings`) into a `ServeContext`, and the request counted
   once in /metrics however it ends (`RequestRecord`).
 - `start_chat`: a conversation rendered into the request's one `Prompt` (a forced tool call becomes
-  the grammar) and started; `generate` starts any prompt with the request's routing.
+  the grammar; with a reasoning parser a grammar binds after the thinking) and started; `generate`
+  starts any prompt with the request's routing.
 - `respond`: the first output awaited, then the rest streamed (`streaming.py: SSEResponse`) or
   awaited and answered whole. The engine generator is closed however the request ends, which aborts
   it in the engine core if still running. Errors before the first output are HTTP errors (4xx /
@@ -32,6 +33,7 @@ from mmserve.cache_report import CacheReport, cache_headers
 from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ParameterError
+from mmserve.entrypoints.openai.reasoning import thinking_token_ids
 from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
 from mmserve.entrypoints.openai.tool_calls import ToolMode
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
@@ -153,12 +155,22 @@ class OpenAIServing:
         self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
         self.chat_templates = chat_templates or ChatTemplatePolicy()  # the server's --chat-template flags
         self.reasoning_parser = reasoning_parser  # a reasoning model's thinking answered apart (reasoning.py)
+        self._thinking_ids: tuple[int, int] | None | bool = False  # False: not looked up yet
+
+    def thinking_ids(self) -> tuple[int, int] | None:
+        """With a reasoning parser, the `<think>` and `</think>` ids when each is one token (then a
+        grammar binds after the thinking); else None."""
+        if self._thinking_ids is False:
+            self._thinking_ids = None if self.reasoning_parser is None else \
+                thinking_token_ids(getattr(self.engine, "tokenizer", None))
+        return None if isinstance(self._thinking_ids, bool) else self._thinking_ids
 
     def splits_thinking(self, ctx: ServeContext[Any], tools: ToolMode | None) -> bool:
-        """Whether a chat-path answer's thinking is split off: a reasoning parser is on and the
-        answer is free (a structured or forced-tool answer is a grammar's from its first token)."""
-        return self.reasoning_parser is not None and ctx.params.structured_outputs is None and \
-            not (tools is not None and tools.forced)
+        """Whether a chat-path answer's thinking is split off: a reasoning parser is on, and the
+        answer is free or its grammar binds after the thinking (`thinking_ids`; otherwise a
+        structured or forced-tool answer is the grammar's from its first token)."""
+        free = ctx.params.structured_outputs is None and not (tools is not None and tools.forced)
+        return self.reasoning_parser is not None and (free or self.thinking_ids() is not None)
 
     async def serve(self, raw_request: Request, request_type: type[R], id_prefix: str,
                     handler: Callable[[ServeContext[R]], Awaitable[Response]]) -> Response:
@@ -215,6 +227,10 @@ class OpenAIServing:
             if params.structured_outputs is not None:
                 raise ParameterError(format_param, f"{format_param} cannot be combined with a forced tool call")
             params = msgspec.structs.replace(params, structured_outputs=tools.structured())
+        after_thinking = self.thinking_ids()
+        if params.structured_outputs is not None and after_thinking is not None:
+            params = msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
+                params.structured_outputs, after_thinking=after_thinking))
         prompt = await self.engine.build_prompt(messages, tool_specs, ctx.settings,
                                                 template or self.chat_templates.options())
         return self.generate(ctx, prompt, params)

@@ -20,7 +20,7 @@ from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
-from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
+from mmserve.entrypoints.openai.reasoning import ReasoningSplitter, thinking_tokens
 from mmserve.entrypoints.openai.response_store import Conversation, KeptResponses, scope_of
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
@@ -56,6 +56,8 @@ class OpenAIServingResponses(OpenAIServing):
         outputs = await self.start_chat(ctx, system + history, tools, tool_specs, format_param="text.format")
         shape = ResponseShape(response_id, ctx.model, request)
         reasoning = self.splits_thinking(ctx, tools)
+        tags = self.thinking_ids()
+        thinking_end = None if tags is None else tags[1]
 
         async def keep(items: list[dict[str, Any]]) -> None:
             if request.store is not False:
@@ -63,7 +65,7 @@ class OpenAIServingResponses(OpenAIServing):
 
         def stream(first: RequestOutput) -> ResponsesStream:
             return ResponsesStream(response_id, ctx.model, outputs, first, ctx.record, True, 0, shape=shape,
-                                   tools=tools, on_done=keep, reasoning=reasoning)
+                                   tools=tools, on_done=keep, reasoning=reasoning, thinking_end=thinking_end)
 
         async def whole(final: RequestOutput) -> Response:
             choice = final.outputs[0]
@@ -72,7 +74,8 @@ class OpenAIServingResponses(OpenAIServing):
             content, calls = tools.extract(text) if tools is not None else (text, [])
             record = ctx.record
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
-            body, items = shape.whole(content, calls, usage, choice.finish_reason, thinking)
+            body, items = shape.whole(content, calls, usage, choice.finish_reason, thinking,
+                                      thinking_tokens(choice.token_ids, thinking is not None, thinking_end))
             await keep(items)
             return JSONResponse(body, headers=cache_headers(record.report))
 
