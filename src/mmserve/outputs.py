@@ -18,6 +18,8 @@ class Logprob:
 
 # per output token: token id -> Logprob, holding the sampled token and the top K alternatives
 SampleLogprobs = list[dict[int, Logprob]]
+# per prompt token: token id -> Logprob, the prompt's token and the top K there; None for the first token
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -45,3 +47,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None before the first token
     cache_report: CacheReport | None = None  # what each cache layer did for the prompt (server requests)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs, from the first output

@@ -37,7 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     output, `presence_penalty` subtracts itself once per token present in the output. `min_tokens`
     masks EOS and `stop_token_ids` (and holds back stop strings) until that many tokens are out.
     `logit_bias` adds to a token id's logit. `structured_outputs` constrains the output to JSON, a
-    regex, a choice or a grammar.
+    regex, a choice or a grammar. `prompt_logprobs` K: each prompt token's log probability after
+    the tokens before it (the first has none), its rank and the K most likely tokens there, from the
+    raw logits (vLLM's default); such a request computes its whole prompt (no prefix-cache read).
     """
 
     max_tokens: int = 16
@@ -53,6 +55,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -87,8 +90,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def _check_extras(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}; got {self.n!r:.40}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-               f"logprobs must be between 0 and {MAX_LOGPROBS}; got {self.logprobs!r:.40}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be between 0 and {MAX_LOGPROBS}; got {value!r:.40}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, f"{name} must be between -2 and 2; got {value}")
@@ -114,9 +119,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 or self.structured_outputs is not None)
 
     def for_sibling(self, index: int) -> SamplingParams:
-        """Completion `index`'s own parameters when `n` > 1: one completion, seed + index."""
+        """Completion `index`'s own parameters when `n` > 1: one completion, seed + index; the prompt's
+        log probabilities are completion 0's alone."""
         seed = None if self.seed is None else (self.seed + index) % _INT64
-        return msgspec.structs.replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return msgspec.structs.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -159,6 +159,36 @@ def test_vllms_structured_outputs_fields_choice_regex_and_json(client, field):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, offline):
+    """lm-evaluation-harness scores a continuation with `echo`, `logprobs` 1 and `max_tokens` 1: the
+    choice's lists start with the prompt's tokens (the first null), each the offline engine's
+    prompt log probability; a warm prefix cache changes nothing (the prompt is computed whole)."""
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    n, out = len(ref.prompt_token_ids), ref.outputs[0]
+    expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    expected.append(out.logprobs[0][out.token_ids[0]].logprob)
+    client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0)  # the prompt cached
+    for stream in (False, True):
+        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                      stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        lists = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for lp in lists for t in lp.tokens]
+        values = [v for lp in lists for v in lp.token_logprobs]
+        tops = [t for lp in lists for t in lp.top_logprobs]
+        assert text == PROMPT + out.text and len(tokens) == n + 1
+        assert values[0] is None and tops[0] is None and values[1:] == pytest.approx(expected, abs=1e-5)
+        assert all(len(top) == 1 for top in tops[1:])
+        assert "".join(tokens[1:]) == offline.get_tokenizer().decode(ref.prompt_token_ids[1:] + out.token_ids)
+        if not stream:
+            assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 1
+    two = client.completions.create(model="m", prompt=[PROMPT, "USER: hi ASSISTANT:"], max_tokens=2, temperature=0,
+                                    echo=True, n=2)
+    prompts = [PROMPT, PROMPT, "USER: hi ASSISTANT:", "USER: hi ASSISTANT:"]
+    assert [c.text.startswith(p) and c.logprobs is None for c, p in zip(two.choices, prompts)] == [True] * 4
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ("chat", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
@@ -176,7 +206,7 @@ def test_vllms_structured_outputs_fields_choice_regex_and_json(client, field):
     ("chat", {"presence_penalty": 3}, None),
     ("text", {"logprobs": 21}, "logprobs"),
     ("text", {"n": 0}, None),
-    ("text", {"echo": True}, "echo"),
+    ("text", {"echo": True, "logprobs": 21}, "logprobs"),
     ("text", {"prompt": ["a"] * 65, "n": 2}, "n"),
 ])
 def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):

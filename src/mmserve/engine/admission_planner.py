@@ -2,8 +2,9 @@
 
 An admission is one of two kinds:
 - **computed**: the request's prefix-cache hit (`prefix_hits.py`: full blocks to share, then maybe
-  a last or partial block to copy), then a chunk of its prompt within the step's budget, shortened
-  by the encoder planner where an item's output cannot be had this step;
+  a last or partial block to copy; none for a request that asks for its prompt's log
+  probabilities), then a chunk of its prompt within the step's budget, shortened by the encoder
+  planner where an item's output cannot be had this step;
 - **answered** (`policies/first_tokens.py`): the hits reach an identical prompt's last block and
   that prompt's first token is cached — the whole prompt is cached and nothing is computed.
 
@@ -56,7 +57,8 @@ class AdmissionPlanner:
         """How `req` is admitted within `budget` tokens, or None when its blocks or its first
         encoder input do not fit. Changes nothing the scheduler must undo: the encoder planner
         may take a reference to a resident output the hit relies on, which the request then holds."""
-        hit = self.prefix.hits(req) if lane.reads_caches else PrefixHit([])
+        reads = lane.reads_caches and req.prompt_logprobs is None  # prompt log probabilities: all computed
+        hit = self.prefix.hits(req) if reads else PrefixHit([])
         token = self.answers.token_for(req, hit.last_block)
         if token is not None:
             fits = self.kv_cache.can_allocate(req.request_id, req.num_tokens, hit.blocks)
@@ -71,11 +73,11 @@ class AdmissionPlanner:
 
     def record(self, req: Request, num_hit: int, lane: Lane) -> None:
         """At `req`'s first admission, after `num_hit` cached tokens: set its `num_cached_tokens`
-        and, when its lane reads caches, count the lookup here and in the request's `cache_counts`."""
+        and, when it looked up the prefix cache, count the lookup here and in the request's `cache_counts`."""
         if req.num_cached_tokens is not None:
             return
         req.num_cached_tokens = num_hit
-        if self.kv_cache.enable_caching and lane.reads_caches:
+        if self.kv_cache.enable_caching and lane.reads_caches and req.prompt_logprobs is None:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_hit
             req.count_cache("prefix", num_hit, req.num_tokens)

@@ -9,7 +9,7 @@ import msgspec
 from mmserve.engine.block_hash import BlockHash, BlockHasher, ExtraKeys
 from mmserve.engine.encoder_cache import SHADOW_HASH_PREFIX
 from mmserve.ipc.items import MultiModalItem
-from mmserve.ipc.messages import EngineCoreRequest, FinishReason, sibling_request_id
+from mmserve.ipc.messages import EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
 from mmserve.sampling_params import SamplingParams
 
 
@@ -54,7 +54,10 @@ class Request:
     A completion of an n > 1 request (`sibling`) answers to its request's `client_id` as `index`.
     `cache_counts` is what each cache layer did for this request's prompt (`count_cache`), sent
     back with its first output. A `shadow` request (the cache verifier's) reads and writes no
-    cache: it has no block hashes, and its items carry private hashes (`shadow_items`).
+    cache: it has no block hashes, and its items carry private hashes (`shadow_items`). A request
+    with `SamplingParams.prompt_logprobs` gathers them in `prompt_logprobs` (one per prompt token
+    after the first, as its chunks are computed; sent with its first output) and reads no prefix
+    cache: every prompt token is computed.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
@@ -85,6 +88,7 @@ class Request:
         self.shadow = shadow
         self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
         self.order = 0  # the scheduler's arrival number (siblings share their request's)
+        self.prompt_logprobs: list[TokenLogprobs] | None = None if sampling_params.prompt_logprobs is None else []
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest, block_hasher: BlockHasher | None = None) -> Request:
@@ -93,6 +97,14 @@ class Request:
                        r.eos_token_id, r.arrival_time, cache_salt=r.cache_salt, return_first_logits=True, shadow=True)
         return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
                    cache_salt=r.cache_salt, block_hasher=block_hasher, return_first_logits=r.return_first_logits)
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Prompt tokens `first`, `first` + 1, ...'s log probabilities, as a step scored them; those
+        gathered already (a chunk computed again after a preemption) are skipped."""
+        if self.prompt_logprobs is not None:
+            have = 1 + len(self.prompt_logprobs)  # the next prompt token without one
+            assert first <= have, f"prompt log probabilities from token {first}, expected {have}"
+            self.prompt_logprobs.extend(entries[max(0, have - first):])
 
     def sibling(self, index: int) -> Request:
         """Completion `index` of this (n > 1) request, before it runs: the same prompt, items and

@@ -287,6 +287,8 @@ class Scheduler:
             if rid not in requeued:  # where `sched` left it: before the tokens of a step scheduled since
                 self.prefix.cache_computed(req, n, req.num_computed_tokens - self.unfinished.pending(rid))
                 self.encoder_planner.release_consumed(req)
+            if rid in result.prompt_logprobs:
+                req.add_prompt_logprobs(*result.prompt_logprobs[rid])
             tokens = result.sampled_token_ids.get(rid)
             if not tokens or not req.num_in_flight:
                 continue  # a prefill chunk that did not reach the end of the prompt, or a failed step's
@@ -315,7 +317,8 @@ class Scheduler:
         return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
                                 num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
                                 index=req.index, siblings_running=siblings_running, new_logprobs=logprobs,
-                                cache_counts=dict(req.cache_counts) if first else None, first_logits=first_logits)
+                                cache_counts=dict(req.cache_counts) if first else None, first_logits=first_logits,
+                                prompt_logprobs=req.prompt_logprobs if first else None)
 
     def _finish(self, req: Request, status: RequestStatus) -> bool:
         """End `req`; whether other completions of its request still run."""

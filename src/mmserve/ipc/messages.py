@@ -104,7 +104,8 @@ class EngineCoreOutput(msgspec.Struct):
     while serving it, a 500; see mmserve/errors.py). `index` is
     the completion's (0 ≤ index < n); `siblings_running` says, on a finished completion, that
     others of its request still run (P1 keeps the request's items until the last one ends).
-    `new_logprobs` has one entry per new token when the request asked for log probabilities.
+    `new_logprobs` has one entry per new token when the request asked for log probabilities;
+    `prompt_logprobs` (first output, when asked) one per prompt token after the first.
     On a completion's first output, `cache_counts` maps each P1 cache layer that was asked for the
     prompt ("prefix", "partial_block" in tokens; "encoder" in items; "last_block", "first_token" in lookups) to
     (hits, queries) for this request alone, and `first_logits` (when the request asked for them)
@@ -122,6 +123,7 @@ class EngineCoreOutput(msgspec.Struct):
     index: int = 0
     siblings_running: bool = False
     new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cache_counts: dict[str, tuple[int, int]] | None = None
     first_logits: bytes | None = None
 
@@ -245,11 +247,14 @@ class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early.
     `logprobs[id]` (requests that asked only) has one entry per sampled token; `first_logits[id]`
     the raw logits row (float32 bytes) of the first token sampled after the prompt, for requests
-    that asked (`NewRequestData.return_first_logits`)."""
+    that asked (`NewRequestData.return_first_logits`); `prompt_logprobs[id]` (requests with
+    `prompt_logprobs`) is (i, entries): the log probabilities of prompt tokens i, i + 1, ... that
+    this step's chunk scored."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = {}
     first_logits: dict[str, bytes] = {}
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
 
 
 # ---- P1 executor <-> tensor-parallel workers ---------------------------------------------

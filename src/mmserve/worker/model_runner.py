@@ -45,6 +45,7 @@ from mmserve.worker.cuda_graphs import DecodeGraphs, GraphMetadata, graph_metada
 from mmserve.worker.cache_fault import CacheFault
 from mmserve.worker.encoder_outputs import EncoderOutputs
 from mmserve.worker.grammar import GrammarCache, RequestGrammar
+from mmserve.worker.prompt_logprobs import score_prompts
 from mmserve.worker.memory import available_kv_cache_bytes
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import collect_sampled, launch_sampling
@@ -217,7 +218,11 @@ class ModelRunner:
                                                         step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
             logits = self.model.compute_logits(hidden[step.logits_rows]) if step.sampling else None  # [R, V]
-            return LaunchedStep(req_ids, step.sampling, logits)
+            launched = LaunchedStep(req_ids, step.sampling, logits)
+            if step.prompt_rows:
+                launched.prompt_logprobs = score_prompts(self.model.compute_logits, hidden, step.prompt_rows,
+                                                         self.requests)
+            return launched
         finally:
             torch.set_num_threads(self.threads)
 
@@ -244,12 +249,12 @@ class ModelRunner:
             return ModelRunnerOutput({})
         result: dict[str, list[int]] = {rid: [] for rid in launched.req_ids}
         if launched.sampled is None:
-            return ModelRunnerOutput(result)
+            return ModelRunnerOutput(result, prompt_logprobs=launched.prompt_logprobs)
         tokens, logprobs = collect_sampled(launched.sampled)
         for rid, token in zip(launched.sampling, tokens):
             result[rid] = [token]
         return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(launched.sampling, logprobs) if lp is not None},
-                                 launched.first_logits)
+                                 launched.first_logits, launched.prompt_logprobs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:

@@ -12,8 +12,10 @@ from typing import Any, Callable
 
 import torch
 
+from mmserve.ipc.messages import TokenLogprobs
 from mmserve.models.attention.host_metadata import padded_tables, token_slots
 from mmserve.worker.cuda_graphs import DecodeGraphs, GraphInputs
+from mmserve.worker.prompt_logprobs import PromptRows, prompt_rows
 from mmserve.worker.runner_state import RunnerRequest
 from mmserve.worker.sampler import SampledStep
 
@@ -31,6 +33,7 @@ class StepInputs:
     # (row of input_ids, request id): decoding tokens still in flight when the step was built (a
     # placeholder 0 in input_ids until `ModelRunner.launch` reads them from the step that sampled them)
     late: list[tuple[int, str]] = field(default_factory=list, init=False)
+    prompt_rows: list[PromptRows] = field(default_factory=list, init=False)  # rows scoring prompt tokens
 
 
 def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_sched: dict[str, int],
@@ -38,13 +41,16 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
                    graphs: DecodeGraphs | None = None) -> StepInputs:
     """The step's token ids, positions, attention metadata and sampling rows (request order). A
     decoding token the device sampled last step and the host has not yet read (--async-scheduling)
-    is a placeholder, listed in `late`."""
+    is a placeholder, listed in `late`; rows that score prompt tokens are in `prompt_rows`."""
     input_ids: list[int] = []
     query_lens, seq_lens, tables, logits_rows, sampling = [], [], [], [], []
     late: list[tuple[int, str]] = []
+    scoring: list[PromptRows] = []
     for rid in req_ids:
         state, n = requests[rid], num_sched[rid]
         start, known = state.num_computed_tokens, len(state.token_ids)
+        if (scores := prompt_rows(state, rid, len(input_ids), start, n)) is not None:
+            scoring.append(scores)
         if n == 1:
             if start == known:  # in flight
                 late.append((len(input_ids), rid))
@@ -63,7 +69,7 @@ def prepare_inputs(requests: dict[str, RunnerRequest], req_ids: list[str], num_s
         inputs = StepInputs(ids, positions, None, rows, sampling, _graph_inputs(seq_lens, tables, block_size))
     else:
         inputs = StepInputs(ids, positions, build_metadata(query_lens, seq_lens, tables, block_size), rows, sampling)
-    inputs.late = late
+    inputs.late, inputs.prompt_rows = late, scoring
     return inputs
 
 
@@ -145,3 +151,4 @@ class LaunchedStep:
     logits: torch.Tensor | None
     sampled: SampledStep | None = None
     first_logits: dict[str, bytes] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

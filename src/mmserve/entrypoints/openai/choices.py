@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import UsageInfo
@@ -79,19 +79,30 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: 
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
-                        text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], top: int,
+                        text_offset: int = 0, text_of: Callable[[int], str] | None = None) -> dict[str, Any]:
     """The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (token text ->
-    log probability, K entries) and `text_offset` (each token's start in the choice's text)."""
-    tokens, values, tops, offsets = [], [], [], []
+    log probability, K entries) and `text_offset` (each token's start in the choice's text). An
+    entry None (an echoed prompt's first token) has null log probabilities, its text `text_of`'s."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token, entry in zip(token_ids, entries):
-        chosen = entry[token]
-        tokens.append(chosen.decoded_token)
-        values.append(_value(chosen))
-        alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
-        tops.append({lp.decoded_token: _value(lp) for lp in alternatives})
+        if entry is None:
+            text = text_of(token) if text_of is not None else ""
+            tokens.append(text)
+            values.append(None)
+            tops.append(None)
+        else:
+            chosen = entry[token]
+            text = chosen.decoded_token
+            tokens.append(text)
+            values.append(_value(chosen))
+            alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+            tops.append({lp.decoded_token: _value(lp) for lp in alternatives})
         offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token)
+        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -1,6 +1,8 @@
 """Request and response bodies of `POST /v1/completions` (OpenAI's legacy text completions, with
 vLLM's sampling extras). Text prompts: a string, or a list of strings (each runs as its own engine
-request, `n` choices each; see `prompt_batch.py`)."""
+request, `n` choices each; see `prompt_batch.py`). `echo` puts each choice's prompt before its text
+and, with `logprobs`, its prompt tokens' log probabilities before its own (the first token's null),
+as lm-evaluation-harness reads them to score a continuation."""
 
 from __future__ import annotations
 
@@ -56,8 +58,6 @@ class CompletionRequest(SamplingExtras):
 
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
-        if self.echo:
-            raise ParameterError("echo", "echo is not supported by mmserve", code="unsupported_parameter")
         if self.suffix:
             raise ParameterError("suffix", "suffix is not supported by mmserve", code="unsupported_parameter")
         if self.best_of not in (None, self.n or 1):
@@ -79,7 +79,8 @@ class CompletionRequest(SamplingExtras):
         values: dict[str, Any] = {
             "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-            "n": self.n, "logprobs": self.logprobs, "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "n": self.n, "logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, **self.extra_sampling_values(),

@@ -3,12 +3,13 @@
 The request's path is the serving base's (`serving_base.py`); only the prompts and the response
 shapes are completions' own. Several prompts run as one request (`prompt_batch.py`). Streamed
 chunks carry `text` per choice and, with `logprobs`, the legacy log-probability lists of that
-chunk's tokens.
+chunk's tokens. With `echo` (`Echo`) each choice's first text is its prompt's, and with `logprobs`
+its first lists are its prompt tokens' (the engine scores them: `SamplingParams.prompt_logprobs`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,11 +21,15 @@ from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
 from mmserve.entrypoints.openai.serving_base import OpenAIServing, Outputs, ServeContext
 from mmserve.frontend.request.prompt import Prompt
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import Logprob, RequestOutput, SampleLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """The completions handler."""
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        return "" if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def create_completion(self, raw_request: Request) -> Response:
         return await self.serve(raw_request, CompletionRequest, "cmpl-", self._create)
@@ -32,23 +37,30 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _create(self, ctx: ServeContext[CompletionRequest]) -> Response:
         request = ctx.request
         prompts = [Prompt(text, settings=ctx.settings) for text in request.prompts]
-        outputs: Outputs
-        if len(prompts) == 1:
-            outputs = self.generate(ctx, prompts[0])
-        else:
-            outputs = merged_outputs(ctx.request_id, [self.generate(ctx, prompt, request_id=f"{ctx.request_id}-{p}")
-                                                      for p, prompt in enumerate(prompts)], ctx.params.n)
+        echo = Echo(request.prompts, ctx.params.n, self._token_text) if request.echo else None
+        runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
+                for p, prompt in enumerate(prompts)]
+        if echo is not None:
+            runs = [echo.tap(p, run) for p, run in enumerate(runs)]
+        outputs = runs[0] if len(runs) == 1 else merged_outputs(ctx.request_id, runs, ctx.params.n)
         top = request.logprobs or 0
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
         def stream(first: RequestOutput) -> CompletionStream:
-            return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top)
+            return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top,
+                                    echo=echo)
 
         async def whole(final: RequestOutput) -> Response:
-            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                        logprobs=None if c.logprobs is None else
-                                        completion_logprobs(c.token_ids, c.logprobs, top))
-                       for c in final.outputs]
+            choices = []
+            for c in final.outputs:
+                text, token_ids = c.text, c.token_ids
+                logprobs: list[dict[int, Logprob] | None] | None = None if c.logprobs is None else list(c.logprobs)
+                if echo is not None:
+                    text, token_ids, logprobs = echo.before(c.index, text, token_ids, c.logprobs)
+                choices.append(CompletionChoice(
+                    index=c.index, text=text, finish_reason=c.finish_reason,
+                    logprobs=None if logprobs is None else completion_logprobs(
+                        token_ids, logprobs, top, text_of=None if echo is None else echo.text_of)))
             record = ctx.record
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
             return JSONResponse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
@@ -57,19 +69,55 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
+class Echo:
+    """`echo`: each choice's prompt before its own text, tokens and log probabilities. `tap` each
+    prompt's engine outputs (their first carries the prompt's ids and log probabilities); choice i
+    is prompt i // n's. `text_of` gives a token's text (the prompt's first token has no entry)."""
+
+    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str]) -> None:
+        self.prompts = prompts
+        self.n = n
+        self.text_of = text_of
+        self.outputs: list[RequestOutput | None] = [None] * len(prompts)
+
+    async def tap(self, p: int, run: Outputs) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            async for out in run:
+                self.outputs[p] = out
+                yield out
+        finally:
+            await run.aclose()
+
+    def before(self, index: int, text: str, token_ids: list[int], logprobs: SampleLogprobs | None
+               ) -> tuple[str, list[int], list[dict[int, Logprob] | None] | None]:
+        """Choice `index`'s text, tokens and log probabilities with its prompt's before them (log
+        probabilities when both were asked for and the prompt's came)."""
+        p = index // self.n
+        out = self.outputs[p]
+        if logprobs is None or out is None or out.prompt_logprobs is None:
+            return self.prompts[p] + text, token_ids, None if logprobs is None else list(logprobs)
+        return self.prompts[p] + text, out.prompt_token_ids + token_ids, [*out.prompt_logprobs, *logprobs]
+
+
 class CompletionStream(ChoiceStream):
     """Completions chunks: per choice and step its new text (with the legacy log-probability lists
-    of those tokens when asked for), the finish reason in the chunk of its last text."""
+    of those tokens when asked for), the finish reason in the chunk of its last text; with `echo`,
+    a choice's first chunk begins with its prompt."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: Echo | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.echo = echo
         self._offsets: dict[int, int] = {}  # characters sent per choice, for text_offset
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        entries: list[dict[int, Logprob] | None] | None = None if d.logprobs is None else list(d.logprobs)
+        if self.echo is not None and d.index not in self._offsets:
+            d.text, d.token_ids, entries = self.echo.before(d.index, d.text, d.token_ids, d.logprobs)
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + len(d.text)
-        logprobs = None if d.logprobs is None else completion_logprobs(d.token_ids, d.logprobs, self.top_logprobs,
-                                                                      offset)
+        text_of = None if self.echo is None else self.echo.text_of
+        logprobs = None if entries is None else completion_logprobs(d.token_ids, entries, self.top_logprobs,
+                                                                    offset, text_of)
         return [self._encode([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
                                                finish_reason=d.finish_reason)], None)]
 

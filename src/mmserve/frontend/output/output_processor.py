@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.output.detokenizer import IncrementalDetokenizer
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
-from mmserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from mmserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 @dataclass
@@ -42,6 +42,7 @@ class RequestState:
     completions: list[CompletionState]
     num_cached_tokens: int | None = None  # from the first engine-core output of completion 0
     report: CacheReport | None = None  # P0's layers counted at admission; P1's merged from completion 0
+    prompt_logprobs: PromptLogprobs | None = None  # from completion 0's first output, when asked
 
     @property
     def finished(self) -> bool:
@@ -50,7 +51,7 @@ class RequestState:
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
                              [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens,
-                             self.report)
+                             self.report, self.prompt_logprobs)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
                 if state.report is not None:
                     state.report.merge(out.cache_counts)
+                if out.prompt_logprobs is not None:
+                    state.prompt_logprobs = [None] + [self._decode_logprobs(lp) for lp in out.prompt_logprobs]
         if completion.finish_reason is not None:
             return  # finished here by a stop string; the engine's last tokens are dropped
         completion.token_ids.extend(out.new_token_ids)
