@@ -189,6 +189,29 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, of
     assert [c.text.startswith(p) and c.logprobs is None for c, p in zip(two.choices, prompts)] == [True] * 4
 
 
+def test_prompts_of_token_ids_answer_as_their_text(client, offline):
+    """A completion's prompt as token ids (one list, or a batch of lists, as lm-evaluation-harness
+    sends them) answers as the same ids offline (`{"prompt_token_ids": ...}`) and as the text they
+    spell; echoed, the ids are decoded."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ref = offline.generate(PROMPT, params)[0]
+    ids = ref.prompt_token_ids
+    by_ids = offline.generate({"prompt_token_ids": ids}, params)[0]
+    assert by_ids.outputs[0].token_ids == ref.outputs[0].token_ids and by_ids.prompt is None
+    one = client.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0)
+    assert one.choices[0].text == ref.outputs[0].text and one.usage.prompt_tokens == len(ids)
+    batch = client.completions.create(model="m", prompt=[ids, ids[:5]], max_tokens=6, temperature=0, echo=True)
+    short = offline.generate({"prompt_token_ids": ids[:5]}, params)[0].outputs[0].text
+    decode = offline.get_tokenizer().decode
+    assert [c.text for c in batch.choices] == [decode(ids) + ref.outputs[0].text, decode(ids[:5]) + short]
+    for bad in ([], [[1, 2], []], [10**6], [-1]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="m", prompt=bad, max_tokens=2)
+        assert err.value.status_code == 400 and err.value.body["message"]
+    with pytest.raises(ValueError, match="token ids"):
+        offline.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": make_image(1)}}, params)
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ("chat", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),

@@ -83,6 +83,8 @@ class InputProcessor:
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
         self._check_params(params)
         prompt = Prompt.parse(prompt)
+        if prompt.token_ids is not None:
+            return self._tokens_request(request_id, prompt, params, bypass_caches)
         text, images, salt = prompt.text, prompt.images, prompt.settings.cache_salt
         mm_kwargs = {**self.mm_defaults, **(prompt.settings.mm_processor_kwargs or {})}  # the request's win
         self.check_prompt_length(text)
@@ -118,6 +120,21 @@ class InputProcessor:
         params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt, bypass_caches=bypass_caches)
+
+    def _tokens_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                        bypass_caches: bool) -> EngineCoreRequest:
+        """A prompt of token ids: each within the vocabulary, and room for one output token."""
+        token_ids = list(prompt.token_ids or ())
+        bad = [t for t in token_ids if t >= self.vocab_size]
+        if bad:
+            raise ClientError(f"prompt token ids {bad[:3]} are not token ids of this model (vocabulary of "
+                              f"{self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ClientError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}, "
+                              f"which must also leave room for one output token")
+        params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
+        return EngineCoreRequest(request_id, token_ids, [], params, self.eos_token_id, time.time(),
+                                 cache_salt=prompt.settings.cache_salt, bypass_caches=bypass_caches)
 
     def accept(self, pending: list[ResolvedItem]) -> None:
         """The engine has the request: its fresh items join the processor cache."""

@@ -1,6 +1,7 @@
 """Request and response bodies of `POST /v1/completions` (OpenAI's legacy text completions, with
 vLLM's sampling extras). Text prompts: a string, or a list of strings (each runs as its own engine
-request, `n` choices each; see `prompt_batch.py`). `echo` puts each choice's prompt before its text
+request, `n` choices each; see `prompt_batch.py`); or token ids: a list of ints, or a list of such
+lists (as lm-evaluation-harness sends them). `echo` puts each choice's prompt before its text
 and, with `logprobs`, its prompt tokens' log probabilities before its own (the first token's null),
 as lm-evaluation-harness reads them to score a continuation."""
 
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from mmserve.errors import ClientError
 from mmserve.entrypoints.openai.protocol import ParameterError, StreamOptions, UsageInfo
 from mmserve.entrypoints.openai.sampling_extras import SamplingExtras, check_top_logprobs
-from mmserve.frontend.request.prompt import PromptSettings
+from mmserve.frontend.request.prompt import PromptSettings, check_token_ids
 from mmserve.sampling_params import MAX_N, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -24,7 +25,7 @@ class CompletionRequest(SamplingExtras):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -47,14 +48,20 @@ class CompletionRequest(SamplingExtras):
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompts(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not 1 <= len(value) <= MAX_N:
-            raise ClientError(f"prompt must be a string or a list of 1 to {MAX_N} strings")
+    def _some_prompts(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
+        prompts = _each_prompt(value)
+        if not 1 <= len(prompts) <= MAX_N:
+            raise ClientError(f"prompt must be a string, a list of 1 to {MAX_N} strings, a list of token ids or "
+                              f"a list of 1 to {MAX_N} lists of token ids")
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                check_token_ids(prompt)
         return value
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        return _each_prompt(self.prompt)
 
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
@@ -86,6 +93,13 @@ class CompletionRequest(SamplingExtras):
             "skip_special_tokens": self.skip_special_tokens, **self.extra_sampling_values(),
         }
         return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
+
+
+def _each_prompt(value: Any) -> list[str | list[int]]:
+    """`prompt`'s prompts: one text, one list of ids, or a list of either."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
 
 
 class CompletionChoice(BaseModel):

@@ -28,16 +28,22 @@ class OpenAIServingCompletion(OpenAIServing):
     """The completions handler."""
 
     def _token_text(self, token_id: int) -> str:
+        return self._text([token_id])
+
+    def _text(self, token_ids: list[int]) -> str:
+        """Token ids' text, special tokens kept (an echoed prompt of token ids, as vLLM decodes it)."""
         tokenizer = getattr(self.engine, "tokenizer", None)
-        return "" if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
 
     async def create_completion(self, raw_request: Request) -> Response:
         return await self.serve(raw_request, CompletionRequest, "cmpl-", self._create)
 
     async def _create(self, ctx: ServeContext[CompletionRequest]) -> Response:
         request = ctx.request
-        prompts = [Prompt(text, settings=ctx.settings) for text in request.prompts]
-        echo = Echo(request.prompts, ctx.params.n, self._token_text) if request.echo else None
+        prompts = [Prompt(p, settings=ctx.settings) if isinstance(p, str) else
+                   Prompt("", settings=ctx.settings, token_ids=p) for p in request.prompts]
+        echo = Echo([p if isinstance(p, str) else self._text(p) for p in request.prompts], ctx.params.n,
+                    self._token_text) if request.echo else None
         runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
                 for p, prompt in enumerate(prompts)]
         if echo is not None:

@@ -129,7 +129,7 @@ class RankFailover:
                 self._resume(request)
                 continue
             self.output_processor.abort_requests([rid])
-            self.output_processor.add_request(request.resend, request.prompt.text, request.report)
+            self.output_processor.add_request(request.resend, request.prompt.shown_text, request.report)
             self._send(request)
         if parked:
             logger.warning("moved %d request(s) of a dead engine rank to live ranks", len(parked))

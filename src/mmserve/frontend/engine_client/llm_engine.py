@@ -22,6 +22,7 @@ from mmserve.frontend.engine_client.offline_client import InProcessClient, Offli
 from mmserve.frontend.engine_client.rank_processes import RankProcesses
 from mmserve.frontend.input_processor import InputProcessor
 from mmserve.frontend.output.output_processor import OutputProcessor
+from mmserve.frontend.request.prompt import Prompt as TypedPrompt
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.hub import resolve_engine_model
 from mmserve.models.hf_config import eos_token_id
@@ -73,8 +74,7 @@ class LLMEngine:
         sent: list[str] = []
         try:
             for request, prompt, report, _ in processed:
-                self.output_processor.add_request(request, prompt if isinstance(prompt, str) else prompt.get("prompt"),
-                                                  report)
+                self.output_processor.add_request(request, TypedPrompt.parse(prompt).shown_text, report)
                 self.client.add_request(request, report)
                 sent.append(request.request_id)
         except BaseException:

@@ -92,7 +92,7 @@ class Admission:
     def _register(self, request: OpenRequest, processed: EngineCoreRequest, undo: UndoLog, rank: int | None,
                   picked: Route | None, wire: EngineCoreRequest | None) -> None:
         """The request's output state, then its route and send; each step registered in `undo`."""
-        self.output_processor.add_request(processed, request.prompt.text, request.report)
+        self.output_processor.add_request(processed, request.prompt.shown_text, request.report)
         undo.push(self.output_processor.abort_requests, [request.request_id])
         request.rank = self.sender.send(processed, undo, request.report, rank, picked, wire)
         request.resend = processed

@@ -5,6 +5,8 @@ for a completion's text) and pass it through to `InputProcessor.process`; `LLM.g
 `AsyncLLM.generate` also take vLLM's dict form (`TextPrompt`'s keys: `prompt`, `multi_modal_data`,
 `multi_modal_uuids`, `mm_processor_kwargs`, `media_io_kwargs`, `cache_salt`), which `Prompt.parse`
 checks field by field. Either way a `Prompt` is checked where it is made (ValueError naming the field).
+A prompt of token ids (vLLM's `TokensPrompt`: `{"prompt_token_ids": [...]}`; a completion's `prompt`
+as a list of ints) is text-only: its `token_ids` go to the engine as they are.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 from mmserve.errors import ClientError
 
-PROMPT_KEYS = ("prompt", "multi_modal_data", "multi_modal_uuids", "cache_salt", "mm_processor_kwargs",
-               "media_io_kwargs")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "cache_salt",
+               "mm_processor_kwargs", "media_io_kwargs")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class PromptSettings:
 
 @dataclass(frozen=True)
 class Prompt:
-    """The prompt `InputProcessor.process` takes: rendered text, media sources in prompt order.
+    """The prompt `InputProcessor.process` takes: rendered text, media sources in prompt order; or
+    `token_ids` (then no text and no media).
 
     Invariant: one uuid per source, and a source is None only where its uuid names an item sent before."""
 
@@ -47,8 +50,13 @@ class Prompt:
     videos: list[Any] = field(default_factory=list)  # URL / path strings, bytes or (frames, fps)
     video_uuids: list[str | None] = field(default_factory=list)  # [] or one per video
     settings: PromptSettings = field(default_factory=PromptSettings)
+    token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.token_ids is not None:
+            check_token_ids(self.token_ids)
+            if self.text or self.images or self.videos:
+                raise ClientError("a prompt of token ids has no text, images or videos")
         if not self.image_uuids:
             object.__setattr__(self, "image_uuids", [None] * len(self.images))
         if not self.video_uuids:
@@ -64,9 +72,16 @@ class Prompt:
             return prompt
         if isinstance(prompt, str):
             return cls(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt and "prompt" not in prompt:
+            unknown = set(prompt) - {"prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ClientError(f"a prompt of token ids takes only 'prompt_token_ids' and 'cache_salt'; got "
+                                  f"{', '.join(sorted(unknown))}")
+            return cls("", settings=PromptSettings(prompt.get("cache_salt")), token_ids=prompt["prompt_token_ids"])
         if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt"), str):
-            raise ClientError("a prompt is a string or a dict with a string 'prompt' and optional 'multi_modal_data'")
-        unknown = set(prompt) - set(PROMPT_KEYS)
+            raise ClientError("a prompt is a string or a dict with a string 'prompt' (or 'prompt_token_ids') and "
+                              "optional 'multi_modal_data'")
+        unknown = set(prompt) - set(PROMPT_KEYS) | ({"prompt_token_ids"} & set(prompt))
         if unknown:
             raise ClientError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
         images = _image_list(prompt.get("multi_modal_data"), "multi_modal_data")
@@ -76,8 +91,18 @@ class Prompt:
                                   prompt.get("media_io_kwargs"))
         return cls(prompt["prompt"], images, uuids, videos, video_uuids, settings)
 
+    @property
+    def shown_text(self) -> str | None:
+        """The prompt as outputs give it back (`RequestOutput.prompt`): its text, None for token ids."""
+        return None if self.token_ids is not None else self.text
+
     def to_dict(self) -> dict[str, Any]:
         """vLLM's dict form of this prompt (what `LLM.generate` takes); `parse` reads it back equal."""
+        if self.token_ids is not None:
+            tokens: dict[str, Any] = {"prompt_token_ids": list(self.token_ids)}
+            if self.settings.cache_salt is not None:
+                tokens["cache_salt"] = self.settings.cache_salt
+            return tokens
         out: dict[str, Any] = {"prompt": self.text, "multi_modal_data": {"image": self.images}}
         if any(u is not None for u in self.image_uuids):
             out["multi_modal_uuids"] = {"image": self.image_uuids}
@@ -89,6 +114,14 @@ class Prompt:
             if (value := getattr(self.settings, key)) is not None:
                 out[key] = value
         return out
+
+
+def check_token_ids(token_ids: Any) -> None:
+    """ValueError unless `token_ids` is a non-empty list of non-negative integers (the model's
+    vocabulary is checked where it is known: `InputProcessor.process`)."""
+    if not isinstance(token_ids, list) or not token_ids or \
+            not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in token_ids):
+        raise ClientError("prompt token ids must be a non-empty list of non-negative integers")
 
 
 def check_uuids(sources: list[Any], uuids: list[Any], kind: str) -> None:
