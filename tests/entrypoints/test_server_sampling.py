@@ -189,6 +189,37 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, of
     assert [c.text.startswith(p) and c.logprobs is None for c, p in zip(two.choices, prompts)] == [True] * 4
 
 
+def test_prompt_logprobs_on_chat_and_completions_are_the_offline_engines(client, offline):
+    """vLLM's `prompt_logprobs` K: chat's at the top level, completions' per choice; each prompt
+    token's entry (the first None) as the offline engine scores the same prompt; refused in a stream."""
+    ref = offline.chat(chat_messages(), SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))[0]
+    r = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    got = r.model_extra["prompt_logprobs"]
+    assert len(got) == len(ref.prompt_token_ids) and got[0] is None and r.usage.prompt_tokens == len(got)
+    for token, entry, want in zip(ref.prompt_token_ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        assert {int(t) for t in entry} == set(want) and str(token) in entry
+        assert [entry[str(t)]["logprob"] for t in want] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-5)
+        assert [entry[str(t)]["rank"] for t in want] == [lp.rank for lp in want.values()]
+    text = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0))[0]
+    c = client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 0}).choices[0]
+    assert c.text == text.outputs[0].text and not c.text.startswith(PROMPT)  # not echoed
+    scored = [None if e is None else {int(t): v["logprob"] for t, v in e.items()}
+              for e in c.model_extra["prompt_logprobs"]]
+    assert scored == [None] + [{t: pytest.approx(lp.logprob, abs=1e-5) for t, lp in e.items()}
+                               for e in text.prompt_logprobs[1:]]
+    plain = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in plain.model_extra
+    for stream_call in (lambda: client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2,
+                                                               stream=True, extra_body={"prompt_logprobs": 1}),
+                        lambda: client.completions.create(model="m", prompt=PROMPT, max_tokens=2, stream=True,
+                                                          extra_body={"prompt_logprobs": 1})):
+        with pytest.raises(openai.BadRequestError) as err:
+            stream_call()
+        assert err.value.body["param"] == "prompt_logprobs"
+
+
 def test_prompts_of_token_ids_answer_as_their_text(client, offline):
     """A completion's prompt as token ids (one list, or a batch of lists, as lm-evaluation-harness
     sends them) answers as the same ids offline (`{"prompt_token_ids": ...}`) and as the text they
@@ -230,6 +261,7 @@ def test_prompts_of_token_ids_answer_as_their_text(client, offline):
     ("text", {"logprobs": 21}, "logprobs"),
     ("text", {"n": 0}, None),
     ("text", {"echo": True, "logprobs": 21}, "logprobs"),
+    ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("text", {"prompt": ["a"] * 65, "n": 2}, "n"),
 ])
 def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):

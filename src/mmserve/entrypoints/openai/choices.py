@@ -106,6 +106,14 @@ def completion_logprobs(token_ids: list[int], entries: Sequence[dict[int, Logpro
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_json(entries: Sequence[dict[int, Logprob] | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) token id -> `{logprob, rank,
+    decoded_token}` of the prompt's token and the top K there."""
+    return [None if entry is None else {str(tid): {"logprob": _value(lp), "rank": lp.rank,
+                                                   "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
+            for entry in entries]
+
+
 class ChoiceStream:
     """The SSE events of one streamed request, starting from its first engine output: `_open`'s
     events, then per step each choice's new text as `_delta`'s events, a usage chunk (no choices)

@@ -168,6 +168,7 @@ class ChatCompletionRequest(SamplingExtras):
     def check_supported(self) -> None:
         """Raise `ParameterError` naming the first parameter mmserve cannot honour."""
         check_top_logprobs("top_logprobs", self.top_logprobs)
+        self.check_prompt_logprobs(self.stream)
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.stream_options is not None and not self.stream:
@@ -261,6 +262,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked (choices.py)
 
 
 class DeltaMessage(BaseModel):

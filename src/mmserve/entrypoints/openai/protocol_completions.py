@@ -65,6 +65,7 @@ class CompletionRequest(SamplingExtras):
 
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
+        self.check_prompt_logprobs(self.stream)
         if self.suffix:
             raise ParameterError("suffix", "suffix is not supported by mmserve", code="unsupported_parameter")
         if self.best_of not in (None, self.n or 1):
@@ -107,6 +108,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None  # tokens, token_logprobs, top_logprobs, text_offset
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
 
 
 class CompletionResponse(BaseModel):

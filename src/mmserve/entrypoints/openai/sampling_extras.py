@@ -68,9 +68,18 @@ class SamplingExtras(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log probability and top K (not streamed)
+
+    def check_prompt_logprobs(self, stream: bool | None) -> None:
+        """`prompt_logprobs`: 0 to 20, and not in a stream (vLLM's rule); a `ParameterError` otherwise."""
+        from mmserve.entrypoints.openai.protocol import ParameterError
+
+        check_top_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.prompt_logprobs is not None and stream:
+            raise ParameterError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
 
     def extra_sampling_values(self) -> dict[str, Any]:
-        values: dict[str, Any] = {"presence_penalty": self.presence_penalty,
+        values: dict[str, Any] = {"presence_penalty": self.presence_penalty, "prompt_logprobs": self.prompt_logprobs,
                                   "frequency_penalty": self.frequency_penalty,
                                   "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
                                   "min_p": self.min_p,

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
-from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs
+from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, prompt_logprobs_json
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -69,7 +69,11 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
             logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
+    if final.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
     body = response.model_dump()
+    if body["prompt_logprobs"] is None:
+        del body["prompt_logprobs"]
     for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers (so thinking)
         for key in ("tool_calls", "reasoning_content"):
             if choice["message"][key] is None:

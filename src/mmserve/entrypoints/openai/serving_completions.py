@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
-from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs
+from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs, prompt_logprobs_json
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
@@ -42,8 +42,10 @@ class OpenAIServingCompletion(OpenAIServing):
         request = ctx.request
         prompts = [Prompt(p, settings=ctx.settings) if isinstance(p, str) else
                    Prompt("", settings=ctx.settings, token_ids=p) for p in request.prompts]
-        echo = Echo([p if isinstance(p, str) else self._text(p) for p in request.prompts], ctx.params.n,
-                    self._token_text) if request.echo else None
+        echo = None
+        if request.echo or ctx.params.prompt_logprobs is not None:
+            echo = Echo([p if isinstance(p, str) else self._text(p) for p in request.prompts], ctx.params.n,
+                        self._token_text, bool(request.echo))
         runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
                 for p, prompt in enumerate(prompts)]
         if echo is not None:
@@ -61,29 +63,41 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in final.outputs:
                 text, token_ids = c.text, c.token_ids
                 logprobs: list[dict[int, Logprob] | None] | None = None if c.logprobs is None else list(c.logprobs)
-                if echo is not None:
+                if echo is not None and echo.echo:
                     text, token_ids, logprobs = echo.before(c.index, text, token_ids, c.logprobs)
                 choices.append(CompletionChoice(
                     index=c.index, text=text, finish_reason=c.finish_reason,
                     logprobs=None if logprobs is None else completion_logprobs(
-                        token_ids, logprobs, top, text_of=None if echo is None else echo.text_of)))
+                        token_ids, logprobs, top, text_of=None if echo is None else echo.text_of),
+                    prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index)))
             record = ctx.record
             usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
-            return JSONResponse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
-                                                   usage=usage).model_dump(), headers=cache_headers(record.report))
+            body = _without_prompt_logprobs(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
+                                                               usage=usage).model_dump())
+            return JSONResponse(body, headers=cache_headers(record.report))
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
-class Echo:
-    """`echo`: each choice's prompt before its own text, tokens and log probabilities. `tap` each
-    prompt's engine outputs (their first carries the prompt's ids and log probabilities); choice i
-    is prompt i // n's. `text_of` gives a token's text (the prompt's first token has no entry)."""
+def _without_prompt_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """A completions body with `prompt_logprobs` only in the choices that have them (vLLM's field)."""
+    for choice in body["choices"]:
+        if choice["prompt_logprobs"] is None:
+            del choice["prompt_logprobs"]
+    return body
 
-    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str]) -> None:
+
+class Echo:
+    """What a choice shows of its prompt: with `echo` its text, tokens and log probabilities before
+    the choice's own (`before`), and vLLM's `prompt_logprobs`. `tap` each prompt's engine outputs
+    (their first carries the prompt's ids and log probabilities); choice i is prompt i // n's.
+    `text_of` gives a token's text (the prompt's first token has no entry)."""
+
+    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str], echo: bool = True) -> None:
         self.prompts = prompts
         self.n = n
         self.text_of = text_of
+        self.echo = echo
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)
 
     async def tap(self, p: int, run: Outputs) -> AsyncGenerator[RequestOutput, None]:
@@ -93,6 +107,11 @@ class Echo:
                 yield out
         finally:
             await run.aclose()
+
+    def prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
+        """Choice `index`'s prompt's `prompt_logprobs` (vLLM's shape), when the engine scored it."""
+        out = self.outputs[index // self.n]
+        return None if out is None or out.prompt_logprobs is None else prompt_logprobs_json(out.prompt_logprobs)
 
     def before(self, index: int, text: str, token_ids: list[int], logprobs: SampleLogprobs | None
                ) -> tuple[str, list[int], list[dict[int, Logprob] | None] | None]:
@@ -117,7 +136,7 @@ class CompletionStream(ChoiceStream):
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
         entries: list[dict[int, Logprob] | None] | None = None if d.logprobs is None else list(d.logprobs)
-        if self.echo is not None and d.index not in self._offsets:
+        if self.echo is not None and self.echo.echo and d.index not in self._offsets:
             d.text, d.token_ids, entries = self.echo.before(d.index, d.text, d.token_ids, d.logprobs)
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + len(d.text)
@@ -131,8 +150,8 @@ class CompletionStream(ChoiceStream):
         return self._encode([], usage)
 
     def _encode(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-        body = CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage).model_dump()
+        body = _without_prompt_logprobs(CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                                           choices=choices, usage=usage).model_dump())
         if not self.include_usage:
             del body["usage"]
         return f"data: {bytes(JSONResponse(body).body).decode()}\n\n"
