@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import glob
+import importlib.metadata
 import json
 import os
 import signal
@@ -72,8 +73,18 @@ def assert_all_blocks_free(server, timeout_s=10.0):
 
 
 def test_models_and_health(server, client, model_path):
+    """/v1/models lists the model and /v1/models/{id} retrieves it (a 404 naming it for another);
+    vLLM's /health, /ping (GET and POST) and /version answer too."""
     assert [m.id for m in client.models.list().data] == [model_path]
-    assert server.get("/health")[0] == 200
+    card = client.models.retrieve(model_path)
+    assert card.id == model_path and card.object == "model" and card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("other-model")
+    assert err.value.body["code"] == "model_not_found" and model_path in err.value.body["message"]
+    assert server.get("/health")[0] == 200 and server.get("/ping")[0] == 200
+    assert httpx.post(server.base_url + "/ping").status_code == 200
+    status, body = server.get("/version")
+    assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("mmserve")
 
 
 def test_streamed_and_whole_agree_with_offline(client, model_path, offline):

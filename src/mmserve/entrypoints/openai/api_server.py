@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (P0): the FastAPI app and `mmserve serve`'s main.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
-key when one is set), `GET /health` (200 while the engine core lives, else 503) and `GET /metrics`.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `GET /v1/models`
+(behind the API key when one is set), vLLM's `/tokenize` and `/detokenize` (behind it too), and
+`server_routes.py`'s `/health` (200 while the engine core lives, else 503), `/ping`, `/version`
+and `/metrics`.
 
 Lifecycle: SIGTERM or Ctrl-C stops uvicorn gracefully, then the engine cores are shut down and
 the process exits 0. An engine core that dies is survived by the frontend (`AsyncLLM`: its
@@ -14,7 +16,6 @@ with `ENGINE_DEAD_EXIT_CODE` within a few seconds, for a supervisor to restart t
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mmserve import log_levels
 from mmserve.config import EngineConfig
@@ -34,8 +35,8 @@ from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
-from mmserve.entrypoints.openai.protocol import ModelCard, ModelList
 from mmserve.entrypoints.openai.server_config import ServerConfig
+from mmserve.entrypoints.openai.server_routes import add_model_routes, status_routes
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -44,7 +45,7 @@ from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompleti
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.response_store import KeptResponses, ResponseStore
 from mmserve.entrypoints.openai.response_store_client import ResponseStoreClient
-from mmserve.metrics import CONTENT_TYPE, ServerMetrics
+from mmserve.metrics import ServerMetrics
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
 from mmserve.lazy_imports import keep_triton_out
@@ -97,24 +98,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     root.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
     root.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
 
-    @app.get("/health")
-    async def health() -> Response:
-        """200 while some rank serves, with each rank's state as JSON when there are several."""
-        ranks = getattr(engine, "ranks", None)
-        serving = engine.is_healthy and (ranks is None or bool(ranks.live()))
-        if serving:
-            return Response(status_code=200) if ranks is None or len(ranks) == 1 else \
-                JSONResponse({"status": "ok", "ranks": ranks.health()})
-        reason = getattr(engine, "dead_error", None) or "no engine core is serving"
-        response = OpenAIError(503, f"unhealthy: {reason}", code="engine_dead").to_response()
-        if ranks is not None:
-            response = JSONResponse({**json.loads(bytes(response.body)), "ranks": ranks.health()}, status_code=503)
-        return response
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
+    app.include_router(status_routes(engine, metrics))
     app.include_router(v1)
     app.include_router(root)
     return app
@@ -138,11 +122,7 @@ def _v1_routes(engine: AsyncLLM, served_model_names: list[str], chat: OpenAIServ
     async def create_response(raw_request: Request) -> Response:
         return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
 
-    @v1.get("/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.model_dir, max_model_len=engine.max_model_len)
-                               for name in served_model_names])
-
+    add_model_routes(v1, engine, served_model_names)
     return v1
 
 

@@ -290,20 +290,6 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "mmserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
 class ErrorInfo(BaseModel):
     message: str
     type: str

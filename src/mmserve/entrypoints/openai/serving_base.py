@@ -210,9 +210,7 @@ class OpenAIServing:
         if name is None:
             return self.served_model_names[0]
         if name not in self.served_model_names:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                              f"{', '.join(map(repr, self.served_model_names))}", code="model_not_found",
-                              param="model")
+            raise model_not_found(name, self.served_model_names)
         return name
 
     async def start_chat(self, ctx: ServeContext[Any], messages: list[dict[str, Any]], tools: ToolMode | None,
@@ -258,6 +256,12 @@ class OpenAIServing:
             if not handed_over:
                 await outputs.aclose()
         return await whole(final)
+
+
+def model_not_found(name: str, served_model_names: list[str]) -> OpenAIError:
+    """The 404 for a model name this server does not serve, naming those it does."""
+    return OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, served_model_names))}", code="model_not_found", param="model")
 
 
 async def first_output(outputs: Outputs) -> RequestOutput:
