@@ -1,7 +1,8 @@
 """On a CUDA GPU, the paths that only run there: a JSON grammar's masks applied to GPU logits
 (xgrammar's Triton kernel), penalties, logit bias, min_tokens and log probabilities give the
 float32 tokens the CPU engine gives; a 16-bit KV cache under a float32 model replays from CUDA
-graphs with the tokens it gives eagerly; seeded sampling gives the same tokens again.
+graphs with the tokens it gives eagerly; seeded sampling gives the same tokens again; prompt log
+probabilities equal the CPU's.
 `make test-gpu`; skipped (instantly) where CUDA is absent."""
 
 from __future__ import annotations
@@ -86,3 +87,25 @@ def test_seeded_sampling_gives_the_same_tokens_again(tmp_path):
     first = [c.token_ids for c in run(llm, seeded)]
     again = [c.token_ids for c in run(llm, seeded)]  # through every cache this time
     assert again == first
+
+
+def test_prompt_log_probabilities_on_the_gpu_equal_the_cpus(tmp_path):
+    """`prompt_logprobs`: the prompt's hidden rows through the LM head on the GPU (async-scheduled)
+    score each prompt token as the CPU engine does (float32, within 1e-4; the same top token)."""
+    path, items = checkpoint("builtin:tiny-llava", tmp_path), prompts("builtin:tiny-llava")
+    asking = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
+    cpu = LLM(model=path, device="cpu", dtype="float32")
+    expected = cpu.generate(items, asking)
+    cpu.shutdown()
+    gpu = LLM(model=path, device=DEVICE, dtype="float32", max_model_len=512, async_scheduling=True)
+    got = gpu.generate(items, asking)
+    gpu.shutdown()
+    for out, want in zip(got, expected, strict=True):
+        assert out.prompt_token_ids == want.prompt_token_ids and out.outputs[0].token_ids == want.outputs[0].token_ids
+        scored = zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True)
+        for token, g, w in scored:
+            assert abs(g[token].logprob - w[token].logprob) < 1e-4 and _top(g) == _top(w)
+
+
+def _top(entry: dict) -> int:
+    return min(entry, key=lambda t: entry[t].rank)
