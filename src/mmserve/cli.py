@@ -9,6 +9,7 @@ import sys
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
+from mmserve.config.vllm_flags import add_vllm_flags, vllm_flag_notes
 from mmserve.gc_tuning import pause_collection
 
 
@@ -47,12 +48,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "default builtin:tiny-llava).")
     add_server_cli_args(serve)
     add_cli_args(serve)
+    add_vllm_flags(serve)  # a vLLM command line runs: each of its flags done, without effect, or refused by name
 
 
 def _serve(args: argparse.Namespace) -> int:
     pause_collection()  # until the server serves (`ServingProcess.serve`); else it exits
     if args.model_tag is not None:
         args.model = args.model_tag
+    for note in vllm_flag_notes(args):  # a refused one raises: `mmserve: error: ...`
+        print(f"mmserve: {note}", file=sys.stderr)
     try:
         return run_server(args)
     except RuntimeError as e:  # the engine core could not start

@@ -103,6 +103,7 @@ class AsyncLLM:
         self.requests = OpenRequests(self.sender, self.transport, config.scheduler.stalled_stream_abort_s)
         self.output_processor = OutputProcessor(self.tokenizer, self.requests.output_states)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # per rank "out<r>" / "restart<r>", and "log"
+        self.log_stats = True  # the periodic stats line (`--disable-log-stats` turns it off)
         shared = SharedFigures(attachment.metrics_dir, config.parallel.api_server_index) \
             if attachment is not None else None
         self.figures = EngineFigures(self.input_processor.processor_cache, self.transport, self.sender, shared)
@@ -246,7 +247,8 @@ class AsyncLLM:
         for rank, client in enumerate(self.ranks.clients):
             if client is not None:  # a dead one's loop retires it at once
                 self._ensure_task(f"out{rank}", lambda r=rank: self._output_loop(r))
-        self._ensure_task("log", lambda: log_stats_periodically(self.stats))
+        if self.log_stats:
+            self._ensure_task("log", lambda: log_stats_periodically(self.stats))
         if self.figures.shared is not None:
             self._ensure_task("share", self.figures.share_periodically)
 

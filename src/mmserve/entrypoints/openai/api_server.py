@@ -216,6 +216,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
     launcher = attachment.launcher_pid if attachment is not None else None  # it may die while the engine starts
 
     engine = AsyncLLM(engine_config, attachment)
+    engine.log_stats = not server_config.disable_log_stats
     keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
     try:
         engine.start()

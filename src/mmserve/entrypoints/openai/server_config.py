@@ -31,6 +31,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={
         "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
+    disable_log_stats: bool = field(default=False, metadata={
+        "help": "Log no periodic stats line (vLLM's flag; /metrics counts as before).", "action": "store_true"})
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": 'Let requests use tool_choice "auto" (the default when tools are given) with --tool-call-parser '
                 "(vLLM's flag; without it, auto is on wherever the model family's format is known).",

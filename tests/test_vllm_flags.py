@@ -1,0 +1,69 @@
+"""A vLLM `serve` command line runs on mmserve: each vLLM flag mmserve has no flag of its own for
+(config/vllm_flags.py) is done anyway, without effect, or refused by name — before any model loads,
+as one `mmserve: error:` line. A server started with a typical vLLM command line serves and says
+what each of its flags did."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from mmserve.cli import main
+from mmserve.config.vllm_flags import DONE, REFUSED, VLLM_FLAGS
+from helpers.server_process import ServerProcess
+from helpers.tiny_models import make_checkpoint
+
+# what `vllm serve Qwen/Qwen2.5-VL-7B-Instruct ...` lines commonly carry, besides flags mmserve shares
+VLLM_LINE = ["--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--enable-chunked-prefill",
+             "--swap-space", "4", "--max-logprobs", "20", "--uvicorn-log-level", "warning", "--tokenizer-mode",
+             "auto", "--load-format", "safetensors", "--distributed-executor-backend", "mp",
+             "--guided-decoding-backend", "xgrammar", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.mark.parametrize("flag", [f for f in VLLM_FLAGS if f.kind == REFUSED], ids=lambda f: f.flag)
+def test_a_feature_mmserve_lacks_is_refused_by_name_before_anything_loads(capsys, flag):
+    args = [flag.flag] if flag.switch else [flag.flag, "x"]
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mmserve: error: {flag.flag} (vLLM's flag): "), err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--load-format", "gguf"], "--load-format (vLLM's flag) takes auto or safetensors here"),
+    (["--distributed-executor-backend", "ray"], "--data-parallel-backend ray"),
+    (["--pipeline-parallel-size", "2"], "takes 1 here"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill (vLLM's flag) cannot be honoured"),
+    (["--no-trust-remote-code", "--no-enable-lora", "--task", "embed"], "--task (vLLM's flag)"),  # those two are fine
+    (["--task", "embed"], "--task (vLLM's flag) takes auto or generate here"),
+])
+def test_a_value_mmserve_cannot_honour_is_refused(capsys, args, words):
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmserve: error: ") and words in err[0], err
+
+
+def test_every_flag_is_vllms_and_none_shadows_mmservess_own():
+    import argparse
+
+    from mmserve.cli import _add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    _add_serve_parser(parser.add_subparsers())  # argparse refuses a flag added twice
+    assert len({f.flag for f in VLLM_FLAGS}) == len(VLLM_FLAGS)
+    assert all(f.kind != REFUSED or not f.accepts for f in VLLM_FLAGS)
+    assert {f.kind for f in VLLM_FLAGS} == {DONE, "ignored", REFUSED}
+
+
+def test_a_vllm_command_line_serves_and_says_what_each_flag_did(tmp_path):
+    server = ServerProcess(make_checkpoint(tmp_path), "--served-model-name", "m", *VLLM_LINE)
+    try:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+            r = client.chat.completions.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content is not None
+        log = server.output()
+    finally:
+        server.stop()
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "--swap-space 4",
+                 "--load-format safetensors"):
+        assert f"mmserve: vLLM's {flag}: " in log, log[-3000:]
+    assert "--disable-log-stats" not in log  # mmserve's own flag: the periodic stats line is off
