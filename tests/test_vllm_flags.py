@@ -5,6 +5,8 @@ what each of its flags did."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -67,3 +69,62 @@ def test_a_vllm_command_line_serves_and_says_what_each_flag_did(tmp_path):
                  "--load-format safetensors"):
         assert f"mmserve: vLLM's {flag}: " in log, log[-3000:]
     assert "--disable-log-stats" not in log  # mmserve's own flag: the periodic stats line is off
+
+
+def test_https_a_root_path_and_cors_as_vllms_flags_give_them(tmp_path):
+    """`--ssl-keyfile` / `--ssl-certfile`: the official client talks to the server over HTTPS (a
+    test CA's certificate); `--root-path`: the OpenAPI page is addressed under the prefix;
+    `--allowed-origins`: a preflight from that origin is answered before the API key and its
+    answers carry the header; another origin gets none."""
+    import httpx
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_file, cert_file, ca_file = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    ca.cert_pem.write_to_path(str(ca_file))
+    ui = "https://ui.example"
+    server = ServerProcess(make_checkpoint(tmp_path), "--served-model-name", "m", "--api-key", "sk",
+                           "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file), "--root-path", "/api",
+                           "--allowed-origins", f'["{ui}"]', ca=str(ca_file))
+    try:
+        deadline = time.monotonic() + 10  # healthy first, then the line
+        while "mmserve: serving" not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"mmserve: serving {make_checkpoint(tmp_path)} on https://" in server.output()
+        url = server.base_url
+        with httpx.Client(verify=server.ssl) as http, \
+                openai.OpenAI(base_url=url + "/v1", api_key="sk", http_client=http, max_retries=0) as client:
+            r = client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+            assert r.choices[0].message.content is not None
+            preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+            allowed = http.options(server.base_url + "/v1/chat/completions", headers={"Origin": ui, **preflight})
+            assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ui
+            other = http.options(server.base_url + "/v1/chat/completions",
+                                 headers={"Origin": "https://evil.example", **preflight})
+            assert "access-control-allow-origin" not in other.headers
+            models = http.get(server.base_url + "/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk"})
+            assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ui
+            assert "/api/openapi.json" in http.get(server.base_url + "/docs").text
+        with pytest.raises(httpx.ConnectError):  # the certificate is the test CA's: not trusted by default
+            httpx.get(server.base_url + "/health")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"], "is not a file"),
+    (["--allowed-origins", "*"], "argument --allowed-origins: not valid JSON"),
+    (["--allowed-methods", "{}"], "must be a JSON list of strings"),
+    (["--allow-credentials"], "need --allowed-origins"),
+])
+def test_tls_and_cors_flags_are_checked_before_anything_loads(capsys, args, words):
+    try:
+        code = main(["serve", "--port", "0", *args])
+    except SystemExit as exit:  # argparse's own refusal of a flag's value
+        code = exit.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err and words in err[-1], err

@@ -8,6 +8,7 @@ import io
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -46,11 +47,14 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    """`mmserve serve MODEL --port P ...` in a subprocess; `base_url` once healthy."""
+    """`mmserve serve MODEL --port P ...` in a subprocess; `base_url` once healthy. With `ca` (a CA
+    certificate file) the server is reached over HTTPS, trusting that CA."""
 
-    def __init__(self, model: str, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                 ca: str | None = None) -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.ssl = None if ca is None else ssl.create_default_context(cafile=ca)
         cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(self.port), *args]
         # the server's output goes to a file, not a pipe: nobody reads it while the tests run, and a
         # full pipe (64 KiB) would block the server's next log line
@@ -70,7 +74,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -80,7 +84,7 @@ class ServerProcess:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
+            with urllib.request.urlopen(self.base_url + path, timeout=10, context=self.ssl) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

@@ -6,7 +6,7 @@ A vLLM user's command line carries flags like `--trust-remote-code`, `--disable-
   accepted, with one start-up line saying so;
 - **ignored**: a knob of vLLM's own machinery with no counterpart here (`--swap-space`:
   preemption recomputes); accepted, with one start-up line saying what mmserve does instead;
-- **refused**: a feature mmserve does not have (LoRA, speculative decoding, TLS); the start stops
+- **refused**: a feature mmserve does not have (LoRA, speculative decoding, tracing); the start stops
   with one line naming it, as for any bad flag — a server that silently lacks what was asked for
   would answer differently from what its operator expects.
 A flag that takes values may be done for some (`--load-format safetensors`) and refused for the
@@ -79,10 +79,6 @@ VLLM_FLAGS = (
     VllmFlag("--speculative-config", REFUSED, "speculative decoding is not supported"),
     VllmFlag("--kv-transfer-config", REFUSED, "disaggregated prefill (KV transfer) is not supported"),
     VllmFlag("--enable-sleep-mode", REFUSED, "sleep mode is not supported", switch=True),
-    VllmFlag("--ssl-keyfile", REFUSED, "TLS is not served: put a proxy that terminates it in front"),
-    VllmFlag("--ssl-certfile", REFUSED, "TLS is not served: put a proxy that terminates it in front"),
-    VllmFlag("--root-path", REFUSED, "the routes are served at /; strip a prefix in the proxy"),
-    VllmFlag("--allowed-origins", REFUSED, "CORS headers are not sent: a browser client needs a proxy that adds them"),
     VllmFlag("--middleware", REFUSED, "no middleware can be added"),
     VllmFlag("--hf-overrides", REFUSED, "the checkpoint's config.json is read as it is"),
     VllmFlag("--return-tokens-as-token-ids", REFUSED, "log probabilities name tokens by their text"),

@@ -141,7 +141,7 @@ class Launcher:
                 return code
             time.sleep(0.05)
         host, port = self.sock.getsockname()[:2]
-        print(f"mmserve: serving {config.model.model} on http://{host}:{port} "
+        print(f"mmserve: serving {config.model.model} on {self.server_config.scheme}://{host}:{port} "
               f"({parallel.api_server_count} API servers)", flush=True)
         if self.process is not None:
             self.process.serve()  # the coordinator's thread routes every request

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from mmserve import log_levels
@@ -66,14 +67,16 @@ HEALTH_POLL_S = 0.5
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
               responses_store_bytes: int = 256 << 20, responses_store: str | None = None,
-              chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None,
+              cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
     for previous_response_id in `responses_store_bytes`, or in the node's store at the address
     `responses_store` (a launcher's, shared by its API servers); `chat_templates` is what the
     `--chat-template` flags allow (default: the checkpoint's template, no request's own);
-    `reasoning_parser` splits a reasoning model's thinking from chat and responses answers."""
+    `reasoning_parser` splits a reasoning model's thinking from chat and responses answers; `cors`
+    (CORSMiddleware's arguments) answers browsers' cross-origin requests."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -81,7 +84,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
     install_error_handlers(app)  # its catch-all middleware around the body limit, inside the access log
-    app.add_middleware(AccessLogMiddleware)  # outermost: it sees the 413s too
+    app.add_middleware(AccessLogMiddleware)  # it sees the 413s too
+    if cors is not None:  # outermost: a preflight is answered before the API key, and every answer gets the headers
+        app.add_middleware(CORSMiddleware, **cors)
     app.state.engine = engine
     parallel = engine.config.parallel
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
@@ -226,10 +231,12 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                         None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
                         int(server_config.responses_store_mb * (1 << 20)),
                         attachment.responses if attachment is not None else None,
-                        server_config.chat_template_policy(), _reasoning_parser(server_config, engine))
+                        server_config.chat_template_policy(), _reasoning_parser(server_config, engine),
+                        server_config.cors())
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                http=read_timeout_protocol(server_config.request_read_timeout_s))
+                                http=read_timeout_protocol(server_config.request_read_timeout_s),
+                                **server_config.uvicorn_args())
         take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
         server = uvicorn.Server(config)
         process.serve()  # a full collection would stall the event loop: every stream, every admission
@@ -255,7 +262,8 @@ async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state
     if started is not None:
         started()
     else:
-        print(f"mmserve: serving {model} on http://{server.config.host}:{_bound_port(server)}", flush=True)
+        scheme = "https" if server.config.ssl_certfile else "http"
+        print(f"mmserve: serving {model} on {scheme}://{server.config.host}:{_bound_port(server)}", flush=True)
     while engine.is_healthy:
         await asyncio.sleep(HEALTH_POLL_S)
         if launcher is not None and os.getppid() != launcher:

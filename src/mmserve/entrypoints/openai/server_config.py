@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -65,6 +66,22 @@ class ServerConfig:
         "help": "How a message's content reaches the chat template: 'openai', its list of parts; 'string', one "
                 "string (text parts one per line, an image as the model's image token); 'auto' (default) "
                 "whichever the template reads (vLLM's flag).", "choices": CONTENT_FORMATS})
+    ssl_keyfile: str | None = field(default=None, metadata={
+        "help": "Serve HTTPS with this private key file (PEM; with --ssl-certfile; vLLM's flag)."})
+    ssl_certfile: str | None = field(default=None, metadata={
+        "help": "Serve HTTPS with this certificate chain file (PEM; with --ssl-keyfile; vLLM's flag)."})
+    root_path: str | None = field(default=None, metadata={
+        "help": "The path prefix a proxy serves this server under and strips (ASGI root_path; vLLM's flag)."})
+    allowed_origins: list[str] | None = field(default=None, metadata={
+        "help": "Answer browsers' cross-origin requests from these origins, a JSON list (e.g. '[\"*\"]'; "
+                "default: none, no CORS headers; vLLM's flag, whose default is every origin)."})
+    allowed_methods: list[str] | None = field(default=None, metadata={
+        "help": "With --allowed-origins, the methods allowed, a JSON list (default '[\"*\"]')."})
+    allowed_headers: list[str] | None = field(default=None, metadata={
+        "help": "With --allowed-origins, the request headers allowed, a JSON list (default '[\"*\"]')."})
+    allow_credentials: bool = field(default=False, metadata={
+        "help": "With --allowed-origins, allow credentials (cookies, Authorization) in cross-origin requests.",
+        "action": "store_true"})
     request_read_timeout_s: float = field(default=30.0, metadata={
         "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
@@ -91,6 +108,29 @@ class ServerConfig:
         self.chat_template_policy()  # a missing file, a syntax error or a reserved variable stops the start
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path!r} is not a file")
+        if self.allowed_origins is None and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
+            raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
+
+    def cors(self) -> dict[str, Any] | None:
+        """CORSMiddleware's arguments, or None: no cross-origin headers."""
+        if self.allowed_origins is None:
+            return None
+        return {"allow_origins": self.allowed_origins, "allow_methods": self.allowed_methods or ["*"],
+                "allow_headers": self.allowed_headers or ["*"], "allow_credentials": self.allow_credentials}
+
+    def uvicorn_args(self) -> dict[str, Any]:
+        """TLS and root path, as uvicorn.Config takes them."""
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "root_path": self.root_path or ""}
 
     def served_model_names(self, model: str) -> list[str]:
         """The names the server answers to: the configured ones, else `model`."""
@@ -127,12 +167,25 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
             kw["type"] = float
         if f.name == "default_chat_template_kwargs":
             kw["type"] = json_object
+        if f.name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            kw["type"] = json_strings
         if f.metadata.get("action"):
             kw = {k: v for k, v in kw.items() if k != "type"} | {"action": f.metadata["action"]}
         for key in ("nargs", "choices"):
             if key in f.metadata:
                 kw[key] = f.metadata[key]
         parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings (argparse names the flag when this raises)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r:.80}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings, e.g. \'["*"]\'; got {text!r:.80}')
+    return value
 
 
 def json_object(text: str) -> dict[str, Any]:
