@@ -69,6 +69,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, states: MutableMapping[str, RequestState] | None = None) -> None:
         self.tokenizer = tokenizer
         self.states: MutableMapping[str, RequestState] = {} if states is None else states
+        self._texts: dict[int, str] = {}  # token id -> its text alone (`_token_text`)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None, report: CacheReport | None = None) -> None:
         params = request.sampling_params
@@ -138,4 +139,9 @@ class OutputProcessor:
         return entry
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's text alone, decoded once per id (log probabilities name K + 1 tokens per
+        position; a prompt's, every position: the vocabulary bounds this table)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
