@@ -1,7 +1,7 @@
 """A vLLM `serve` command line runs on mmserve: each vLLM flag mmserve has no flag of its own for
 (config/vllm_flags.py) is done anyway, without effect, or refused by name — before any model loads,
 as one `mmserve: error:` line. A server started with a typical vLLM command line serves and says
-what each of its flags did."""
+what each of its flags did; vLLM's HTTPS, root-path and CORS flags do what they do there."""
 
 from __future__ import annotations
 
@@ -56,26 +56,12 @@ def test_every_flag_is_vllms_and_none_shadows_mmservess_own():
     assert {f.kind for f in VLLM_FLAGS} == {DONE, "ignored", REFUSED}
 
 
-def test_a_vllm_command_line_serves_and_says_what_each_flag_did(tmp_path):
-    server = ServerProcess(make_checkpoint(tmp_path), "--served-model-name", "m", *VLLM_LINE)
-    try:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
-            r = client.chat.completions.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
-        assert r.choices[0].message.content is not None
-        log = server.output()
-    finally:
-        server.stop()
-    for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "--swap-space 4",
-                 "--load-format safetensors"):
-        assert f"mmserve: vLLM's {flag}: " in log, log[-3000:]
-    assert "--disable-log-stats" not in log  # mmserve's own flag: the periodic stats line is off
-
-
-def test_https_a_root_path_and_cors_as_vllms_flags_give_them(tmp_path):
-    """`--ssl-keyfile` / `--ssl-certfile`: the official client talks to the server over HTTPS (a
-    test CA's certificate); `--root-path`: the OpenAPI page is addressed under the prefix;
-    `--allowed-origins`: a preflight from that origin is answered before the API key and its
-    answers carry the header; another origin gets none."""
+def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
+    """A typical vLLM command line starts, says what each of its vLLM flags did, and serves; with
+    vLLM's `--ssl-keyfile` / `--ssl-certfile` the official client talks to it over HTTPS (a test
+    CA's certificate, untrusted by default); `--root-path`: the OpenAPI page is addressed under the
+    prefix; `--allowed-origins`: a preflight from that origin is answered before the API key and
+    its answers carry the header; another origin gets none."""
     import httpx
     import trustme
 
@@ -85,33 +71,37 @@ def test_https_a_root_path_and_cors_as_vllms_flags_give_them(tmp_path):
     cert.private_key_pem.write_to_path(str(key_file))
     cert.cert_chain_pems[0].write_to_path(str(cert_file))
     ca.cert_pem.write_to_path(str(ca_file))
-    ui = "https://ui.example"
-    server = ServerProcess(make_checkpoint(tmp_path), "--served-model-name", "m", "--api-key", "sk",
+    ui, path = "https://ui.example", make_checkpoint(tmp_path)
+    server = ServerProcess(path, "--served-model-name", "m", "--api-key", "sk", *VLLM_LINE,
                            "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file), "--root-path", "/api",
                            "--allowed-origins", f'["{ui}"]', ca=str(ca_file))
     try:
         deadline = time.monotonic() + 10  # healthy first, then the line
         while "mmserve: serving" not in server.output() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert f"mmserve: serving {make_checkpoint(tmp_path)} on https://" in server.output()
+        log = server.output()
         url = server.base_url
         with httpx.Client(verify=server.ssl) as http, \
                 openai.OpenAI(base_url=url + "/v1", api_key="sk", http_client=http, max_retries=0) as client:
             r = client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
             assert r.choices[0].message.content is not None
             preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
-            allowed = http.options(server.base_url + "/v1/chat/completions", headers={"Origin": ui, **preflight})
+            allowed = http.options(url + "/v1/chat/completions", headers={"Origin": ui, **preflight})
             assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ui
-            other = http.options(server.base_url + "/v1/chat/completions",
-                                 headers={"Origin": "https://evil.example", **preflight})
+            other = http.options(url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
             assert "access-control-allow-origin" not in other.headers
-            models = http.get(server.base_url + "/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk"})
+            models = http.get(url + "/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk"})
             assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ui
-            assert "/api/openapi.json" in http.get(server.base_url + "/docs").text
+            assert "/api/openapi.json" in http.get(url + "/docs").text
         with pytest.raises(httpx.ConnectError):  # the certificate is the test CA's: not trusted by default
-            httpx.get(server.base_url + "/health")
+            httpx.get(url + "/health")
     finally:
         server.stop()
+    assert f"mmserve: serving {path} on https://" in log
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "--swap-space 4",
+                 "--load-format safetensors"):
+        assert f"mmserve: vLLM's {flag}: " in log, log[-3000:]
+    assert "--disable-log-stats" not in log  # mmserve's own flag: the periodic stats line is off
 
 
 @pytest.mark.parametrize("args, words", [
