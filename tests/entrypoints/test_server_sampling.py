@@ -189,6 +189,29 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, of
     assert [c.text.startswith(p) and c.logprobs is None for c, p in zip(two.choices, prompts)] == [True] * 4
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(client, offline):
+    """vLLM's (and OpenAI's legacy scoring clients') `echo` with `max_tokens` 0: the prompt's text and
+    its tokens' log probabilities alone, no completion tokens in usage; whole and streamed. Without
+    `echo`, max_tokens 0 is a 400 naming it."""
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    for stream in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True, stream=stream,
+                                      extra_body=extra)
+        chunks = list(r) if stream else [r]
+        lists = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        values = [v for lp in lists for v in lp.token_logprobs]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+        assert values[0] is None and values[1:] == pytest.approx(expected, abs=1e-5)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 0 and usage.prompt_tokens == len(ref.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=0)
+    assert "max_tokens" in err.value.body["message"]
+
+
 def test_prompt_logprobs_on_chat_and_completions_are_the_offline_engines(client, offline):
     """vLLM's `prompt_logprobs` K: chat's at the top level, completions' per choice; each prompt
     token's entry (the first None) as the offline engine scores the same prompt; refused in a stream."""

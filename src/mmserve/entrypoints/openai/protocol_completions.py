@@ -3,7 +3,7 @@ vLLM's sampling extras). Text prompts: a string, or a list of strings (each runs
 request, `n` choices each; see `prompt_batch.py`); or token ids: a list of ints, or a list of such
 lists (as lm-evaluation-harness sends them). `echo` puts each choice's prompt before its text
 and, with `logprobs`, its prompt tokens' log probabilities before its own (the first token's null),
-as lm-evaluation-harness reads them to score a continuation."""
+as lm-evaluation-harness reads them to score a continuation; with `max_tokens` 0 the prompt alone."""
 
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ class CompletionRequest(SamplingExtras):
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt alone is answered (its log probabilities the point;
+        the engine samples one token, dropped), as vLLM and OpenAI's legacy scoring clients do."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
@@ -85,7 +91,7 @@ class CompletionRequest(SamplingExtras):
     def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """As `ChatCompletionRequest.to_sampling_params`."""
         values: dict[str, Any] = {
-            "max_tokens": default_max_tokens if self.max_tokens is None else self.max_tokens,
+            "max_tokens": default_max_tokens if self.max_tokens is None else 1 if self.echo_only else self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "n": self.n, "logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,

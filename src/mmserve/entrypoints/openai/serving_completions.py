@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = None
         if request.echo or ctx.params.prompt_logprobs is not None:
             echo = Echo([p if isinstance(p, str) else self._text(p) for p in request.prompts], ctx.params.n,
-                        self._token_text, bool(request.echo))
+                        self._token_text, bool(request.echo), request.echo_only)
         runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
                 for p, prompt in enumerate(prompts)]
         if echo is not None:
@@ -71,7 +71,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids, logprobs, top, text_of=None if echo is None else echo.text_of),
                     prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index)))
             record = ctx.record
-            usage = UsageInfo.of(record.prompt_tokens, record.generation_tokens, record.cached_tokens)
+            generated = 0 if request.echo_only else record.generation_tokens
+            usage = UsageInfo.of(record.prompt_tokens, generated, record.cached_tokens)
             body = _without_prompt_logprobs(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
                                                                usage=usage).model_dump())
             return JSONResponse(body, headers=cache_headers(record.report))
@@ -91,13 +92,16 @@ class Echo:
     """What a choice shows of its prompt: with `echo` its text, tokens and log probabilities before
     the choice's own (`before`), and vLLM's `prompt_logprobs`. `tap` each prompt's engine outputs
     (their first carries the prompt's ids and log probabilities); choice i is prompt i // n's.
-    `text_of` gives a token's text (the prompt's first token has no entry)."""
+    `text_of` gives a token's text (the prompt's first token has no entry). `only`: the prompt
+    alone is answered (`CompletionRequest.echo_only`): the choice's own tokens are dropped."""
 
-    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str], echo: bool = True) -> None:
+    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str], echo: bool = True,
+                 only: bool = False) -> None:
         self.prompts = prompts
         self.n = n
         self.text_of = text_of
         self.echo = echo
+        self.only = only
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)
 
     async def tap(self, p: int, run: Outputs) -> AsyncGenerator[RequestOutput, None]:
@@ -119,6 +123,8 @@ class Echo:
         probabilities when both were asked for and the prompt's came)."""
         p = index // self.n
         out = self.outputs[p]
+        if self.only:
+            text, token_ids, logprobs = "", [], None if logprobs is None else []
         if logprobs is None or out is None or out.prompt_logprobs is None:
             return self.prompts[p] + text, token_ids, None if logprobs is None else list(logprobs)
         return self.prompts[p] + text, out.prompt_token_ids + token_ids, [*out.prompt_logprobs, *logprobs]
@@ -138,6 +144,8 @@ class CompletionStream(ChoiceStream):
         entries: list[dict[int, Logprob] | None] | None = None if d.logprobs is None else list(d.logprobs)
         if self.echo is not None and self.echo.echo and d.index not in self._offsets:
             d.text, d.token_ids, entries = self.echo.before(d.index, d.text, d.token_ids, d.logprobs)
+        elif self.echo is not None and self.echo.only:  # the prompt alone: nothing after its first chunk
+            d.text, d.token_ids, entries = "", [], None if entries is None else []
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + len(d.text)
         text_of = None if self.echo is None else self.echo.text_of
@@ -147,6 +155,9 @@ class CompletionStream(ChoiceStream):
                                                finish_reason=d.finish_reason)], None)]
 
     def _usage(self, usage: UsageInfo) -> str:
+        if self.echo is not None and self.echo.only:  # the sampled token was dropped
+            details = usage.prompt_tokens_details
+            usage = UsageInfo.of(usage.prompt_tokens, 0, details.cached_tokens if details else 0)
         return self._encode([], usage)
 
     def _encode(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
