@@ -182,11 +182,11 @@ class RequestGrammar:
 
 
 def _last_index(ids: list[int], token: int) -> int:
-    """The index of `token`'s last occurrence in `ids`, -1 if none."""
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == token:
-            return i
-    return -1
+    """The index of `token`'s last occurrence in `ids`, -1 if none (a search in C: prompts are long)."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar],
