@@ -179,10 +179,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def json_strings(text: str) -> list[str]:
     """A flag's JSON list of strings (argparse names the flag when this raises)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r:.80}") from None
+    value = _json_flag(text)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f'must be a JSON list of strings, e.g. \'["*"]\'; got {text!r:.80}')
     return value
@@ -190,10 +187,14 @@ def json_strings(text: str) -> list[str]:
 
 def json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object (argparse names the flag when this raises)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r:.80}") from None
+    value = _json_flag(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"add_vision_id\": true}}'; got {text!r:.80}")
     return value
+
+
+def _json_flag(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r:.80}") from None

@@ -27,9 +27,6 @@ from mmserve.outputs import Logprob, RequestOutput, SampleLogprobs
 class OpenAIServingCompletion(OpenAIServing):
     """The completions handler."""
 
-    def _token_text(self, token_id: int) -> str:
-        return self._text([token_id])
-
     def _text(self, token_ids: list[int]) -> str:
         """Token ids' text, special tokens kept (an echoed prompt of token ids, as vLLM decodes it)."""
         tokenizer = getattr(self.engine, "tokenizer", None)
@@ -44,8 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                    Prompt("", settings=ctx.settings, token_ids=p) for p in request.prompts]
         echo = None
         if request.echo or ctx.params.prompt_logprobs is not None:
-            echo = Echo([p if isinstance(p, str) else self._text(p) for p in request.prompts], ctx.params.n,
-                        self._token_text, bool(request.echo), request.echo_only)
+            echo = Echo(request.prompts, ctx.params.n, self._text, bool(request.echo), request.echo_only)
         runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
                 for p, prompt in enumerate(prompts)]
         if echo is not None:
@@ -92,14 +88,16 @@ class Echo:
     """What a choice shows of its prompt: with `echo` its text, tokens and log probabilities before
     the choice's own (`before`), and vLLM's `prompt_logprobs`. `tap` each prompt's engine outputs
     (their first carries the prompt's ids and log probabilities); choice i is prompt i // n's.
-    `text_of` gives a token's text (the prompt's first token has no entry). `only`: the prompt
-    alone is answered (`CompletionRequest.echo_only`): the choice's own tokens are dropped."""
+    `decode` gives token ids' text: a prompt of token ids, echoed (decoded once its request was
+    accepted, so within max_model_len), and a token's alone (the prompt's first has no entry).
+    `only`: the prompt alone is answered (`CompletionRequest.echo_only`): the choice's own tokens
+    are dropped."""
 
-    def __init__(self, prompts: list[str], n: int, text_of: Callable[[int], str], echo: bool = True,
+    def __init__(self, prompts: list[str | list[int]], n: int, decode: Callable[[list[int]], str], echo: bool = True,
                  only: bool = False) -> None:
         self.prompts = prompts
         self.n = n
-        self.text_of = text_of
+        self.decode = decode
         self.echo = echo
         self.only = only
         self.outputs: list[RequestOutput | None] = [None] * len(prompts)
@@ -111,6 +109,16 @@ class Echo:
                 yield out
         finally:
             await run.aclose()
+
+    def text_of(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def prompt_text(self, p: int) -> str:
+        """Prompt `p`'s text (a prompt of token ids decoded the first time)."""
+        prompt = self.prompts[p]
+        if not isinstance(prompt, str):
+            prompt = self.prompts[p] = self.decode(prompt)
+        return prompt
 
     def prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
         """Choice `index`'s prompt's `prompt_logprobs` (vLLM's shape), when the engine scored it."""
@@ -126,8 +134,8 @@ class Echo:
         if self.only:
             text, token_ids, logprobs = "", [], None if logprobs is None else []
         if logprobs is None or out is None or out.prompt_logprobs is None:
-            return self.prompts[p] + text, token_ids, None if logprobs is None else list(logprobs)
-        return self.prompts[p] + text, out.prompt_token_ids + token_ids, [*out.prompt_logprobs, *logprobs]
+            return self.prompt_text(p) + text, token_ids, None if logprobs is None else list(logprobs)
+        return self.prompt_text(p) + text, out.prompt_token_ids + token_ids, [*out.prompt_logprobs, *logprobs]
 
 
 class CompletionStream(ChoiceStream):
