@@ -5,8 +5,12 @@ what each of its flags did; vLLM's HTTPS, root-path and CORS flags do what they 
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -61,8 +65,8 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
     vLLM's `--ssl-keyfile` / `--ssl-certfile` the official client talks to it over HTTPS (a test
     CA's certificate, untrusted by default); `--root-path`: the OpenAPI page is addressed under the
     prefix; `--allowed-origins`: a preflight from that origin is answered before the API key and
-    its answers carry the header; another origin gets none."""
-    import httpx
+    its answers carry the header; another origin gets none; `--middleware`: a class and a function
+    of the operator's see every request, a refused one too; then `_tokens_by_id_and_usage_always`."""
     import trustme
 
     ca = trustme.CA()
@@ -72,9 +76,13 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
     cert.cert_chain_pems[0].write_to_path(str(cert_file))
     ca.cert_pem.write_to_path(str(ca_file))
     ui, path = "https://ui.example", make_checkpoint(tmp_path)
+    tests = str(Path(__file__).parent)  # helpers.user_middleware, for the server's --middleware
     server = ServerProcess(path, "--served-model-name", "m", "--api-key", "sk", *VLLM_LINE,
                            "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file), "--root-path", "/api",
-                           "--allowed-origins", f'["{ui}"]', ca=str(ca_file))
+                           "--allowed-origins", f'["{ui}"]', "--middleware", "helpers.user_middleware.Stamp",
+                           "--middleware", "helpers.user_middleware.seen", "--return-tokens-as-token-ids",
+                           "--enable-force-include-usage", ca=str(ca_file),
+                           env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
     try:
         deadline = time.monotonic() + 10  # healthy first, then the line
         while "mmserve: serving" not in server.output() and time.monotonic() < deadline:
@@ -93,6 +101,10 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
             models = http.get(url + "/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk"})
             assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ui
             assert "/api/openapi.json" in http.get(url + "/docs").text
+            refused = http.get(url + "/v1/models")  # no key: the middleware is outside the key's check
+            assert refused.status_code == 401 and refused.headers["x-stamp"] == "asgi"
+            assert refused.headers["x-seen"].endswith("/v1/models")
+            _tokens_by_id_and_usage_always(client, http, url)
         with pytest.raises(httpx.ConnectError):  # the certificate is the test CA's: not trusted by default
             httpx.get(url + "/health")
     finally:
@@ -104,7 +116,49 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
     assert "--disable-log-stats" not in log  # mmserve's own flag: the periodic stats line is off
 
 
+def _tokens_by_id_and_usage_always(client: openai.OpenAI, http: httpx.Client, url: str) -> None:
+    """`--return-tokens-as-token-ids`: logprobs name tokens "token_id:N", each N the token whose
+    text a request with `return_tokens_as_token_ids: false` shows; `--enable-force-include-usage`:
+    a stream that asks for no usage ends with it; `continuous_usage_stats`: every chunk has the
+    usage so far."""
+    messages = [{"role": "user", "content": "Count with me"}]
+    ask: dict[str, Any] = {"model": "m", "max_tokens": 5, "temperature": 0, "messages": messages, "logprobs": True,
+                           "top_logprobs": 2}
+    by_id = client.chat.completions.create(**ask).choices[0].logprobs.content
+    by_text = client.chat.completions.create(**ask, extra_body={"return_tokens_as_token_ids": False})
+    texts = by_text.choices[0].logprobs.content
+    assert len(by_id) == len(texts) == 5
+    headers = {"Authorization": "Bearer sk"}
+    for named, shown in zip(by_id, texts):
+        assert named.token.startswith("token_id:") and named.bytes == list(named.token.encode())
+        assert all(alt.token.startswith("token_id:") for alt in named.top_logprobs)
+        token_id = int(named.token.removeprefix("token_id:"))
+        text = http.post(url + "/detokenize", json={"model": "m", "tokens": [token_id]}, headers=headers).json()
+        assert text["prompt"] == shown.token and named.logprob == pytest.approx(shown.logprob, abs=1e-4)
+    legacy = http.post(url + "/v1/completions", headers=headers, json={
+        "model": "m", "prompt": "one two", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
+    logprobs = legacy["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in logprobs["tokens"])
+    assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"] for k in top)
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][-1] < len(legacy["choices"][0]["text"]) + 1
+
+    chunks = list(client.chat.completions.create(model="m", max_tokens=4, messages=messages, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+    chunks = list(client.chat.completions.create(
+        model="m", max_tokens=4, messages=messages, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] < 4
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
 @pytest.mark.parametrize("args, words", [
+    (["--middleware", "no_such_module.Thing"], "--middleware 'no_such_module.Thing': cannot import"),
+    (["--middleware", "json.nothing"], "'json' has no 'nothing'"),
+    (["--middleware", "json.dumps"], "must be an ASGI middleware class or an async function"),
+    (["--middleware", "Thing"], "give an import path"),
     (["--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"], "is not a file"),
     (["--allowed-origins", "*"], "argument --allowed-origins: not valid JSON"),

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from helpers.fake_engine import MODEL, FakeEngine, post
 from mmserve.entrypoints.openai.api_server import build_app
 from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
+from mmserve.entrypoints.openai.serving_base import ServingOptions
 
 OPENED = "<|im_start|>assistant\n<think>\n"  # a Thinking model's template opens the block
 PLAIN = "<|im_start|>assistant\n"
@@ -62,7 +63,7 @@ def chat(client: TestClient, stream: bool = False, **body) -> dict | list[dict]:
 
 
 def test_chat_answers_the_thinking_apart_whole_and_streamed(engine):
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     assert chat(client) == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
     deltas = chat(client, stream=True)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see."
@@ -89,7 +90,7 @@ def test_with_single_token_tags_a_structured_answer_binds_after_the_thinking(eng
     """The grammar waits for `</think>` (the ids go to the engine; tests/engine/test_grammar_after_thinking.py
     runs them) and the thinking is split off as for a free answer; a forced tool call's grammar too."""
     tags = tagged(engine)
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     structured = chat(client, response_format={"type": "json_object"})
     assert structured == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
     assert engine.params[-1].structured_outputs.after_thinking == tags
@@ -104,7 +105,7 @@ def test_with_single_token_tags_a_structured_answer_binds_after_the_thinking(eng
 def test_a_prompt_that_opens_the_thinking_starts_the_answer_inside_it():
     engine = FakeEngine()  # its prompt is the messages' text: this one ends as a Thinking template's
     engine.pieces = ["Let me ", "see.</think>", "A cat."]
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     opened = {"messages": [{"role": "user", "content": "What is it?<think>\n"}]}
     assert chat(client, **opened) == {"role": "assistant", "content": "A cat.", "reasoning_content": "Let me see."}
 
@@ -116,7 +117,7 @@ def test_without_the_parser_the_tags_stay_in_the_content(engine):
 
 def test_an_answer_that_does_not_think_has_no_reasoning_content():
     engine = FakeEngine()
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="deepseek_r1"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="deepseek_r1")))
     assert chat(client) == {"role": "assistant", "content": "Hello world"}
 
 
@@ -126,7 +127,7 @@ def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(engine):
     thinking as the assistant's `reasoning_content`. The items parse as the openai client's types."""
     from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
 
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     whole = client.post("/v1/responses", json={"model": MODEL, "input": "What is it?", "max_output_tokens": 9})
     assert whole.status_code == 200, whole.text
     body = whole.json()
@@ -157,12 +158,12 @@ def test_the_responses_usage_counts_the_thinking_tokens(engine):
     streamed; 0 when the tags are not single tokens (the split is the text's alone)."""
     engine.pieces = ["<think>", "Let me ", "see.", "</think>", "\n\nA c", "at."]
     body = {"model": MODEL, "input": "What is it?", "max_output_tokens": 9}
-    untagged = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    untagged = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     assert untagged.post("/v1/responses", json=body).json()["usage"]["output_tokens_details"] == {
         "reasoning_tokens": 0}
     start, end = tagged(engine)
     engine.piece_ids = [start, 7, 8, end, 9, 10]
-    client = TestClient(build_app(engine, [MODEL], reasoning_parser="qwen3"))
+    client = TestClient(build_app(engine, [MODEL], options=ServingOptions(reasoning_parser="qwen3")))
     usage = client.post("/v1/responses", json=body).json()["usage"]
     assert usage["output_tokens_details"] == {"reasoning_tokens": 4} and usage["output_tokens"] == 6
     streamed = client.post("/v1/responses", json={**body, "stream": True})

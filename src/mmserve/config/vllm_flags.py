@@ -79,11 +79,7 @@ VLLM_FLAGS = (
     VllmFlag("--speculative-config", REFUSED, "speculative decoding is not supported"),
     VllmFlag("--kv-transfer-config", REFUSED, "disaggregated prefill (KV transfer) is not supported"),
     VllmFlag("--enable-sleep-mode", REFUSED, "sleep mode is not supported", switch=True),
-    VllmFlag("--middleware", REFUSED, "no middleware can be added"),
     VllmFlag("--hf-overrides", REFUSED, "the checkpoint's config.json is read as it is"),
-    VllmFlag("--return-tokens-as-token-ids", REFUSED, "log probabilities name tokens by their text"),
-    VllmFlag("--enable-force-include-usage", REFUSED, "a stream carries usage when it asks "
-             "(stream_options.include_usage)", switch=True),
     VllmFlag("--otlp-traces-endpoint", REFUSED, "OpenTelemetry tracing is not supported"),
 )
 

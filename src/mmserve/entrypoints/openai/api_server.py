@@ -38,10 +38,11 @@ from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_b
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.server_routes import add_model_routes, status_routes
-from mmserve.multimodal.chat_templates import ChatTemplatePolicy
+from mmserve.entrypoints.openai.serving_base import ServingOptions
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
+from mmserve.entrypoints.openai.user_middleware import add_user_middleware
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.response_store import KeptResponses, ResponseStore
@@ -65,18 +66,16 @@ HEALTH_POLL_S = 0.5
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int | None = None, auto_tool_parser: str | None = None,
+              max_body_bytes: int | None = None, options: ServingOptions | None = None,
               responses_store_bytes: int = 256 << 20, responses_store: str | None = None,
-              chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None,
               cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
-    `auto_tool_parser` enables tool_choice "auto" with that parser; finished responses are kept
-    for previous_response_id in `responses_store_bytes`, or in the node's store at the address
-    `responses_store` (a launcher's, shared by its API servers); `chat_templates` is what the
-    `--chat-template` flags allow (default: the checkpoint's template, no request's own);
-    `reasoning_parser` splits a reasoning model's thinking from chat and responses answers; `cors`
-    (CORSMiddleware's arguments) answers browsers' cross-origin requests."""
+    `options` are the flags' choices for every answer (tool parser, chat templates, reasoning
+    parser, logprob tokens, usage); finished responses are kept for previous_response_id in
+    `responses_store_bytes`, or in the node's store at the address `responses_store` (a
+    launcher's, shared by its API servers); `cors` (CORSMiddleware's arguments) answers browsers'
+    cross-origin requests."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
@@ -92,13 +91,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
                                                 getattr(engine, "verify_figures", None))
-    chat = OpenAIServingChat(engine, served_model_names, metrics, auto_tool_parser, chat_templates, reasoning_parser)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, options)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
-    text = OpenAIServingCompletion(engine, served_model_names, metrics)
-    responses = OpenAIServingResponses(engine, served_model_names, metrics, auto_tool_parser, KeptResponses(store),
-                                       chat_templates, reasoning_parser)
+    text = OpenAIServingCompletion(engine, served_model_names, metrics, options)
+    responses = OpenAIServingResponses(engine, served_model_names, metrics, KeptResponses(store), options)
     v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
-    tokens = OpenAIServingTokenization(engine, served_model_names, metrics, chat_templates=chat_templates)
+    tokens = OpenAIServingTokenization(engine, served_model_names, metrics, options)
     root = APIRouter(dependencies=[Depends(_api_key_check(api_key))])  # vLLM's routes, behind the key too
     root.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
     root.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
@@ -227,12 +225,14 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         engine.start()
         model = engine_config.model.model
         limit = server_config.max_request_body_mb
+        options = ServingOptions(_auto_tool_parser(server_config, engine), server_config.chat_template_policy(),
+                                 _reasoning_parser(server_config, engine), server_config.return_tokens_as_token_ids,
+                                 server_config.enable_force_include_usage)
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)), _auto_tool_parser(server_config, engine),
+                        None if limit is None else int(limit * (1 << 20)), options,
                         int(server_config.responses_store_mb * (1 << 20)),
-                        attachment.responses if attachment is not None else None,
-                        server_config.chat_template_policy(), _reasoning_parser(server_config, engine),
-                        server_config.cors())
+                        attachment.responses if attachment is not None else None, server_config.cors())
+        add_user_middleware(app, server_config.middleware or [])
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s),

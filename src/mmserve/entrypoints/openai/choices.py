@@ -15,11 +15,26 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, Sequence
 
 from mmserve.entrypoints.openai.errors import to_openai_error
-from mmserve.entrypoints.openai.protocol import UsageInfo
+from mmserve.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from mmserve.entrypoints.openai.serving_base import RequestRecord, outcome_of
 from mmserve.outputs import Logprob, RequestOutput
 
 FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """What a stream says of its usage: a last chunk with it (`include`), and the counts so far in
+    every chunk too (`continuous`, vLLM's `continuous_usage_stats`)."""
+
+    include: bool = False
+    continuous: bool = False
+
+    @classmethod
+    def of(cls, options: StreamOptions | None, force: bool = False) -> StreamUsage:
+        """A request's `stream_options`, under the server's `--enable-force-include-usage` (`force`)."""
+        include = force or (options is not None and bool(options.include_usage))
+        return cls(include, include and options is not None and bool(options.continuous_usage_stats))
 
 
 @dataclass
@@ -67,23 +82,36 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> dict[str, Any]:
-    """OpenAI chat's `choice.logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
-    content = []
-    for token, entry in zip(token_ids, entries):
-        chosen = entry[token]
-        alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
-        content.append({"token": chosen.decoded_token, "logprob": _value(chosen), "bytes": _bytes(chosen.decoded_token),
-                        "top_logprobs": [{"token": lp.decoded_token, "logprob": _value(lp),
-                                          "bytes": _bytes(lp.decoded_token)} for lp in alternatives]})
+def _name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """How a log-probability entry names its token: its text, or vLLM's "token_id:N" (a name that
+    stays apart where two tokens have one text, and survives tokens that are not whole characters)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token
+
+
+def _ranked(entry: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
+                  as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI chat's `choice.logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+    `as_ids`: tokens named "token_id:N" (`bytes` are the name's)."""
+    def item(token: int, lp: Logprob) -> dict[str, Any]:
+        name = _name(token, lp, as_ids)
+        return {"token": name, "logprob": _value(lp), "bytes": _bytes(name)}
+
+    content = [item(token, entry[token]) | {"top_logprobs": [item(t, lp) for t, lp in _ranked(entry, top)]}
+               for token, entry in zip(token_ids, entries)]
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], top: int,
-                        text_offset: int = 0, text_of: Callable[[int], str] | None = None) -> dict[str, Any]:
+                        text_offset: int = 0, text_of: Callable[[int], str] | None = None,
+                        as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (token text ->
     log probability, K entries) and `text_offset` (each token's start in the choice's text). An
-    entry None (an echoed prompt's first token) has null log probabilities, its text `text_of`'s."""
+    entry None (an echoed prompt's first token) has null log probabilities, its text `text_of`'s.
+    `as_ids`: tokens named "token_id:N" (`text_offset` still counts the text)."""
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -91,16 +119,15 @@ def completion_logprobs(token_ids: list[int], entries: Sequence[dict[int, Logpro
     for token, entry in zip(token_ids, entries):
         if entry is None:
             text = text_of(token) if text_of is not None else ""
-            tokens.append(text)
+            tokens.append(f"token_id:{token}" if as_ids else text)
             values.append(None)
             tops.append(None)
         else:
             chosen = entry[token]
             text = chosen.decoded_token
-            tokens.append(text)
+            tokens.append(_name(token, chosen, as_ids))
             values.append(_value(chosen))
-            alternatives = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
-            tops.append({lp.decoded_token: _value(lp) for lp in alternatives})
+            tops.append({_name(t, lp, as_ids): _value(lp) for t, lp in _ranked(entry, top)})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -124,14 +151,15 @@ class ChoiceStream:
     first step (`max_tokens` 1, a cached reply) is one string ending in `[DONE]`."""
 
     def __init__(self, request_id: str, model: str, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput,
-                 record: RequestRecord, include_usage: bool, top_logprobs: int = 0) -> None:
+                 record: RequestRecord, usage: StreamUsage, top_logprobs: int = 0, as_ids: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.outputs = outputs
         self.first = first
         self.record = record
-        self.include_usage = include_usage
+        self.usage = usage
         self.top_logprobs = top_logprobs
+        self.as_ids = as_ids  # log probabilities name tokens "token_id:N"
         self.created = int(time.time())
 
     async def events(self) -> AsyncGenerator[str, None]:
@@ -147,9 +175,8 @@ class ChoiceStream:
                 step = []
                 out = await anext(self.outputs)
                 self.record.observe(out)
-            if self.include_usage:
-                step.append(self._usage(UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens,
-                                                     self.record.cached_tokens)))
+            if self.usage.include:
+                step.append(self._usage(self._counts()))
             self.record.finish(outcome_of(out))
             await self._finished()
         except Exception as exc:  # the status line is sent: report it in the stream
@@ -163,6 +190,19 @@ class ChoiceStream:
         """End the request: closing its engine generator aborts it if it is still running."""
         await self.outputs.aclose()
         self.record.finish("abort")
+
+    def _counts(self) -> UsageInfo:
+        """The usage so far: the last chunk's, and every chunk's with `usage.continuous`."""
+        return UsageInfo.of(self.record.prompt_tokens, self.record.generation_tokens, self.record.cached_tokens)
+
+    def _with_usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chunk's body with its `usage`: null while a usage chunk is to come, the counts so far
+        with `usage.continuous`, left out otherwise."""
+        if self.usage.continuous and body["usage"] is None:
+            body["usage"] = self._counts().model_dump()
+        elif not self.usage.include:
+            del body["usage"]
+        return body
 
     def _open(self) -> list[str]:
         return []

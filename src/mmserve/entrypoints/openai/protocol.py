@@ -117,7 +117,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class ChatCompletionRequest(SamplingExtras):

@@ -69,6 +69,11 @@ class SamplingExtras(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log probability and top K (not streamed)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (default: the flag)
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether log probabilities name tokens "token_id:N": the request's choice, else the server's."""
+        return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
     def check_prompt_logprobs(self, stream: bool | None) -> None:
         """`prompt_logprobs`: 0 to 20, and not in a stream (vLLM's rule); a `ParameterError` otherwise."""

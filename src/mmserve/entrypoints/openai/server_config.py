@@ -15,6 +15,7 @@ from typing import Any
 
 from mmserve.config import check_finite
 from mmserve.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+from mmserve.entrypoints.openai.user_middleware import load_middleware
 from mmserve.errors import ClientError
 from mmserve.multimodal.chat_templates import CONTENT_FORMATS, ChatTemplatePolicy, load_chat_template
 
@@ -82,6 +83,16 @@ class ServerConfig:
     allow_credentials: bool = field(default=False, metadata={
         "help": "With --allowed-origins, allow credentials (cookies, Authorization) in cross-origin requests.",
         "action": "store_true"})
+    return_tokens_as_token_ids: bool = field(default=False, metadata={
+        "help": "Name each token of an answer's log probabilities 'token_id:N' instead of by its text (vLLM's flag; "
+                "a request's return_tokens_as_token_ids overrides it).", "action": "store_true"})
+    enable_force_include_usage: bool = field(default=False, metadata={
+        "help": "End every stream with a usage chunk, as if it asked for stream_options.include_usage (vLLM's flag).",
+        "action": "store_true"})
+    middleware: list[str] | None = field(default=None, metadata={
+        "help": "An ASGI middleware of your own, by import path (package.module.name): a class is added with "
+                "app.add_middleware, an async function (request, call_next) as an HTTP middleware; repeatable; "
+                "imported when the server starts (vLLM's flag).", "action": "append"})
     request_read_timeout_s: float = field(default=30.0, metadata={
         "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
@@ -114,6 +125,8 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"--{name.replace('_', '-')} {path!r} is not a file")
+        for path in self.middleware or ():
+            load_middleware(path)  # a wrong path stops the start, before the engine loads
         if self.allowed_origins is None and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
 

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable, Generic, Protocol, TypeVar
 
 import msgspec
@@ -143,25 +143,33 @@ class ServeContext(Generic[R]):
         return {"stream": self.stream, "data_parallel_rank": int(header)}
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the server's flags decide for every answer; the defaults are a plain `mmserve serve`'s."""
+
+    auto_tool_parser: str | None = None  # tool_choice "auto" enabled with this parser
+    chat_templates: ChatTemplatePolicy = field(default_factory=ChatTemplatePolicy)  # the --chat-template flags
+    reasoning_parser: str | None = None  # a reasoning model's thinking answered apart (reasoning.py)
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: log probabilities name tokens "token_id:N"
+    force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+
+
 class OpenAIServing:
     """The base of the OpenAI handlers over an `AsyncLLM`-like engine."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 auto_tool_parser: str | None = None, chat_templates: ChatTemplatePolicy | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 options: ServingOptions | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
-        self.auto_tool_parser = auto_tool_parser  # tool_choice "auto" enabled with this parser
-        self.chat_templates = chat_templates or ChatTemplatePolicy()  # the server's --chat-template flags
-        self.reasoning_parser = reasoning_parser  # a reasoning model's thinking answered apart (reasoning.py)
+        self.options = options or ServingOptions()
         self._thinking_ids: tuple[int, int] | None | bool = False  # False: not looked up yet
 
     def thinking_ids(self) -> tuple[int, int] | None:
         """With a reasoning parser, the `<think>` and `</think>` ids when each is one token (then a
         grammar binds after the thinking); else None."""
         if self._thinking_ids is False:
-            self._thinking_ids = None if self.reasoning_parser is None else \
+            self._thinking_ids = None if self.options.reasoning_parser is None else \
                 thinking_token_ids(getattr(self.engine, "tokenizer", None))
         return None if isinstance(self._thinking_ids, bool) else self._thinking_ids
 
@@ -170,7 +178,7 @@ class OpenAIServing:
         answer is free or its grammar binds after the thinking (`thinking_ids`; otherwise a
         structured or forced-tool answer is the grammar's from its first token)."""
         free = ctx.params.structured_outputs is None and not (tools is not None and tools.forced)
-        return self.reasoning_parser is not None and (free or self.thinking_ids() is not None)
+        return self.options.reasoning_parser is not None and (free or self.thinking_ids() is not None)
 
     async def serve(self, raw_request: Request, request_type: type[R], id_prefix: str,
                     handler: Callable[[ServeContext[R]], Awaitable[Response]]) -> Response:
@@ -230,7 +238,7 @@ class OpenAIServing:
             params = msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
                 params.structured_outputs, after_thinking=after_thinking))
         prompt = await self.engine.build_prompt(messages, tool_specs, ctx.settings,
-                                                template or self.chat_templates.options())
+                                                template or self.options.chat_templates.options())
         return self.generate(ctx, prompt, params)
 
     def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,

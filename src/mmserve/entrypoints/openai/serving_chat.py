@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
-from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, chat_logprobs, prompt_logprobs_json
+from mmserve.entrypoints.openai.choices import (ChoiceDelta, ChoiceStream, StreamUsage, chat_logprobs,
+                                                prompt_logprobs_json)
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -33,30 +34,32 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _create(self, ctx: ServeContext[ChatCompletionRequest]) -> Response:
         request = ctx.request
-        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_parser)
-        template = request.template_options(self.chat_templates)
+        options = self.options
+        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, options.auto_tool_parser)
+        template = request.template_options(options.chat_templates)
         outputs = await self.start_chat(ctx, request.messages_as_dicts(), tools, request.tools,
                                         request.structure_param() or "response_format", template)
         top = request.top_logprobs or 0
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        usage = StreamUsage.of(request.stream_options, options.force_usage)
+        as_ids = request.tokens_as_ids(options.tokens_as_ids)
 
         echo = request.echoed()
         reasoning = self.splits_thinking(ctx, tools)
 
         def stream(first: RequestOutput) -> ChatStream:
-            return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top, tools=tools,
+            return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, usage, top, as_ids, tools=tools,
                               echo=echo, reasoning=reasoning)
 
         async def whole(final: RequestOutput) -> Response:
-            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo, reasoning)
+            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo, reasoning, as_ids)
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
 def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRecord, top_logprobs: int,
-           tools: ToolMode | None, echo: str = "", reasoning: bool = False) -> JSONResponse:
+           tools: ToolMode | None, echo: str = "", reasoning: bool = False, as_ids: bool = False) -> JSONResponse:
     """The whole completion (one choice per `n`), each choice's content after `echo`, its thinking
-    apart when `reasoning`."""
+    apart when `reasoning`, its log probabilities' tokens named by id when `as_ids`."""
     choices = []
     for c in final.outputs:
         thinking, text = ReasoningSplitter(final.prompt or "").split(c.text) if reasoning else (None, c.text)
@@ -66,7 +69,7 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
                                    tool_calls=[call_entry(call) for call in calls] or None)
         choices.append(ChatCompletionChoice(
             index=c.index, message=message, finish_reason=finish_reason(c.finish_reason, bool(calls), tools),
-            logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs)))
+            logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs, as_ids)))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     if final.prompt_logprobs is not None:
@@ -106,7 +109,7 @@ class ChatStream(ChoiceStream):
         events = self._thinking(d) if self.reasoning else []
         if self.tools is not None:
             return events + self._tool_delta(d)
-        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
+        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs, self.as_ids)
         if d.text or logprobs:
             events.append(self._chunk(DeltaMessage(content=d.text), index=d.index, logprobs=logprobs))
         if d.finish_reason is not None:
@@ -129,7 +132,7 @@ class ChatStream(ChoiceStream):
         if d.finish_reason is not None:
             tail = parsing.finish()
             step.content, step.calls = step.content + tail.content, step.calls + tail.calls
-        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
+        logprobs = None if not d.logprobs else chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs, self.as_ids)
         events = []
         if step.content or logprobs:
             events.append(self._chunk(DeltaMessage(content=step.content), index=d.index, logprobs=logprobs))
@@ -154,8 +157,6 @@ class ChatStream(ChoiceStream):
         return f"data: {chunk.model_dump_json()}\n\n"
 
     def _encode(self, chunk: ChatCompletionStreamResponse, delta: DeltaMessage) -> str:
-        body: dict[str, Any] = chunk.model_dump()
+        body = self._with_usage(chunk.model_dump())
         body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-        if not self.include_usage:
-            del body["usage"]
         return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -15,7 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
-from mmserve.entrypoints.openai.choices import ChoiceDelta, ChoiceStream, completion_logprobs, prompt_logprobs_json
+from mmserve.entrypoints.openai.choices import (ChoiceDelta, ChoiceStream, StreamUsage, completion_logprobs,
+                                                prompt_logprobs_json)
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
@@ -48,10 +49,11 @@ class OpenAIServingCompletion(OpenAIServing):
             runs = [echo.tap(p, run) for p, run in enumerate(runs)]
         outputs = runs[0] if len(runs) == 1 else merged_outputs(ctx.request_id, runs, ctx.params.n)
         top = request.logprobs or 0
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        usage = StreamUsage.of(request.stream_options, self.options.force_usage)
+        as_ids = request.tokens_as_ids(self.options.tokens_as_ids)
 
         def stream(first: RequestOutput) -> CompletionStream:
-            return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, include_usage, top,
+            return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, usage, top, as_ids,
                                     echo=echo)
 
         async def whole(final: RequestOutput) -> Response:
@@ -64,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(
                     index=c.index, text=text, finish_reason=c.finish_reason,
                     logprobs=None if logprobs is None else completion_logprobs(
-                        token_ids, logprobs, top, text_of=None if echo is None else echo.text_of),
+                        token_ids, logprobs, top, text_of=None if echo is None else echo.text_of, as_ids=as_ids),
                     prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index)))
             record = ctx.record
             generated = 0 if request.echo_only else record.generation_tokens
@@ -158,19 +160,19 @@ class CompletionStream(ChoiceStream):
         self._offsets[d.index] = offset + len(d.text)
         text_of = None if self.echo is None else self.echo.text_of
         logprobs = None if entries is None else completion_logprobs(d.token_ids, entries, self.top_logprobs,
-                                                                    offset, text_of)
+                                                                    offset, text_of, self.as_ids)
         return [self._encode([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
                                                finish_reason=d.finish_reason)], None)]
 
-    def _usage(self, usage: UsageInfo) -> str:
+    def _counts(self) -> UsageInfo:
         if self.echo is not None and self.echo.only:  # the sampled token was dropped
-            details = usage.prompt_tokens_details
-            usage = UsageInfo.of(usage.prompt_tokens, 0, details.cached_tokens if details else 0)
+            return UsageInfo.of(self.record.prompt_tokens, 0, self.record.cached_tokens)
+        return super()._counts()
+
+    def _usage(self, usage: UsageInfo) -> str:
         return self._encode([], usage)
 
     def _encode(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-        body = _without_prompt_logprobs(CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                                           choices=choices, usage=usage).model_dump())
-        if not self.include_usage:
-            del body["usage"]
+        body = self._with_usage(_without_prompt_logprobs(CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage).model_dump()))
         return f"data: {bytes(JSONResponse(body).body).decode()}\n\n"

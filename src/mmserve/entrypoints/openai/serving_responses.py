@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
+from mmserve.entrypoints.openai.choices import StreamUsage
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -24,10 +25,9 @@ from mmserve.entrypoints.openai.reasoning import ReasoningSplitter, thinking_tok
 from mmserve.entrypoints.openai.response_store import Conversation, KeptResponses, scope_of
 from mmserve.entrypoints.openai.responses_output import ResponseShape, history_turn
 from mmserve.entrypoints.openai.responses_stream import ResponsesStream
-from mmserve.entrypoints.openai.serving_base import OpenAIServing, ServeContext
+from mmserve.entrypoints.openai.serving_base import OpenAIServing, ServeContext, ServingOptions
 from mmserve.entrypoints.openai.tool_calls import tool_mode
 from mmserve.metrics import ServerMetrics
-from mmserve.multimodal.chat_templates import ChatTemplatePolicy
 from mmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ class OpenAIServingResponses(OpenAIServing):
     """The responses handler: the serving base plus the store of finished responses."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 auto_tool_parser: str | None, store: KeptResponses,
-                 chat_templates: ChatTemplatePolicy | None = None, reasoning_parser: str | None = None) -> None:
-        super().__init__(engine, served_model_names, metrics, auto_tool_parser, chat_templates, reasoning_parser)
+                 store: KeptResponses, options: ServingOptions | None = None) -> None:
+        super().__init__(engine, served_model_names, metrics, options)
         self.store = store
 
     async def create_response(self, raw_request: Request) -> Response:
@@ -52,7 +51,8 @@ class OpenAIServingResponses(OpenAIServing):
         history = await self._history(scope, request.previous_response_id) + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         tool_specs = request.chat_tools()
-        tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls, self.auto_tool_parser)
+        parser = self.options.auto_tool_parser
+        tools = tool_mode(tool_specs, request.chat_tool_choice(), request.parallel_tool_calls, parser)
         outputs = await self.start_chat(ctx, system + history, tools, tool_specs, format_param="text.format")
         shape = ResponseShape(response_id, ctx.model, request)
         reasoning = self.splits_thinking(ctx, tools)
@@ -64,8 +64,9 @@ class OpenAIServingResponses(OpenAIServing):
                 await self.store.put(scope, response_id, history + [history_turn(items)])
 
         def stream(first: RequestOutput) -> ResponsesStream:
-            return ResponsesStream(response_id, ctx.model, outputs, first, ctx.record, True, 0, shape=shape,
-                                   tools=tools, on_done=keep, reasoning=reasoning, thinking_end=thinking_end)
+            return ResponsesStream(response_id, ctx.model, outputs, first, ctx.record, StreamUsage(True), 0,
+                                   shape=shape, tools=tools, on_done=keep, reasoning=reasoning,
+                                   thinking_end=thinking_end)
 
         async def whole(final: RequestOutput) -> Response:
             choice = final.outputs[0]

@@ -83,7 +83,7 @@ class OpenAIServingTokenization(OpenAIServing):
             raise ParameterError("prompt", "give either prompt or messages")
         if request.prompt is not None:
             return Prompt(request.prompt, settings=settings)
-        template = self.chat_templates.options(request.chat_template, request.chat_template_kwargs,
+        template = self.options.chat_templates.options(request.chat_template, request.chat_template_kwargs,
                                                request.add_generation_prompt is not False,
                                                bool(request.continue_final_message))
         messages = [m.model_dump(exclude_none=True) for m in request.messages or []]
