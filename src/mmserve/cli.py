@@ -70,8 +70,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     ValueError for bad flags; RuntimeError if the engine core cannot start.
     """
-    from mmserve.entrypoints.openai.api_server import serve_api_server
     from mmserve.entrypoints.openai.server_config import ServerConfig
+    from mmserve.frontend.engine_client.engine_process import discard_prestarted, prestart_engine_core
     from mmserve.models.hub import resolve_engine_model
 
     server_config = ServerConfig.from_cli(args)
@@ -81,7 +81,15 @@ def run_server(args: argparse.Namespace) -> int:
         from mmserve.launcher.launcher import run_launcher
 
         return run_launcher(server_config, engine_config)
-    return serve_api_server(server_config, engine_config)
+    parallel = engine_config.parallel
+    if parallel.data_parallel_size == 1 and parallel.data_parallel_backend == "mp":
+        prestart_engine_core()  # its imports run beside the server's, next
+    try:
+        from mmserve.entrypoints.openai.api_server import serve_api_server
+
+        return serve_api_server(server_config, engine_config)
+    finally:
+        discard_prestarted()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -103,11 +103,20 @@ class LocalEngineProcess:
 
     def start(self, config: EngineConfig, model_dir: str, input_addr: str | Sequence[str],
               output_addr: str | Sequence[str], shm_info: bytes | None, stats_addr: str | None = None) -> None:
-        """Also (for the launcher of several API servers): an address per server, and the coordinator's `stats_addr`."""
+        """Also (for the launcher of several API servers): an address per server, and the coordinator's
+        `stats_addr`. A prestarted process (`prestart_engine_core`) is given the arguments, if there is one."""
+        args = (config, model_dir, input_addr, output_addr, shm_info, stats_addr)
+        if _PRESTARTED:
+            self.process, writer = _PRESTARTED.pop()
+            with writer:
+                try:
+                    writer.send((log_levels.current(), args))
+                    return
+                except OSError:  # it died on its imports: its exit is reported, as a spawned one's would be
+                    return
         rank = config.parallel.data_parallel_rank
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_run_engine_core,
-            args=(log_levels.current(), config, model_dir, input_addr, output_addr, shm_info, stats_addr),
+            target=_run_engine_core, args=(log_levels.current(), *args),
             name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
         self.process.start()
 
@@ -141,6 +150,47 @@ class LocalEngineProcess:
                 proc.kill()
                 _ended(proc, None)
         _reap(proc)
+
+
+# Engine cores spawned before this process's own heavy imports, waiting for their arguments.
+_PRESTARTED: list[tuple[BaseProcess, mp_connection.Connection]] = []
+
+
+def prestart_engine_core() -> None:
+    """Spawn the engine core now, before the API server imports its own modules: its imports (torch,
+    the model code, ~2 s) then run beside the server's instead of after them, and the server is
+    up that much sooner. The next `LocalEngineProcess.start` sends it its arguments; unused, it
+    exits once `discard_prestarted` (or this process's end) closes its pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_prestarted_engine_core, args=(reader,), name="mmserve-engine-dp0", daemon=False)
+    process.start()
+    reader.close()
+    _PRESTARTED.append((process, writer))
+
+
+def discard_prestarted() -> None:
+    """Let unused prestarted engine cores exit, and reap them."""
+    while _PRESTARTED:
+        process, writer = _PRESTARTED.pop()
+        writer.close()
+        if not _ended(process, TERM_GRACE_S):
+            process.kill()
+        _reap(process)
+
+
+def _prestarted_engine_core(reader: mp_connection.Connection) -> None:
+    """A prestarted P1: the engine core's imports, then its arguments from P0 and `_run_engine_core`;
+    it exits quietly if P0 closes the pipe first (or Ctrl-C comes while it waits)."""
+    pause_collection()
+    try:
+        with reader:
+            from mmserve.engine import core, core_proc  # noqa: F401  the heavy imports, beside P0's
+
+            log_level, args = reader.recv()
+    except (EOFError, KeyboardInterrupt):
+        return
+    _run_engine_core(log_level, *args)
 
 
 def _run_engine_core(log_level: int, *args: Any) -> None:
