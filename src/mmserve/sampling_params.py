@@ -36,7 +36,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     in the prompt or the output; `frequency_penalty` subtracts itself times the token's count in the
     output, `presence_penalty` subtracts itself once per token present in the output. `min_tokens`
     masks EOS and `stop_token_ids` (and holds back stop strings) until that many tokens are out.
-    `logit_bias` adds to a token id's logit. `structured_outputs` constrains the output to JSON, a
+    `logit_bias` adds to a token id's logit. `allowed_token_ids` (vLLM's) keeps only those tokens
+    sampleable; `bad_words` (vLLM's) are never completed: each word's tokens (as it would start
+    the text and after a space, `bad_words_token_ids`, filled by the input processor) has its last
+    token masked wherever the output ends with the ones before it. `structured_outputs` constrains the output to JSON, a
     regex, a choice or a grammar. `prompt_logprobs` K: each prompt token's log probability after
     the tokens before it (the first has none), its rank and the K most likely tokens there, from the
     raw logits (vLLM's default); such a request computes its whole prompt (no prefix-cache read).
@@ -61,6 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # the input processor's tokenization of `bad_words`
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +113,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
                    "logit_bias values must be between -100 and 100")
             self.logit_bias = self.logit_bias or None
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids) and all(isinstance(t, int) and 0 <= t < _INT64
+                                                        for t in self.allowed_token_ids),
+                   "allowed_token_ids must be a non-empty list of token ids (non-negative integers)")
+        if self.bad_words is not None:
+            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words must be a list of words (non-empty strings)")
+            _check(len(self.bad_words) <= MAX_STOP_STRINGS and all(len(w) <= MAX_STOP_CHARS for w in self.bad_words),
+                   f"bad_words takes at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_CHARS} characters")
+            self.bad_words = self.bad_words or None
 
     @property
     def has_penalties(self) -> bool:
@@ -116,6 +132,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def needs_logits_processing(self) -> bool:
         """Whether any step of the logits processing applies (plain requests skip it all)."""
         return (self.has_penalties or self.min_tokens > 0 or self.logit_bias is not None
+                or self.allowed_token_ids is not None or self.bad_words is not None
                 or self.structured_outputs is not None)
 
     def for_sibling(self, index: int) -> SamplingParams:

@@ -1,7 +1,7 @@
 """Issue 17 through a real server with the official client: /v1/completions, logprobs, n, the
-penalties, min_tokens, logit_bias, response_format and vLLM's structured_outputs / guided_* fields,
-whole and streamed, each equal to what the
-offline engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
+penalties, min_tokens, logit_bias, vLLM's allowed_token_ids and bad_words, response_format and
+vLLM's structured_outputs / guided_* fields, whole and streamed, each equal to what the offline
+engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
 
 from __future__ import annotations
 
@@ -124,6 +124,18 @@ def test_penalties_min_tokens_and_logit_bias_equal_offline(client, offline):
                                     frequency_penalty=0.5, logit_bias={"11": 5.0}, extra_body=extra)
     plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0)
     assert got.choices[0].text == ref != plain.choices[0].text
+
+
+def test_allowed_token_ids_and_bad_words_equal_offline(client, offline):
+    """vLLM's two fields reach the sampler: the same tokens as offline, and not the free answer."""
+    plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0)
+    word = plain.choices[0].text.split()[1]
+    for extra in ({"allowed_token_ids": list(range(40, 90))}, {"bad_words": [word]}):
+        ref = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, **extra))[0].outputs[0].text
+        got = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra)
+        assert got.choices[0].text == ref != plain.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model="m", prompt=PROMPT, max_tokens=2, extra_body={"allowed_token_ids": [10**7]})
 
 
 @pytest.mark.parametrize("stream", [False, True])

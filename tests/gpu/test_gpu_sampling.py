@@ -1,8 +1,8 @@
 """On a CUDA GPU, the paths that only run there: a JSON grammar's masks applied to GPU logits
-(xgrammar's Triton kernel), penalties, logit bias, min_tokens and log probabilities give the
-float32 tokens the CPU engine gives; a 16-bit KV cache under a float32 model replays from CUDA
-graphs with the tokens it gives eagerly; seeded sampling gives the same tokens again; prompt log
-probabilities equal the CPU's.
+(xgrammar's Triton kernel), penalties, logit bias, min_tokens, allowed_token_ids, bad_words and
+log probabilities give the float32 tokens the CPU engine gives; a 16-bit KV cache under a float32
+model replays from CUDA graphs with the tokens it gives eagerly; seeded sampling gives the same
+tokens again; prompt log probabilities equal the CPU's.
 `make test-gpu`; skipped (instantly) where CUDA is absent."""
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ def sampler_rows() -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8, logit_bias={5: 2.0, 9: -50.0}, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json_object=True)),
         SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, allowed_token_ids=list(range(40, 400, 3)), ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, bad_words=["the", "a cat"], ignore_eos=True),
     ]
 
 
 def run(llm: LLM, params: list[SamplingParams]) -> list:
     items = prompts("builtin:tiny-llava")
+    items = [items[i % len(items)] for i in range(len(params))]  # a prompt per row, again from the first
     outs = llm.generate(items, params)
     core = llm.engine.core
     core.check_integrity()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, cast
 
+import msgspec
+
 from mmserve.errors import ClientError
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig, compute_encoder_budget
+from mmserve.frontend.request.bad_words import bad_word_sequences
 from mmserve.frontend.request.prompt import Prompt
 from mmserve.frontend.video_input import VideoInputs
 from mmserve.ipc.messages import EngineCoreRequest
@@ -81,7 +84,7 @@ class InputProcessor:
         no entry (the list is its owner's: `open_request.py: OpenRequest.pending`).
         `bypass_caches` (a shadow run) processes every item from its source and marks the request
         so that no later cache serves it either; `report` gets the processor cache's lookups."""
-        self._check_params(params)
+        params = self._check_params(params)
         prompt = Prompt.parse(prompt)
         if prompt.token_ids is not None:
             return self._tokens_request(request_id, prompt, params, bypass_caches)
@@ -159,9 +162,10 @@ class InputProcessor:
             raise ClientError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
                              f"tokenized), but max_model_len is {self.max_model_len}")
 
-    def _check_params(self, params: SamplingParams) -> None:
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
         """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length;
-        a structured-output schema the grammar can be built from."""
+        a structured-output schema the grammar can be built from. `params` with its `bad_words`
+        tokenized (`bad_words_token_ids`)."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ClientError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
@@ -173,8 +177,19 @@ class InputProcessor:
         if bad:
             raise ClientError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
                              f"{self.vocab_size})")
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ClientError(f"allowed_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
+                             f"{self.vocab_size})")
         if params.structured_outputs is not None:
             check_structure(params.structured_outputs)
+        if params.bad_words and params.bad_words_token_ids is None:
+            try:
+                sequences = bad_word_sequences(self.tokenizer, params.bad_words, self.vocab_size)
+            except ValueError as exc:
+                raise ClientError(str(exc)) from None
+            params = msgspec.structs.replace(params, bad_words_token_ids=sequences)
+        return params
 
     def _check_item_sizes(self, resolved: list[ResolvedItem]) -> None:
         """A ValueError for an item larger than the engine's encoder budget (it could never run)."""

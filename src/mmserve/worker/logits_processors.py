@@ -1,10 +1,12 @@
 """Per-request logits processing before sampling, batched over the rows that ask for it.
 
 `process_logits` touches only rows whose `SamplingParams.needs_logits_processing` is true; a step
-whose requests ask for none of it costs one pass over the batch's flags. Order: `min_tokens`
-(EOS and stop tokens masked while too few tokens are out; skipped for a structured request, whose
-grammar decides when it may end), `logit_bias`, the penalties (vLLM's meaning, see
-`SamplingParams`), then the structured-output masks. Each kind is one indexed op over its rows.
+whose requests ask for none of it costs one pass over the batch's flags. Order: `allowed_token_ids`
+(every other token masked), `bad_words` (a word's last token masked where the output ends with the
+tokens before it), `min_tokens` (EOS and stop tokens masked while too few tokens are out; skipped
+for a structured request, whose grammar decides when it may end), `logit_bias`, the penalties
+(vLLM's meaning, see `SamplingParams`), then the structured-output masks. Each kind is one indexed
+op over its rows.
 
 Penalty state lives on the logits' device and is kept incrementally: a penalised request's seen
 tokens (its prompt's, then its outputs') with their output counts (`PenaltyState`, not [V]
@@ -32,7 +34,11 @@ def process_logits(logits: torch.Tensor, states: list[RunnerRequest], control_to
     rows = [i for i, s in enumerate(states) if s.params.needs_logits_processing]
     if not rows:
         return
-    _mask_stop_tokens(logits, [i for i in rows if _holds_back_stop(states[i])], states)
+    _keep_allowed(logits, [i for i in rows if states[i].params.allowed_token_ids is not None], states)
+    _mask_indexed(logits, [(i, token) for i in rows if states[i].params.bad_words_token_ids
+                           for token in _banned_now(states[i])])
+    _mask_indexed(logits, [(i, token) for i in rows if _holds_back_stop(states[i])
+                           for token in states[i].stop_token_ids()])
     _add_logit_bias(logits, [i for i in rows if states[i].params.logit_bias], states)
     penalized = [i for i in rows if states[i].params.has_penalties]
     if penalized:
@@ -54,12 +60,36 @@ def _holds_back_stop(state: RunnerRequest) -> bool:
     return bool(params.min_tokens) and state.grammar is None and len(state.output_token_ids) < params.min_tokens
 
 
-def _mask_stop_tokens(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
-    """min_tokens: EOS and the stop token ids of `rows` to -inf, in one indexed write."""
-    pairs = [(i, token) for i in rows for token in states[i].stop_token_ids()]
+def _mask_indexed(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Each (row, token) of `pairs` to -inf, in one indexed write."""
     if pairs:
         where = to_device(torch.tensor(pairs, dtype=torch.int64), logits.device)  # [n, 2]
         logits[where[:, 0], where[:, 1]] = float("-inf")
+
+
+def _keep_allowed(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:
+    """allowed_token_ids: every other token of `rows` to -inf (the allowed values gathered, the
+    rows filled, the values written back)."""
+    if not rows:
+        return
+    allowed = [states[i].allowed_tensor(logits.device) for i in rows]
+    lengths = torch.tensor([ids.shape[0] for ids in allowed])  # host sizes: no device sync
+    row_index = to_device(torch.tensor(rows, dtype=torch.int64).repeat_interleave(lengths), logits.device)
+    ids = torch.cat(allowed)
+    kept = logits[row_index, ids]
+    logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)] = float("-inf")
+    logits[row_index, ids] = kept
+
+
+def _banned_now(state: RunnerRequest) -> list[int]:
+    """bad_words: the last token of each word whose other tokens end the output so far."""
+    tokens, outputs = state.token_ids, len(state.token_ids) - state.num_prompt_tokens
+    banned = []
+    for word in state.params.bad_words_token_ids or ():
+        before = len(word) - 1
+        if before <= outputs and (before == 0 or tokens[len(tokens) - before:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def _add_logit_bias(logits: torch.Tensor, rows: list[int], states: list[RunnerRequest]) -> None:

@@ -25,7 +25,7 @@ class RunnerRequest:
     has accepted every output token. Penalty and bias state on the sampling device, built on the
     first step that needs it and kept: `penalty` (the tokens seen so far and their counts among the
     outputs, `PenaltyState`; `record_sampled` adds each new one), `logit_bias` (ids [n] int64,
-    values [n] float32).
+    values [n] float32), `allowed` (allowed_token_ids).
     """
 
     token_ids: list[int]
@@ -40,6 +40,7 @@ class RunnerRequest:
     grammar: RequestGrammar | None = None  # its structured-output matcher (worker/grammar.py)
     penalty: PenaltyState | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: torch.Tensor | None = None  # allowed_token_ids [n] int64, on the sampling device
     return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
     num_in_flight: int = 0  # 1 while its last sampled token is on its way to the host (not in token_ids yet)
 
@@ -84,6 +85,12 @@ class RunnerRequest:
             self.logit_bias = to_device((torch.tensor(list(bias), dtype=torch.int64),
                                          torch.tensor(list(bias.values()), dtype=torch.float32)), device)
         return self.logit_bias
+
+    def allowed_tensor(self, device: torch.device) -> torch.Tensor:
+        """The request's `allowed_token_ids` [n] int64 on `device` (built once)."""
+        if self.allowed is None:
+            self.allowed = to_device(torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64), device)
+        return self.allowed
 
 
 class PenaltyState:

@@ -69,6 +69,8 @@ class SamplingExtras(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log probability and top K (not streamed)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (default: the flag)
 
     def tokens_as_ids(self, server_default: bool) -> bool:
@@ -89,6 +91,7 @@ class SamplingExtras(BaseModel):
                                   "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
                                   "min_p": self.min_p,
                                   "logit_bias": _token_bias(self.logit_bias),
+                                  "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
                                   "structured_outputs": self._structure()}
         return {k: v for k, v in values.items() if v is not None}
 
