@@ -1,5 +1,5 @@
 """Issue 17 through a real server with the official client: /v1/completions, logprobs, n, the
-penalties, min_tokens, logit_bias, vLLM's allowed_token_ids and bad_words, response_format and
+penalties, min_tokens, logit_bias, vLLM's allowed_token_ids, bad_words and return_token_ids, response_format and
 vLLM's structured_outputs / guided_* fields, whole and streamed, each equal to what the offline
 engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
 
@@ -136,6 +136,38 @@ def test_allowed_token_ids_and_bad_words_equal_offline(client, offline):
         assert got.choices[0].text == ref != plain.choices[0].text
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
         client.completions.create(model="m", prompt=PROMPT, max_tokens=2, extra_body={"allowed_token_ids": [10**7]})
+
+
+def test_return_token_ids_whole_and_streamed_equal_offline(client, offline):
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's, whole and streamed (the prompt's
+    in the first chunk, each chunk its new tokens), equal to the offline engine's; asked for nothing,
+    no answer carries the fields."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ref = offline.chat(chat_messages(), params)[0]
+    ask = dict(model="m", messages=chat_messages(), max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**ask)
+    assert whole.prompt_token_ids == ref.prompt_token_ids
+    assert whole.choices[0].token_ids == ref.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert chunks[0].prompt_token_ids == ref.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == ref.outputs[0].token_ids
+    plain = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+    prompts = [PROMPT, "USER: name a colour ASSISTANT:"]
+    refs = offline.generate(prompts, params)
+    for stream in (False, True):
+        got = client.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0, stream=stream,
+                                        extra_body={"return_token_ids": True})
+        choices: dict[int, dict] = {}
+        for part in (got if stream else [got]):
+            for c in part.choices:
+                seen = choices.setdefault(c.index, {"prompt": None, "tokens": []})
+                seen["prompt"] = seen["prompt"] or getattr(c, "prompt_token_ids", None)
+                seen["tokens"] += getattr(c, "token_ids", None) or []
+        assert [choices[i]["prompt"] for i in (0, 1)] == [r.prompt_token_ids for r in refs]
+        assert [choices[i]["tokens"] for i in (0, 1)] == [r.outputs[0].token_ids for r in refs]
 
 
 @pytest.mark.parametrize("stream", [False, True])

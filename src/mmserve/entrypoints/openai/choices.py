@@ -133,6 +133,19 @@ def completion_logprobs(token_ids: list[int], entries: Sequence[dict[int, Logpro
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+VLLM_ONLY = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # in an answer only when asked for
+
+
+def drop_unasked(body: dict[str, Any]) -> dict[str, Any]:
+    """A response or chunk body without vLLM's fields nobody asked for (`VLLM_ONLY` left null), at
+    its top level and in each choice; OpenAI's own null fields stay."""
+    for part in (body, *body.get("choices", ())):
+        for key in VLLM_ONLY:
+            if key in part and part[key] is None:
+                del part[key]
+    return body
+
+
 def prompt_logprobs_json(entries: Sequence[dict[int, Logprob] | None]) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first) token id -> `{logprob, rank,
     decoded_token}` of the prompt's token and the top K there."""

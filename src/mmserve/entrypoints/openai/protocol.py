@@ -254,6 +254,7 @@ class ChatCompletionChoice(BaseModel):
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None  # {"content": [...]} (choices.py: chat_logprobs)
     finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -264,6 +265,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked (choices.py)
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -278,6 +280,7 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -289,6 +292,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in the first chunk
 
 
 class ErrorInfo(BaseModel):

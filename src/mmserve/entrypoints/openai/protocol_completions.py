@@ -115,6 +115,8 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None  # tokens, token_logprobs, top_logprobs, text_offset
     finish_reason: str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (a stream's first chunk)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: this choice's (or chunk's) tokens
 
 
 class CompletionResponse(BaseModel):

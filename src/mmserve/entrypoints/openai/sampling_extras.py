@@ -72,6 +72,7 @@ class SamplingExtras(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output never completes
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (default: the flag)
+    return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids in the answer
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log probabilities name tokens "token_id:N": the request's choice, else the server's."""

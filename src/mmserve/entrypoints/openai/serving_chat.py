@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.choices import (ChoiceDelta, ChoiceStream, StreamUsage, chat_logprobs,
-                                                prompt_logprobs_json)
+                                                drop_unasked, prompt_logprobs_json)
 from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionChoice, ChatCompletionRequest,
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
@@ -42,24 +42,27 @@ class OpenAIServingChat(OpenAIServing):
         top = request.top_logprobs or 0
         usage = StreamUsage.of(request.stream_options, options.force_usage)
         as_ids = request.tokens_as_ids(options.tokens_as_ids)
+        token_ids = bool(request.return_token_ids)
 
         echo = request.echoed()
         reasoning = self.splits_thinking(ctx, tools)
 
         def stream(first: RequestOutput) -> ChatStream:
             return ChatStream(ctx.request_id, ctx.model, outputs, first, ctx.record, usage, top, as_ids, tools=tools,
-                              echo=echo, reasoning=reasoning)
+                              echo=echo, reasoning=reasoning, token_ids=token_ids)
 
         async def whole(final: RequestOutput) -> Response:
-            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo, reasoning, as_ids)
+            return _whole(ctx.request_id, ctx.model, final, ctx.record, top, tools, echo, reasoning, as_ids, token_ids)
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
 
 
 def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRecord, top_logprobs: int,
-           tools: ToolMode | None, echo: str = "", reasoning: bool = False, as_ids: bool = False) -> JSONResponse:
+           tools: ToolMode | None, echo: str = "", reasoning: bool = False, as_ids: bool = False,
+           token_ids: bool = False) -> JSONResponse:
     """The whole completion (one choice per `n`), each choice's content after `echo`, its thinking
-    apart when `reasoning`, its log probabilities' tokens named by id when `as_ids`."""
+    apart when `reasoning`, its log probabilities' tokens named by id when `as_ids`; with
+    `token_ids` the prompt's and each choice's token ids (vLLM's `return_token_ids`)."""
     choices = []
     for c in final.outputs:
         thinking, text = ReasoningSplitter(final.prompt or "").split(c.text) if reasoning else (None, c.text)
@@ -69,14 +72,15 @@ def _whole(request_id: str, model: str, final: RequestOutput, record: RequestRec
                                    tool_calls=[call_entry(call) for call in calls] or None)
         choices.append(ChatCompletionChoice(
             index=c.index, message=message, finish_reason=finish_reason(c.finish_reason, bool(calls), tools),
-            logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs, as_ids)))
+            logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, top_logprobs, as_ids),
+            token_ids=list(c.token_ids) if token_ids else None))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(
         record.prompt_tokens, record.generation_tokens, record.cached_tokens))
     if final.prompt_logprobs is not None:
         response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
-    body = response.model_dump()
-    if body["prompt_logprobs"] is None:
-        del body["prompt_logprobs"]
+    if token_ids:
+        response.prompt_token_ids = list(final.prompt_token_ids)
+    body = drop_unasked(response.model_dump())
     for choice in body["choices"]:  # "tool_calls" only when there are calls, as OpenAI answers (so thinking)
         for key in ("tool_calls", "reasoning_content"):
             if choice["message"][key] is None:
@@ -89,23 +93,30 @@ class ChatStream(ChoiceStream):
     step its new text (and the new tokens' log probabilities when asked for), and a chunk with its
     finish reason."""
 
-    def __init__(self, *args: Any, tools: ToolMode | None = None, echo: str = "", reasoning: bool = False) -> None:
+    def __init__(self, *args: Any, tools: ToolMode | None = None, echo: str = "", reasoning: bool = False,
+                 token_ids: bool = False) -> None:
         super().__init__(*args)
         self.tools = tools
         self.echo = echo
         self.reasoning = reasoning
+        self.token_ids = token_ids  # vLLM's return_token_ids: the prompt's in the first chunk, then each chunk's
+        self._unsent_ids: dict[int, list[int]] = {}  # choice index -> its tokens no chunk carried yet
         self._tool_streams: dict[int, ChoiceTools] = {}  # choice index -> its tool-call parsing
         self._splitters: dict[int, ReasoningSplitter] = {}  # choice index -> its thinking / answer split
 
     def _open(self) -> list[str]:
         events = []
+        prompt_ids = list(self.first.prompt_token_ids) if self.token_ids else None
         for c in self.first.outputs:
-            events.append(self._chunk(DeltaMessage(role="assistant", content=""), index=c.index))
+            events.append(self._chunk(DeltaMessage(role="assistant", content=""), index=c.index, prompt_ids=prompt_ids))
+            prompt_ids = None
             if self.echo:
                 events.append(self._chunk(DeltaMessage(content=self.echo), index=c.index))
         return events
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        if self.token_ids:  # the delta's first chunk carries them (or a later one, if its text is held back)
+            self._unsent_ids[d.index] = self._unsent_ids.get(d.index, []) + d.token_ids
         events = self._thinking(d) if self.reasoning else []
         if self.tools is not None:
             return events + self._tool_delta(d)
@@ -144,19 +155,20 @@ class ChatStream(ChoiceStream):
         return events
 
     def _chunk(self, delta: DeltaMessage, finish_reason: str | None = None, index: int = 0,
-               logprobs: dict[str, Any] | None = None) -> str:
+               logprobs: dict[str, Any] | None = None, prompt_ids: list[int] | None = None) -> str:
+        token_ids = self._unsent_ids.pop(index, None) if self.token_ids else None
         chunk = ChatCompletionStreamResponse(
-            id=self.request_id, created=self.created, model=self.model,
+            id=self.request_id, created=self.created, model=self.model, prompt_token_ids=prompt_ids,
             choices=[ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                                logprobs=logprobs)])
+                                                logprobs=logprobs, token_ids=token_ids)])
         return self._encode(chunk, delta)
 
     def _usage(self, usage: UsageInfo) -> str:
         chunk = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                              choices=[], usage=usage)
-        return f"data: {chunk.model_dump_json()}\n\n"
+        return f"data: {json.dumps(drop_unasked(chunk.model_dump()), ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     def _encode(self, chunk: ChatCompletionStreamResponse, delta: DeltaMessage) -> str:
-        body = self._with_usage(chunk.model_dump())
+        body = drop_unasked(self._with_usage(chunk.model_dump()))
         body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mmserve.cache_report import cache_headers
 from mmserve.entrypoints.openai.choices import (ChoiceDelta, ChoiceStream, StreamUsage, completion_logprobs,
-                                                prompt_logprobs_json)
+                                                drop_unasked, prompt_logprobs_json)
 from mmserve.entrypoints.openai.prompt_batch import merged_outputs
 from mmserve.entrypoints.openai.protocol import UsageInfo
 from mmserve.entrypoints.openai.protocol_completions import CompletionChoice, CompletionRequest, CompletionResponse
@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [Prompt(p, settings=ctx.settings) if isinstance(p, str) else
                    Prompt("", settings=ctx.settings, token_ids=p) for p in request.prompts]
         echo = None
-        if request.echo or ctx.params.prompt_logprobs is not None:
+        if request.echo or ctx.params.prompt_logprobs is not None or request.return_token_ids:
             echo = Echo(request.prompts, ctx.params.n, self._text, bool(request.echo), request.echo_only)
         runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
                 for p, prompt in enumerate(prompts)]
@@ -54,12 +54,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def stream(first: RequestOutput) -> CompletionStream:
             return CompletionStream(ctx.request_id, ctx.model, outputs, first, ctx.record, usage, top, as_ids,
-                                    echo=echo)
+                                    echo=echo, token_ids=bool(request.return_token_ids))
 
         async def whole(final: RequestOutput) -> Response:
             choices = []
             for c in final.outputs:
                 text, token_ids = c.text, c.token_ids
+                generated = [] if request.echo_only else list(token_ids)
                 logprobs: list[dict[int, Logprob] | None] | None = None if c.logprobs is None else list(c.logprobs)
                 if echo is not None and echo.echo:
                     text, token_ids, logprobs = echo.before(c.index, text, token_ids, c.logprobs)
@@ -67,23 +68,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     index=c.index, text=text, finish_reason=c.finish_reason,
                     logprobs=None if logprobs is None else completion_logprobs(
                         token_ids, logprobs, top, text_of=None if echo is None else echo.text_of, as_ids=as_ids),
-                    prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index)))
+                    prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index),
+                    prompt_token_ids=echo.prompt_ids(c.index) if request.return_token_ids and echo else None,
+                    token_ids=generated if request.return_token_ids else None))
             record = ctx.record
             generated = 0 if request.echo_only else record.generation_tokens
             usage = UsageInfo.of(record.prompt_tokens, generated, record.cached_tokens)
-            body = _without_prompt_logprobs(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
-                                                               usage=usage).model_dump())
+            body = drop_unasked(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=choices,
+                                                   usage=usage).model_dump())
             return JSONResponse(body, headers=cache_headers(record.report))
 
         return await self.respond(ctx, outputs, stream if request.stream else None, whole)
-
-
-def _without_prompt_logprobs(body: dict[str, Any]) -> dict[str, Any]:
-    """A completions body with `prompt_logprobs` only in the choices that have them (vLLM's field)."""
-    for choice in body["choices"]:
-        if choice["prompt_logprobs"] is None:
-            del choice["prompt_logprobs"]
-    return body
 
 
 class Echo:
@@ -122,6 +117,11 @@ class Echo:
             prompt = self.prompts[p] = self.decode(prompt)
         return prompt
 
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """Choice `index`'s prompt's token ids, once its first output came."""
+        out = self.outputs[index // self.n]
+        return None if out is None else list(out.prompt_token_ids)
+
     def prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
         """Choice `index`'s prompt's `prompt_logprobs` (vLLM's shape), when the engine scored it."""
         out = self.outputs[index // self.n]
@@ -145,24 +145,31 @@ class CompletionStream(ChoiceStream):
     of those tokens when asked for), the finish reason in the chunk of its last text; with `echo`,
     a choice's first chunk begins with its prompt."""
 
-    def __init__(self, *args: Any, echo: Echo | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: Echo | None = None, token_ids: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo
+        self.token_ids = token_ids  # vLLM's return_token_ids: a choice's prompt ids first, then each chunk's tokens
         self._offsets: dict[int, int] = {}  # characters sent per choice, for text_offset
 
     def _delta(self, d: ChoiceDelta) -> list[str]:
+        first = d.index not in self._offsets
+        prompt_ids = self.echo.prompt_ids(d.index) if self.token_ids and first and self.echo is not None else None
+        generated = d.token_ids if self.token_ids else None
         entries: list[dict[int, Logprob] | None] | None = None if d.logprobs is None else list(d.logprobs)
-        if self.echo is not None and self.echo.echo and d.index not in self._offsets:
+        if self.echo is not None and self.echo.echo and first:
             d.text, d.token_ids, entries = self.echo.before(d.index, d.text, d.token_ids, d.logprobs)
-        elif self.echo is not None and self.echo.only:  # the prompt alone: nothing after its first chunk
-            d.text, d.token_ids, entries = "", [], None if entries is None else []
+        if self.echo is not None and self.echo.only:  # the prompt alone: nothing of the choice's own
+            generated = [] if generated is not None else None
+            if not first:
+                d.text, d.token_ids, entries = "", [], None if entries is None else []
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + len(d.text)
         text_of = None if self.echo is None else self.echo.text_of
         logprobs = None if entries is None else completion_logprobs(d.token_ids, entries, self.top_logprobs,
                                                                     offset, text_of, self.as_ids)
         return [self._encode([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
-                                               finish_reason=d.finish_reason)], None)]
+                                               finish_reason=d.finish_reason, prompt_token_ids=prompt_ids,
+                                               token_ids=generated)], None)]
 
     def _counts(self) -> UsageInfo:
         if self.echo is not None and self.echo.only:  # the sampled token was dropped
@@ -173,6 +180,6 @@ class CompletionStream(ChoiceStream):
         return self._encode([], usage)
 
     def _encode(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-        body = self._with_usage(_without_prompt_logprobs(CompletionResponse(
+        body = self._with_usage(drop_unasked(CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage).model_dump()))
         return f"data: {bytes(JSONResponse(body).body).decode()}\n\n"
