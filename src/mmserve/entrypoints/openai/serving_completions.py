@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choices = []
             for c in final.outputs:
                 text, token_ids = c.text, c.token_ids
-                generated = [] if request.echo_only else list(token_ids)
+                own_ids = [] if request.echo_only else list(token_ids)
                 logprobs: list[dict[int, Logprob] | None] | None = None if c.logprobs is None else list(c.logprobs)
                 if echo is not None and echo.echo:
                     text, token_ids, logprobs = echo.before(c.index, text, token_ids, c.logprobs)
@@ -70,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids, logprobs, top, text_of=None if echo is None else echo.text_of, as_ids=as_ids),
                     prompt_logprobs=None if echo is None else echo.prompt_logprobs(c.index),
                     prompt_token_ids=echo.prompt_ids(c.index) if request.return_token_ids and echo else None,
-                    token_ids=generated if request.return_token_ids else None))
+                    token_ids=own_ids if request.return_token_ids else None))
             record = ctx.record
             generated = 0 if request.echo_only else record.generation_tokens
             usage = UsageInfo.of(record.prompt_tokens, generated, record.cached_tokens)
