@@ -81,7 +81,7 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
                            "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file), "--root-path", "/api",
                            "--allowed-origins", f'["{ui}"]', "--middleware", "helpers.user_middleware.Stamp",
                            "--middleware", "helpers.user_middleware.seen", "--return-tokens-as-token-ids",
-                           "--enable-force-include-usage", ca=str(ca_file),
+                           "--enable-force-include-usage", "--enable-request-id-headers", ca=str(ca_file),
                            env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
     try:
         deadline = time.monotonic() + 10  # healthy first, then the line
@@ -105,6 +105,7 @@ def test_a_vllm_command_line_with_https_a_root_path_and_cors_serves(tmp_path):
             assert refused.status_code == 401 and refused.headers["x-stamp"] == "asgi"
             assert refused.headers["x-seen"].endswith("/v1/models")
             _tokens_by_id_and_usage_always(client, http, url)
+            _request_ids(http, url)
         with pytest.raises(httpx.ConnectError):  # the certificate is the test CA's: not trusted by default
             httpx.get(url + "/health")
     finally:
@@ -152,6 +153,33 @@ def _tokens_by_id_and_usage_always(client: openai.OpenAI, http: httpx.Client, ur
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 4 and counts[0] < 4
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
+def _request_ids(http: httpx.Client, url: str) -> None:
+    """A client's request id (X-Request-Id, else the body's request_id) names the answer and, with
+    `--enable-request-id-headers`, comes back in X-Request-Id; two requests under one id both run;
+    an answer to a request without one carries its own id; a bad id is a 400 naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    headers = {"Authorization": "Bearer sk"}
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+
+    def chat(extra_headers: dict[str, str], **fields: Any) -> httpx.Response:
+        return http.post(url + "/v1/chat/completions", json={**body, **fields}, headers={**headers, **extra_headers})
+
+    with ThreadPoolExecutor(2) as pool:
+        twins = list(pool.map(lambda _: chat({"X-Request-Id": "trace-7"}, request_id="ignored"), range(2)))
+    assert [r.status_code for r in twins] == [200, 200]
+    assert [r.json()["id"] for r in twins] == ["chatcmpl-trace-7"] * 2
+    assert [r.headers["x-request-id"] for r in twins] == ["trace-7"] * 2
+    named = chat({}, request_id="job-1")
+    assert named.json()["id"] == "chatcmpl-job-1" and named.headers["x-request-id"] == "job-1"
+    fresh = chat({})
+    assert fresh.headers["x-request-id"] == fresh.json()["id"]
+    bad = chat({}, request_id="two words")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id" and bad.headers["x-request-id"]
+    refused = http.get(url + "/v1/models", headers={"X-Request-Id": "no-key"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key"
 
 
 @pytest.mark.parametrize("args, words", [

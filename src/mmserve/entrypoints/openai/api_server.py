@@ -41,6 +41,7 @@ from mmserve.entrypoints.openai.server_routes import add_model_routes, status_ro
 from mmserve.entrypoints.openai.serving_base import ServingOptions
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from mmserve.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
 from mmserve.entrypoints.openai.user_middleware import add_user_middleware
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -232,6 +233,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
                         None if limit is None else int(limit * (1 << 20)), options,
                         int(server_config.responses_store_mb * (1 << 20)),
                         attachment.responses if attachment is not None else None, server_config.cors())
+        if server_config.enable_request_id_headers:
+            app.add_middleware(RequestIdHeaderMiddleware)  # outside the error handlers: a 4xx has it too
         add_user_middleware(app, server_config.middleware or [])
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -69,6 +69,7 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = None  # vLLM's extra, as on chat
     mm_processor_kwargs: dict[str, Any] | None = None
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id after "resp_" (X-Request-Id wins)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})

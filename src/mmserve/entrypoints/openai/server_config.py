@@ -89,6 +89,9 @@ class ServerConfig:
     enable_force_include_usage: bool = field(default=False, metadata={
         "help": "End every stream with a usage chunk, as if it asked for stream_options.include_usage (vLLM's flag).",
         "action": "store_true"})
+    enable_request_id_headers: bool = field(default=False, metadata={
+        "help": "Every answer carries X-Request-Id: the client's (its X-Request-Id header or body request_id), "
+                "else the answer's id (vLLM's flag).", "action": "store_true"})
     middleware: list[str] | None = field(default=None, metadata={
         "help": "An ASGI middleware of your own, by import path (package.module.name): a class is added with "
                 "app.add_middleware, an async function (request, call_next) as an HTTP middleware; repeatable; "

@@ -34,6 +34,7 @@ from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ParameterError
 from mmserve.entrypoints.openai.reasoning import thinking_token_ids
+from mmserve.entrypoints.openai.request_ids import client_request_id
 from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
 from mmserve.entrypoints.openai.tool_calls import ToolMode
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
@@ -121,11 +122,12 @@ class ServeContext(Generic[R]):
 
     raw_request: Request
     request: R
-    request_id: str
+    request_id: str  # the answer's id: the endpoint's prefix and the client's id (`client_request_id`) or a fresh one
     model: str  # the served model name to answer with
     params: SamplingParams  # the request's values over the checkpoint's generation-config defaults
     settings: PromptSettings
     record: RequestRecord
+    engine_id: str  # the engine's id of the request: `request_id`, made unique when the client named it
 
     @property
     def stream(self) -> bool:
@@ -199,7 +201,11 @@ class OpenAIServing:
         request: R = request_type.model_validate_json(await raw_request.body())
         model = self.check_model(request.model)
         request.check_supported()
-        request_id = f"{id_prefix}{uuid.uuid4().hex}"
+        named = client_request_id(raw_request, getattr(request, "request_id", None))
+        request_id = f"{id_prefix}{named or uuid.uuid4().hex}"
+        # two requests may carry one client id: the engine's ids stay unique
+        engine_id = request_id if named is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+        raw_request.state.request_id = named or request_id  # for --enable-request-id-headers
         if request.unknown_fields():
             logger.warning("request %s: ignoring unknown field(s): %s", request_id,
                            ", ".join(request.unknown_fields()))
@@ -211,7 +217,8 @@ class OpenAIServing:
             except SchemaError as e:
                 param = request.structure_param() or "response_format"
                 raise ParameterError(param, f"{param}: {e}") from None
-        return ServeContext(raw_request, request, request_id, model, params, request.prompt_settings(), record)
+        return ServeContext(raw_request, request, request_id, model, params, request.prompt_settings(), record,
+                            engine_id)
 
     def check_model(self, name: str | None) -> str:
         """The model name to answer with; a 404 for a name this server does not serve."""
@@ -244,7 +251,7 @@ class OpenAIServing:
     def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,
                  request_id: str | None = None) -> Outputs:
         """The engine's outputs for `prompt`, routed as the request asks (`ServeContext.routing`)."""
-        return self.engine.generate(request_id or ctx.request_id, prompt, params or ctx.params, **ctx.routing())
+        return self.engine.generate(request_id or ctx.engine_id, prompt, params or ctx.params, **ctx.routing())
 
     async def respond(self, ctx: ServeContext[Any], outputs: Outputs,
                       stream: Callable[[RequestOutput], EventStream] | None,

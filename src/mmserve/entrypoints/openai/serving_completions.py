@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = None
         if request.echo or ctx.params.prompt_logprobs is not None or request.return_token_ids:
             echo = Echo(request.prompts, ctx.params.n, self._text, bool(request.echo), request.echo_only)
-        runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.request_id}-{p}")
+        runs = [self.generate(ctx, prompt, request_id=None if len(prompts) == 1 else f"{ctx.engine_id}-{p}")
                 for p, prompt in enumerate(prompts)]
         if echo is not None:
             runs = [echo.tap(p, run) for p, run in enumerate(runs)]
