@@ -31,8 +31,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
+# two pytest-xdist workers (tests/conftest.py groups them: a file in one worker; every file whose
+# checks see the whole machine, /dev/shm or Ray, in one worker); TEST_WORKERS=0 runs in this process
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 
 # The GPU kit, on a CUDA machine, from a clone: the python there (GPU_PY, with its own CUDA torch and
 # mmserve's dependencies installed) runs the tree as it is; nothing is built or downloaded first.

@@ -19,10 +19,20 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "torch sees none")
     config.addinivalue_line("markers", "soak: a short soak of a real server under mixed load (tests/soak.py); "
                                        "deselect with -m 'not soak'")
+    config.addinivalue_line("markers", "machine_wide: kills processes, checks /dev/shm or starts Ray, whose "
+                                       "state is the machine's: under `-n` one worker runs every such file")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the `gpu` tests where CUDA is absent (at once: they build nothing)."""
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) each file's tests run
+    in one worker, as `--dist loadfile` would (a module's server or engine starts once), and every
+    `machine_wide` file in the same one, one after another: a test that counts /dev/shm segments or
+    Ray clusters must not see another worker's. Skip the `gpu` tests where CUDA is absent (at once:
+    they build nothing)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = "machine_wide" if item.get_closest_marker("machine_wide") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -13,6 +13,8 @@ from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.sampling_params import StructuredOutputsParams
 from helpers.tiny_models import make_checkpoint, make_image
 
+pytestmark = pytest.mark.machine_wide  # its processes and /dev/shm are the machine's: one worker runs all such files
+
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 TEXT = "USER: Say something about the weather today. ASSISTANT:"
 

@@ -23,7 +23,7 @@ from mmserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest, Scheduler
 from helpers.core_client_runs import ENGINE_ARGS, PROMPT, collect, request
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.structured_outputs import StructuredOutputsParams
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns engine-core processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns engine-core processes (deselect with -m 'not slow')
 
 ARGS = {"max_model_len": 256, "max_grammar_compile_s": 1e-6}  # every grammar is past its compile budget
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6)

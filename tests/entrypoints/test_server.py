@@ -23,7 +23,7 @@ from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE
 from helpers.server_process import ServerProcess, child_pids, data_url, labelled, messages, pid_alive
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 MAX_TOKENS = 8
 

@@ -18,7 +18,7 @@ from helpers.server_process import (ServerProcess, answers_through_a_kill, child
                                     data_url, expected, pid_alive, post, scrape)
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 # lru asked for: these tests are about per-server processor and IPC caches (shm is the default here)
 ARGS = ("--api-server-count", "2", "--data-parallel-size", "2", "--mm-cache-type", "lru", "--max-model-len", "256")

@@ -16,7 +16,7 @@ from helpers.server_process import (ServerProcess, answers_through_a_kill, child
                                     data_url, expected, post, scrape)
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 MAX_TOKENS = 8
 DP_ARGS = ("--data-parallel-size", "2", "--max-model-len", "256")

@@ -20,7 +20,7 @@ from mmserve.multimodal.processing import create_processor
 from helpers.server_process import ServerProcess, data_url
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

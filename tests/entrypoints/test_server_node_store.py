@@ -17,7 +17,7 @@ from helpers.server_process import (ServerProcess, answers_through_a_kill, child
 from helpers.shm_listing import shm_listing
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 def segments() -> set[str]:

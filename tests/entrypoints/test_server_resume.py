@@ -17,7 +17,7 @@ import pytest
 from helpers.server_process import ServerProcess, children_titled, data_url, messages
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 MAX_TOKENS = 160
 

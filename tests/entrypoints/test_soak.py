@@ -13,7 +13,7 @@ import pytest
 from soak import run_soak
 from helpers.tiny_models import make_checkpoint
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from mmserve.frontend.async_llm import AsyncLLM
 from helpers.tiny_models import make_checkpoint
 from helpers.shm_listing import shm_listing
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 

@@ -14,7 +14,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from helpers.tiny_models import make_checkpoint
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 @pytest.mark.parametrize("mm_cache_type", ["lru", "shm"])

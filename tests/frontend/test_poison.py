@@ -17,7 +17,7 @@ from mmserve.errors import EngineRequestError
 from mmserve.frontend.async_llm import AsyncLLM
 from helpers.tiny_models import make_checkpoint
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 POISON_SEED = 424242
 

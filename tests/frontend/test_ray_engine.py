@@ -21,7 +21,7 @@ from helpers.core_client_runs import ENGINE_ARGS, collect, request
 from helpers.tiny_models import make_checkpoint
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # starts a Ray cluster and engine-core actors
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # starts a Ray cluster and engine-core actors
 
 RAY_ARGS = dict(data_parallel_backend="ray", **ENGINE_ARGS)
 

@@ -17,7 +17,7 @@ from helpers.shm_listing import shm_listing
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
-pytestmark = pytest.mark.slow  # starts a two-node Ray cluster and engine-core actors
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # starts a two-node Ray cluster and engine-core actors
 
 NODE_ARGS = dict(num_cpus=1, object_store_memory=80 << 20)
 

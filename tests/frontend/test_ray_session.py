@@ -19,7 +19,7 @@ from helpers.core_client_runs import ENGINE_ARGS, collect, expected_tokens, requ
 from helpers.tiny_models import make_checkpoint
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # starts a Ray cluster, an engine-core actor and its TP workers
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # a Ray cluster, an engine-core actor, its TP workers
 
 
 def child_titles(pid: int) -> list[str]:

@@ -19,7 +19,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 

@@ -21,7 +21,7 @@ from mmserve.frontend.request.open_request import resumable
 from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.structured_outputs import StructuredOutputsParams
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=120, ignore_eos=True)
 

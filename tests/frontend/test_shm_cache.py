@@ -12,7 +12,7 @@ from helpers.mm_prompts import PARAMS, TWO, generate, one, url
 from helpers.tiny_models import make_checkpoint
 from helpers.shm_listing import shm_listing
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 
 

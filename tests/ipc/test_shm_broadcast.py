@@ -14,6 +14,8 @@ from mmserve.ipc.queues import make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast, ShmBroadcastReader
 
+pytestmark = pytest.mark.machine_wide  # its processes and /dev/shm are the machine's: one worker runs all such files
+
 
 class Msg(msgspec.Struct):
     seq: int

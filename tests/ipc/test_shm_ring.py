@@ -24,7 +24,7 @@ from mmserve.ipc import shm_segment
 from mmserve.item_store.shm_ring import HEADER_BYTES, MAX_HITS, Chunk, ShmRing, ShmRingReader
 from mmserve.ipc.shm_segment import ShmSpaceError, check_shm_space, remove_stale_segments
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 SRC = str(Path(mmserve.__file__).parents[1])
 ITEM = 1000  # payload bytes; a chunk of HEADER_BYTES + 1024 = 1088

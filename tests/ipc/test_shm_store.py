@@ -17,7 +17,7 @@ from mmserve.item_store.shm_store import ShmHandle, ShmStore, ShmStoreInfo, ShmS
 from mmserve.item_store.shm_store_reader import ShmHandleError
 from helpers.shm_items_for_tests import CHUNK, ITEM_BYTES, item, same
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 CAPACITY = 8 * CHUNK
 

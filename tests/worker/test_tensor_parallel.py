@@ -28,7 +28,7 @@ from helpers.hf_reference import hf_greedy
 from helpers.mm_prompts import PARAMS, generate, one
 from helpers.tiny_models import make_checkpoint, make_image
 
-pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.machine_wide]  # spawns processes (deselect with -m 'not slow')
 
 MAX_NEW = 6
 SMALL = dict(num_kv_blocks=64)  # allocating the default 1 GiB of KV cache per rank would dominate
