@@ -29,9 +29,9 @@ def test_a_processor_that_cannot_be_made_fails_the_start_and_leaves_nothing(tmp_
     broken = tmp_path / "no-processor"
     shutil.copytree(make_checkpoint(tmp_path), broken)
     (broken / "processor_config.json").unlink()  # the image processor's settings
-    shm, dirs = shm_listing(), ipc_dirs()
+    shm, dirs, children = shm_listing(), ipc_dirs(), set(multiprocessing.active_children())
     with pytest.raises(OSError, match="image processor"):
         AsyncLLM(EngineConfig.from_kwargs(model=str(broken), mm_cache_type=cache_type, mm_shm_cache_gb=0.01))
-    assert multiprocessing.active_children() == []  # the engine core had started: it was stopped
+    assert set(multiprocessing.active_children()) <= children  # the engine core had started: it was stopped
     assert shm_listing() == shm and ipc_dirs() == dirs
 
