@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"mmserve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server serves (its imports, the model's load): a quiet stop
+        return 0
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,10 +1,15 @@
 """What a server loads at start-up (issue 41): no Triton and no xgrammar in the API server or the
 engine core until a request asks for a structure, and a clean Ctrl-C prints nothing alarming
-(Triton's nanobind extension printed ~60 `nanobind: leaked` lines at every exit)."""
+(Triton's nanobind extension printed ~60 `nanobind: leaked` lines at every exit) — also while the
+server is still starting."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -50,3 +55,25 @@ def test_the_engine_cores_start_up_lines_reach_the_servers_output(tmp_path):
     output = server.output()
     assert code == 0, output
     assert "engine core ready" in output and "MiB resident" in output, output[-3000:]
+
+
+def test_ctrl_c_while_the_engine_core_starts_is_a_quiet_stop(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group. Pressed once the engine core process exists
+    but before the server serves, the start stops: exit 0, no traceback from either process, no
+    "error" (the API server used to take the engine core's exit for a failure), nothing left."""
+    path = make_checkpoint(tmp_path)
+    cmd = [sys.executable, "-m", "mmserve.cli", "serve", path, "--port", "0", "--max-model-len", "256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not child_pids(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    engines = child_pids(proc.pid)
+    assert engines, "the server spawned no engine core"
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output and "error" not in output.lower(), output[-3000:]
+    assert "mmserve: serving" not in output  # stopped while starting
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                   for pid in engines)

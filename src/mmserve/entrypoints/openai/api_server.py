@@ -168,6 +168,9 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
                              min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
     keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
+    # Ctrl-C raises at once, also while the engine starts (asyncio.Runner's own handler would only
+    # cancel the main task at its first await, after the whole start); uvicorn takes it once serving
+    previous_int = signal.signal(signal.SIGINT, _interrupt) if _default_sigint() else None
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_serve(server_config, engine_config, attachment, sock, started, process))
@@ -175,6 +178,17 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
+
+
+def _default_sigint() -> bool:
+    """Whether SIGINT has Python's handler (not ignored, as in a job started in the background)."""
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -118,7 +119,7 @@ class LocalEngineProcess:
         self.process = multiprocessing.get_context("spawn").Process(
             target=_run_engine_core, args=(log_levels.current(), *args),
             name=f"mmserve-engine-dp{rank}", daemon=False)  # a daemon could not start tensor-parallel workers
-        self.process.start()
+        _start_deaf_to_ctrl_c(self.process)
 
     def on_ready(self, pid: int) -> None:
         pass
@@ -164,7 +165,7 @@ def prestart_engine_core() -> None:
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_prestarted_engine_core, args=(reader,), name="mmserve-engine-dp0", daemon=False)
-    process.start()
+    _start_deaf_to_ctrl_c(process)
     reader.close()
     _PRESTARTED.append((process, writer))
 
@@ -179,23 +180,42 @@ def discard_prestarted() -> None:
         _reap(process)
 
 
+def _start_deaf_to_ctrl_c(process: BaseProcess) -> None:
+    """Start `process` with SIGINT ignored from its first instruction (an ignored signal stays
+    ignored through exec, and Python then installs no KeyboardInterrupt handler): Ctrl-C during
+    its interpreter's start would print a traceback. See `_run_engine_core`."""
+    if threading.current_thread() is not threading.main_thread():
+        process.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _prestarted_engine_core(reader: mp_connection.Connection) -> None:
     """A prestarted P1: the engine core's imports, then its arguments from P0 and `_run_engine_core`;
-    it exits quietly if P0 closes the pipe first (or Ctrl-C comes while it waits)."""
+    it exits quietly if P0 closes the pipe first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run_engine_core
     pause_collection()
     try:
         with reader:
             from mmserve.engine import core, core_proc  # noqa: F401  the heavy imports, beside P0's
 
             log_level, args = reader.recv()
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:
         return
     _run_engine_core(log_level, *args)
 
 
 def _run_engine_core(log_level: int, *args: Any) -> None:
     """P1's entry point: collection paused before the engine core's imports (torch, the model);
-    mmserve's records logged at the parent's `log_level`."""
+    mmserve's records logged at the parent's `log_level`. Ctrl-C reaches P0's whole process group:
+    until P1 serves (and takes SIGINT as a stop) it is ignored here, and P0, which stops on it,
+    stops P1 — a traceback from each process, or P0 restarting a rank it took for dead, is not what
+    a user who pressed Ctrl-C while the model loads should see."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pause_collection()
     log_levels.adopt(log_level)
     from mmserve.engine.core_proc import run_engine_core
