@@ -181,23 +181,30 @@ def discard_prestarted() -> None:
 
 
 def _start_deaf_to_ctrl_c(process: BaseProcess) -> None:
-    """Start `process` with SIGINT ignored from its first instruction (an ignored signal stays
-    ignored through exec, and Python then installs no KeyboardInterrupt handler): Ctrl-C during
-    its interpreter's start would print a traceback. See `_run_engine_core`."""
+    """Start `process` with SIGINT blocked: the child is born with it blocked (a signal mask
+    survives fork and exec), so a Ctrl-C during its interpreter's start prints no traceback there
+    (its entry point ignores SIGINT, then unblocks it: `_deaf_to_ctrl_c`); here a Ctrl-C that came
+    meanwhile is delivered as `start` returns, not lost. See `_run_engine_core`."""
     if threading.current_thread() is not threading.main_thread():
         process.start()
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         process.start()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _deaf_to_ctrl_c() -> None:
+    """In an engine core process: SIGINT ignored, then unblocked (`_start_deaf_to_ctrl_c`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _prestarted_engine_core(reader: mp_connection.Connection) -> None:
     """A prestarted P1: the engine core's imports, then its arguments from P0 and `_run_engine_core`;
     it exits quietly if P0 closes the pipe first."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run_engine_core
+    _deaf_to_ctrl_c()  # see _run_engine_core
     pause_collection()
     try:
         with reader:
@@ -215,7 +222,7 @@ def _run_engine_core(log_level: int, *args: Any) -> None:
     until P1 serves (and takes SIGINT as a stop) it is ignored here, and P0, which stops on it,
     stops P1 — a traceback from each process, or P0 restarting a rank it took for dead, is not what
     a user who pressed Ctrl-C while the model loads should see."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _deaf_to_ctrl_c()
     pause_collection()
     log_levels.adopt(log_level)
     from mmserve.engine.core_proc import run_engine_core
