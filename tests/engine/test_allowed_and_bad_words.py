@@ -52,6 +52,9 @@ def test_allowed_token_ids_equal_the_reference(path, llm):
         return kept
 
     check_against_reference(path, out, only_allowed)
+    repeats = SamplingParams(**GREEDY, allowed_token_ids=allowed * 5000)
+    repeated = llm.engine.input_processor.process("r", PROMPT, repeats)
+    assert repeated.sampling_params.allowed_token_ids == sorted(allowed)  # P1's sampler gets each id once
 
 
 @pytest.mark.parametrize("span", [1, 2])  # a one-token word, and a word of two tokens

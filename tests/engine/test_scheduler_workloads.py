@@ -1,6 +1,7 @@
-"""Random workloads through the scheduler with every policy at once (users' requests, n > 1,
-completions batches, shadows, first tokens, last and partial blocks, images, aborts, failed steps):
-its invariants (`Scheduler.check_integrity`) hold after every step, and every request ends."""
+"""Random workloads through the scheduler with every policy at once (users' requests, fcfs or by
+priority, n > 1, completions batches, shadows, first tokens, last and partial blocks, images,
+aborts, failed steps): its invariants (`Scheduler.check_integrity`) hold after every step, and
+every request ends."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def random_request(rng: random.Random, rid: str, shadow: bool, prompts: list[lis
     n = 1 if shadow else rng.choice([1, 1, 1, 2, 3])
     params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, temperature=rng.choice([0, 0, 1.0]),
                             n=n, seed=1 if n > 1 else None)
-    message = EngineCoreRequest(rid, tokens, items, params, None, 0.0, bypass_caches=shadow)
+    message = EngineCoreRequest(rid, tokens, items, params, None, 0.0, bypass_caches=shadow,
+                                priority=rng.choice([-1, 0, 0, 2]))  # ignored unless the policy is priority
     return Request.from_engine_core_request(message, BlockHasher(BS))
 
 
 def random_scheduler(rng: random.Random) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=rng.choice([2, 3, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64]))
+    config = SchedulerConfig(max_num_seqs=rng.choice([2, 3, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64]),
+                             scheduling_policy=rng.choice(["fcfs", "priority"]))
     kv = KVCacheManager(rng.choice([12, 16, 32]), BS, True, rng.random() < 0.7, rng.random() < 0.5)
     return Scheduler(config, kv, 128, 8, first_tokens=FirstTokenCache(16, enabled=rng.random() < 0.7))
 

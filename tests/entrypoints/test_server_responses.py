@@ -111,6 +111,13 @@ def test_unsupported_inputs_are_400s(client, part, param):
     assert e.value.body["param"] == param and e.value.body["message"]
 
 
+def test_a_priority_without_priority_scheduling_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:  # as in vLLM: the server runs fcfs
+        client.responses.create(model="m", input="Hi", max_output_tokens=4, extra_body={"priority": 2})
+    assert e.value.body["param"] == "priority" and "--scheduling-policy priority" in e.value.body["message"]
+    assert client.responses.create(model="m", input="Hi", max_output_tokens=2, extra_body={"priority": 0}).output
+
+
 def test_the_agents_sdk_default_model_runs_a_tool_call_then_finishes(server):
     agents = pytest.importorskip("agents")
     clicks: list[tuple[int, int]] = []

@@ -330,6 +330,8 @@ def test_prompts_of_token_ids_answer_as_their_text(client, offline):
     ("text", {"echo": True, "logprobs": 21}, "logprobs"),
     ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("text", {"prompt": ["a"] * 65, "n": 2}, "n"),
+    ("chat", {"priority": 1}, "priority"),  # needs --scheduling-policy priority, as in vLLM
+    ("text", {"priority": -(2**70)}, "priority"),
 ])
 def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -5,6 +5,7 @@ server is still starting."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,16 +69,21 @@ def test_ctrl_c_while_the_engine_core_starts_is_a_quiet_stop(tmp_path):
     cmd = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
            "os.execv(sys.argv[1], sys.argv[1:])", *serve]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not child_pids(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    engines = child_pids(proc.pid)
-    assert engines, "the server spawned no engine core"
-    time.sleep(0.5)  # both mid-start: the engine core importing or loading, the server importing
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, output
-    assert "Traceback" not in output and "error" not in output.lower(), output[-3000:]
-    time.sleep(0.5)
+    try:
+        deadline = time.monotonic() + 60
+        while not child_pids(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        engines = child_pids(proc.pid)
+        assert engines, "the server spawned no engine core"
+        time.sleep(0.5)  # both mid-start: the engine core importing or loading, the server importing
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        assert "Traceback" not in output and "error" not in output.lower(), output[-3000:]
+        time.sleep(0.5)
+    finally:  # a failure leaves no server behind (its own session: one group to kill)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
                    for pid in engines)

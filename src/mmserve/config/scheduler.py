@@ -20,6 +20,10 @@ class SchedulerConfig:
         "requests use it (no reuse by later requests).")
     disable_chunked_mm_input: bool = opt(
         False, "Never split an image's placeholder tokens across steps (--max-num-batched-tokens must hold one image).")
+    scheduling_policy: str = opt(
+        "fcfs", "fcfs: requests are admitted in arrival order within each user's fair share; priority: by "
+        "each request's `priority` first (the lower, the sooner; vLLM's), and when KV blocks run out the "
+        "least urgent running request is preempted.", choices=("fcfs", "priority"))
     max_grammar_compile_s: float = opt(
         10.0, "Longest a structured-output grammar may take to compile (off the engine step); a request "
         "whose grammar takes longer is refused.")
@@ -42,6 +46,8 @@ class SchedulerConfig:
         if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
             raise ValueError("max_num_encoder_input_tokens must be at least 1; "
                              f"got {self.max_num_encoder_input_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority'; got {self.scheduling_policy!r}")
         if not self.max_grammar_compile_s > 0:
             raise ValueError(f"max_grammar_compile_s must be positive; got {self.max_grammar_compile_s}")
         if self.encoder_cache_tokens is not None and self.encoder_cache_tokens < 0:

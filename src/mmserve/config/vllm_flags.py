@@ -72,8 +72,6 @@ VLLM_FLAGS = (
              "data-parallel ranks: --data-parallel-backend ray)", accepts=("mp",)),
     VllmFlag("--pipeline-parallel-size", DONE, "one pipeline stage (tensor and data parallelism split the work)",
              accepts=("1",)),
-    VllmFlag("--scheduling-policy", IGNORED, "requests are admitted in arrival order within each user's fair share",
-             accepts=("fcfs",)),
     VllmFlag("--enable-lora", REFUSED, "LoRA adapters are not supported", switch=True),
     VllmFlag("--lora-modules", REFUSED, "LoRA adapters are not supported"),
     VllmFlag("--speculative-config", REFUSED, "speculative decoding is not supported"),

@@ -63,7 +63,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
                  sampling_params: SamplingParams, eos_token_id: int | None, arrival_time: float, *,
                  cache_salt: str | None = None, block_hasher: BlockHasher | None = None,
-                 return_first_logits: bool = False, shadow: bool = False) -> None:
+                 return_first_logits: bool = False, shadow: bool = False, priority: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.mm_items = mm_items
@@ -88,6 +88,7 @@ class Request:
         self.shadow = shadow
         self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
         self.order = 0  # the scheduler's arrival number (siblings share their request's)
+        self.priority = priority  # --scheduling-policy priority: the lower, the sooner (`policies/priority.py`)
         self.prompt_logprobs: list[TokenLogprobs] | None = None if sampling_params.prompt_logprobs is None else []
 
     @classmethod
@@ -96,7 +97,8 @@ class Request:
             return cls(r.request_id, r.prompt_token_ids, shadow_items(r.request_id, r.mm_items), r.sampling_params,
                        r.eos_token_id, r.arrival_time, cache_salt=r.cache_salt, return_first_logits=True, shadow=True)
         return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
-                   cache_salt=r.cache_salt, block_hasher=block_hasher, return_first_logits=r.return_first_logits)
+                   cache_salt=r.cache_salt, block_hasher=block_hasher, return_first_logits=r.return_first_logits,
+                   priority=r.priority)
 
     def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
         """Prompt tokens `first`, `first` + 1, ...'s log probabilities, as a step scored them; those
@@ -112,7 +114,7 @@ class Request:
         n = self.sampling_params.n
         sib = Request(sibling_request_id(self.client_id, index, n), self.prompt_token_ids, self.mm_items,
                       self.sampling_params.for_sibling(index), self.eos_token_id, self.arrival_time,
-                      cache_salt=self.cache_salt)
+                      cache_salt=self.cache_salt, priority=self.priority)
         sib.block_hashes = list(self.block_hashes)
         sib.block_extra_keys = list(self.block_extra_keys)
         sib._block_hasher = self._block_hasher

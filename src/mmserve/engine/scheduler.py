@@ -19,7 +19,8 @@ requests free their blocks into the LRU queue, keys kept, and release their enco
 
 Policies (`policies/`), each behind a few calls:
 - lanes (`policies/lane.py`): the users' lane in fair-share order (`policies/fairness.py: FairLane`,
-  which also preempts a request over its share before the step), then the cache verifier's shadow
+  which also preempts a request over its share before the step; with `--scheduling-policy priority`
+  by priority first, `policies/priority.py: PriorityLane`), then the cache verifier's shadow
   requests (`policies/shadows.py: ShadowLane`);
 - first tokens (`policies/first_tokens.py: FirstTokenAnswers`): an admission whose prefix hits
   reach an identical prompt's last block may be answered with that prompt's first token, computing
@@ -40,6 +41,7 @@ from mmserve.engine.kv_cache import KVBlock, KVCacheManager
 from mmserve.engine.policies.fairness import FairLane
 from mmserve.engine.policies.first_tokens import FirstTokenAnswers, FirstTokenCache
 from mmserve.engine.policies.lane import Lane, Lanes
+from mmserve.engine.policies.priority import PriorityLane
 from mmserve.engine.policies.shadows import ShadowLane
 from mmserve.engine.policies.siblings import SiblingGroups
 from mmserve.engine.prefix_hits import PrefixHits
@@ -68,7 +70,7 @@ class Scheduler:
         self.admission = AdmissionPlanner(kv_cache, self.prefix, self.answers, self.encoder_planner)
         self.requests: dict[str, Request] = {}
         self.groups = SiblingGroups()
-        self.users = FairLane(config.max_num_seqs)
+        self.users = (PriorityLane if config.scheduling_policy == "priority" else FairLane)(config.max_num_seqs)
         self.shadow_lane = ShadowLane()
         self.lanes = Lanes(self.users, self.shadow_lane)
         self.waiting = self.users.waiting  # the users' waiting requests, in the order they are admitted
@@ -81,8 +83,8 @@ class Scheduler:
         self._arrivals = 0  # requests added since start: the next one's `order`
 
     def _running_in(self, lane: Lane) -> list[Request]:
-        """`lane`'s running requests, in admission order."""
-        return self.lanes.members(lane, self.running)
+        """`lane`'s running requests, in the order it schedules them (`Lane.in_turn`)."""
+        return self.lanes.in_turn(lane, self.running)
 
     # ---- requests in and out ----------------------------------------------------------------
 

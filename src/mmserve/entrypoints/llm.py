@@ -68,8 +68,12 @@ class LLM:
         return SamplingParams(**values)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run all prompts together; outputs come back in the prompts' order.
+
+        `priority` (vLLM's): one per prompt, with `scheduling_policy="priority"`; the lower, the
+        sooner a prompt runs (a ValueError under "fcfs" unless every one is 0).
 
         Every prompt is checked before any is sent: one bad prompt raises ValueError and none run.
         A request the engine fails alone finishes with finish_reason "abort"; an engine core that
@@ -79,7 +83,9 @@ class LLM:
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts), self.get_default_sampling_params)
         ids = [str(next(self._ids)) for _ in prompts]
-        self.engine.add_requests(ids, prompts, params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts")
+        self.engine.add_requests(ids, prompts, params, priority)
         try:
             return self._run(ids)
         except BaseException:

@@ -158,19 +158,20 @@ class AsyncLLM:
         return inputs.prompt(text, settings)
 
     async def generate(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
-                       stream: bool = True, data_parallel_rank: int | None = None,
+                       stream: bool = True, data_parallel_rank: int | None = None, priority: int = 0,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every engine step until it finishes.
 
         Bad input raises ValueError before anything is sent to P1. Leaving the loop early
         (client gone, task cancelled) aborts the request in P1, which frees its blocks.
         `stream=False` says the caller shows nothing before the last output, so the request may
-        start over on another rank until then; `data_parallel_rank` forces one rank. While no
+        start over on another rank until then; `data_parallel_rank` forces one rank; `priority`
+        orders it under `--scheduling-policy priority` (the lower, the sooner). While no
         rank serves and one restarts, the request waits for it (`wait_for_live_rank`). A cache-served
         request the verifier sampled is re-run past every cache once it ends (`_shadow`).
         """
         candidate = self.verifier.wants(params)
-        request = await self._admit(request_id, prompt, params, stream, data_parallel_rank, candidate)
+        request = await self._admit(request_id, prompt, params, stream, data_parallel_rank, candidate, priority)
         try:
             while not request.finished:
                 yield await request.next_output()
@@ -191,7 +192,7 @@ class AsyncLLM:
         return request.last, request.first_logits
 
     async def _admit(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
-                     stream: bool, rank: int | None, candidate: bool) -> OpenRequest:
+                     stream: bool, rank: int | None, candidate: bool, priority: int = 0) -> OpenRequest:
         """Admit the request once a rank serves. A rank whose process ends between admission's check
         and its send (before its output loop retires it) fails the send; the request, undone whole,
         is then admitted again once a rank serves, unless a rank was forced or none can come back."""
@@ -199,7 +200,8 @@ class AsyncLLM:
         while True:
             await self._until_serving(rank)
             try:
-                return await self.admission.admit(request_id, prompt, params, stream, rank, candidate=candidate)
+                return await self.admission.admit(request_id, prompt, params, stream, rank, candidate=candidate,
+                                                  priority=priority)
             except EngineDeadError:
                 if rank is not None or not self.is_healthy or time.monotonic() >= deadline:
                     raise

@@ -75,7 +75,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                 pending: list[ResolvedItem] | None = None, bypass_caches: bool = False,
-                report: CacheReport | None = None) -> EngineCoreRequest:
+                report: CacheReport | None = None, priority: int = 0) -> EngineCoreRequest:
         """The request for the engine, or a ValueError (and then nothing of it stays).
 
         Given a `pending` list the freshly processed items go there and stay out of the processor
@@ -83,11 +83,13 @@ class InputProcessor:
         request, or `reject(pending)` when a later step failed: a request that fails anywhere leaves
         no entry (the list is its owner's: `open_request.py: OpenRequest.pending`).
         `bypass_caches` (a shadow run) processes every item from its source and marks the request
-        so that no later cache serves it either; `report` gets the processor cache's lookups."""
+        so that no later cache serves it either; `report` gets the processor cache's lookups.
+        `priority` (vLLM's) orders it under `--scheduling-policy priority`; refused under fcfs."""
+        self._check_priority(priority)
         params = self._check_params(params)
         prompt = Prompt.parse(prompt)
         if prompt.token_ids is not None:
-            return self._tokens_request(request_id, prompt, params, bypass_caches)
+            return self._tokens_request(request_id, prompt, params, bypass_caches, priority)
         text, images, salt = prompt.text, prompt.images, prompt.settings.cache_salt
         mm_kwargs = {**self.mm_defaults, **(prompt.settings.mm_processor_kwargs or {})}  # the request's win
         self.check_prompt_length(text)
@@ -122,10 +124,10 @@ class InputProcessor:
             _report_items(report, resolved, items)
         params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
-                                 cache_salt=salt, bypass_caches=bypass_caches)
+                                 cache_salt=salt, bypass_caches=bypass_caches, priority=priority)
 
     def _tokens_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                        bypass_caches: bool) -> EngineCoreRequest:
+                        bypass_caches: bool, priority: int) -> EngineCoreRequest:
         """A prompt of token ids: each within the vocabulary, and room for one output token."""
         token_ids = list(prompt.token_ids or ())
         bad = [t for t in token_ids if t >= self.vocab_size]
@@ -137,7 +139,8 @@ class InputProcessor:
                               f"which must also leave room for one output token")
         params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
         return EngineCoreRequest(request_id, token_ids, [], params, self.eos_token_id, time.time(),
-                                 cache_salt=prompt.settings.cache_salt, bypass_caches=bypass_caches)
+                                 cache_salt=prompt.settings.cache_salt, bypass_caches=bypass_caches,
+                                 priority=priority)
 
     def accept(self, pending: list[ResolvedItem]) -> None:
         """The engine has the request: its fresh items join the processor cache."""
@@ -162,10 +165,18 @@ class InputProcessor:
             raise ClientError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
                              f"tokenized), but max_model_len is {self.max_model_len}")
 
+    def _check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs `--scheduling-policy priority` (vLLM refuses it too)."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise ClientError(f"priority must be a 64-bit integer; got {priority!r}", param="priority")
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise ClientError(f"priority {priority} needs priority scheduling, which this server does not run "
+                              "(--scheduling-policy priority)", param="priority")
+
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         """Ranges only the model knows: token ids within its vocabulary, max_tokens within its length;
         a structured-output schema the grammar can be built from. `params` with its `bad_words`
-        tokenized (`bad_words_token_ids`)."""
+        tokenized (`bad_words_token_ids`) and its `allowed_token_ids` without repeats."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ClientError(f"stop_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
@@ -177,10 +188,14 @@ class InputProcessor:
         if bad:
             raise ClientError(f"logit_bias keys {bad[:3]} are not token ids of this model (vocabulary of "
                              f"{self.vocab_size})")
-        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ClientError(f"allowed_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
-                             f"{self.vocab_size})")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            bad = [t for t in allowed if t >= self.vocab_size]
+            if bad:
+                raise ClientError(f"allowed_token_ids {bad[:3]} are not token ids of this model (vocabulary of "
+                                  f"{self.vocab_size})")
+            if len(unique := sorted(set(allowed))) < len(allowed):  # at most the vocabulary reaches P1's sampler
+                params = msgspec.structs.replace(params, allowed_token_ids=unique)
         if params.structured_outputs is not None:
             check_structure(params.structured_outputs)
         if params.bad_words and params.bad_words_token_ids is None:

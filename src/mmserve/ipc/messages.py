@@ -42,6 +42,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go back there
     return_first_logits: bool = False  # send back the first sampled step's raw logits row (`first_logits`)
     bypass_caches: bool = False  # a shadow run (`frontend/cache_verifier.py`): reads and writes no cache, runs last
+    priority: int = 0  # --scheduling-policy priority: the lower, the sooner it runs (vLLM's)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

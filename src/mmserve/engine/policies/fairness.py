@@ -44,14 +44,14 @@ def next_fair(running: Sequence[Request], waiting: Sequence[Request], max_num_se
 
 
 def over_share(running: Sequence[Request], own: Sequence[Request], waiting: Sequence[Request],
-               max_num_seqs: int) -> list[Request]:
+               max_num_seqs: int, candidates: Sequence[Request] | None = None) -> list[Request]:
     """The completions of `own` (the lane's running requests, in `running`'s order) to preempt so
-    that a request of `waiting` within its share gets a slot (none unless every slot is taken and
-    such a request waits); the last admitted first."""
+    that a request of `candidates` (default: all `waiting`) within its share gets a slot (none
+    unless every slot is taken and such a request waits); the last admitted first."""
     if len(running) < max_num_seqs:
         return []
     held, share = shares(running, waiting, max_num_seqs)
-    if not any(held.get(group_of(r), 0) < share for r in waiting):
+    if not any(held.get(group_of(r), 0) < share for r in (waiting if candidates is None else candidates)):
         return []
     for victim in reversed(own):
         if held[group_of(victim)] > share:
@@ -75,9 +75,13 @@ class FairLane(Lane):
         super().__init__()
         self.max_num_seqs = max_num_seqs
 
+    def pick(self, running: Sequence[Request]) -> int:
+        """The index in `waiting` (not empty) of the next to admit: the first within its fair share."""
+        return next_fair(running, self.waiting, self.max_num_seqs)
+
     def next_up(self, running: Sequence[Request]) -> None:
-        """Bring the first waiting request within its fair share to the head."""
-        index = next_fair(running, self.waiting, self.max_num_seqs)
+        """Bring the request `pick` names to the head."""
+        index = self.pick(running)
         if index:
             req = self.waiting[index]
             del self.waiting[index]

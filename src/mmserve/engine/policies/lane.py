@@ -12,6 +12,9 @@ cache verifier's re-runs) add theirs by overriding these members:
 - `reads_caches`: whether its requests look up (and count) prefix-cache hits at admission.
 - `takes(req)`: whether `req` belongs to this lane (the first lane takes every request no other does).
 - `next_up(running)`: put the next request to admit at the head of `waiting` (FIFO: nothing to do).
+- `in_turn(members)`: the order its running requests are scheduled in, each step (admission
+  order); the last is the one preempted first when blocks run out, so a victim is never a request
+  scheduled before the one that needs its blocks.
 - `may_admit(running)`: whether the lane admits a request now, given every running request.
 - `check_integrity(members)`: the lane's invariants over its running members, between steps.
 """
@@ -39,6 +42,10 @@ class Lane:
     def next_up(self, running: Sequence[Request]) -> None:
         """Bring the next request to admit to the head of `waiting`, given every `running` request."""
 
+    def in_turn(self, members: list[Request]) -> list[Request]:
+        """The lane's running `members` (in admission order) in the order they are scheduled."""
+        return members
+
     def may_admit(self, running: Sequence[Request]) -> bool:
         return True
 
@@ -50,8 +57,9 @@ class Lanes:
     """The scheduler's lanes in the order each step runs them: `first` (the users'), then `others`.
 
     A request belongs to the first of `others` that takes it, else to `first`. When blocks run out
-    the victim is the last admitted running request of the last lane that has one (`victim`); a
-    request that cannot be admitted takes the place of a later spare lane's (`spare_after`)."""
+    the victim is the last running request in turn (`Lane.in_turn`) of the last lane that has one
+    (`victim`); a request that cannot be admitted takes the place of a later spare lane's
+    (`spare_after`)."""
 
     def __init__(self, first: Lane, *others: Lane) -> None:
         self.first = first
@@ -71,12 +79,16 @@ class Lanes:
         """`lane`'s requests among `running`, in their order."""
         return [r for r in running if self.of(r) is lane]
 
+    def in_turn(self, lane: Lane, running: Sequence[Request]) -> list[Request]:
+        """`lane`'s requests among `running`, in the order the lane schedules them."""
+        return lane.in_turn(self.members(lane, running))
+
     def num_waiting(self) -> int:
         return sum(len(lane.waiting) for lane in self.order)
 
     def victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when blocks run out (`running` is not empty)."""
-        return next(members[-1] for lane in reversed(self.order) if (members := self.members(lane, running)))
+        return next(members[-1] for lane in reversed(self.order) if (members := self.in_turn(lane, running)))
 
     def spare_after(self, lane: Lane, running: Sequence[Request]) -> Request | None:
         """The running request whose seat and blocks a waiting request of `lane` may take, else None."""

@@ -70,6 +70,7 @@ class ResponsesRequest(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response's id after "resp_" (X-Request-Id wins)
+    priority: int | None = 0  # vLLM's: the lower, the sooner it runs (--scheduling-policy priority)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})

@@ -74,6 +74,7 @@ class SamplingExtras(BaseModel):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (default: the flag)
     return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids in the answer
     request_id: str | None = None  # vLLM's: the answer's id (after the endpoint's prefix); X-Request-Id wins
+    priority: int | None = 0  # vLLM's: the lower, the sooner it runs (--scheduling-policy priority)
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log probabilities name tokens "token_id:N": the request's choice, else the server's."""

@@ -57,6 +57,7 @@ class OpenAIRequest(Protocol):
 
     model: str | None
     stream: bool | None
+    priority: int | None  # vLLM's: the lower, the sooner (--scheduling-policy priority)
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes | bytearray) -> Any: ...
@@ -134,15 +135,17 @@ class ServeContext(Generic[R]):
         return bool(self.request.stream)
 
     def routing(self) -> dict[str, Any]:
-        """How the engine may place the request on a data-parallel rank: `stream` (a whole answer
-        can start over on another rank until its end) and the rank an `X-Data-Parallel-Rank` header forces."""
+        """How the engine places and orders the request: `stream` (a whole answer can start over on
+        another rank until its end), the rank an `X-Data-Parallel-Rank` header forces, and its
+        `priority` (`--scheduling-policy priority`)."""
+        routing = {"stream": self.stream, "priority": self.request.priority or 0}
         header = self.raw_request.headers.get("x-data-parallel-rank")
         if header is None:
-            return {"stream": self.stream}
+            return routing
         if not header.strip().isdigit():
             raise ParameterError("X-Data-Parallel-Rank", f"the X-Data-Parallel-Rank header must be a rank number; "
                                  f"got {header!r}")
-        return {"stream": self.stream, "data_parallel_rank": int(header)}
+        return {**routing, "data_parallel_rank": int(header)}
 
 
 @dataclass(frozen=True)

@@ -61,16 +61,17 @@ class LLMEngine:
             raise AttributeError("with data parallelism the engine cores run in their own processes")
         return self.client.core
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
         """Process and queue one request; any fault in it is a ValueError and queues nothing."""
-        self.add_requests([request_id], [prompt], [params])
+        self.add_requests([request_id], [prompt], [params], [priority])
 
     def add_requests(self, request_ids: Sequence[str], prompts: Sequence[Prompt],
-                     params: Sequence[SamplingParams]) -> None:
+                     params: Sequence[SamplingParams], priorities: Sequence[int] | None = None) -> None:
         """Process every request, then queue them all; a fault in any raises and none stays.
 
+        `priorities` (one per request, default 0) order them under `--scheduling-policy priority`.
         Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes)."""
-        processed = self._process_all(request_ids, prompts, params)
+        processed = self._process_all(request_ids, prompts, params, priorities or [0] * len(request_ids))
         sent: list[str] = []
         try:
             for request, prompt, report, _ in processed:
@@ -86,19 +87,21 @@ class LLMEngine:
             self.input_processor.accept(pending)
 
     def _process_all(self, request_ids: Sequence[str], prompts: Sequence[Prompt],
-                     params: Sequence[SamplingParams]) -> list[Processed]:
+                     params: Sequence[SamplingParams], priorities: Sequence[int]) -> list[Processed]:
         """Every request processed, in order; several at once on the input threads (the image
         processor, hashing and tokenizing release the GIL), as the server processes concurrent
         requests. If any fails, what the others hold is rejected and the first fault (in order)
         raises."""
-        def one(rid: str, prompt: Prompt, p: SamplingParams) -> Processed:
+        def one(rid: str, prompt: Prompt, p: SamplingParams, priority: int) -> Processed:
             pending: list[ResolvedItem] = []
             report = CacheReport()
-            return self.input_processor.process(rid, prompt, p, pending, report=report), prompt, report, pending
+            processed = self.input_processor.process(rid, prompt, p, pending, report=report, priority=priority)
+            return processed, prompt, report, pending
 
         if len(prompts) == 1:  # a lone prompt on the caller's thread: no hand-off
-            return [one(request_ids[0], prompts[0], params[0])]
-        done, fault = settled([self._inputs.submit(one, *args) for args in zip(request_ids, prompts, params)])
+            return [one(request_ids[0], prompts[0], params[0], priorities[0])]
+        done, fault = settled([self._inputs.submit(one, *args)
+                               for args in zip(request_ids, prompts, params, priorities)])
         if fault is not None:
             for *_, pending in done:
                 self.input_processor.reject(pending)

@@ -44,6 +44,7 @@ class OpenRequest:
     params: SamplingParams
     stream: bool
     candidate: bool = False  # the cache verifier may re-run it (it asked for its first logits)
+    priority: int = 0  # --scheduling-policy priority: the lower, the sooner it runs
     queue: OutputQueue = field(default_factory=OutputQueue)
     report: CacheReport = field(default_factory=CacheReport)
     pending: list[ResolvedItem] = field(default_factory=list)  # processed, held out of the processor cache
