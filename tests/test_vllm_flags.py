@@ -200,3 +200,57 @@ def test_tls_and_cors_flags_are_checked_before_anything_loads(capsys, args, word
         code = exit.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err and words in err[-1], err
+
+
+def parse_with(tmp_path, yaml_text: str, *cli: str):
+    """`mmserve serve --config FILE *cli`, parsed as `main` parses it."""
+    import argparse
+
+    from mmserve.cli import _add_serve_parser
+    from mmserve.config.config_file import with_config_file
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml_text)
+    parser = argparse.ArgumentParser()
+    serve = _add_serve_parser(parser.add_subparsers(dest="command"))
+    return with_config_file(parser, serve, ["serve", "--config", str(config), *cli])
+
+
+def test_a_config_file_gives_flags_and_the_command_line_wins(tmp_path):
+    """vLLM's `--config FILE.yaml`: long flag names (dashes or underscores) to values; switches,
+    lists, mappings; the command line's own value wins over the file's."""
+    args = parse_with(tmp_path, """
+model: org/name
+max-num-seqs: 4
+max_model_len: 1024
+served-model-name: [a, b]
+enable-prefix-caching: false
+disable-fastapi-docs: true
+trust-remote-code: true
+mm-processor-kwargs: {max_pixels: 1003520}
+middleware: [pkg.one, pkg.two]
+scheduling-policy: priority
+""", "--max-num-seqs", "2", "org/other")
+    assert (args.model, args.model_tag, args.max_num_seqs, args.max_model_len) == ("org/name", "org/other", 2, 1024)
+    assert args.served_model_name == ["a", "b"] and args.enable_prefix_caching is False
+    assert args.disable_fastapi_docs is True and args.vllm_trust_remote_code is True
+    assert args.mm_processor_kwargs == {"max_pixels": 1003520} and args.middleware == ["pkg.one", "pkg.two"]
+    assert args.scheduling_policy == "priority"
+    assert parse_with(tmp_path, "").max_num_seqs == 64  # an empty file: the defaults
+
+
+@pytest.mark.parametrize("text, words", [
+    ("max-num-seqz: 4", "'max-num-seqz' is not a flag of this command"),
+    ("- max-num-seqs", "must map flag names to values"),
+    ("disable-fastapi-docs: 1", "disable-fastapi-docs is a switch: true or false"),
+    ("max-num-seqs: [", "not valid YAML"),
+    ("config: other.yaml", "'config' is not a flag"),
+])
+def test_a_bad_config_file_is_one_error_line_naming_it(tmp_path, capsys, text, words):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mmserve: error: --config {config}: ") and words in err[0], err
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "No such file" in capsys.readouterr().err

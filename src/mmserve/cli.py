@@ -9,6 +9,7 @@ import sys
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
+from mmserve.config.config_file import with_config_file
 from mmserve.config.vllm_flags import add_vllm_flags, vllm_flag_notes
 from mmserve.gc_tuning import pause_collection
 
@@ -16,7 +17,7 @@ from mmserve.gc_tuning import pause_collection
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models with caching.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve_parser(sub)
+    serve = _add_serve_parser(sub)
     add_bench_parser(sub)
     gen = sub.add_parser("generate", help="Complete one prompt about one image, offline.")
     gen.add_argument("--image", default=None, help="Image file (default: a built-in sample picture).")
@@ -25,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
     add_cli_args(gen)
     argv, server_args = split_server_args(sys.argv[1:] if argv is None else list(argv))
-    args = parser.parse_args(argv)
+    try:
+        args = with_config_file(parser, serve, argv)  # serve's --config FILE.yaml: its flags first
+    except ValueError as e:
+        print(f"mmserve: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "bench":
         args.server_args = server_args
         return run_bench(args)
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from mmserve.entrypoints.openai.server_config import add_server_cli_args
 
     serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
@@ -48,15 +53,24 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="A Hugging Face repo id (Qwen/Qwen2.5-VL-7B-Instruct: downloaded once, or found in the "
                             "Hugging Face cache), a checkpoint directory or a builtin name (overrides --model; "
                             "default builtin:tiny-llava).")
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="Read flags from a YAML file mapping their names to values ('max-num-seqs: 8'); "
+                            "the command line's own win (vLLM's flag).")
+    serve.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                       help="Hugging Face token for gated or private repos (default: HF_TOKEN, else the one "
+                            "`hf auth login` stored; vLLM's flag).")
     add_server_cli_args(serve)
     add_cli_args(serve)
     add_vllm_flags(serve)  # a vLLM command line runs: each of its flags done, without effect, or refused by name
+    return serve
 
 
 def _serve(args: argparse.Namespace) -> int:
     pause_collection()  # until the server serves (`ServingProcess.serve`); else it exits
     if args.model_tag is not None:
         args.model = args.model_tag
+    if isinstance(args.hf_token, str):  # read by huggingface_hub here and in every process started from here
+        os.environ["HF_TOKEN"] = args.hf_token
     for note in vllm_flag_notes(args):  # a refused one raises: `mmserve: error: ...`
         print(f"mmserve: {note}", file=sys.stderr)
     try:

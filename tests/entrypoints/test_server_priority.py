@@ -1,7 +1,8 @@
-"""`--scheduling-policy priority` through a real server: a request's `priority` (vLLM's field) orders
-the queue. One slot (`--max-num-seqs 1`) is held by a long stream while a lax and an urgent request
-wait; once the stream is closed the urgent one runs first, though it arrived last. Both get the same
-answer: the order changes when a request runs, never what it says."""
+"""`--scheduling-policy priority` through a real server started from a `--config` file: a
+request's `priority` (vLLM's field) orders the queue. One slot (`--max-num-seqs 1`) is held by a
+long stream while a lax and an urgent request wait; once the stream is closed the urgent one runs
+first, though it arrived last. Both get the same answer: the order changes when a request runs,
+never what it says."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ PROMPT = "USER: count to a thousand ASSISTANT:"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("server_priority"), text_config={"max_position_embeddings": 8192})
-    s = ServerProcess(path, "--max-model-len", "8192", "--max-num-seqs", "1", "--scheduling-policy", "priority",
-                      "--served-model-name", "m")
+    """Started as vLLM's deployments start it, from a `--config` file; the command line's
+    `--max-num-seqs 1` wins over the file's 8."""
+    folder = tmp_path_factory.mktemp("server_priority")
+    path = make_checkpoint(folder, text_config={"max_position_embeddings": 8192})
+    config = folder / "serve.yaml"
+    config.write_text("max-model-len: 8192\nmax-num-seqs: 8\nscheduling-policy: priority\nserved-model-name: [m]\n"
+                      "disable-fastapi-docs: true\n")
+    s = ServerProcess(path, "--config", str(config), "--max-num-seqs", "1")
     yield s
     s.stop()
 
@@ -58,3 +64,8 @@ def test_the_urgent_request_runs_before_the_lax_one_that_came_first(server):
     urgent.join(120)
     assert [p for p, _ in done] == [-5, 5]
     assert done[0][1] == done[1][1]
+
+
+def test_the_config_files_switch_took_the_api_pages_away(server):
+    assert [server.get(page)[0] for page in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+    assert server.get("/v1/models")[0] == 200

@@ -101,3 +101,25 @@ def test_max_new_tokens_never_exceeds_the_models_length(tmp_path):
     client = TestClient(build_app(engine, ["tiny"]))
     assert post(client, {"messages": messages()}).status_code == 200
     assert engine.params[-1].max_tokens == FakeEngine.max_model_len
+
+
+def test_override_generation_config_sets_defaults_over_the_files(tmp_path, capsys):
+    """vLLM's `--override-generation-config`: its values over the file's (auto), or alone (vllm)."""
+    path = with_generation_config(make_checkpoint(tmp_path / "a"), tmp_path / "b", QWEN_25_VL)
+    over = {"temperature": 0.7, "max_new_tokens": 3}
+    merged = load_generation_defaults(path, "auto", over)
+    assert merged.sampling == {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.001, "top_k": 1,
+                               "min_p": 0.05, "max_tokens": 3}
+    assert "--override-generation-config" in merged.describe()
+    alone = load_generation_defaults(path, "vllm", over)
+    assert alone.sampling == {"temperature": 0.7, "max_tokens": 3} and "vllm ignores" not in alone.describe()
+    with pytest.raises(ValueError, match="sampling defaults are not valid: top_p"):
+        load_generation_defaults(path, "auto", {"top_p": 2.0})
+    llm = LLM(model=path, max_model_len=256, override_generation_config={"temperature": 0.0, "max_new_tokens": 3})
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_p=0.001, top_k=1, min_p=0.05,
+                                                               repetition_penalty=1.05, max_tokens=3)
+    assert len(llm.generate([PROMPT])[0].outputs[0].token_ids) <= 3
+    from mmserve.cli import main
+    assert main(["serve", "--port", "0", "--override-generation-config", '{"max_tokens": 5}']) == 2
+    err = capsys.readouterr().err
+    assert "override_generation_config must be a JSON object of generation_config.json's sampling names" in err

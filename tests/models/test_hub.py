@@ -143,6 +143,16 @@ def test_errors_name_the_repo_and_what_to_do(hub, tmp_path):
     assert not [p for _, p in hub.requests if "text-only" in p and p.endswith(".safetensors")]  # refused before
 
 
+def test_serves_hf_token_flag_is_the_token_the_hub_is_asked_with(hub, tmp_path):
+    """vLLM's `--hf-token TOKEN`: the gated repo is asked for with it (a wrong one: "has no access",
+    where no token at all says "no HF_TOKEN is set"); stopped there, before anything loads."""
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **hub_env(hub, tmp_path / "cache")}
+    serve = [sys.executable, "-m", "mmserve.cli", "serve", "org/gated", "--port", "0"]
+    for flags, words in ([], "no HF_TOKEN is set"), (["--hf-token", "hf_wrong"], "your HF_TOKEN has no access"):
+        done = subprocess.run([*serve, *flags], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
 def test_tokenizer_revision_takes_the_tokenizer_files_of_another_revision(hub, files, tmp_path):
     env = {**hub_env(hub, tmp_path / "cache"), "MMSERVE_CACHE": str(tmp_path / "mm")}
     path = Path(resolve(env, "org/tiny", "main", "v2"))

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from mmserve.config.fields import opt
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # models/attention/backend.py
 _CPU_ACTIVATION_QUANT = ("none", "int8")  # models/quantization/q8_gemv.py
+# generation_config.json's sampling names that --override-generation-config sets (vLLM's `available_params`)
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class ModelConfig:
         "generation_config.json: temperature, top_p, top_k, repetition_penalty, max_new_tokens as max_tokens), vllm "
         "(vLLM's neutral defaults), or a directory holding a generation_config.json. Every eos_token_id the file "
         "lists stops generation either way.")
+    override_generation_config: dict[str, Any] = opt(
+        {}, 'Sampling defaults over the generation config\'s, as JSON: {"temperature": 0.6, "max_new_tokens": 512} '
+        "(generation_config.json's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+        "with --generation-config vllm they are the only defaults (vLLM's flag).", parse=json.loads)
     model_dir: str | None = opt(
         None, "The checkpoint directory --model resolves to (set once by models/hub.py, not a flag).", cli=False)
     dtype: str = opt("auto", "Weights and activations dtype (auto: bfloat16 on CUDA, float32 on CPU).",
@@ -68,6 +76,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be auto, vllm or a directory; got {self.generation_config!r}")
+        overrides = self.override_generation_config
+        if not isinstance(overrides, dict) or any(k not in GENERATION_KEYS for k in overrides):
+            raise ValueError("override_generation_config must be a JSON object of generation_config.json's sampling "
+                             f"names ({', '.join(GENERATION_KEYS)}); got {overrides!r}")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -62,6 +62,20 @@ VLLM_FLAGS = (
     VllmFlag("--max-logprobs", IGNORED, "logprobs, top_logprobs and prompt_logprobs take at most 20 (OpenAI's limit)"),
     VllmFlag("--uvicorn-log-level", IGNORED, "--log-level sets the server's log level"),
     VllmFlag("--max-num-partial-prefills", IGNORED, "prefill chunks are scheduled within --max-num-batched-tokens"),
+    VllmFlag("--max-long-partial-prefills", IGNORED, "prefill chunks are scheduled within --max-num-batched-tokens"),
+    VllmFlag("--long-prefill-token-threshold", IGNORED, "prefill chunks are scheduled within "
+             "--max-num-batched-tokens"),
+    VllmFlag("--max-log-len", DONE, "mmserve logs no request contents (the access log has one line each)"),
+    VllmFlag("--enable-log-outputs", IGNORED, "mmserve logs no request contents (the access log has one line each)",
+             switch=True),
+    VllmFlag("--code-revision", DONE, "mmserve runs no code from a checkpoint: its model families are built in"),
+    VllmFlag("--disable-sliding-window", DONE, "no model family mmserve serves uses sliding-window attention",
+             switch=True),
+    VllmFlag("--disable-cascade-attn", DONE, "mmserve has no cascade attention", switch=True),
+    VllmFlag("--max-cudagraph-capture-size", IGNORED, "--cuda-graph-sizes names the decode batch sizes captured"),
+    VllmFlag("--response-role", DONE, "a chat answer's role is assistant", accepts=("assistant",)),
+    VllmFlag("--mm-encoder-tp-mode", DONE, "under tensor parallelism the vision tower's weights are split, as "
+             "the decoder's", accepts=("weights",)),
     VllmFlag("--tokenizer-mode", DONE, "the checkpoint's fast tokenizer is used", accepts=("auto", "hf")),
     VllmFlag("--load-format", DONE, "weights are read from safetensors", accepts=("auto", "safetensors")),
     VllmFlag("--task", DONE, "mmserve generates text", accepts=("auto", "generate")),
@@ -79,6 +93,12 @@ VLLM_FLAGS = (
     VllmFlag("--enable-sleep-mode", REFUSED, "sleep mode is not supported", switch=True),
     VllmFlag("--hf-overrides", REFUSED, "the checkpoint's config.json is read as it is"),
     VllmFlag("--otlp-traces-endpoint", REFUSED, "OpenTelemetry tracing is not supported"),
+    VllmFlag("--cpu-offload-gb", REFUSED, "weights are not offloaded to the CPU"),
+    VllmFlag("--tokenizer", REFUSED, "the tokenizer is the checkpoint's own (--tokenizer-revision takes it from "
+             "another revision)"),
+    VllmFlag("--skip-tokenizer-init", REFUSED, "the tokenizer is always loaded", switch=True),
+    VllmFlag("--logits-processors", REFUSED, "logits processors of your own are not supported"),
+    VllmFlag("--tool-parser-plugin", REFUSED, "tool parsers are built in (--tool-call-parser)"),
 )
 
 

@@ -44,7 +44,8 @@ class InputProcessor:
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self.generation = load_generation_defaults(model_dir, config.model.generation_config)
+        self.generation = load_generation_defaults(model_dir, config.model.generation_config,
+                                                   config.model.override_generation_config)
         if config.parallel.api_server_count == 1:  # with several, the launcher says it (launcher.py)
             announce(self.generation)
         mm = config.multimodal

@@ -112,7 +112,8 @@ class Launcher:
         parallel = config.parallel
         self.model_dir = config.model.checkpoint_dir
         # said once, here, before the API servers start (each loads them again, quietly)
-        announce(load_generation_defaults(self.model_dir, config.model.generation_config))
+        announce(load_generation_defaults(self.model_dir, config.model.generation_config,
+                                          config.model.override_generation_config))
         self.sock = listen_socket(self.server_config.host, self.server_config.port)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # the API servers inherit it
         if parallel.data_parallel_size > 1:

@@ -11,7 +11,8 @@ Two things come from it, following vLLM (`ModelConfig.get_diff_sampling_param`,
   `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` (as `max_tokens`) fill the
   fields a request leaves unset; a request's own value always wins. `vllm` takes none of them; a
   directory takes its own `generation_config.json` instead of the checkpoint's (for its EOS ids
-  too). A value is taken when the file gives it and it is not null: transformers 5's
+  too). `--override-generation-config` (vLLM's) sets any of these names over what the mode took.
+  A value is taken when the file gives it and it is not null: transformers 5's
   `GenerationConfig.to_diff_dict`, whose defaults are all None.
 """
 
@@ -25,14 +26,14 @@ from typing import Any
 
 import msgspec
 
+from mmserve.config.model import GENERATION_KEYS
 from mmserve.models.hf_config import eos_token_ids
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve")
 
 # generation_config.json's sampling names (vLLM's `available_params`) -> SamplingParams'
-_SAMPLING_NAMES = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
-                   "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+_SAMPLING_NAMES = {k: "max_tokens" if k == "max_new_tokens" else k for k in GENERATION_KEYS}
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,15 @@ class GenerationDefaults:
         if not self.sampling:
             return f"{eos}; no sampling defaults ({self.source})"
         values = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
-        return f"{eos}; requests that do not set them sample with {values} ({self.source}; " \
-               "--generation-config vllm ignores them)"
+        hint = "" if self.source.startswith("--generation-config vllm") else "; --generation-config vllm ignores them"
+        return f"{eos}; requests that do not set them sample with {values} ({self.source}{hint})"
 
 
-def load_generation_defaults(model_dir: str, mode: str = "auto") -> GenerationDefaults:
-    """The defaults `--generation-config mode` gives a checkpoint in `model_dir`; a ValueError when
-    the file's values are not valid sampling parameters (refused at start, not per request)."""
+def load_generation_defaults(model_dir: str, mode: str = "auto",
+                             overrides: dict[str, Any] | None = None) -> GenerationDefaults:
+    """The defaults `--generation-config mode` gives a checkpoint in `model_dir`, with `overrides`
+    (`--override-generation-config`, the file's names) over them; a ValueError when the values
+    are not valid sampling parameters (refused at start, not per request)."""
     folder = model_dir if mode in ("auto", "vllm") else mode
     path = os.path.join(folder, "generation_config.json")
     raw: dict[str, Any] = {}
@@ -89,14 +92,18 @@ def load_generation_defaults(model_dir: str, mode: str = "auto") -> GenerationDe
         with open(path) as f:
             raw = json.load(f)
     eos = eos_token_ids(folder if raw.get("eos_token_id") is not None else model_dir)
-    if mode == "vllm":
-        return GenerationDefaults(eos, source="--generation-config vllm: vLLM's neutral defaults")
-    sampling = {_SAMPLING_NAMES[k]: v for k, v in raw.items() if k in _SAMPLING_NAMES and v is not None}
+    source = "--generation-config vllm: vLLM's neutral defaults" if mode == "vllm" else \
+        path if os.path.isfile(path) else f"no {path}"
+    chosen = {} if mode == "vllm" else {k: v for k, v in raw.items() if k in _SAMPLING_NAMES and v is not None}
+    if overrides:
+        chosen.update({k: v for k, v in overrides.items() if v is not None})
+        source += ", --override-generation-config over it"
+    sampling = {_SAMPLING_NAMES[k]: v for k, v in chosen.items()}
     try:
         SamplingParams(**sampling)
     except ValueError as e:
-        raise ValueError(f"{path}: its sampling defaults are not valid: {e}") from None
-    return GenerationDefaults(eos, sampling, source=path if os.path.isfile(path) else f"no {path}")
+        raise ValueError(f"{source}: the sampling defaults are not valid: {e}") from None
+    return GenerationDefaults(eos, sampling, source=source)
 
 
 def announce(defaults: GenerationDefaults) -> None:

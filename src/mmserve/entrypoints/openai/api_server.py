@@ -69,17 +69,18 @@ HEALTH_POLL_S = 0.5
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               max_body_bytes: int | None = None, options: ServingOptions | None = None,
               responses_store_bytes: int = 256 << 20, responses_store: str | None = None,
-              cors: dict[str, Any] | None = None) -> FastAPI:
+              cors: dict[str, Any] | None = None, docs: bool = True) -> FastAPI:
     """The FastAPI app over `engine`; `app.state.metrics` holds its `ServerMetrics`. Bodies over
     `max_body_bytes` (default: derived from the media limits) are refused with 413 unread;
     `options` are the flags' choices for every answer (tool parser, chat templates, reasoning
     parser, logprob tokens, usage); finished responses are kept for previous_response_id in
     `responses_store_bytes`, or in the node's store at the address `responses_store` (a
     launcher's, shared by its API servers); `cors` (CORSMiddleware's arguments) answers browsers'
-    cross-origin requests."""
+    cross-origin requests; without `docs`, no /openapi.json, /docs or /redoc."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
-    app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.")
+    pages: dict[str, Any] = {} if docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="mmserve", description="OpenAI-compatible API of a vision-language model server.", **pages)
     mm = engine.config.multimodal
     app.add_middleware(BodyLimitMiddleware,
                        max_bytes=max_body_bytes or default_body_limit(mm.max_media_bytes, mm.max_images))
@@ -246,7 +247,8 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
                         None if limit is None else int(limit * (1 << 20)), options,
                         int(server_config.responses_store_mb * (1 << 20)),
-                        attachment.responses if attachment is not None else None, server_config.cors())
+                        attachment.responses if attachment is not None else None, server_config.cors(),
+                        docs=not server_config.disable_fastapi_docs)
         if server_config.enable_request_id_headers:
             app.add_middleware(RequestIdHeaderMiddleware)  # outside the error handlers: a 4xx has it too
         add_user_middleware(app, server_config.middleware or [])

@@ -96,6 +96,9 @@ class ServerConfig:
         "help": "An ASGI middleware of your own, by import path (package.module.name): a class is added with "
                 "app.add_middleware, an async function (request, call_next) as an HTTP middleware; repeatable; "
                 "imported when the server starts (vLLM's flag).", "action": "append"})
+    disable_fastapi_docs: bool = field(default=False, metadata={
+        "help": "Serve no OpenAPI schema (/openapi.json) and no Swagger or ReDoc pages (/docs, /redoc) (vLLM's flag).",
+        "action": "store_true"})
     request_read_timeout_s: float = field(default=30.0, metadata={
         "help": "Seconds a connection has to send a whole request (headers and body) once it opens or a "
                 "request begins; slower ones are closed (idle keep-alive connections close after 5 s)."})
