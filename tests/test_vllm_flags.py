@@ -254,3 +254,36 @@ def test_a_bad_config_file_is_one_error_line_naming_it(tmp_path, capsys, text, w
     assert len(err) == 1 and err[0].startswith(f"mmserve: error: --config {config}: ") and words in err[0], err
     assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_vllms_spellings_of_a_command_line_are_read_as_vllm_reads_them(tmp_path, capsys):
+    """A vLLM recipe's line: underscores in flag names, a JSON flag's keys as flags of their own
+    (merged over the flag's own object), vLLM's `{"count": N}` limits, `--mm-encoder-tp-mode data`."""
+    import argparse
+
+    from mmserve.cli import _add_serve_parser
+    from mmserve.config import MultiModalConfig
+    from mmserve.config.vllm_argv import json_flags, vllm_argv
+
+    parser = argparse.ArgumentParser()
+    serve = _add_serve_parser(parser.add_subparsers(dest="command"))
+    argv = vllm_argv(["serve", "org/m", "--max_model_len", "4096", "--limit-mm-per-prompt", '{"image": 2}',
+                      "--limit-mm-per-prompt.video", "0", "--mm-processor-kwargs.max_pixels=1003520",
+                      "--mm_processor_kwargs.fps", "2.0", "--kv-events-config.publisher", "zmq",
+                      "--kv-events-config.enable_kv_cache_events", "true", "--cuda-graph-sizes", "1",
+                      "--override-generation-config.stop+", "a,b", "--mm-encoder-tp-mode", "data"],
+                     json_flags(serve))
+    args = parser.parse_args(argv)
+    assert args.max_model_len == 4096 and args.limit_mm_per_prompt == {"image": 2, "video": 0}
+    assert args.mm_processor_kwargs == {"max_pixels": 1003520, "fps": 2.0}
+    assert args.kv_events_config == {"publisher": "zmq", "enable_kv_cache_events": True}
+    assert args.override_generation_config == {"stop": ["a", "b"]}
+    assert MultiModalConfig(limit_mm_per_prompt={"image": {"count": 3, "width": 512, "height": 512},
+                                                 "video": {"count": 0}}).limit_mm_per_prompt == {"image": 3, "video": 0}
+    for bad, words in ((["--max-num-seqs.x", "1"], "--max-num-seqs takes no JSON object"),
+                       (["--limit-mm-per-prompt.video"], "needs a value"),
+                       (["--limit-mm-per-prompt", "[1]", "--limit-mm-per-prompt.video", "0"], "not a JSON object"),
+                       (["--limit-mm-per-prompt", '{"image": {"count": "x"}}'], "must be a non-negative integer")):
+        assert main(["serve", "--port", "0", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mmserve: error: ") and words in err[0], err

@@ -10,6 +10,7 @@ import sys
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
 from mmserve.config.config_file import with_config_file
+from mmserve.config.vllm_argv import json_flags, vllm_argv
 from mmserve.config.vllm_flags import add_vllm_flags, vllm_flag_notes
 from mmserve.gc_tuning import pause_collection
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(gen)
     argv, server_args = split_server_args(sys.argv[1:] if argv is None else list(argv))
     try:
+        if argv[:1] == ["serve"]:  # vLLM's spellings: --max_model_len, --limit-mm-per-prompt.video 0
+            argv = vllm_argv(argv, json_flags(serve))
         args = with_config_file(parser, serve, argv)  # serve's --config FILE.yaml: its flags first
     except ValueError as e:
         print(f"mmserve: error: {e}", file=sys.stderr)

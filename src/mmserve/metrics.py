@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from mmserve.ipc.messages import CacheStats, SchedulerStats
 from mmserve.rank_metrics import DataParallelFigures, RankCollector
+from mmserve.vllm_metrics import Source, VllmNames
 
 OUTCOMES = ("success", "error", "abort")  # success: finished by stop or length
 CACHE_LAYERS = ("processor", "ipc", "shm", "encoder", "prefix", "first_token")
@@ -128,10 +129,11 @@ class ServerMetrics:
 
     def __init__(self, stats_fn: Callable[[], SchedulerStats | None] | None = None,
                  dp_figures_fn: Callable[[], DataParallelFigures] | None = None, api_server: int | None = None,
-                 verify_fn: Callable[[], VerifyFigures] | None = None) -> None:
+                 verify_fn: Callable[[], VerifyFigures] | None = None, model_name: str | None = None) -> None:
         """`api_server`: this server's index when it is one of several (its requests are also
         counted under `api_server="<index>"`); `verify_fn`: the cache verifier's figures (this
-        server's own: with several API servers each reports its shadows)."""
+        server's own: with several API servers each reports its shadows); `model_name`: the served
+        name vLLM's metric names carry (`vllm_metrics.py`; none without it)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmserve_requests", "Chat completion requests by outcome "
@@ -149,11 +151,15 @@ class ServerMetrics:
             "mmserve_api_server_requests", "Requests each API server answered (any outcome).", ["api_server"],
             registry=r).labels(api_server=str(api_server))
         self.render_registry = r
+        sources: list[Source] = [self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e]  # for vllm: names
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several API servers: every process's counts
             self.render_registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.render_registry)
+            sources = [multiprocess.MultiProcessCollector(self.render_registry)]
         if stats_fn is not None:
-            self.render_registry.register(EngineStatsCollector(stats_fn))
+            sources.append(engine := EngineStatsCollector(stats_fn))
+            self.render_registry.register(engine)
+        if model_name is not None:
+            self.render_registry.register(VllmNames(sources, model_name))
         if dp_figures_fn is not None:
             self.render_registry.register(RankCollector(dp_figures_fn))
         if verify_fn is not None:

@@ -244,6 +244,31 @@ def test_metrics_names_and_outcomes(client, engine):
     assert metric(client, 'mmserve_cache_queries_total{layer="prefix"}') == 0
 
 
+def test_vllms_metric_names_read_the_same_figures(client, engine):
+    """What reads a vLLM server's /metrics (dashboards, autoscalers, routers) reads ours: vLLM's names
+    and `model_name` label (the first served name), the same figures as mmserve's own."""
+    label = f'{{model_name="{MODEL}"}}'
+    assert post(client, {"messages": GOOD}).status_code == 200
+    engine._stats = SchedulerStats(num_running=3, num_waiting=4, num_free_blocks=6, num_total_blocks=8,
+                                   num_preemptions=2, caches={"processor": CacheStats(queries=3, hits=1),
+                                                              "prefix": CacheStats(queries=40, hits=16)})
+    for vllm, ours in (("vllm:num_requests_running", "mmserve_num_requests_running"),
+                       ("vllm:num_requests_waiting", "mmserve_num_requests_waiting"),
+                       ("vllm:num_preemptions_total", "mmserve_num_preemptions_total"),
+                       ("vllm:prompt_tokens_total", "mmserve_prompt_tokens_total"),
+                       ("vllm:generation_tokens_total", "mmserve_generation_tokens_total"),
+                       ("vllm:time_to_first_token_seconds_count", "mmserve_time_to_first_token_seconds_count"),
+                       ("vllm:e2e_request_latency_seconds_sum", "mmserve_e2e_request_latency_seconds_sum"),
+                       ("vllm:prefix_cache_queries_total", 'mmserve_cache_queries_total{layer="prefix"}'),
+                       ("vllm:prefix_cache_hits_total", 'mmserve_cache_hits_total{layer="prefix"}'),
+                       ("vllm:mm_cache_queries_total", 'mmserve_cache_queries_total{layer="processor"}'),
+                       ("vllm:mm_cache_hits_total", 'mmserve_cache_hits_total{layer="processor"}')):
+        assert metric(client, vllm + label) == metric(client, ours) != 0, vllm
+    assert metric(client, "vllm:kv_cache_usage_perc" + label) == metric(client, "vllm:gpu_cache_usage_perc" + label)
+    assert metric(client, "vllm:kv_cache_usage_perc" + label) == pytest.approx(0.25)
+    assert metric(client, 'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="' + MODEL + '"}') == 1
+
+
 # ---- client disconnects abort the request ---------------------------------------------------------
 
 

@@ -61,11 +61,11 @@ class MultiModalConfig:
     def __post_init__(self) -> None:
         if isinstance(self.allowed_media_domains, str):
             object.__setattr__(self, "allowed_media_domains", comma_list(self.allowed_media_domains))
-        for modality, limit in self.limit_mm_per_prompt.items():
-            if modality not in ("image", "video"):
-                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (image or video)")
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer")
+        if not isinstance(self.limit_mm_per_prompt, dict):
+            raise ValueError(f'limit_mm_per_prompt must be a JSON object such as {{"image": 4}}; '
+                             f"got {self.limit_mm_per_prompt!r}")
+        limits = {m: _item_limit(m, v) for m, v in self.limit_mm_per_prompt.items()}
+        object.__setattr__(self, "limit_mm_per_prompt", limits)
         if self.max_media_bytes < 1 or self.max_media_pixels < 1:
             raise ValueError("max_media_bytes and max_media_pixels must be positive")
         if (self.max_video_bytes < 1 or self.max_video_frames < 1 or self.max_video_duration_s <= 0
@@ -142,3 +142,16 @@ def _check_processor_kwargs(kwargs: Any) -> None:
         if not number or not math.isfinite(value) or value <= 0 or (key != "fps" and not isinstance(value, int)):
             kind = "a positive finite number" if key == "fps" else "a positive integer"
             raise ValueError(f"mm_processor_kwargs.{key} must be {kind}; got {value!r:.40}")
+
+
+def _item_limit(modality: str, limit: Any) -> int:
+    """One modality's limit: a count, or vLLM's `{"count": N, "width": ..., "height": ...}` (its
+    sizes are vLLM's memory-profiling hints: the count is what limits a prompt here)."""
+    if modality not in ("image", "video"):
+        raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (image or video)")
+    if isinstance(limit, dict) and set(limit) <= {"count", "width", "height", "num_frames"}:
+        limit = limit.get("count")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (or vLLM's "
+                         f'{{"count": N, ...}}); got {limit!r}')
+    return limit

@@ -74,8 +74,8 @@ VLLM_FLAGS = (
     VllmFlag("--disable-cascade-attn", DONE, "mmserve has no cascade attention", switch=True),
     VllmFlag("--max-cudagraph-capture-size", IGNORED, "--cuda-graph-sizes names the decode batch sizes captured"),
     VllmFlag("--response-role", DONE, "a chat answer's role is assistant", accepts=("assistant",)),
-    VllmFlag("--mm-encoder-tp-mode", DONE, "under tensor parallelism the vision tower's weights are split, as "
-             "the decoder's", accepts=("weights",)),
+    VllmFlag("--mm-encoder-tp-mode", IGNORED, "under tensor parallelism the vision tower's weights are split, as "
+             "the decoder's (vLLM's weights mode)", accepts=("weights", "data")),
     VllmFlag("--tokenizer-mode", DONE, "the checkpoint's fast tokenizer is used", accepts=("auto", "hf")),
     VllmFlag("--load-format", DONE, "weights are read from safetensors", accepts=("auto", "safetensors")),
     VllmFlag("--task", DONE, "mmserve generates text", accepts=("auto", "generate")),

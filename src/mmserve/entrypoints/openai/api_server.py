@@ -92,7 +92,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     parallel = engine.config.parallel
     app.state.metrics = metrics = ServerMetrics(engine.stats, getattr(engine, "dp_figures", None),
                                                 parallel.api_server_index if parallel.api_server_count > 1 else None,
-                                                getattr(engine, "verify_figures", None))
+                                                getattr(engine, "verify_figures", None), served_model_names[0])
     chat = OpenAIServingChat(engine, served_model_names, metrics, options)
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
     text = OpenAIServingCompletion(engine, served_model_names, metrics, options)

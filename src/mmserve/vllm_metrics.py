@@ -1,0 +1,84 @@
+"""vLLM's metric names on /metrics, beside mmserve's own, so that what reads a vLLM server's metrics
+reads ours: Grafana dashboards, KEDA / HPA autoscalers on the queue length, the production-stack
+router on running requests and KV usage.
+
+Each `vllm:` family is an mmserve family under vLLM's name, with vLLM's `model_name` label (the
+first served model name), computed at scrape time from the same figures — nothing is counted twice:
+
+| vLLM's name | from |
+|---|---|
+| `vllm:num_requests_running`, `vllm:num_requests_waiting` | the engine's running and waiting requests |
+| `vllm:kv_cache_usage_perc` (and its older name `vllm:gpu_cache_usage_perc`) | 1 - free / total KV blocks (0 to 1) |
+| `vllm:num_preemptions_total` | preemptions |
+| `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` | the requests' prompt and generated tokens |
+| `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds` | the same histograms (our buckets) |
+| `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | the prefix cache's, in prompt tokens (as vLLM) |
+| `vllm:mm_cache_queries_total`, `vllm:mm_cache_hits_total` | the processor cache's, in items (vLLM's unit) |
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+RENAMED = {  # mmserve family -> vLLM's
+    "mmserve_num_requests_running": "vllm:num_requests_running",
+    "mmserve_num_requests_waiting": "vllm:num_requests_waiting",
+    "mmserve_num_preemptions": "vllm:num_preemptions",
+    "mmserve_prompt_tokens": "vllm:prompt_tokens",
+    "mmserve_generation_tokens": "vllm:generation_tokens",
+    "mmserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "mmserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+BY_LAYER = {  # mmserve family, its layer -> vLLM's
+    ("mmserve_cache_queries", "prefix"): "vllm:prefix_cache_queries",
+    ("mmserve_cache_hits", "prefix"): "vllm:prefix_cache_hits",
+    ("mmserve_cache_queries", "processor"): "vllm:mm_cache_queries",
+    ("mmserve_cache_hits", "processor"): "vllm:mm_cache_hits",
+}
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+class Source(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
+class VllmNames(Collector):
+    """The `vllm:` families of what `sources` collect (a registry, a collector), labelled `model_name`."""
+
+    def __init__(self, sources: list[Source], model_name: str) -> None:
+        self.sources = sources
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        blocks: dict[str, float] = {}
+        for source in self.sources:
+            for family in source.collect():
+                if family.name in ("mmserve_kv_cache_free_blocks", "mmserve_kv_cache_total_blocks"):
+                    blocks.update((family.name, s.value) for s in family.samples)
+                if family.name in RENAMED:
+                    yield self._renamed(family, RENAMED[family.name])
+                for (base, layer), name in BY_LAYER.items():
+                    if family.name == base:
+                        yield self._renamed(family, name, layer)
+        yield from self._usage(blocks)
+
+    def _renamed(self, family: Metric, name: str, layer: str | None = None) -> Metric:
+        """`family` as `name`, labelled `model_name`; with `layer`, that layer's samples alone (unlabelled)."""
+        out = Metric(name, family.documentation, family.type, family.unit)
+        for s in family.samples:
+            if layer is None or s.labels.get("layer") == layer:
+                labels = {k: v for k, v in s.labels.items() if k != "layer"} | {"model_name": self.model_name}
+                out.samples.append(s._replace(name=name + s.name[len(family.name):], labels=labels))
+        return out
+
+    def _usage(self, blocks: dict[str, float]) -> Iterator[Metric]:
+        free, total = blocks.get("mmserve_kv_cache_free_blocks"), blocks.get("mmserve_kv_cache_total_blocks")
+        for name in USAGE:
+            gauge = GaugeMetricFamily(name, "KV cache usage: the share of KV blocks in use (1 means full).",
+                                      labels=["model_name"])
+            if free is not None and total:
+                gauge.add_metric([self.model_name], 1.0 - free / total)
+            yield gauge
