@@ -287,3 +287,14 @@ def test_vllms_spellings_of_a_command_line_are_read_as_vllm_reads_them(tmp_path,
         assert main(["serve", "--port", "0", *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mmserve: error: ") and words in err[0], err
+
+
+def test_vllms_api_key_variable_protects_the_server_as_in_vllm(tmp_path, monkeypatch):
+    """A vLLM deployment that sets VLLM_API_KEY (and no --api-key) is not left open here; the flag wins."""
+    from mmserve.entrypoints.openai.server_config import ServerConfig
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert ServerConfig.from_cli(parse_with(tmp_path, "")).api_key == "from-env"
+    assert ServerConfig.from_cli(parse_with(tmp_path, "", "--api-key", "flag")).api_key == "flag"
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert ServerConfig.from_cli(parse_with(tmp_path, "")).api_key is None

@@ -20,7 +20,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 from mmserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from mmserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from mmserve.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from mmserve import outputs
 

@@ -158,3 +158,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ClientError(message)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BeamSearchParams":  # vLLM's import path: from vllm.sampling_params import BeamSearchParams
+        from mmserve.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

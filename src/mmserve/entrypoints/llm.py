@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from types import TracebackType
 from typing import Any, Callable, Sequence, cast
 
+from mmserve import beam_search
+from mmserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.engine_client.llm_engine import LLMEngine
+from mmserve.frontend.request.prompt import Prompt
 from mmserve.models.hub import resolve_engine_model
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
+PromptType = str | dict[str, Any] | Prompt  # a string, vLLM's dict form, or a `Prompt`
 
 
 class LLM:
@@ -79,7 +83,7 @@ class LLM:
         A request the engine fails alone finishes with finish_reason "abort"; an engine core that
         fails as a whole raises, and every prompt of the call is aborted. One rank or N alike.
         """
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, Prompt)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts), self.get_default_sampling_params)
         ids = [str(next(self._ids)) for _ in prompts]
@@ -91,6 +95,19 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(ids)
             raise
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best beams (`beam_search.py`),
+        in the prompts' order; each round runs every prompt's live beams as one batch."""
+        if isinstance(prompts, (str, dict, Prompt)):
+            prompts = [prompts]
+        inputs = self.engine.input_processor
+        searches = [BeamSearch(Prompt.parse(p), params, inputs.eos_token_ids, max_model_len=inputs.max_model_len)
+                    for p in prompts]
+        beam_search.run(searches, lambda step: self.generate(step, params.step_params()))
+        decode = functools.partial(inputs.tokenizer.decode, skip_special_tokens=True)
+        return [beam_search.sequences_of(s, decode) for s in searches]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

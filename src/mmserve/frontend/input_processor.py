@@ -106,6 +106,7 @@ class InputProcessor:
             self._check_item_sizes(resolved)
             self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
+            token_ids = self._continued(token_ids, prompt.continuation)
             if len(token_ids) >= self.max_model_len:
                 raise ClientError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
@@ -130,7 +131,7 @@ class InputProcessor:
     def _tokens_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                         bypass_caches: bool, priority: int) -> EngineCoreRequest:
         """A prompt of token ids: each within the vocabulary, and room for one output token."""
-        token_ids = list(prompt.token_ids or ())
+        token_ids = self._continued(list(prompt.token_ids or ()), prompt.continuation)
         bad = [t for t in token_ids if t >= self.vocab_size]
         if bad:
             raise ClientError(f"prompt token ids {bad[:3]} are not token ids of this model (vocabulary of "
@@ -165,6 +166,19 @@ class InputProcessor:
         if past is not None:
             raise ClientError(f"the prompt has more than {past[0]} tokens (its first {past[1]} characters were "
                              f"tokenized), but max_model_len is {self.max_model_len}")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: the engine's EOS, the generation config's, the tokenizer's."""
+        ids = {self.eos_token_id, *self.generation.eos_token_ids, self.tokenizer.eos_token_id}
+        return frozenset(i for i in ids if i is not None)
+
+    def _continued(self, token_ids: list[int], continuation: tuple[int, ...]) -> list[int]:
+        """The prompt's tokens and then `continuation`'s (each within the vocabulary)."""
+        bad = [t for t in continuation if t >= self.vocab_size]
+        if bad:
+            raise ClientError(f"token ids {bad[:3]} are not token ids of this model (vocabulary of {self.vocab_size})")
+        return token_ids + list(continuation) if continuation else token_ids
 
     def _check_priority(self, priority: int) -> None:
         """A priority other than 0 needs `--scheduling-policy priority` (vLLM refuses it too)."""

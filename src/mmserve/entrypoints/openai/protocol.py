@@ -170,6 +170,7 @@ class ChatCompletionRequest(SamplingExtras):
         """Raise `ParameterError` naming the first parameter mmserve cannot honour."""
         check_top_logprobs("top_logprobs", self.top_logprobs)
         self.check_prompt_logprobs(self.stream)
+        self.check_beam_search(self.stream, bool(self.logprobs))
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.stream_options is not None and not self.stream:

@@ -66,6 +66,7 @@ class CompletionRequest(SamplingExtras):
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
         self.check_prompt_logprobs(self.stream)
+        self.check_beam_search(self.stream, self.logprobs is not None)
         if self.suffix:
             raise ParameterError("suffix", "suffix is not supported by mmserve", code="unsupported_parameter")
         if self.best_of not in (None, self.n or 1):

@@ -7,6 +7,7 @@ translation into `SamplingParams` values. A bad value is a `ParameterError` nami
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -53,6 +54,13 @@ def structured_outputs_of(kind: str, schema: Any, param: str, schema_name: str) 
         raise ParameterError(param, f"{param}: {e}") from None
 
 
+# what beam search does not use (beam_search.py: it ranks by the model's own log probabilities)
+_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "stop",
+                   "stop_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar", "echo")
+
+
 class SamplingExtras(BaseModel):
     """Fields both request bodies take; `extra_sampling_values` gives their `SamplingParams` values."""
 
@@ -75,10 +83,34 @@ class SamplingExtras(BaseModel):
     return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids in the answer
     request_id: str | None = None  # vLLM's: the answer's id (after the endpoint's prefix); X-Request-Id wins
     priority: int | None = 0  # vLLM's: the lower, the sooner it runs (--scheduling-policy priority)
+    use_beam_search: bool | None = False  # vLLM's: the n best of n beams (beam_search.py)
+    length_penalty: float | None = None  # vLLM's, with use_beam_search: a beam's score is over length ** it
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether log probabilities name tokens "token_id:N": the request's choice, else the server's."""
         return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
+
+    def check_beam_search(self, stream: bool | None, logprobs: bool) -> None:
+        """`use_beam_search` answers whole, with n (1 to MAX_BEAM_WIDTH) beams and no log probabilities;
+        a sampling field beam search does not use is refused by name, not ignored."""
+        from mmserve.beam_search import MAX_BEAM_WIDTH
+        from mmserve.entrypoints.openai.protocol import ParameterError
+
+        if not self.use_beam_search:
+            if self.length_penalty is not None:
+                raise ParameterError("length_penalty", "length_penalty needs use_beam_search")
+            return
+        if stream:
+            raise ParameterError("use_beam_search", "use_beam_search answers whole: not when stream is true")
+        if logprobs:
+            raise ParameterError("use_beam_search", "use_beam_search gives no log probabilities")
+        if not 1 <= (getattr(self, "n", 1) or 1) <= MAX_BEAM_WIDTH:
+            raise ParameterError("n", f"with use_beam_search, n (the beam width) must be 1 to {MAX_BEAM_WIDTH}")
+        for name in _NOT_WITH_BEAMS:
+            if getattr(self, name, None) not in (None, False, [], {}):
+                raise ParameterError(name, f"{name} is not used by beam search (use_beam_search)")
+        if self.length_penalty is not None and not math.isfinite(self.length_penalty):
+            raise ParameterError("length_penalty", "length_penalty must be a finite number")
 
     def check_prompt_logprobs(self, stream: bool | None) -> None:
         """`prompt_logprobs`: 0 to 20, and not in a stream (vLLM's rule); a `ParameterError` otherwise."""

@@ -31,7 +31,8 @@ class ServerConfig:
         "help": "Name(s) clients use in 'model' (default: the model argument); the first is the default.",
         "nargs": "+"})
     api_key: str | None = field(default=None, metadata={
-        "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)."})
+        "help": "Require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open); default: the "
+                "VLLM_API_KEY environment variable, as vLLM reads it."})
     log_level: str = field(default="info", metadata={"help": "Server log level.", "choices": LOG_LEVELS})
     disable_log_stats: bool = field(default=False, metadata={
         "help": "Log no periodic stats line (vLLM's flag; /metrics counts as before).", "action": "store_true"})
@@ -172,7 +173,12 @@ class ServerConfig:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerConfig:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        """The flags' config; without `--api-key`, the key of the environment's `VLLM_API_KEY` (as vLLM
+        reads it: a vLLM deployment that sets it is not left open here)."""
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        if values.get("api_key") is None and os.environ.get("VLLM_API_KEY"):
+            values["api_key"] = os.environ["VLLM_API_KEY"]
+        return cls(**values)
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:

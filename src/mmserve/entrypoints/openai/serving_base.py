@@ -29,6 +29,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from mmserve import beam_search
+from mmserve.beam_search import BeamSearchParams
 from mmserve.cache_report import CacheReport, cache_headers
 from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
@@ -253,8 +255,16 @@ class OpenAIServing:
 
     def generate(self, ctx: ServeContext[Any], prompt: Prompt, params: SamplingParams | None = None,
                  request_id: str | None = None) -> Outputs:
-        """The engine's outputs for `prompt`, routed as the request asks (`ServeContext.routing`)."""
-        return self.engine.generate(request_id or ctx.engine_id, prompt, params or ctx.params, **ctx.routing())
+        """The engine's outputs for `prompt`, routed as the request asks (`ServeContext.routing`);
+        with vLLM's `use_beam_search`, the n best beams as one last output (`beam_search.serve`)."""
+        params = params or ctx.params
+        if getattr(ctx.request, "use_beam_search", False):
+            if params.structured_outputs is not None:
+                raise ParameterError("use_beam_search", "use_beam_search cannot answer a forced tool call")
+            beams = BeamSearchParams(params.n, params.max_tokens, params.ignore_eos,
+                                     length_penalty=ctx.request.length_penalty or 1.0)
+            return beam_search.serve(self.engine, request_id or ctx.engine_id, prompt, beams, **ctx.routing())
+        return self.engine.generate(request_id or ctx.engine_id, prompt, params, **ctx.routing())
 
     async def respond(self, ctx: ServeContext[Any], outputs: Outputs,
                       stream: Callable[[RequestOutput], EventStream] | None,

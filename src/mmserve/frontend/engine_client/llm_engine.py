@@ -31,7 +31,7 @@ from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.sampling_params import SamplingParams
 
-Prompt = str | dict[str, Any]
+Prompt = str | dict[str, Any] | TypedPrompt  # what `LLM.generate` takes
 Processed = tuple[EngineCoreRequest, Prompt, CacheReport, list[ResolvedItem]]  # a request, what P0 holds for it
 
 

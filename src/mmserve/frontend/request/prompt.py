@@ -51,8 +51,11 @@ class Prompt:
     video_uuids: list[str | None] = field(default_factory=list)  # [] or one per video
     settings: PromptSettings = field(default_factory=PromptSettings)
     token_ids: list[int] | None = None
+    continuation: tuple[int, ...] = ()  # tokens after the prompt's own (a beam's so far: `beam_search.py`)
 
     def __post_init__(self) -> None:
+        if self.continuation:
+            check_token_ids(list(self.continuation))
         if self.token_ids is not None:
             check_token_ids(self.token_ids)
             if self.text or self.images or self.videos:
