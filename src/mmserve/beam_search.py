@@ -175,8 +175,14 @@ async def serve(engine: Any, request_id: str, prompt: Prompt, params: BeamSearch
         return outputs[-1]
 
     while not search.done:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(last(f"{request_id}-{search.steps}-{i}", p))
-                     for i, p in enumerate(search.step_prompts())]
-        search.advance([t.result() for t in tasks])
+        tasks = [asyncio.ensure_future(last(f"{request_id}-{search.steps}-{i}", p))
+                 for i, p in enumerate(search.step_prompts())]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:  # the first beam's error, as a request's own (a 400, a 503): the others end
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        search.advance(outputs)
     yield search.output(request_id, functools.partial(inputs.tokenizer.decode, skip_special_tokens=True))
