@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # it on its core through a forward and bounds what an idle thread burns. An explicit value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
@@ -29,10 +29,6 @@ def __getattr__(name: str) -> Any:
         from mmserve.entrypoints.llm import LLM
 
         return LLM
-    if name == "BeamSearchParams":
-        from mmserve.beam_search import BeamSearchParams
-
-        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from mmserve import outputs
 

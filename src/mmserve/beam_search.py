@@ -20,42 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, Sequence
 
 from mmserve.frontend.request.prompt import Prompt
 from mmserve.outputs import CompletionOutput, RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import BeamSearchParams
 
-MAX_BEAM_WIDTH = 10  # a step asks for 2 x beam_width log probabilities, at most 20
 Decode = Callable[[list[int]], str]
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """vLLM's: `beam_width` answers of at most `max_tokens` tokens each."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0  # accepted as vLLM's; the ranking uses the model's own log probabilities
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}]; got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1; got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature}")
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number; got {self.length_penalty}")
-
-    def step_params(self) -> SamplingParams:
-        """One step of a beam: one greedy token and the 2 x beam_width most likely next tokens."""
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.beam_width, ignore_eos=True,
-                              skip_special_tokens=False)
 
 
 @dataclass

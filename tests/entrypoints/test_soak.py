@@ -26,8 +26,9 @@ def model_path(tmp_path_factory):
 def test_short_soak(model_path, async_scheduling):
     """With --async-scheduling the soaked servers overlap each step with the next; the reference
     server does not, so the answers compared are the synchronous engine's."""
+    # the verifier re-runs one shadow at a time: at 0.2 a loaded machine re-ran 0 of a run's candidates once
     reports = run_soak(model_path, ["lru", "shm"], requests=120, seconds=8.0, concurrency=12, seed=1,
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling, verify_rate=0.5)
     for report in reports:
         print(report.summary())
     assert not [f for report in reports for f in report.failures], "\n".join(

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any, Callable, Sequence, cast
 
 from mmserve import beam_search
-from mmserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from mmserve.beam_search import BeamSearch, BeamSearchOutput
 from mmserve.config import EngineConfig
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.engine_client.llm_engine import LLMEngine
@@ -17,7 +17,7 @@ from mmserve.frontend.request.prompt import Prompt
 from mmserve.models.hub import resolve_engine_model
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
 from mmserve.outputs import RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any] | Prompt  # a string, vLLM's dict form, or a `Prompt`
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from mmserve.sampling_params import MAX_LOGPROBS
+from mmserve.sampling_params import MAX_BEAM_WIDTH, MAX_LOGPROBS
 from mmserve.structured_outputs import StructuredOutputsParams
 
 
@@ -93,7 +93,6 @@ class SamplingExtras(BaseModel):
     def check_beam_search(self, stream: bool | None, logprobs: bool) -> None:
         """`use_beam_search` answers whole, with n (1 to MAX_BEAM_WIDTH) beams and no log probabilities;
         a sampling field beam search does not use is refused by name, not ignored."""
-        from mmserve.beam_search import MAX_BEAM_WIDTH
         from mmserve.entrypoints.openai.protocol import ParameterError
 
         if not self.use_beam_search:

@@ -30,7 +30,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mmserve import beam_search
-from mmserve.beam_search import BeamSearchParams
 from mmserve.cache_report import CacheReport, cache_headers
 from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
@@ -43,7 +42,7 @@ from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.metrics import ServerMetrics
 from mmserve.multimodal.chat_templates import ChatTemplateOptions, ChatTemplatePolicy
 from mmserve.outputs import RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import BeamSearchParams, SamplingParams
 from mmserve.structured_outputs import check_structure
 
 if TYPE_CHECKING:
