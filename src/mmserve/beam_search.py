@@ -7,7 +7,7 @@ a candidate that ends (an EOS id, unless `ignore_eos`) is kept aside. After `max
 when no beam is left, the best `beam_width` of the ended and the live are the answer.
 
 The beams share the prompt's KV blocks and its images' encoder outputs through the caches, so a
-step computes about one block per beam. A candidate's score is vLLM's
+step computes about one token per beam (full and partial prefix blocks). A candidate's score is vLLM's
 `cumulative log probability / length ** length_penalty`, the length counting the prompt's tokens
 and the beam's, an ending EOS not counted.
 
