@@ -131,6 +131,9 @@ def test_the_servers_use_beam_search_answers_the_offline_beams(path, server):
         assert [c.message.content for c in chat.choices] == [s.text for s in chat_want.sequences]
         assert [c.finish_reason for c in chat.choices] == [s.finish_reason for s in chat_want.sequences]
         assert text.usage.completion_tokens == 12 and chat.usage.prompt_tokens == len(chat_want.sequences[0].tokens) - 4
+        neutral = client.chat.completions.create(model="m", messages=messages, top_p=1.0, frequency_penalty=0,
+                                                 **beams)  # what asks for nothing is no refusal
+        assert [c.message.content for c in neutral.choices] == [s.text for s in chat_want.sequences]
         for body, param in (({"stream": True}, "use_beam_search"), ({"n": 11}, "n"), ({"top_p": 0.5}, "top_p"),
                             ({"logprobs": True}, "use_beam_search"), ({"stop": ["x"]}, "stop")):
             with pytest.raises(openai.BadRequestError) as err:
@@ -139,3 +142,4 @@ def test_the_servers_use_beam_search_answers_the_offline_beams(path, server):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"length_penalty": 2.0})
         assert err.value.body["param"] == "length_penalty"
+        client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"length_penalty": 1.0})

@@ -54,11 +54,14 @@ def structured_outputs_of(kind: str, schema: Any, param: str, schema_name: str) 
         raise ParameterError(param, f"{param}: {e}") from None
 
 
-# what beam search does not use (beam_search.py: it ranks by the model's own log probabilities)
-_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "stop",
-                   "stop_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                   "guided_choice", "guided_grammar", "echo")
+# what beam search does not use (beam_search.py: it ranks by the model's own log probabilities), and
+# each field's values that ask for nothing (a client that always sends top_p 1.0 is not refused)
+_NOT_WITH_BEAMS: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,), "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (),
+    "bad_words": ([],), "prompt_logprobs": (), "stop": ([], ""), "stop_token_ids": ([],), "response_format": (),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "echo": (False,)}
 
 
 class SamplingExtras(BaseModel):
@@ -96,7 +99,7 @@ class SamplingExtras(BaseModel):
         from mmserve.entrypoints.openai.protocol import ParameterError
 
         if not self.use_beam_search:
-            if self.length_penalty is not None:
+            if self.length_penalty not in (None, 1.0):
                 raise ParameterError("length_penalty", "length_penalty needs use_beam_search")
             return
         if stream:
@@ -105,8 +108,9 @@ class SamplingExtras(BaseModel):
             raise ParameterError("use_beam_search", "use_beam_search gives no log probabilities")
         if not 1 <= (getattr(self, "n", 1) or 1) <= MAX_BEAM_WIDTH:
             raise ParameterError("n", f"with use_beam_search, n (the beam width) must be 1 to {MAX_BEAM_WIDTH}")
-        for name in _NOT_WITH_BEAMS:
-            if getattr(self, name, None) not in (None, False, [], {}):
+        for name, neutral in _NOT_WITH_BEAMS.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in neutral:
                 raise ParameterError(name, f"{name} is not used by beam search (use_beam_search)")
         if self.length_penalty is not None and not math.isfinite(self.length_penalty):
             raise ParameterError("length_penalty", "length_penalty must be a finite number")
