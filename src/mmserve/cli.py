@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
+import threading
+import time
+from typing import Any
 
 from mmserve.bench.cli import add_bench_parser, run_bench, split_server_args
 from mmserve.config import EngineConfig, add_cli_args, engine_args_from_cli
@@ -37,13 +42,89 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         args.server_args = server_args
         return run_bench(args)
+    ctrl_c = CtrlC()
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
-    except ValueError as e:
+        with ctrl_c:
+            return _serve(args) if args.command == "serve" else _generate(args)
+    except KeyboardInterrupt:  # Ctrl-C before the server serves (its imports, the model's load): a quiet stop
+        CtrlC.stopped = True
+        return 0
+    except Exception as e:
+        if ctrl_c.pressed:  # a library turned the Ctrl-C into its own error (pydantic-core's SchemaError)
+            CtrlC.stopped = True
+            return 0
+        if not isinstance(e, ValueError):
+            raise
         print(f"mmserve: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before the server serves (its imports, the model's load): a quiet stop
-        return 0
+
+
+def run() -> None:
+    """The `mmserve` program: `main`'s exit code. After a Ctrl-C it leaves at once (`os._exit`, its
+    own cleanup done, output flushed): a KeyboardInterrupt that passed through an extension's nested
+    `PyRun_*` call while a module was imported (pydantic-core's) sets CPython's "unhandled
+    KeyboardInterrupt" flag although `main` caught it, and the interpreter would then kill itself
+    with SIGINT as it exits (exit status -2, no output)."""
+    code = main()
+    if CtrlC.stopped:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+class CtrlC:
+    """Within it, where SIGINT has Python's handler, a Ctrl-C raises KeyboardInterrupt and is
+    remembered (`pressed`): one raised inside a library's code may come out as another exception
+    (pydantic-core builds a model class in Rust and reports a `SchemaError`), and is still a quiet stop.
+
+    Not inside an import: there a KeyboardInterrupt can go through C++ (torch's start aborted the
+    process) or a library's catch-all (the start went on and served). A Ctrl-C that lands in an
+    import is raised again as soon as the main thread has left it (`_after_import`).
+    `stopped`: `main` ended on a Ctrl-C (`run` then exits at once)."""
+
+    stopped = False
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+        self._deferred = False
+
+    def __enter__(self) -> CtrlC:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        if _importing(frame):
+            if not self._deferred:
+                self._deferred = True
+                threading.Thread(target=_after_import, name="mmserve-ctrl-c", daemon=True).start()
+            return
+        raise KeyboardInterrupt
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` runs inside an import (a frame of importlib's machinery below it)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _after_import() -> None:
+    """Once the main thread is out of every import, send SIGINT again (its handler then raises)."""
+    main = threading.main_thread().ident
+    while main is not None and _importing(sys._current_frames().get(main)):
+        time.sleep(0.01)
+    signal.raise_signal(signal.SIGINT)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -131,4 +212,4 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import connection as mp_connection
+from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
@@ -188,6 +189,10 @@ def _start_deaf_to_ctrl_c(process: BaseProcess) -> None:
     if threading.current_thread() is not threading.main_thread():
         process.start()
         return
+    # multiprocessing starts its resource tracker at the first spawn with SIGINT blocked, then
+    # *unblocks* it: inside our block below, that let a Ctrl-C reach this process mid-`start` and
+    # the engine core be born hearing it (its imports' traceback). Started first, it is left alone.
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         process.start()
