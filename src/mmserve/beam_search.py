@@ -36,6 +36,15 @@ class Beam:
     cum_logprob: float = 0.0
     ended: bool = False  # by an EOS id
 
+    @property
+    def shown(self) -> list[int]:
+        """The tokens its text shows (an ending EOS not)."""
+        return self.token_ids[:-1] if self.ended else self.token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.ended else "length"
+
 
 @dataclass
 class BeamSearch:
@@ -89,9 +98,8 @@ class BeamSearch:
         """The answer: the best beams as completions, best first (`decode(token_ids)` their text)."""
         completions = []
         for i, beam in enumerate(self.best()):
-            shown = beam.token_ids[:-1] if beam.ended else beam.token_ids
             completions.append(CompletionOutput(
-                i, decode(shown), beam.token_ids, finish_reason="stop" if beam.ended else "length",
+                i, decode(beam.shown), beam.token_ids, finish_reason=beam.finish_reason,
                 stop_reason=beam.token_ids[-1] if beam.ended else None, num_cached_tokens=self.num_cached_tokens))
         return RequestOutput(request_id, self.prompt.shown_text, list(self.prompt_token_ids or ()), completions,
                              finished=True, num_cached_tokens=self.num_cached_tokens)
@@ -116,10 +124,10 @@ class BeamSearchOutput:
 
 
 def sequences_of(search: BeamSearch, decode: Decode) -> BeamSearchOutput:
-    out = search.output("", decode)
-    return BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, beam.cum_logprob, c.text,
-                                                c.finish_reason or "length")
-                             for c, beam in zip(out.outputs, search.best())])
+    """vLLM's offline shape of `search.output`: the same beams, in the same order."""
+    prompt = list(search.prompt_token_ids or ())
+    return BeamSearchOutput([BeamSearchSequence(prompt + beam.token_ids, beam.cum_logprob, decode(beam.shown),
+                                                beam.finish_reason) for beam in search.best()])
 
 
 def run(searches: list[BeamSearch], step: Callable[[list[Prompt]], list[RequestOutput]]) -> None:
