@@ -145,9 +145,30 @@ def test_compute_encoder_budget():
         SchedulerConfig(max_num_encoder_input_tokens=0)
 
 
+def test_a_reset_drops_unused_outputs_now_and_outputs_in_use_once_unused():
+    cache = EncoderCacheManager(16)
+    a, b, c = req("a", ("x", 4)), req("b", ("y", 4)), req("c", ("y", 4))
+    load(cache, a)
+    load(cache, b)
+    cache.free(a)  # x unused (kept), y in use by b
+    assert cache.reset() == 1
+    assert not cache.contains("x") and cache.contains("y") and cache.get_freed_hashes() == ["x"]
+    assert load(cache, c) and cache.num_hits == 1  # admitted meanwhile: it shares b's output
+    cache.check_integrity()
+    cache.free(b)
+    assert cache.contains("y")  # c still uses it
+    cache.free(c)
+    assert not cache.contains("y") and cache.get_freed_hashes() == ["y"]  # dropped, not kept for reuse
+    assert cache.num_free_tokens == cache.num_reclaimable_tokens == 16 and cache.num_evictions == 0
+    assert load(cache, req("d", ("y", 4))) and cache.num_hits == 1  # encoded again
+    cache.free(req("d", ("y", 4)))
+    assert cache.contains("y")  # a new output is kept again
+    cache.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from("vwxyz"), st.integers(1, 6),
-                          st.sampled_from(["load", "free", "free_all"])), max_size=60), st.booleans())
+                          st.sampled_from(["load", "free", "free_all", "reset"])), max_size=60), st.booleans())
 def test_random_operations_keep_integrity(ops, keep_unused):
     cache = EncoderCacheManager(12, keep_unused)
     items: dict[str, list[tuple[str, int]]] = {}  # request id -> its items so far (a hash keeps its size)
@@ -161,6 +182,9 @@ def test_random_operations_keep_integrity(ops, keep_unused):
             cache.free_encoder_input(req(rid, *items[rid]), 0)
         elif op == "free_all" and rid in items:
             cache.free(req(rid, *items.pop(rid)))
+        elif op == "reset":
+            cache.reset()
+            assert all(cache._users[x] for x in cache._tokens), "an unused output survived a reset"
         freed = cache.get_freed_hashes()
         assert not any(cache.contains(x) for x in freed)
         cache.check_integrity()

@@ -13,7 +13,8 @@ from mmserve.config import EngineConfig
 from mmserve.engine.block_hash import BlockHasher
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.kv_event_publisher import ZmqEventPublisher
-from mmserve.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventLog, to_events
+from mmserve.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventLog,
+                                     to_events)
 from mmserve.engine.request import Request
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.kv_events_config import KVEventsConfig
@@ -69,6 +70,27 @@ def test_one_stored_and_one_removed_per_key():
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert len([e for e in events if isinstance(e, BlockStored)]) == 1
     assert sorted(removed) == sorted(a.block_hashes)  # each key once, when its last block went
+    kv.check_integrity()
+
+
+def test_a_prefix_reset_drops_every_key_as_one_clear_and_a_running_request_keeps_its_blocks():
+    kv, log = managed(6)
+    a, b = request("a", list(range(8))), request("b", list(range(100, 108)))
+    store(kv, log, a)
+    store(kv, log, b)
+    kv.free("b")  # a runs on; b's blocks are free but keyed
+    log.take()
+    assert kv.reset_prefix_cache() == 4 and kv.pool.num_evictions == 0  # a reset is not an eviction
+    assert to_events(log.take(), BS) == [AllBlocksCleared()]  # one clear, no BlockRemoved per key
+    assert kv.find_cached_prefix(a.block_hashes, 2) == [] and kv.find_cached_prefix(b.block_hashes, 2) == []
+    assert kv.get_block_ids("a") == [0, 1] and kv.pool.num_cached_blocks == 0
+    kv.check_integrity()  # a's registered blocks lost their keys: allowed for a request kept over a reset
+    more = request("a", list(range(12)))  # a's next block, completed after the reset
+    kv.allocate_slots("a", 12)
+    assert kv.cache_full_blocks("a", more.block_hashes, 12) == [2]  # only the new block is registered
+    assert kv.find_cached_prefix(more.block_hashes, 3) == []  # unreachable: its first blocks have no key
+    kv.check_integrity()
+    kv.free("a")
     kv.check_integrity()
 
 

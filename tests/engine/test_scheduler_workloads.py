@@ -1,6 +1,6 @@
 """Random workloads through the scheduler with every policy at once (users' requests, fcfs or by
 priority, n > 1, completions batches, shadows, first tokens, last and partial blocks, images,
-aborts, failed steps): its invariants (`Scheduler.check_integrity`) hold after every step, and
+aborts, failed steps, cache resets): its invariants (`Scheduler.check_integrity`) hold after every step, and
 every request ends."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import pytest
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_hash import BlockHasher
+from mmserve.engine.cache_reset import reset_caches
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.ipc.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from mmserve.ipc.messages import EngineCoreRequest, ModelRunnerOutput, ResetCaches, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
 from helpers.scheduler_sim import BS, IMG
 
@@ -93,6 +94,9 @@ def test_every_invariant_holds_and_every_request_ends(seed, overlap):
                 s.add_request(random_request(rng, rid, shadow, prompts))
         if rng.random() < 0.05 and s.requests:
             s.finish_requests([rng.choice(sorted(s.requests))], RequestStatus.FINISHED_ABORTED)
+        if rng.random() < 0.05:  # a cache reset between two steps (with a step in flight too)
+            reset_caches(s, ResetCaches(i, prefix=rng.random() < 0.7, encoder=rng.random() < 0.7))
+            s.check_integrity()
         step(s, rng)
     for _ in range(2000):
         if not s.num_unfinished_requests:

@@ -114,3 +114,35 @@ def test_an_engine_core_that_fails_fails_the_call_alike_and_the_next_call_serves
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == want
     core = llms[1].engine.core
     assert core.kv_cache.num_free_blocks == core.kv_cache.pool.num_blocks
+
+
+def test_each_reset_drops_its_layers_alike_and_every_answer_stays(llms):
+    """`reset_prefix_cache`, `reset_encoder_cache`, `reset_mm_cache` (vLLM's) with one rank and two:
+    each repeat after a reset shows exactly the layers it dropped missing, with the same tokens."""
+    for ranks, llm in llms.items():
+        prompt = image_prompt(40)
+        cold = llm.generate(prompt, PARAMS)[0]
+        n = len(cold.prompt_token_ids)
+        mirror = {"ipc": (0, 1)} if ranks == 2 else {}  # the IPC layer exists between processes only
+        assert cold.cache_report.counts == {"processor": (0, 1), **mirror, "prefix": (0, n), "encoder": (0, 1)}
+        warm = {"processor": (1, 1), **({"ipc": (1, 1)} if mirror else {}), "prefix": (n, n)}
+        assert repeat(llm, prompt, cold) == {**warm, "last_block": (1, 1), "first_token": (1, 1)}
+        assert llm.reset_prefix_cache() is True
+        assert repeat(llm, prompt, cold) == {**warm, "prefix": (0, n), "encoder": (1, 1)}  # the tower's output kept
+        llm.reset_encoder_cache()
+        assert repeat(llm, prompt, cold) == {**warm, "last_block": (1, 1), "first_token": (1, 1)}  # prefix computed
+        llm.reset_mm_cache()
+        assert repeat(llm, prompt, cold) == {**warm, "processor": (0, 1), **mirror, "last_block": (1, 1),
+                                             "first_token": (1, 1)}
+        llm.reset_mm_cache()
+        llm.reset_encoder_cache()
+        llm.reset_prefix_cache()
+        assert repeat(llm, prompt, cold) == cold.cache_report.counts  # all three: as cold as the first time
+        assert nothing_open(llm)["outputs"] is False
+
+
+def repeat(llm: LLM, prompt: dict, cold) -> dict[str, tuple[int, int]]:
+    """The prompt again: its tokens must be the cold run's; the layers' (hits, lookups)."""
+    out = llm.generate(prompt, PARAMS)[0]
+    assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+    return out.cache_report.counts

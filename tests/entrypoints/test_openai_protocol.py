@@ -180,6 +180,19 @@ def test_api_key(engine):
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 
+def test_the_cache_reset_routes_exist_in_vllms_dev_mode_only(engine, monkeypatch):
+    for value in ("", "0", "false"):
+        monkeypatch.setenv("VLLM_SERVER_DEV_MODE", value)
+        client = TestClient(build_app(engine, [MODEL]))
+        for path in ("/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache"):
+            assert client.post(path).status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    client = TestClient(build_app(engine, [MODEL]))
+    assert [client.post(path).status_code for path in ("/reset_prefix_cache", "/reset_mm_cache",
+                                                        "/reset_encoder_cache")] == [200] * 3
+    assert engine.resets == [{"prefix": True}, {"mm": True}, {"encoder": True}]
+
+
 def test_unknown_route_and_internal_error_use_the_error_body(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"

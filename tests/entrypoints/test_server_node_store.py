@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from mmserve import LLM
@@ -29,7 +30,8 @@ def test_a_repeat_on_either_server_skips_the_processor(tmp_path):
     offline = LLM(model=model, max_model_len=256)
     before = segments()
     # no --mm-cache-type: with several API servers the node's store is the default (issue 41)
-    server = ServerProcess(model, "--api-server-count", "2", "--mm-shm-cache-gb", "0.25", "--max-model-len", "256")
+    server = ServerProcess(model, "--api-server-count", "2", "--mm-shm-cache-gb", "0.25", "--max-model-len", "256",
+                           env={"VLLM_SERVER_DEV_MODE": "1"})
     server.model = model
     try:
         assert "share the node's item store" in server.output()
@@ -56,6 +58,14 @@ def test_a_repeat_on_either_server_skips_the_processor(tmp_path):
         assert delta("mmserve_cache_hits_total", layer="shm") == 16  # and crossed to the engine as a handle
         per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
         assert min(per_server) > 0, per_server  # the kernel handed connections to both servers
+        # /reset_mm_cache through either server empties the node's store: no repeat crosses as a handle
+        reset = httpx.post(server.base_url + "/reset_mm_cache", timeout=60)
+        assert reset.status_code == 200 and reset.json()["store_items"] == 8, reset.text
+        again = [post(server, u) for u in urls]
+        time.sleep(0.2)
+        assert [r.json()["choices"][0]["message"]["content"] for r in again] == want
+        assert scrape(server).value("mmserve_cache_hits_total", layer="shm") == after.value(
+            "mmserve_cache_hits_total", layer="shm")
         # kill -9 of the engine core under load: the launcher starts a new one on the same store, every
         # request answers (each waited for the new engine), and the store keeps serving by handle
         victim = children_titled(server, "engine_dp0")["mmserve::engine_dp0"]

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from mmserve.config import EngineConfig
 from mmserve.errors import ClientError
 from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.frontend.cache_resets import ResetReport
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
 from mmserve.ipc.messages import SchedulerStats
 from mmserve.models.generation_config import GenerationDefaults
@@ -41,6 +42,7 @@ class FakeEngine:
         self.params: list[SamplingParams] = []
         self.prompts: list[dict[str, Any]] = []
         self.aborted: list[str] = []
+        self.resets: list[dict[str, bool]] = []
         self.finished: list[str] = []
         self.pieces = PIECES  # the text each step adds
         self.piece_ids: list[int] | None = None  # the token id of each piece (default 100, 101, ...)
@@ -97,6 +99,10 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def reset_caches(self, **caches: bool) -> ResetReport:
+        self.resets.append(caches)
+        return ResetReport()
 
     def shutdown(self) -> None:
         pass

@@ -18,14 +18,14 @@ import mmserve.ipc.messages as messages
 from mmserve.ipc.items import ShmHandle
 from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, ResponseAnswer, ResponseGet,
                                            ResponsePut, RouteAnswer, RouteAsk, RouteLanded, RouteSent, StoreAnswer,
-                                           StoreDiscard, StoreFinish, StoreInput, StoreLookup, StoreReserve, StoreSeal,
-                                           StoreStatsAsk)
-from mmserve.ipc.messages import (AbortRequests, CacheStats, CachedRequestData, EngineCoreEvent, EngineCoreFailed,
-                                  EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                                  EngineCoreRequest, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
-                                  NewRequestData, SchedulerOutput, SchedulerStats, ShmBroadcastInfo, ShutdownWorker,
-                                  TokenLogprobs, WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady,
-                                  WorkerStepOutput)
+                                           StoreDiscard, StoreDropUnused, StoreFinish, StoreInput, StoreLookup,
+                                           StoreReserve, StoreSeal, StoreStatsAsk)
+from mmserve.ipc.messages import (AbortRequests, CachesReset, CacheStats, CachedRequestData, EngineCoreEvent,
+                                  EngineCoreFailed, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
+                                  EngineCoreReady, EngineCoreRequest, ExecuteModel, InitializeKVCache,
+                                  ModelRunnerOutput, NewRequestData, ResetCaches, SchedulerOutput, SchedulerStats,
+                                  ShmBroadcastInfo, ShutdownWorker, TokenLogprobs, WorkerDone, WorkerEvent,
+                                  WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
@@ -87,6 +87,11 @@ def samples() -> list[Any]:
         ResponseGet(6, "scope:resp_1"),
         ResponseAnswer(6, b"[]"),
         ResponseAnswer(7, error="KeyError: x"),
+        # cache resets [36:40]: P0 -> P1 and its answer the node store's
+        ResetCaches(3, prefix=True, encoder=False, ipc_epoch=2, client_index=1),
+        EngineCoreOutputs([EngineCoreOutput("r0", [5])], None, {}, [CachesReset(3, 96, 2, 1)]),
+        StoreDropUnused(8),
+        StoreAnswer(8, dropped=5),
     ]
 
 
@@ -155,6 +160,10 @@ def test_tagged_unions_pick_the_right_type():
         assert_same(round_trip(obj, CoordinatorInput), obj)
     for obj in samples()[24:30]:
         assert_same(round_trip(obj, StoreInput), obj)
+    reset, answer, drop = samples()[36:39]
+    assert_same(round_trip(reset, EngineCoreInput), reset)
+    assert_same(round_trip(answer, EngineCoreEvent), answer)
+    assert_same(round_trip(drop, StoreInput), drop)
 
 
 TENSORS = {

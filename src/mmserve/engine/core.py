@@ -13,6 +13,7 @@ from typing import Any
 from mmserve.errors import CLIENT, ClientError, RequestFault
 from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.engine.block_hash import BlockHasher
+from mmserve.engine.cache_reset import reset_caches
 from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.kv_event_publisher import KVEvents, make_kv_events
@@ -21,8 +22,8 @@ from mmserve.kv_events_config import KVEventsConfig
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.engine.grammar_gate import GrammarGate
-from mmserve.ipc.messages import (CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                  SchedulerOutput, SchedulerStats)
+from mmserve.ipc.messages import (CachesReset, CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                  FinishReason, ResetCaches, SchedulerOutput, SchedulerStats)
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
 from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS
@@ -103,6 +104,13 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.grammar_gate.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def reset_caches(self, ask: ResetCaches) -> CachesReset:
+        """Drop what the prefix and encoder caches hold (`cache_reset.py`), between two steps."""
+        done = reset_caches(self.scheduler, ask)
+        if self.kv_events is not None:
+            self.kv_events.end_step()  # the clear goes out now, not with the next step
+        return done
 
     @property
     def step_in_flight(self) -> bool:

@@ -41,8 +41,8 @@ from mmserve.config import EngineConfig
 from mmserve.transport.api_server_channels import ApiServerChannels
 from mmserve.malloc_tuning import HeapReserve
 from mmserve.serving_process import ServingProcess
-from mmserve.ipc.messages import (AbortRequests, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
-                                  EngineCoreReady, EngineCoreRequest, FinishReason,
+from mmserve.ipc.messages import (AbortRequests, CachesReset, EngineCoreFailed, EngineCoreInput, EngineCoreOutput,
+                                  EngineCoreReady, EngineCoreRequest, FinishReason, ResetCaches,
                                   SchedulerStats)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
@@ -172,6 +172,7 @@ class EngineCoreProc:
         self._stop = False
         self.orphaned = False  # the parent died: nobody else will remove the socket files
         self._pending: list[EngineCoreOutput] = []  # error outputs not sent yet
+        self._resets: list[tuple[int, CachesReset]] = []  # cache resets done, not answered yet
         self._wakeup_r, self._wakeup_w = socket.socketpair()  # signal.set_wakeup_fd writes here
         self._old_wakeup_fd = -1
         self._poller = zmq.Poller()
@@ -221,6 +222,19 @@ class EngineCoreProc:
                 for request_id in msg.request_ids:
                     self._release(request_id)
                     self.channels.forget(request_id)
+            elif isinstance(msg, ResetCaches):
+                self._reset_caches(msg)
+
+    def _reset_caches(self, ask: ResetCaches) -> None:
+        """Reset the caches `ask` names; the answer goes with the asking server's next outputs."""
+        try:
+            self.channels.check_client(ask.client_index)
+        except ValueError:
+            logger.error("ignoring a cache reset from unknown API server %d", ask.client_index)
+            return
+        if ask.ipc_epoch >= 0:
+            self.channels.start_epoch(ask.client_index, ask.ipc_epoch)
+        self._resets.append((ask.client_index, self.core.reset_caches(ask)))
 
     def _add_request(self, request: EngineCoreRequest) -> None:
         """Restore the request's items (shm handles, IPC cache) and admit it; items P1 lacks go
@@ -252,8 +266,8 @@ class EngineCoreProc:
         if self._pending:
             step_outputs = self._pending + step_outputs
             self._pending = []
-        self.channels.send(step_outputs, stats, self._resend)
-        self._resend = {}
+        self.channels.send(step_outputs, stats, self._resend, self._resets)
+        self._resend, self._resets = {}, []
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         """SIGTERM / SIGINT set `_stop`; the wake-up fd interrupts an idle poll at once."""

@@ -42,6 +42,7 @@ class EncoderCacheManager:
       request references becomes freeable — it stays resident (reusable) until space is needed,
       or is dropped at once when `keep_unused` is False (`--encoder-cache-tokens 0`) or its hash
       is a shadow request's (`request.SHADOW_HASH_PREFIX`: never reused, never counted in the stats).
+    - `reset()`: drops every unused entry; the entries in use are dropped once unused (`doomed`).
     - `get_freed_hashes()`: hashes dropped since the last call, for the runner to delete; a hash
       allocated again before the call is not reported (the runner overwrites it when it encodes).
 
@@ -64,6 +65,7 @@ class EncoderCacheManager:
         self._held: dict[str, dict[int, str]] = {}  # request id -> {item index: mm_hash} it references
         self._freeable: OrderedDict[str, int] = OrderedDict()  # unused resident mm_hash -> tokens, oldest first
         self._freed: list[str] = []  # dropped since the last get_freed_hashes
+        self._doomed: set[str] = set()  # in use at a reset: dropped once unused, not kept
         self.num_queries = 0  # lookups decided since start: hits in check_and_update, misses in allocate
         self.num_hits = 0
         self.num_evictions = 0  # freeable entries dropped to make room
@@ -144,7 +146,7 @@ class EncoderCacheManager:
         if not users:
             self._freeable[mm_hash] = self._tokens[mm_hash]
             self.num_reclaimable_tokens += self._tokens[mm_hash]
-            if not self.keep_unused or mm_hash.startswith(SHADOW_HASH_PREFIX):
+            if not self.keep_unused or mm_hash.startswith(SHADOW_HASH_PREFIX) or mm_hash in self._doomed:
                 del self._freeable[mm_hash]
                 self._drop(mm_hash)
 
@@ -152,6 +154,16 @@ class EncoderCacheManager:
         """Drop every reference the request holds (it finished, was aborted or preempted)."""
         for idx in list(self._held.get(request.request_id, ())):
             self.free_encoder_input(request, idx)
+
+    def reset(self) -> int:
+        """Drop every unused output (`reset_encoder_cache`); outputs a request references stay
+        for it, and are dropped as soon as no request does. The number dropped now."""
+        unused = list(self._freeable)
+        for mm_hash in unused:
+            del self._freeable[mm_hash]  # its tokens were reclaimable, and are free now
+            self._drop(mm_hash)
+        self._doomed.update(self._tokens)
+        return len(unused)
 
     def get_freed_hashes(self) -> list[str]:
         """The hashes dropped since the last call (the runner deletes them); resets the list."""
@@ -170,6 +182,7 @@ class EncoderCacheManager:
         """Forget a resident entry without users (its tokens become free) and report it."""
         tokens = self._tokens.pop(mm_hash)
         del self._users[mm_hash]
+        self._doomed.discard(mm_hash)
         self.num_free_tokens += tokens
         self._freed.append(mm_hash)
 
@@ -190,4 +203,5 @@ class EncoderCacheManager:
         assert self.num_free_tokens == self.cache_size - sum(self._tokens.values()) >= 0, "free tokens drifted"
         assert self.num_reclaimable_tokens == self.num_free_tokens + sum(self._freeable.values())
         assert not set(self._freed) & set(self._tokens), "a reported hash is resident"
+        assert all(self._users.get(h) for h in self._doomed), "an output doomed at a reset is unused or gone"
 

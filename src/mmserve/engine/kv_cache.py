@@ -26,7 +26,7 @@ class KVCacheManager:
     `cache_last_block` also registers a prompt's computed last block and `find_last_block` finds
     one to copy (the scheduler asks the runner for the copy). With `cache_partial_blocks`, `partial`
     indexes the computed blocks the pool keeps by their leading tokens (`partial_prefix.py`; the
-    pool tells it when a block loses its keys).
+    pool tells it when a block loses its keys). `reset_prefix_cache` drops every key at once.
 
     Invariants: a request's blocks are never shared for writing — a cache hit covers whole
     blocks that the request only reads, and a last-block or partial-block hit is copied into a
@@ -47,6 +47,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # request id -> its blocks registered so far
         self.events: KVEventLog | None = None  # told of new and dropped keys (`attach_events`)
+        self._kept_over_reset: set[str] = set()  # requests that held blocks at a prefix-cache reset
 
     def attach_events(self, events: KVEventLog) -> None:
         """Tell `events` of every key the pool gains (the scheduler passes the request's blocks)
@@ -146,11 +147,22 @@ class KVCacheManager:
         if request_id in self.num_cached_blocks:
             self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], keep)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every block's keys (and the partial-block index with them); the number of blocks
+        that had keys. A running request keeps its blocks and its count of registered ones, so it
+        registers only the blocks it completes from now on."""
+        dropped = self.pool.drop_all_keys()
+        self._kept_over_reset.update(self.req_to_blocks)
+        if self.events is not None:
+            self.events.cleared()
+        return dropped
+
     def free(self, request_id: str) -> None:
         """Release all the request's blocks, last block first: freed blocks keep their hashes, and
         the request's tail blocks are evicted before its head blocks."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_blocks.pop(request_id, None)
+        self._kept_over_reset.discard(request_id)
         self.pool.free(reversed(blocks))
 
     def check_integrity(self) -> None:
@@ -164,6 +176,7 @@ class KVCacheManager:
                 owners[b.block_id] += 1
             cached = self.num_cached_blocks.get(rid, 0)
             assert cached <= len(blocks), f"{rid}: {cached} cached blocks of {len(blocks)}"
-            assert all(b.block_hash is not None for b in blocks[:cached]), f"{rid}: a registered block lost its hash"
+            assert rid in self._kept_over_reset or all(b.block_hash is not None for b in blocks[:cached]), \
+                f"{rid}: a registered block lost its hash"
         assert owners == [b.ref_cnt for b in self.pool.blocks], "ref counts disagree with request ownership"
         assert set(self.num_cached_blocks) <= set(self.req_to_blocks), "cached-block count of a request without blocks"

@@ -23,7 +23,8 @@ a block without any. `medium` is "GPU", vLLM's name for an engine's own KV cache
 One key, one story: a `BlockStored` when a hash first gets a block in the pool, a `BlockRemoved`
 when the last block holding it is handed out again, and `AllBlocksCleared` when the publisher
 starts (a new or restarted engine core holds nothing) and again in front of its first change, so
-a subscriber that joined after the start still drops what the engine core's previous life held.
+a subscriber that joined after the start still drops what the engine core's previous life held;
+and an `AllBlocksCleared` in its step's place for a prefix-cache reset (`engine/cache_reset.py`).
 
 Cost in the step: `KVEventLog` appends tuples (the block's hash, parent, token slice and extra
 keys); at the end of a step the list goes to the publisher thread's queue, which builds the
@@ -78,8 +79,8 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-# what KVEventLog records: (STORED, hash, parent, token ids, extra keys) or (REMOVED, hash)
-STORED, REMOVED = 0, 1
+# what KVEventLog records: (STORED, hash, parent, token ids, extra keys), (REMOVED, hash) or (CLEARED,)
+STORED, REMOVED, CLEARED = 0, 1, 2
 Record = tuple[Any, ...]
 
 
@@ -100,6 +101,10 @@ class KVEventLog:
     def removed(self, block_hash: BlockHash) -> None:
         self._records.append((REMOVED, block_hash))
 
+    def cleared(self) -> None:
+        """The pool dropped every key at once (a prefix-cache reset)."""
+        self._records.append((CLEARED,))
+
     def take(self) -> list[Record]:
         records, self._records = self._records, []
         return records
@@ -111,6 +116,9 @@ def to_events(records: list[Record], block_size: int) -> list[BlockStored | Bloc
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for record in records:
         last = events[-1] if events else None
+        if record[0] == CLEARED:
+            events.append(AllBlocksCleared())
+            continue
         if record[0] == REMOVED:
             if isinstance(last, BlockRemoved):
                 last.block_hashes.append(record[1])

@@ -136,6 +136,21 @@ class LLM:
             prompts.append(inputs.prompt(render(inputs.conversation, tools, options)).to_dict())  # LLMEngine's form
         return self.generate(prompts, sampling_params)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every computed prompt prefix (vLLM's; `frontend/cache_resets.py`): the next
+        requests compute theirs again. Always True: running requests keep their blocks, so there
+        is nothing to preempt (`reset_running_requests`), and there is no KV connector."""
+        self.engine.reset_caches(prefix=True)
+        return True
+
+    def reset_mm_cache(self) -> None:
+        """Forget every processed image and video (vLLM's): the processor runs again on the next."""
+        self.engine.reset_caches(mm=True)
+
+    def reset_encoder_cache(self) -> None:
+        """Forget every vision tower output (vLLM's): the tower runs again on the next item."""
+        self.engine.reset_caches(encoder=True)
+
     def shutdown(self) -> None:
         """Stop the engine and release its memory: weights, KV cache and CUDA graphs (torch's cached
         GPU memory emptied), worker and engine processes with tensor or data parallelism. The LLM

@@ -34,6 +34,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.request.admission import Admission
 from mmserve.frontend.engine_client.attached_engine import Attachment
 from mmserve.frontend.cache_verifier import Case, CacheVerifier
+from mmserve.frontend.cache_resets import CacheResets, ResetReport
 from mmserve.frontend.request.chat import check_tools, parse_chat_messages
 from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.frontend.engine_client.core_client import EngineCoreClient, EngineDeadError
@@ -112,6 +113,7 @@ class AsyncLLM:
         self.admission = Admission(self.input_processor, self.output_processor, self.sender, self.requests,
                                    self.failover)
         self.verifier = CacheVerifier(config.cache.cache_verify_rate, self.ranks.client(0).dtype)
+        self.resets = CacheResets(self.ranks, self.input_processor, self.transport)
 
     @property
     def client(self) -> EngineCoreClient:
@@ -239,6 +241,11 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self.requests.abort([request_id])
 
+    async def reset_caches(self, prefix: bool = False, encoder: bool = False, mm: bool = False) -> ResetReport:
+        """Drop what the named caches hold, on every rank (`frontend/cache_resets.py`); what was dropped."""
+        self._ensure_output_task()  # the answers come through the output loops
+        return await self.resets.reset(prefix, encoder, mm)
+
     # ---- the output loops -------------------------------------------------------------------
 
     def start(self) -> None:
@@ -272,6 +279,7 @@ class AsyncLLM:
                 self._dispatch(rank, await client.get_output_async())
                 await asyncio.sleep(0)  # the requests' generators run first, then the receive is re-armed
         except EngineDeadError as e:
+            self.resets.rank_gone(rank)
             if self.failover.rank_died(rank, str(e)):
                 self._ensure_task(f"restart{rank}", lambda: self._restart(rank))
         except asyncio.CancelledError:
@@ -288,6 +296,7 @@ class AsyncLLM:
                 router.set_load(rank, stats.num_running + stats.num_waiting, used)
         for request_id, missing in batch.resend.items():
             self.admission.resend(request_id, missing)
+        self.resets.answered(rank, batch.resets)
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
             if out.first_logits is not None and (open_request := self.requests.get(out.request_id)) is not None:

@@ -104,6 +104,12 @@ class StoreFinish(msgspec.Struct, tag="store_finish"):
     request_id: str
 
 
+class StoreDropUnused(msgspec.Struct, tag="store_drop_unused"):
+    """Drop every entry no request pins (`/reset_mm_cache`); answered with `dropped`."""
+
+    seq: int
+
+
 class StoreStatsAsk(msgspec.Struct, tag="store_stats"):
     seq: int
 
@@ -111,16 +117,17 @@ class StoreStatsAsk(msgspec.Struct, tag="store_stats"):
 class StoreAnswer(msgspec.Struct, tag="store_answer"):
     """To a lookup or reserve: the handle (None: absent, or refused); `fresh`: the asker must write
     the payload (a reserve that allocated), else the entry is already there. To a stats ask:
-    `stats`, the store's `ShmStoreStats` fields in order."""
+    `stats`, the store's `ShmStoreStats` fields in order. To a drop: `dropped`, the entries dropped."""
 
     seq: int
     handle: ShmHandle | None = None
     fresh: bool = False
     stats: list[int] | None = None
+    dropped: int = 0
     error: str | None = None  # the owner failed on this ask (the asker raises at once)
 
 
-StoreInput = StoreLookup | StoreReserve | StoreSeal | StoreDiscard | StoreFinish | StoreStatsAsk
+StoreInput = StoreLookup | StoreReserve | StoreSeal | StoreDiscard | StoreFinish | StoreStatsAsk | StoreDropUnused
 
 
 # ---- API servers <-> the node's response store (--api-server-count > 1, launcher/response_store_server.py) --

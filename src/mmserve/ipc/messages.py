@@ -52,7 +52,28 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests  # everything P0 sends P1
+class ResetCaches(msgspec.Struct, tag="reset"):
+    """Drop what P1's caches hold (vLLM's `reset_prefix_cache` / `reset_encoder_cache` /
+    `reset_mm_cache`, `engine/cache_reset.py`); answered by a `CachesReset` in the asking API
+    server's next outputs. `ipc_epoch` >= 0: that server's IPC receiver starts this epoch, empty."""
+
+    call_id: int
+    prefix: bool = False  # KV blocks' keys, partial blocks, first tokens
+    encoder: bool = False  # encoder outputs
+    ipc_epoch: int = -1
+    client_index: int = 0
+
+
+class CachesReset(msgspec.Struct, array_like=True):
+    """What a `ResetCaches` dropped: blocks that had keys, first tokens, encoder outputs."""
+
+    call_id: int
+    prefix_blocks: int = 0
+    first_tokens: int = 0
+    encoder_items: int = 0
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | ResetCaches  # everything P0 sends P1
 
 
 def sibling_request_id(request_id: str, index: int, n: int) -> str:
@@ -182,6 +203,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     resend: dict[str, list[str]] = {}
+    resets: list[CachesReset] = []  # the server's `ResetCaches` done since its last outputs
 
 
 EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0

@@ -35,8 +35,8 @@ import msgspec
 import torch
 
 from mmserve.ipc.items import ShmHandle, ShmStoreInfo
-from mmserve.ipc.launcher_messages import (StoreAnswer, StoreDiscard, StoreFinish, StoreInput, StoreLookup,
-                                           StoreReserve, StoreSeal, StoreStatsAsk)
+from mmserve.ipc.launcher_messages import (StoreAnswer, StoreDiscard, StoreDropUnused, StoreFinish, StoreInput,
+                                           StoreLookup, StoreReserve, StoreSeal, StoreStatsAsk)
 from mmserve.ipc.queues import ipc_address
 from mmserve.ipc.round_trips import Asker, ServiceThread
 from mmserve.item_store.shm_layout import layout, write_payload
@@ -93,6 +93,8 @@ class NodeStoreServer:
             store.finish_request(msg.request_id)
         elif isinstance(msg, StoreStatsAsk):
             return StoreAnswer(msg.seq, stats=list(dataclasses.astuple(store.stats)))
+        elif isinstance(msg, StoreDropUnused):
+            return StoreAnswer(msg.seq, dropped=store.drop_unused())
         return None
 
 
@@ -158,6 +160,10 @@ class NodeStoreClient:
 
     def finish_request(self, request_id: str) -> None:
         self._send(StoreFinish(self._prefix + request_id))
+
+    def drop_unused(self) -> int:
+        """Drop every entry of the node's store that no request of any server pins (one round trip)."""
+        return self._ask(StoreDropUnused).dropped
 
     @property
     def stats(self) -> ShmStoreStats:

@@ -169,6 +169,14 @@ class ShmStore:
             if chunk.key is not None and self._sealing.get(chunk.key) is chunk:
                 self.seal(chunk.key, ok=False)
 
+    def drop_unused(self) -> int:
+        """Drop every entry no request pins (a cache reset); the number dropped. A pinned entry
+        stays for its requests (an item being written, too)."""
+        unused = [key for key, chunk in self._entries.items() if chunk.pins == 0]
+        for key in unused:
+            self.discard(key)
+        return len(unused)
+
     def pinned_requests(self) -> list[str]:
         """The ids of the requests that pin entries now (none once every request finished)."""
         return sorted(self._requests)

@@ -164,6 +164,13 @@ class LruCache:
         with self._lock:
             return self._lru.snapshot()
 
+    def clear(self) -> int:
+        """Drop every entry (a cache reset); the number dropped. The counts stay."""
+        with self._lock:
+            count = len(self._lru.keys())
+            self._lru.clear()
+            return count
+
     def check_integrity(self) -> None:
         with self._lock:
             self._lru.check_integrity()
@@ -256,10 +263,14 @@ class IpcReceiverCache(LruCache):
     def enabled(self) -> bool:
         return self._lru.capacity > 0
 
-    def update(self, items: list[MultiModalItem], epoch: int) -> list[str]:
+    def start_epoch(self, epoch: int) -> None:
+        """Empty the cache when `epoch` is not the one it is in (the sender reset)."""
         if epoch != self.epoch:
             self._lru.clear()
             self.epoch = epoch
+
+    def update(self, items: list[MultiModalItem], epoch: int) -> list[str]:
+        self.start_epoch(epoch)
         arriving = {item.mm_hash for item in items if item.data is not None}
         missing = [item.mm_hash for item in items
                    if item.data is None and item.mm_hash not in self._lru and item.mm_hash not in arriving]

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from mmserve.ipc.launcher_messages import RankStats
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.ipc.messages import CachesReset, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.ipc.queues import QueueSender
 from mmserve.multimodal.cache import IpcReceiverCache
 
@@ -44,15 +44,24 @@ class ApiServerChannels:
         self._last_shared: SchedulerStats | None = None
 
     def register(self, request: EngineCoreRequest) -> None:
-        if not 0 <= request.client_index < len(self.outputs):
-            raise ValueError(f"client_index {request.client_index} is not an API server of this engine core "
-                             f"(it has {len(self.outputs)})")
+        self.check_client(request.client_index)
         self._client[request.request_id] = request.client_index
+
+    def check_client(self, client_index: int) -> None:
+        """ValueError unless `client_index` is one of this engine core's API servers."""
+        if not 0 <= client_index < len(self.outputs):
+            raise ValueError(f"client_index {client_index} is not an API server of this engine core "
+                             f"(it has {len(self.outputs)})")
 
     def restore(self, request: EngineCoreRequest) -> list[str]:
         if self.receivers is None:
             return []
         return self.receivers[request.client_index].update(request.mm_items, request.ipc_epoch)
+
+    def start_epoch(self, client_index: int, epoch: int) -> None:
+        """Empty API server `client_index`'s IPC receiver, which starts `epoch` (its sender's, reset)."""
+        if self.receivers is not None:
+            self.receivers[client_index].start_epoch(epoch)
 
     def forget(self, request_id: str) -> None:
         self._client.pop(request_id, None)
@@ -62,7 +71,9 @@ class ApiServerChannels:
             out.send(msg, timeout_s=timeout_s)
 
     def send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None,
-             resend: dict[str, list[str]]) -> None:
+             resend: dict[str, list[str]], resets: Sequence[tuple[int, CachesReset]] = ()) -> None:
+        """Each API server's outputs, resends and cache resets (`(client_index, done)`), with the
+        stats when they changed for it; nothing to a server with nothing new."""
         by_client: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
         for out in outputs:
             by_client[self._client.get(out.request_id, 0)].append(out)
@@ -71,14 +82,17 @@ class ApiServerChannels:
         asks: list[dict[str, list[str]]] = [{} for _ in self.outputs]
         for request_id, missing in resend.items():
             asks[self._client.pop(request_id, 0)][request_id] = missing
+        done: list[list[CachesReset]] = [[] for _ in self.outputs]
+        for client, reset in resets:
+            done[client].append(reset)
         for client, queue in enumerate(self.outputs):
             own = stats
             if stats is not None and self.receivers is not None:  # its receiver's half, to compare with its sender
                 own = msgspec.structs.replace(stats, caches={**stats.caches,
                                                              "ipc_receiver": self.receivers[client].stats()})
-            if not by_client[client] and not asks[client] and own == self._last_stats[client]:
+            if not by_client[client] and not asks[client] and not done[client] and own == self._last_stats[client]:
                 continue
-            queue.send(EngineCoreOutputs(by_client[client], own, asks[client]))
+            queue.send(EngineCoreOutputs(by_client[client], own, asks[client], done[client]))
             self._last_stats[client] = own
         if self.stats_out is not None and stats is not None and stats != self._last_shared:
             self.stats_out.send(RankStats(self.rank, stats))

@@ -87,6 +87,12 @@ class FirstTokenCache:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def clear(self) -> int:
+        """Forget every kept token (`reset_prefix_cache`); the number forgotten."""
+        count = len(self._tokens)
+        self._tokens.clear()
+        return count
+
     def stats(self) -> CacheStats:
         return CacheStats(queries=self.num_queries, hits=self.num_hits, evictions=self.num_evictions,
                           entries=len(self._tokens))

@@ -35,6 +35,7 @@ from mmserve.deployment_defaults import family_tool_parser, template_reasoning_p
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.entrypoints.openai.access_log import AccessLogMiddleware, take_over_uvicorn_access_log
 from mmserve.entrypoints.openai.body_limit import BodyLimitMiddleware, default_body_limit
+from mmserve.entrypoints.openai.dev_routes import cache_reset_routes, dev_mode
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.server_routes import add_model_routes, status_routes
@@ -99,13 +100,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     responses = OpenAIServingResponses(engine, served_model_names, metrics, KeptResponses(store), options)
     v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
     tokens = OpenAIServingTokenization(engine, served_model_names, metrics, options)
-    root = APIRouter(dependencies=[Depends(_api_key_check(api_key))])  # vLLM's routes, behind the key too
+    behind_key = [Depends(_api_key_check(api_key))]
+    root = APIRouter(dependencies=behind_key)  # vLLM's routes, behind the key too
     root.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
     root.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
 
     app.include_router(status_routes(engine, metrics))
     app.include_router(v1)
     app.include_router(root)
+    if dev_mode():
+        app.include_router(cache_reset_routes(engine, behind_key))
     return app
 
 

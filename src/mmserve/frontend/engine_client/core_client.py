@@ -30,7 +30,7 @@ import zmq
 from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.engine_process import EngineProcess, LocalEngineProcess, place_engine
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
-                                  EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
+                                  EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, ResetCaches)
 from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir, tcp_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -178,6 +178,10 @@ class EngineCoreClient:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ask P1 to stop these requests and free their blocks; unknown ids are ignored."""
         self._send(AbortRequests(list(request_ids)))
+
+    def reset_caches(self, ask: ResetCaches) -> None:
+        """Ask P1 to reset its caches; the answer comes in `EngineCoreOutputs.resets`."""
+        self._send(ask)
 
     def _send(self, msg: EngineCoreInput) -> None:
         self._raise_if_dead()

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
+from mmserve.frontend.cache_resets import ResetReport, reset_frontend_items
 from mmserve.frontend.engine_client.offline_client import InProcessClient, OfflineClient
 from mmserve.frontend.engine_client.rank_processes import RankProcesses
 from mmserve.frontend.input_processor import InputProcessor
@@ -122,6 +123,14 @@ class LLMEngine:
             self.client.abort_requests(batch.to_abort)
         self.client.finished([out for out in batch.outputs if out.finished])
         return batch.outputs
+
+    def reset_caches(self, prefix: bool = False, encoder: bool = False, mm: bool = False) -> ResetReport:
+        """Drop what the named caches hold, on every rank (`frontend/cache_resets.py`); what was dropped."""
+        report = ResetReport()
+        if mm:
+            reset_frontend_items(self.input_processor, None, report)  # the client resets its transport
+        self.client.reset_caches(prefix, encoder, mm, report)
+        return report
 
     def dp_figures(self) -> DataParallelFigures:
         """Per rank: up, restarts, stats, what it served; the routing decisions (data parallelism only)."""

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 from mmserve.cache_report import CacheReport
 from mmserve.engine.core import EngineCore
 from mmserve.errors import CLIENT, INTERNAL, ClientError
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from mmserve.frontend.cache_resets import ResetReport
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, ResetCaches
 from mmserve.outputs import RequestOutput
 
 
@@ -39,6 +40,8 @@ class OfflineClient(Protocol):
     def get_outputs(self) -> list[EngineCoreOutput]: ...
 
     def finished(self, outputs: list[RequestOutput]) -> None: ...
+
+    def reset_caches(self, prefix: bool, encoder: bool, mm: bool, report: ResetReport) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -78,6 +81,10 @@ class InProcessClient:
 
     def finished(self, outputs: list[RequestOutput]) -> None:
         """The engine core has already freed a finished request."""
+
+    def reset_caches(self, prefix: bool, encoder: bool, mm: bool, report: ResetReport) -> None:
+        """In process, items pass by reference: no IPC or store layer to empty for `mm`."""
+        report.add(self.core.reset_caches(ResetCaches(0, prefix, encoder)))
 
     def shutdown(self) -> None:
         """Stop the engine core; its executor frees the model's memory."""

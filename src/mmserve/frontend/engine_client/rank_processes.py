@@ -12,6 +12,7 @@ while its restarts (`--engine-restart-limit`) last.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.transport.undo import UndoLog
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from mmserve.frontend.cache_resets import ResetReport
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ResetCaches, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.transport.item_transport import ItemTransport
@@ -61,7 +63,9 @@ class RankProcesses:
         self.sent: dict[str, Sent] = {}
         self.max_model_len = self.ranks.client(0).max_model_len
         self._stats: dict[int, SchedulerStats] = {}
-        self._failed: list[EngineCoreOutput] = []  # error outputs made here (an item lost by P1)
+        self._ready: list[EngineCoreOutput] = []  # outputs for the next `get_outputs`: errors made here
+        # (an item lost by P1) and outputs that came while a cache reset was awaited
+        self._reset_ids = itertools.count(1)
         self._next = 0  # the rank polled first, in turn
 
     def known_tokens(self, mm_hash: str) -> int | None:
@@ -103,9 +107,9 @@ class RankProcesses:
 
     def get_outputs(self) -> list[EngineCoreOutput]:
         """The next outputs of some rank (polled in turn); EngineDeadError if a rank died."""
-        failed, self._failed = self._failed, []
-        if failed:
-            return failed
+        ready, self._ready = self._ready, []
+        if ready:
+            return ready
         live = [rank for rank, client in enumerate(self.ranks.clients) if client is not None]  # dead ones raise
         if not live:
             raise EngineDeadError("no engine rank is serving")
@@ -117,6 +121,27 @@ class RankProcesses:
                     self._next = (self._next + i + 1) % len(live)
                     return self._dispatch(rank, batch)
         return []
+
+    def reset_caches(self, prefix: bool, encoder: bool, mm: bool, report: ResetReport) -> None:
+        """Reset the named caches (`frontend/cache_resets.py`) on every serving rank, and wait for
+        their answers; EngineDeadError if a rank dies meanwhile (as from `get_outputs`)."""
+        epochs: list[int] = []
+        if mm:
+            epochs, report.store_items = self.transport.reset()
+        call_id = next(self._reset_ids)
+        waiting = [rank for rank, client in enumerate(self.ranks.clients) if client is not None]
+        for rank in waiting:
+            self.ranks.client(rank).reset_caches(ResetCaches(call_id, prefix, encoder, epochs[rank] if epochs else -1,
+                                                             self.transport.client_index))
+        while waiting:
+            rank = waiting[0]
+            if (batch := self._poll(rank, _IDLE_WAIT_S)) is None:
+                continue
+            self._ready.extend(self._dispatch(rank, batch))
+            for done in batch.resets:
+                if done.call_id == call_id:
+                    report.add(done)
+                    waiting.remove(rank)
 
     def _poll(self, rank: int, wait: float) -> EngineCoreOutputs | None:
         try:
@@ -154,7 +179,7 @@ class RankProcesses:
             self.sender.resend(sent.rank, sent.request, undo, sent.report)
         except Exception as e:
             undo.run()
-            self._failed.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(e),
+            self._ready.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(e),
                                                  error_kind="client"))
 
     def _revive(self) -> None:

@@ -1,0 +1,99 @@
+"""P0's half of a cache reset (vLLM's `reset_prefix_cache`, `reset_mm_cache`, `reset_encoder_cache`).
+
+A reset is one `ResetCaches` per serving rank, answered by a `CachesReset` in that rank's next
+outputs to this API server; `reset_mm_cache` first empties P0's own layers — the processor cache,
+every IPC sender (a new epoch, which the ask carries to the rank's receiver) and the item store's
+unpinned entries. What each layer drops and keeps is written once, in `engine/cache_reset.py`.
+A rank that dies before it answers holds nothing any more: its answer is skipped. A rank with no
+engine core now is skipped the same way (a restarted one starts empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from mmserve.frontend.engine_client.core_client import EngineDeadError
+from mmserve.ipc.messages import CachesReset, ResetCaches
+
+if TYPE_CHECKING:
+    from mmserve.frontend.engine_client.engine_ranks import EngineRanks
+    from mmserve.frontend.input_processor import InputProcessor
+    from mmserve.transport.item_transport import ItemTransport
+
+
+@dataclass
+class ResetReport:
+    """What a reset dropped, summed over the ranks (the body of the server's reset routes)."""
+
+    prefix_blocks: int = 0  # KV blocks that had keys
+    first_tokens: int = 0
+    encoder_items: int = 0
+    processor_items: int = 0  # P0's processor cache
+    store_items: int = 0  # the shared-memory item store's unpinned entries
+
+    def add(self, done: CachesReset) -> None:
+        self.prefix_blocks += done.prefix_blocks
+        self.first_tokens += done.first_tokens
+        self.encoder_items += done.encoder_items
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def reset_frontend_items(inputs: InputProcessor, transport: ItemTransport | None, report: ResetReport) -> list[int]:
+    """Empty P0's item layers (`reset_mm_cache`); each rank's new IPC epoch (none without a transport)."""
+    report.processor_items = inputs.processor_cache.clear()
+    if transport is None:
+        return []
+    epochs, report.store_items = transport.reset()
+    return epochs
+
+
+class CacheResets:
+    """The resets this API server asked its ranks for and awaits (`reset`, answered by `answered`)."""
+
+    def __init__(self, ranks: EngineRanks, inputs: InputProcessor, transport: ItemTransport) -> None:
+        self.ranks = ranks
+        self.inputs = inputs
+        self.transport = transport
+        self._ids = itertools.count(1)
+        self._waiting: dict[tuple[int, int], asyncio.Future[CachesReset | None]] = {}  # (rank, call id)
+
+    async def reset(self, prefix: bool, encoder: bool, mm: bool) -> ResetReport:
+        """Empty P0's item layers (`mm`), then ask every serving rank and await the answers; what was dropped."""
+        report = ResetReport()
+        epochs = reset_frontend_items(self.inputs, self.transport, report) if mm else []
+        call_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        waits = []
+        for rank, client in enumerate(self.ranks.clients):
+            if client is None:
+                continue
+            ask = ResetCaches(call_id, prefix, encoder, epochs[rank] if epochs else -1, self.transport.client_index)
+            self._waiting[rank, call_id] = future = loop.create_future()
+            try:
+                client.reset_caches(ask)
+            except EngineDeadError:
+                del self._waiting[rank, call_id]
+                continue
+            waits.append(future)
+        for done in await asyncio.gather(*waits):
+            if done is not None:
+                report.add(done)
+        return report
+
+    def answered(self, rank: int, resets: list[CachesReset]) -> None:
+        for done in resets:
+            future = self._waiting.pop((rank, done.call_id), None)
+            if future is not None and not future.done():
+                future.set_result(done)
+
+    def rank_gone(self, rank: int) -> None:
+        """`rank`'s engine core died: its caches are gone with it."""
+        for key in [key for key in self._waiting if key[0] == rank]:
+            future = self._waiting.pop(key)
+            if not future.done():
+                future.set_result(None)
