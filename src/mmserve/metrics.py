@@ -35,6 +35,23 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds; from a few ms (a cached image, a short prompt) to minutes (a long generation)
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# seconds between two outputs that brought tokens: a few ms on a GPU, more under load or on a CPU
+_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)  # vLLM's 1-2-5
+_N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finished_reason values
+
+
+@dataclass
+class FinishedRequest:
+    """What vLLM's per-request families read of an ended request, beside its outcome and times."""
+
+    finish_reasons: list[str]  # one per completion: stop, length, abort or error
+    max_completion_tokens: int  # the longest completion's tokens
+    n: int  # completions asked for
+    max_tokens: int | None  # asked for (None: up to the context's end)
+    decode_s: float | None  # first token to last (None: fewer than one token)
 
 
 class EngineStatsCollector(Collector):
@@ -147,11 +164,13 @@ class ServerMetrics:
                               "first generated token.", buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "From arrival to the last token, for "
                              "requests finished by stop or length.", buckets=_E2E_BUCKETS, registry=r)
+        self._vllm_families(r)
         self.api_server = None if api_server is None else Counter(
             "mmserve_api_server_requests", "Requests each API server answered (any outcome).", ["api_server"],
             registry=r).labels(api_server=str(api_server))
         self.render_registry = r
-        sources: list[Source] = [self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e]  # for vllm: names
+        sources: list[Source] = [self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.finished,
+                                 *self.per_request.values()]  # for vllm: names
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several API servers: every process's counts
             self.render_registry = CollectorRegistry()
             sources = [multiprocess.MultiProcessCollector(self.render_registry)]
@@ -165,9 +184,38 @@ class ServerMetrics:
         if verify_fn is not None:
             self.render_registry.register(VerifyCollector(verify_fn))
 
+    def _vllm_families(self, r: CollectorRegistry) -> None:
+        """The families only vLLM's names show (`vllm_metrics.py`), kept under mmserve's names."""
+        self.finished = Counter("mmserve_request_finished", "Completions ended, by finish reason.",
+                                ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(finished_reason=reason)
+        per_request = [  # key, mmserve's name, what one observation is, buckets
+            ("request_prompt", "mmserve_request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS),
+            ("request_generation", "mmserve_request_generation_tokens", "Generated tokens per request (all its "
+             "completions').", _TOKEN_BUCKETS),
+            ("request_longest", "mmserve_request_max_num_generation_tokens", "The longest completion's tokens, per "
+             "request.", _TOKEN_BUCKETS),
+            ("params_n", "mmserve_request_params_n", "Completions asked for (n), per request.", _N_BUCKETS),
+            ("params_max_tokens", "mmserve_request_params_max_tokens", "max_tokens asked for, per request that set "
+             "one.", _TOKEN_BUCKETS),
+            ("token_gap", "mmserve_inter_token_latency_seconds", "Between two outputs of a request that brought "
+             "tokens.", _GAP_BUCKETS),
+            ("per_token", "mmserve_request_time_per_output_token_seconds", "Per request: first token to last over "
+             "the tokens after each completion's first.", _GAP_BUCKETS),
+            ("decode", "mmserve_request_decode_time_seconds", "Per request: first token to last.", _E2E_BUCKETS),
+        ]
+        self.per_request = {key: Histogram(name, documentation, buckets=buckets, registry=r)
+                            for key, name, documentation, buckets in per_request}
+
+    def on_token_gap(self, seconds: float) -> None:
+        """A request's output brought tokens `seconds` after its previous one did."""
+        self.per_request["token_gap"].observe(seconds)
+
     def on_request_finished(self, outcome: str, prompt_tokens: int, generation_tokens: int,
-                            ttft_s: float | None, e2e_s: float | None) -> None:
-        """Count one ended request; `ttft_s` None when no token came, `e2e_s` observed on success only."""
+                            ttft_s: float | None, e2e_s: float | None, details: FinishedRequest | None = None) -> None:
+        """Count one ended request; `ttft_s` None when no token came, `e2e_s` observed on success only;
+        `details` for vLLM's per-request families (none without it)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}; got {outcome!r}")
         self.requests.labels(outcome=outcome).inc()
@@ -179,6 +227,22 @@ class ServerMetrics:
             self.ttft.observe(ttft_s)
         if e2e_s is not None and outcome == "success":
             self.e2e.observe(e2e_s)
+        if details is not None:
+            self._count_details(prompt_tokens, generation_tokens, details)
+
+    def _count_details(self, prompt_tokens: int, generation_tokens: int, d: FinishedRequest) -> None:
+        for reason in d.finish_reasons:
+            self.finished.labels(finished_reason=reason if reason in FINISH_REASONS else "abort").inc()
+        self.per_request["request_prompt"].observe(prompt_tokens)
+        self.per_request["request_generation"].observe(generation_tokens)
+        self.per_request["request_longest"].observe(d.max_completion_tokens)
+        self.per_request["params_n"].observe(d.n)
+        if d.max_tokens is not None:
+            self.per_request["params_max_tokens"].observe(d.max_tokens)
+        if d.decode_s is not None:
+            self.per_request["decode"].observe(d.decode_s)
+            if generation_tokens > d.n:  # a completion's tokens after its first
+                self.per_request["per_token"].observe(d.decode_s / (generation_tokens - d.n))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -14,6 +14,16 @@ first served model name), computed at scrape time from the same figures — noth
 | `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds` | the same histograms (our buckets) |
 | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | the prefix cache's, in prompt tokens (as vLLM) |
 | `vllm:mm_cache_queries_total`, `vllm:mm_cache_hits_total` | the processor cache's, in items (vLLM's unit) |
+| `vllm:request_success_total{finished_reason}` | completions ended, by reason: stop, length, abort, error |
+| `vllm:request_prompt_tokens`, `vllm:request_generation_tokens` | per request (histograms) |
+| `vllm:request_max_num_generation_tokens` | per request: the longest completion's tokens |
+| `vllm:request_params_n`, `vllm:request_params_max_tokens` | per request: what it asked for |
+| `vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds` (older) | between two token outputs |
+| `vllm:request_decode_time_seconds` | per request: first token to last |
+| `vllm:request_time_per_output_token_seconds` | the same over the tokens after each completion's first |
+
+vLLM's queue, prefill and inference times (`vllm:request_queue_time_seconds`, ...) need the engine
+core's own clock and are not shown; nor is `vllm:iteration_tokens_total`.
 """
 
 from __future__ import annotations
@@ -31,6 +41,18 @@ RENAMED = {  # mmserve family -> vLLM's
     "mmserve_generation_tokens": "vllm:generation_tokens",
     "mmserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "mmserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "mmserve_request_finished": "vllm:request_success",
+    "mmserve_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "mmserve_request_generation_tokens": "vllm:request_generation_tokens",
+    "mmserve_request_max_num_generation_tokens": "vllm:request_max_num_generation_tokens",
+    "mmserve_request_params_n": "vllm:request_params_n",
+    "mmserve_request_params_max_tokens": "vllm:request_params_max_tokens",
+    "mmserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "mmserve_request_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "mmserve_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+}
+ALSO = {  # vLLM's older name for a family, shown too (dashboards made for earlier versions read it)
+    "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
 }
 BY_LAYER = {  # mmserve family, its layer -> vLLM's
     ("mmserve_cache_queries", "prefix"): "vllm:prefix_cache_queries",
@@ -59,7 +81,9 @@ class VllmNames(Collector):
                 if family.name in ("mmserve_kv_cache_free_blocks", "mmserve_kv_cache_total_blocks"):
                     blocks.update((family.name, s.value) for s in family.samples)
                 if family.name in RENAMED:
-                    yield self._renamed(family, RENAMED[family.name])
+                    yield self._renamed(family, name := RENAMED[family.name])
+                    if name in ALSO:
+                        yield self._renamed(family, ALSO[name])
                 for (base, layer), name in BY_LAYER.items():
                     if family.name == base:
                         yield self._renamed(family, name, layer)

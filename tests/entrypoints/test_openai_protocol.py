@@ -282,6 +282,29 @@ def test_vllms_metric_names_read_the_same_figures(client, engine):
     assert metric(client, 'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="' + MODEL + '"}') == 1
 
 
+def test_vllms_per_request_families(client, engine):
+    """vLLM's per-request histograms, finish reasons and inter-token latency, from the same requests."""
+    def vllm(name: str, **labels: str) -> float:
+        inner = ",".join(f'{k}="{v}"' for k, v in {**labels, "model_name": MODEL}.items())
+        return metric(client, f"{name}{{{inner}}}")
+
+    assert post(client, {"messages": GOOD, "max_tokens": 2}).status_code == 200  # 2 tokens: length
+    assert post(client, {"messages": GOOD, "stream": True}).status_code == 200  # 4 tokens: stop
+    engine.die_after = 1
+    assert post(client, {"messages": GOOD, "stream": True}).status_code == 200  # 1 token, then an error event
+    assert [vllm("vllm:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")] \
+        == [1, 1, 0, 1]
+    assert vllm("vllm:request_prompt_tokens_count") == vllm("vllm:request_generation_tokens_count") == 3
+    assert vllm("vllm:request_generation_tokens_sum") == 2 + 4 + 1
+    assert vllm("vllm:request_max_num_generation_tokens_bucket", le="2.0") == 2  # the first and the failed one
+    assert vllm("vllm:request_params_n_sum") == 3 and vllm("vllm:request_params_max_tokens_bucket", le="2.0") == 1
+    # the gaps between token outputs: 1 + 3 + 0, with its older name alike
+    assert vllm("vllm:inter_token_latency_seconds_count") == vllm("vllm:time_per_output_token_seconds_count") == 4
+    assert vllm("vllm:request_decode_time_seconds_count") == 3
+    assert vllm("vllm:request_time_per_output_token_seconds_count") == 2  # the one-token answer has no second
+    assert metric(client, "mmserve_request_finished_total{finished_reason=\"stop\"}") == 1
+
+
 # ---- client disconnects abort the request ---------------------------------------------------------
 
 

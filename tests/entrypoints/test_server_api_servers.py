@@ -77,8 +77,12 @@ def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
     assert delta(before, after, "mmserve_requests_total", outcome="success") == 18
     assert delta(before, after, "mmserve_cache_queries_total", layer="processor") == 18
     for vllm, ours in (("vllm:prompt_tokens_total", "mmserve_prompt_tokens_total"),  # vLLM's names, summed alike
-                       ("vllm:time_to_first_token_seconds_count", "mmserve_time_to_first_token_seconds_count")):
+                       ("vllm:time_to_first_token_seconds_count", "mmserve_time_to_first_token_seconds_count"),
+                       ("vllm:request_prompt_tokens_count", "mmserve_time_to_first_token_seconds_count"),
+                       ("vllm:inter_token_latency_seconds_count", "mmserve_inter_token_latency_seconds_count")):
         assert delta(before, after, vllm, model_name=server.model) == delta(before, after, ours) > 0, vllm
+    assert delta(before, after, "vllm:request_success_total", model_name=server.model, finished_reason="length") \
+        + delta(before, after, "vllm:request_success_total", model_name=server.model, finished_reason="stop") == 18
     per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
     assert sum(per_server) == after.value("mmserve_requests_total", outcome="success")
     assert min(per_server) > 0, per_server  # the kernel handed connections to both servers

@@ -16,7 +16,7 @@ from typing import Any, AsyncGenerator, Callable, Sequence
 
 from mmserve.entrypoints.openai.errors import to_openai_error
 from mmserve.entrypoints.openai.protocol import StreamOptions, UsageInfo
-from mmserve.entrypoints.openai.serving_base import RequestRecord, outcome_of
+from mmserve.entrypoints.openai.request_record import RequestRecord, outcome_of
 from mmserve.outputs import Logprob, RequestOutput
 
 FLOOR = -9999.0

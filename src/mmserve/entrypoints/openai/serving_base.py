@@ -30,12 +30,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mmserve import beam_search
-from mmserve.cache_report import CacheReport, cache_headers
+from mmserve.cache_report import cache_headers
 from mmserve.errors import SchemaError
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ParameterError
 from mmserve.entrypoints.openai.reasoning import thinking_token_ids
 from mmserve.entrypoints.openai.request_ids import client_request_id
+from mmserve.entrypoints.openai.request_record import RequestRecord, outcome_of
 from mmserve.entrypoints.openai.streaming import EventStream, SSEResponse
 from mmserve.entrypoints.openai.tool_calls import ToolMode
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
@@ -76,46 +77,6 @@ class OpenAIRequest(Protocol):
 
 
 R = TypeVar("R", bound=OpenAIRequest)
-
-
-def outcome_of(out: RequestOutput) -> str:
-    """`success` for a request finished by stop or length (every choice), else `abort`."""
-    return "success" if out.finished and all(c.finish_reason in ("stop", "length") for c in out.outputs) else "abort"
-
-
-def completion_tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
-
-
-@dataclass
-class RequestRecord:
-    """One request's token counts and times (perf_counter seconds), counted once when it ends."""
-
-    metrics: ServerMetrics
-    arrival: float
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    report: CacheReport | None = None  # what each cache layer did for the prompt (`x-mmserve-cache`)
-    first_token_time: float | None = None
-    finished: bool = False
-
-    def observe(self, out: RequestOutput) -> None:
-        self.prompt_tokens = len(out.prompt_token_ids)
-        self.generation_tokens = completion_tokens(out)
-        self.cached_tokens = out.num_cached_tokens or 0
-        self.report = out.cache_report or self.report
-        if self.first_token_time is None and self.generation_tokens:
-            self.first_token_time = time.perf_counter()
-
-    def finish(self, outcome: str) -> None:
-        """Count the request under `outcome`; later calls do nothing."""
-        if self.finished:
-            return
-        self.finished = True
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
-        self.metrics.on_request_finished(outcome, self.prompt_tokens, self.generation_tokens, ttft,
-                                         time.perf_counter() - self.arrival)
 
 
 @dataclass
@@ -221,6 +182,7 @@ class OpenAIServing:
             except SchemaError as e:
                 param = request.structure_param() or "response_format"
                 raise ParameterError(param, f"{param}: {e}") from None
+        record.params = params
         return ServeContext(raw_request, request, request_id, model, params, request.prompt_settings(), record,
                             engine_id)
 

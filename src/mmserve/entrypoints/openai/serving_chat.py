@@ -20,7 +20,8 @@ from mmserve.entrypoints.openai.protocol import (AssistantMessage, ChatCompletio
                                                  ChatCompletionResponse, ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, DeltaMessage, UsageInfo)
 from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
-from mmserve.entrypoints.openai.serving_base import OpenAIServing, RequestRecord, ServeContext
+from mmserve.entrypoints.openai.request_record import RequestRecord
+from mmserve.entrypoints.openai.serving_base import OpenAIServing, ServeContext
 from mmserve.entrypoints.openai.tool_calls import ChoiceTools, ToolMode, call_entry, finish_reason, tool_mode
 from mmserve.outputs import RequestOutput
 
