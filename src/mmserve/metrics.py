@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mmserve.ipc.messages import CacheStats, SchedulerStats
+from mmserve.outputs import RequestTimes
 from mmserve.rank_metrics import DataParallelFigures, RankCollector
 from mmserve.vllm_metrics import Source, VllmNames
 
@@ -51,7 +52,8 @@ class FinishedRequest:
     max_completion_tokens: int  # the longest completion's tokens
     n: int  # completions asked for
     max_tokens: int | None  # asked for (None: up to the context's end)
-    decode_s: float | None  # first token to last (None: fewer than one token)
+    decode_s: float | None  # first token to last, in the API server (None: no token)
+    times: RequestTimes | None = None  # the engine core's (vLLM's queue, prefill, decode and inference times)
 
 
 class EngineStatsCollector(Collector):
@@ -204,6 +206,12 @@ class ServerMetrics:
             ("per_token", "mmserve_request_time_per_output_token_seconds", "Per request: first token to last over "
              "the tokens after each completion's first.", _GAP_BUCKETS),
             ("decode", "mmserve_request_decode_time_seconds", "Per request: first token to last.", _E2E_BUCKETS),
+            ("queue", "mmserve_request_queue_time_seconds", "Per request: reaching the engine core to its first "
+             "admission.", _E2E_BUCKETS),
+            ("prefill", "mmserve_request_prefill_time_seconds", "Per request: first admission to first token.",
+             _E2E_BUCKETS),
+            ("inference", "mmserve_request_inference_time_seconds", "Per request: first admission to last token.",
+             _E2E_BUCKETS),
         ]
         self.per_request = {key: Histogram(name, documentation, buckets=buckets, registry=r)
                             for key, name, documentation, buckets in per_request}
@@ -239,10 +247,15 @@ class ServerMetrics:
         self.per_request["params_n"].observe(d.n)
         if d.max_tokens is not None:
             self.per_request["params_max_tokens"].observe(d.max_tokens)
-        if d.decode_s is not None:
-            self.per_request["decode"].observe(d.decode_s)
+        decode_s = d.times.decode_s if d.times is not None else d.decode_s  # the engine core's clock, as vLLM's
+        if decode_s is not None:
+            self.per_request["decode"].observe(decode_s)
             if generation_tokens > d.n:  # a completion's tokens after its first
-                self.per_request["per_token"].observe(d.decode_s / (generation_tokens - d.n))
+                self.per_request["per_token"].observe(decode_s / (generation_tokens - d.n))
+        if d.times is not None and d.times.scheduled_ts is not None:
+            self.per_request["queue"].observe(d.times.scheduled_ts - d.times.queued_ts)
+            self.per_request["prefill"].observe(d.times.first_token_ts - d.times.scheduled_ts)
+            self.per_request["inference"].observe(d.times.last_token_ts - d.times.scheduled_ts)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -23,6 +23,33 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class RequestTimes:
+    """A request's times in the engine core (vLLM's `RequestOutput.metrics` fields): P1's monotonic
+    clock, so only their differences mean anything. `last_token_ts` moves with each output."""
+
+    queued_ts: float  # it reached the engine core
+    scheduled_ts: float | None  # first admitted (None: answered before any admission, never)
+    first_token_ts: float
+    last_token_ts: float
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.scheduled_ts is None else self.scheduled_ts - self.queued_ts
+
+    @property
+    def prefill_s(self) -> float | None:
+        return None if self.scheduled_ts is None else self.first_token_ts - self.scheduled_ts
+
+    @property
+    def decode_s(self) -> float:
+        return self.last_token_ts - self.first_token_ts
+
+    @property
+    def inference_s(self) -> float | None:
+        return None if self.scheduled_ts is None else self.last_token_ts - self.scheduled_ts
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -48,3 +75,4 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None before the first token
     cache_report: CacheReport | None = None  # what each cache layer did for the prompt (server requests)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs, from the first output
+    metrics: RequestTimes | None = None  # the engine core's times (vLLM's name); None before the first token

@@ -21,9 +21,12 @@ first served model name), computed at scrape time from the same figures — noth
 | `vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds` (older) | between two token outputs |
 | `vllm:request_decode_time_seconds` | per request: first token to last |
 | `vllm:request_time_per_output_token_seconds` | the same over the tokens after each completion's first |
+| `vllm:request_queue_time_seconds` | per request: reaching the engine core to its first admission |
+| `vllm:request_prefill_time_seconds` | per request: first admission to first token |
+| `vllm:request_inference_time_seconds` | per request: first admission to last token |
 
-vLLM's queue, prefill and inference times (`vllm:request_queue_time_seconds`, ...) need the engine
-core's own clock and are not shown; nor is `vllm:iteration_tokens_total`.
+Per-request times are the engine core's clock, as vLLM's (`RequestOutput.metrics`); the
+inter-token gaps are the API server's. `vllm:iteration_tokens_total` is not shown.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ RENAMED = {  # mmserve family -> vLLM's
     "mmserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "mmserve_request_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
     "mmserve_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "mmserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "mmserve_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "mmserve_request_inference_time_seconds": "vllm:request_inference_time_seconds",
 }
 ALSO = {  # vLLM's older name for a family, shown too (dashboards made for earlier versions read it)
     "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",

@@ -146,3 +146,15 @@ def repeat(llm: LLM, prompt: dict, cold) -> dict[str, tuple[int, int]]:
     out = llm.generate(prompt, PARAMS)[0]
     assert out.outputs[0].token_ids == cold.outputs[0].token_ids
     return out.cache_report.counts
+
+
+def test_each_output_carries_the_engine_cores_times(llms):
+    """`RequestOutput.metrics` (vLLM's): queued, first admitted, first and last token, on the engine
+    core's clock, with one rank and two."""
+    for llm in llms.values():
+        outs = llm.generate([image_prompt(50 + i) for i in range(3)], SamplingParams(temperature=0.0, max_tokens=5,
+                                                                                      ignore_eos=True))
+        for out in outs:
+            t = out.metrics
+            assert t is not None and t.queued_ts <= t.scheduled_ts <= t.first_token_ts <= t.last_token_ts
+            assert t.prefill_s > 0 and t.decode_s > 0 and t.inference_s == pytest.approx(t.prefill_s + t.decode_s)

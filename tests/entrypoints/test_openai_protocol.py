@@ -302,6 +302,10 @@ def test_vllms_per_request_families(client, engine):
     assert vllm("vllm:inter_token_latency_seconds_count") == vllm("vllm:time_per_output_token_seconds_count") == 4
     assert vllm("vllm:request_decode_time_seconds_count") == 3
     assert vllm("vllm:request_time_per_output_token_seconds_count") == 2  # the one-token answer has no second
+    # the engine core's times (the fake engine's: queued 10, admitted 10.25, first token 10.5, then one per 0.25)
+    assert vllm("vllm:request_decode_time_seconds_sum") == 0.25 + 0.75 + 0  # its clock, not the server's
+    assert vllm("vllm:request_queue_time_seconds_sum") == vllm("vllm:request_prefill_time_seconds_sum") == 3 * 0.25
+    assert vllm("vllm:request_inference_time_seconds_sum") == 3 * 0.25 + 0.25 + 0.75
     assert metric(client, "mmserve_request_finished_total{finished_reason=\"stop\"}") == 1
 
 

@@ -79,7 +79,9 @@ def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
     for vllm, ours in (("vllm:prompt_tokens_total", "mmserve_prompt_tokens_total"),  # vLLM's names, summed alike
                        ("vllm:time_to_first_token_seconds_count", "mmserve_time_to_first_token_seconds_count"),
                        ("vllm:request_prompt_tokens_count", "mmserve_time_to_first_token_seconds_count"),
-                       ("vllm:inter_token_latency_seconds_count", "mmserve_inter_token_latency_seconds_count")):
+                       ("vllm:inter_token_latency_seconds_count", "mmserve_inter_token_latency_seconds_count"),
+                       ("vllm:request_queue_time_seconds_count", "mmserve_time_to_first_token_seconds_count"),
+                       ("vllm:request_inference_time_seconds_count", "mmserve_time_to_first_token_seconds_count")):
         assert delta(before, after, vllm, model_name=server.model) == delta(before, after, ours) > 0, vllm
     assert delta(before, after, "vllm:request_success_total", model_name=server.model, finished_reason="length") \
         + delta(before, after, "vllm:request_success_total", model_name=server.model, finished_reason="stop") == 18

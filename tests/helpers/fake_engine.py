@@ -17,7 +17,7 @@ from mmserve.ipc.messages import SchedulerStats
 from mmserve.models.generation_config import GenerationDefaults
 from mmserve.multimodal.chat_templates import ChatTemplateOptions
 from mmserve.multimodal.media import MediaError
-from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.outputs import CompletionOutput, RequestOutput, RequestTimes
 from mmserve.sampling_params import SamplingParams
 
 MODEL = "tiny"
@@ -93,7 +93,7 @@ class FakeEngine:
                 reason = ("length" if n == params.max_tokens else "stop") if done else None
                 yield RequestOutput(request_id, prompt.text, PROMPT_IDS, [CompletionOutput(
                     0, text, list(ids), finish_reason=reason, delta_text=pieces[i])], finished=done,
-                    num_cached_tokens=CACHED)
+                    num_cached_tokens=CACHED, metrics=RequestTimes(10.0, 10.25, 10.5, 10.5 + 0.25 * i))
         finally:
             (self.finished if done else self.aborted).append(request_id)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import msgspec
 
 from mmserve.engine.block_hash import BlockHash, BlockHasher, ExtraKeys
 from mmserve.engine.encoder_cache import SHADOW_HASH_PREFIX
 from mmserve.ipc.items import MultiModalItem
-from mmserve.ipc.messages import EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
 from mmserve.sampling_params import SamplingParams
 
 
@@ -70,6 +71,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
+        self.queued_at = time.monotonic()  # P1's clock, as every time it sends (`EngineCoreOutput`)
+        self.scheduled_at: float | None = None  # first admitted (a preempted request keeps it)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_in_flight = 0
@@ -156,6 +159,27 @@ class Request:
             old_hits, old_queries = self.cache_counts[layer]
             hits, queries = old_hits + hits, old_queries + queries
         self.cache_counts[layer] = (hits, queries)
+
+    def start_running(self) -> None:
+        """Admitted: it runs from now on (its first admission's time is kept, for its queue time)."""
+        self.status = RequestStatus.RUNNING
+        if self.scheduled_at is None:
+            self.scheduled_at = time.monotonic()
+
+    def output(self, tokens: list[int], siblings_running: bool, logprobs: list[TokenLogprobs] | None,
+               first_logits: bytes | None) -> EngineCoreOutput:
+        """What is new for this completion, its `tokens` appended already (its status decided). The
+        first output carries what the caches did for the prompt, its P1 times and, when asked, the
+        first logits and the prompt's log probabilities."""
+        first = self.num_output_tokens == len(tokens)
+        out = EngineCoreOutput(self.client_id, tokens, self.status.finish_reason, self.stop_reason,
+                               index=self.index, siblings_running=siblings_running, new_logprobs=logprobs,
+                               first_logits=first_logits, timestamp=time.monotonic())
+        if first:
+            out.num_cached_tokens = self.num_cached_tokens or 0
+            out.cache_counts, out.prompt_logprobs = dict(self.cache_counts), self.prompt_logprobs
+            out.queued_at, out.scheduled_at = self.queued_at, self.scheduled_at
+        return out
 
     def stop_status(self, max_model_len: int) -> RequestStatus | None:
         """How the request ends after its last token: FINISHED_STOPPED on EOS (unless ignored) or a

@@ -194,7 +194,7 @@ class Scheduler:
             return False
         hit, num_computed = admission.hit, admission.num_computed(req)
         lane.waiting.popleft()
-        req.status = RequestStatus.RUNNING
+        req.start_running()
         self.running.append(req)
         req.num_computed_tokens = num_computed
         self.admission.record(req, num_computed, lane)
@@ -308,19 +308,13 @@ class Scheduler:
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None,
                 first_logits: bytes | None = None) -> EngineCoreOutput:
-        """What is new for `req`, its `tokens` appended already: finished if it stops. The first
-        output carries what the caches did for the prompt and, when asked, the first logits."""
+        """What is new for `req`, its `tokens` appended already: finished if it stops (`Request.output`)."""
         status = req.stop_status(self.max_model_len)
         siblings_running = False
         if status is not None:
             self._unqueue(req)
             siblings_running = self._finish(req, status)
-        first = req.num_output_tokens == len(tokens)
-        return EngineCoreOutput(req.client_id, tokens, req.status.finish_reason, req.stop_reason,
-                                num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
-                                index=req.index, siblings_running=siblings_running, new_logprobs=logprobs,
-                                cache_counts=dict(req.cache_counts) if first else None, first_logits=first_logits,
-                                prompt_logprobs=req.prompt_logprobs if first else None)
+        return req.output(tokens, siblings_running, logprobs, first_logits)
 
     def _finish(self, req: Request, status: RequestStatus) -> bool:
         """End `req`; whether other completions of its request still run."""

@@ -118,7 +118,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
-class EngineCoreOutput(msgspec.Struct):
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """New tokens of one completion this step; `finish_reason` set on its last output.
 
     `error` is set (with finish_reason "abort") when P1 refused or lost the request, and
@@ -132,7 +132,9 @@ class EngineCoreOutput(msgspec.Struct):
     prompt ("prefix", "partial_block" in tokens; "encoder" in items; "last_block", "first_token" in lookups) to
     (hits, queries) for this request alone, and `first_logits` (when the request asked for them)
     is the raw logits row of its first sampled token, float32 bytes (absent when the first-token
-    cache answered: no forward ran).
+    cache answered: no forward ran). Times are P1's monotonic clock (vLLM's engine-core timestamps,
+    compared only with each other): `timestamp` when the output was made; on the first output also
+    `queued_at` (the completion reached P1) and `scheduled_at` (its first admission).
     """
 
     request_id: str
@@ -148,6 +150,9 @@ class EngineCoreOutput(msgspec.Struct):
     prompt_logprobs: list[TokenLogprobs] | None = None
     cache_counts: dict[str, tuple[int, int]] | None = None
     first_logits: bytes | None = None
+    timestamp: float = 0.0
+    queued_at: float | None = None
+    scheduled_at: float | None = None
 
 
 class CacheStats(msgspec.Struct):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from mmserve.cache_report import CacheReport
 from mmserve.metrics import FinishedRequest, ServerMetrics
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import RequestOutput, RequestTimes
 from mmserve.sampling_params import SamplingParams
 
 
@@ -37,6 +37,7 @@ class RequestRecord:
     params: SamplingParams | None = None  # set once the request's parameters are made
     choice_tokens: list[int] = field(default_factory=list)  # each completion's tokens so far
     finish_reasons: list[str | None] = field(default_factory=list)
+    times: RequestTimes | None = None  # the engine core's (`RequestOutput.metrics`)
     finished: bool = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -53,6 +54,7 @@ class RequestRecord:
         self.cached_tokens = out.num_cached_tokens or 0
         self.report = out.cache_report or self.report
         self.choice_tokens = [len(c.token_ids) for c in out.outputs]
+        self.times = out.metrics or self.times
         self.finish_reasons = [c.finish_reason for c in out.outputs]
 
     def finish(self, outcome: str) -> None:
@@ -68,4 +70,5 @@ class RequestRecord:
                                          None if first is None else first - self.arrival, now - self.arrival,
                                          FinishedRequest(reasons, max(self.choice_tokens, default=0), n,
                                                          self.params.max_tokens if self.params else None,
-                                                         None if first is None or last is None else last - first))
+                                                         None if first is None or last is None else last - first,
+                                                         self.times))

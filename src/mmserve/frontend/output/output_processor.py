@@ -9,13 +9,14 @@ each batch yields at most one `RequestOutput` per request, holding every complet
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from mmserve.cache_report import CacheReport
 from mmserve.frontend.output.detokenizer import IncrementalDetokenizer
 from mmserve.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs, sibling_request_id
-from mmserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from mmserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, RequestTimes, SampleLogprobs
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RequestState:
     num_cached_tokens: int | None = None  # from the first engine-core output of completion 0
     report: CacheReport | None = None  # P0's layers counted at admission; P1's merged from completion 0
     prompt_logprobs: PromptLogprobs | None = None  # from completion 0's first output, when asked
+    times: RequestTimes | None = None  # P1's, from its first output with tokens on (any completion's)
 
     @property
     def finished(self) -> bool:
@@ -51,7 +53,17 @@ class RequestState:
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
                              [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens,
-                             self.report, self.prompt_logprobs)
+                             self.report, self.prompt_logprobs,
+                             None if self.times is None else dataclasses.replace(self.times))
+
+    def timed(self, out: EngineCoreOutput) -> None:
+        """Take `out`'s P1 times: queued and scheduled from a completion's first output, the token times."""
+        if not out.new_token_ids:
+            return
+        if self.times is None:
+            queued = out.queued_at if out.queued_at is not None else out.timestamp
+            self.times = RequestTimes(queued, out.scheduled_at, out.timestamp, out.timestamp)
+        self.times.last_token_ts = max(self.times.last_token_ts, out.timestamp)
 
 
 @dataclass
@@ -121,6 +133,7 @@ class OutputProcessor:
                     state.prompt_logprobs = [None] + [self._decode_logprobs(lp) for lp in out.prompt_logprobs]
         if completion.finish_reason is not None:
             return  # finished here by a stop string; the engine's last tokens are dropped
+        state.timed(out)
         completion.token_ids.extend(out.new_token_ids)
         if completion.logprobs is not None and out.new_logprobs:
             completion.logprobs.extend(self._decode_logprobs(lp) for lp in out.new_logprobs)
