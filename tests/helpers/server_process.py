@@ -7,7 +7,7 @@ import glob
 import io
 import os
 import signal
-import socket
+import re
 import ssl
 import subprocess
 import sys
@@ -21,10 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SERVING = re.compile(r"^mmserve: serving .* on https?://\S+:(\d+)", re.M)  # the line a server prints once it listens
 
 
 def child_pids(pid: int) -> list[int]:
@@ -47,15 +44,21 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    """`mmserve serve MODEL --port P ...` in a subprocess; `base_url` once healthy. With `ca` (a CA
-    certificate file) the server is reached over HTTPS, trusting that CA."""
+    """`mmserve serve MODEL --port 0 ...` in a subprocess; `port` and `base_url` once it is healthy.
+    With `ca` (a CA certificate file) the server is reached over HTTPS, trusting that CA.
+
+    The server binds a port the kernel picks and prints it (`mmserve: serving ... on URL`): a port
+    chosen here and handed over would stay free until the server binds it, seconds later, and a
+    server another test worker starts meanwhile could take it (CI44: one module's requests were
+    answered by another module's server, 401 with its API key)."""
 
     def __init__(self, model: str, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None,
                  ca: str | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.port = 0
+        self.base_url = ""
+        self.scheme = "https" if ca else "http"
         self.ssl = None if ca is None else ssl.create_default_context(cafile=ca)
-        cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", "0", *args]
         # the server's output goes to a file, not a pipe: nobody reads it while the tests run, and a
         # full pipe (64 KiB) would block the server's next log line
         self.log = tempfile.TemporaryFile("w+")
@@ -73,6 +76,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            if not self.port:
+                found = SERVING.search(self.output())
+                if found is None:
+                    time.sleep(0.1)
+                    continue
+                self.port = int(found.group(1))
+                self.base_url = f"{self.scheme}://127.0.0.1:{self.port}"
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2, context=self.ssl) as r:
                     if r.status == 200:
