@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -94,8 +95,10 @@ def shm_segments(pids: set[int]) -> set[str]:
 
 def test_a_killed_engine_core_is_survived(model_path, offline):
     """kill -9 of one rank under concurrent whole-answer load: every request answers 200 with the
-    answer it would have had; the rank comes back and serves; nothing is left after shutdown."""
-    s = ServerProcess(model_path, *DP_ARGS, "--mm-cache-type", "shm", "--mm-shm-cache-gb", "0.05")
+    answer it would have had; the rank comes back and serves; a cache reset while the other rank
+    dies answers; nothing is left after shutdown."""
+    s = ServerProcess(model_path, *DP_ARGS, "--mm-cache-type", "shm", "--mm-shm-cache-gb", "0.05",
+                      env={"VLLM_SERVER_DEV_MODE": "1"})
     s.model = model_path
     pids = {s.proc.pid}
     try:
@@ -103,16 +106,18 @@ def test_a_killed_engine_core_is_survived(model_path, offline):
         want = [expected(offline, u, max_tokens=40) for u in urls]
         victim = children_titled(s, "engine_dp0")["mmserve::engine_dp0"]
         answers_through_a_kill(s, urls, want, victim)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ranks = json.loads(s.get("/health")[1]).get("ranks", [])
-            if [(r["status"], r["restarts"]) for r in ranks] == [("ready", 1), ("ready", 0)]:
-                break
-            time.sleep(0.5)
+        ranks = ranks_when(s, [("ready", 1), ("ready", 0)])
         assert ranks[0]["restarts"] == 1 and ranks[0]["status"] == "ready", ranks
         again = post(s, urls[0], "What is this?", 40, x_data_parallel_rank="0")
         assert again.json()["choices"][0]["message"]["content"] == want[0]
         assert scrape(s).value("mmserve_engine_restarts_total", engine="0") == 1
+        # a cache reset that meets a rank's death answers (the dead rank's caches went with it)
+        os.kill(children_titled(s, "engine_dp1")["mmserve::engine_dp1"], signal.SIGKILL)
+        reset = httpx.post(s.base_url + "/reset_prefix_cache", timeout=30)
+        assert reset.status_code == 200, reset.text
+        ranks_when(s, [("ready", 1), ("ready", 1)])
+        again = post(s, urls[1], "What is this?", 40, x_data_parallel_rank="1")  # the restarted rank serves
+        assert again.json().get("choices", [{}])[0].get("message", {}).get("content") == want[1], again.text
         pids |= set(children_titled(s, "").values())
         assert shm_segments(pids)  # the store, written by the API server
     finally:
@@ -133,6 +138,16 @@ def test_offline_data_parallel_equals_one_engine(model_path, offline):
         dp.shutdown()
     assert got == again == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     assert [r.requests for r in figures.ranks] == [4, 4] and figures.decisions["cache"] == 4
+
+
+def ranks_when(s: ServerProcess, want: list[tuple[str, int]], timeout_s: float = 60.0) -> list[dict]:
+    """/health's ranks once their (status, restarts) are `want`, or when `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = json.loads(s.get("/health")[1]).get("ranks", [])
+        if [(r["status"], r["restarts"]) for r in ranks] == want or time.monotonic() > deadline:
+            return ranks
+        time.sleep(0.5)
 
 
 def test_a_request_during_a_single_engines_restart_waits_for_it(model_path, offline):

@@ -214,16 +214,17 @@ class BlockPool:
 
     def drop_all_keys(self) -> int:
         """Unregister every block (`reset_prefix_cache`): no lookup finds anything computed so far.
-        Owned blocks keep their contents for their owners. Counts no eviction and tells
-        `on_key_removed` nothing (the caller reports the whole clear at once). The blocks that had keys."""
-        keyed = [b for b in self.blocks if b.block_hash is not None or b.last_hash is not None]
-        evictions, on_removed, self.on_key_removed = self.num_evictions, self.on_key_removed, None
-        try:
-            for block in keyed:
-                self._drop_hash(block)
-        finally:
-            self.on_key_removed, self.num_evictions = on_removed, evictions
-        return len(keyed)
+        Owned blocks keep their contents for their owners. Counts no eviction and calls neither
+        callback (the caller clears what they feed, at once). The blocks that had keys."""
+        keyed = 0
+        for block in self.blocks:
+            if block.block_hash is not None or block.last_hash is not None:
+                block.block_hash = block.last_hash = None
+                keyed += 1
+        self.cached.clear()
+        self.last_blocks.clear()
+        self.num_cached_blocks = 0
+        return keyed
 
     def check_integrity(self) -> None:
         self.free_queue.check_integrity()

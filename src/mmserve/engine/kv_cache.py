@@ -152,6 +152,8 @@ class KVCacheManager:
         that had keys. A running request keeps its blocks and its count of registered ones, so it
         registers only the blocks it completes from now on."""
         dropped = self.pool.drop_all_keys()
+        if self.partial is not None:
+            self.partial.clear()
         self._kept_over_reset.update(self.req_to_blocks)
         if self.events is not None:
             self.events.cleared()

@@ -92,6 +92,11 @@ class PartialPrefixIndex:
         if not same:
             del self._sorted[entry.root]
 
+    def clear(self) -> None:
+        """Unfile every block (the pool dropped every key)."""
+        self._sorted.clear()
+        self._entries.clear()
+
     def find(self, root: Root, tokens: Sequence[int], keys: ExtraKeys) -> tuple[KVBlock | None, int] | None:
         """The filed block under `root` whose first k tokens have the K/V that `tokens` (with
         `keys`, their extra keys) would get, k the longest; (None, 0) when none has any; None when
