@@ -29,7 +29,7 @@ import zmq
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
-from mmserve.ipc.messages import ExecuteModel, SchedulerOutput, WorkerInput
+from mmserve.ipc.worker_messages import ExecuteModel, SchedulerOutput, WorkerInput
 from mmserve.ipc.queues import make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast, ShmBroadcastReader

@@ -10,7 +10,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
-from mmserve.ipc.messages import SchedulerOutput
+from mmserve.ipc.worker_messages import SchedulerOutput
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
 from helpers.scheduler_sim import fake_step

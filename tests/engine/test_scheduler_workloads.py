@@ -17,7 +17,8 @@ from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.ipc.messages import EngineCoreRequest, ModelRunnerOutput, ResetCaches, SchedulerOutput
+from mmserve.ipc.messages import EngineCoreRequest, ResetCaches
+from mmserve.ipc.worker_messages import ModelRunnerOutput, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
 from helpers.scheduler_sim import BS, IMG
 

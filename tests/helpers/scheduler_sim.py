@@ -9,7 +9,8 @@ from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
-from mmserve.ipc.messages import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from mmserve.ipc.messages import EngineCoreOutputs
+from mmserve.ipc.worker_messages import ModelRunnerOutput, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
 
 BS = 4  # block size of `make_scheduler`

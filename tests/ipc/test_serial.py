@@ -15,17 +15,18 @@ import torch
 import mmserve
 import mmserve.ipc.launcher_messages as launcher_messages
 import mmserve.ipc.messages as messages
+import mmserve.ipc.worker_messages as worker_messages
 from mmserve.ipc.items import ShmHandle
 from mmserve.ipc.launcher_messages import (CoordinatorInput, DecisionsAsk, RankStats, ResponseAnswer, ResponseGet,
                                            ResponsePut, RouteAnswer, RouteAsk, RouteLanded, RouteSent, StoreAnswer,
                                            StoreDiscard, StoreDropUnused, StoreFinish, StoreInput, StoreLookup,
                                            StoreReserve, StoreSeal, StoreStatsAsk)
-from mmserve.ipc.messages import (AbortRequests, CachesReset, CacheStats, CachedRequestData, EngineCoreEvent,
-                                  EngineCoreFailed, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
-                                  EngineCoreReady, EngineCoreRequest, ExecuteModel, InitializeKVCache,
-                                  ModelRunnerOutput, NewRequestData, ResetCaches, SchedulerOutput, SchedulerStats,
-                                  ShmBroadcastInfo, ShutdownWorker, TokenLogprobs, WorkerDone, WorkerEvent,
-                                  WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
+from mmserve.ipc.messages import (AbortRequests, CachesReset, CacheStats, EngineCoreEvent, EngineCoreFailed,
+                                  EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                                  EngineCoreRequest, ResetCaches, SchedulerStats, TokenLogprobs)
+from mmserve.ipc.worker_messages import (CachedRequestData, ExecuteModel, InitializeKVCache, ModelRunnerOutput,
+                                         NewRequestData, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker, WorkerDone,
+                                         WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
@@ -40,7 +41,8 @@ def item(mm_hash: str = "img0", **data: torch.Tensor) -> MultiModalItem:
 
 
 def samples() -> list[Any]:
-    """One instance of every Struct in messages.py and launcher_messages.py (nested ones inside their parent)."""
+    """One instance of every Struct in messages.py, worker_messages.py and launcher_messages.py (nested ones
+    inside their parent)."""
     params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], stop_token_ids=[2], seed=3, n=2, logprobs=3,
                             logit_bias={5: -1.5}, structured_outputs=StructuredOutputsParams(json_object=True))
     stats = SchedulerStats(1, 2, 3, 4, 5, {"prefix": CacheStats(10, 4, 1, 0, 3, 0)})
@@ -137,7 +139,7 @@ def round_trip(obj: Any, type: Any = Any, readonly: bool = False) -> Any:
 
 
 def test_samples_cover_every_message_type():
-    defined = {v for module in (messages, launcher_messages) for v in vars(module).values()
+    defined = {v for module in (messages, worker_messages, launcher_messages) for v in vars(module).values()
                if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == module.__name__}
     assert defined <= nested_types(samples()), "add a sample of the new message type above"
 

@@ -18,7 +18,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.frontend.engine_client.core_client import EngineDeadError
-from mmserve.ipc.messages import SchedulerOutput
+from mmserve.ipc.worker_messages import SchedulerOutput
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.parallel import TensorParallel
 from mmserve.models.registry import check_shardable

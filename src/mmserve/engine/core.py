@@ -23,7 +23,8 @@ from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler
 from mmserve.engine.grammar_gate import GrammarGate
 from mmserve.ipc.messages import (CachesReset, CacheStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                  FinishReason, ResetCaches, SchedulerOutput, SchedulerStats)
+                                  FinishReason, ResetCaches, SchedulerStats)
+from mmserve.ipc.worker_messages import SchedulerOutput
 from mmserve.models.hf_config import ModelConfig, load_model_config
 from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
 from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request
-from mmserve.ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from mmserve.ipc.worker_messages import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class RunnerMirror:

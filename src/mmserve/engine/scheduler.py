@@ -48,7 +48,8 @@ from mmserve.engine.prefix_hits import PrefixHits
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.runner_mirror import RunnerMirror
 from mmserve.engine.unfinished_steps import UnfinishedSteps
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
+from mmserve.ipc.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:

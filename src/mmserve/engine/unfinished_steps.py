@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from mmserve.ipc.messages import SchedulerOutput
+from mmserve.ipc.worker_messages import SchedulerOutput
 
 
 class UnfinishedSteps:

@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
-from mmserve.ipc.messages import ShmBroadcastInfo
+from mmserve.ipc.worker_messages import ShmBroadcastInfo
 from mmserve.ipc.queues import ipc_address
 from mmserve.ipc.serial import Frames, MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_segment import (SHM_DIR, ShmSpaceError, create_segment, open_segment, remove_stale_segments,

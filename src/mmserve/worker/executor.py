@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmserve.config import EngineConfig
-from mmserve.ipc.messages import ModelRunnerOutput, SchedulerOutput
+from mmserve.ipc.worker_messages import ModelRunnerOutput, SchedulerOutput
 
 
 def make_executor(config: EngineConfig, model_dir: str, shm_store: bytes | None = None) -> Any:

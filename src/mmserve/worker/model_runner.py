@@ -34,7 +34,7 @@ import torch
 
 from mmserve.errors import RequestFault
 from mmserve.config import EngineConfig
-from mmserve.ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mmserve.ipc.worker_messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.models.loader import load_model
 from mmserve.malloc_tuning import release_freed_memory, zeros_on_huge_pages
 from mmserve.models.parallel import SINGLE, TensorParallel, pack_linears

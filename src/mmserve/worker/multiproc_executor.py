@@ -36,8 +36,9 @@ import zmq
 from mmserve import log_levels
 from mmserve.config import EngineConfig
 from mmserve.ipc.lifecycle import describe_exit
-from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, ModelRunnerOutput, SchedulerOutput, ShutdownWorker,
-                                  WorkerDone, WorkerEvent, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
+from mmserve.ipc.worker_messages import (ExecuteModel, InitializeKVCache, ModelRunnerOutput, SchedulerOutput,
+                                         ShutdownWorker, WorkerDone, WorkerEvent, WorkerFailed, WorkerInput,
+                                         WorkerReady, WorkerStepOutput)
 from mmserve.ipc.queues import QueueReceiver, ipc_address, make_ipc_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast

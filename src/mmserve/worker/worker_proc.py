@@ -35,8 +35,9 @@ from mmserve.config import EngineConfig
 from mmserve import log_levels
 from mmserve.gc_tuning import pause_collection
 from mmserve.serving_process import ServingProcess
-from mmserve.ipc.messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo, ShutdownWorker,
-                                  WorkerDone, WorkerFailed, WorkerInput, WorkerReady, WorkerStepOutput)
+from mmserve.ipc.worker_messages import (ExecuteModel, InitializeKVCache, SchedulerOutput, ShmBroadcastInfo,
+                                         ShutdownWorker, WorkerDone, WorkerFailed, WorkerInput, WorkerReady,
+                                         WorkerStepOutput)
 from mmserve.ipc.queues import QueueSender, ipc_path
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcastReader
