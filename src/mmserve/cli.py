@@ -181,15 +181,19 @@ def run_server(args: argparse.Namespace) -> int:
         from mmserve.launcher.launcher import run_launcher
 
         return run_launcher(server_config, engine_config)
+    from mmserve.entrypoints.openai.listen import listen_socket
+
+    sock = listen_socket(server_config.host, server_config.port)  # a port in use fails now, not after the load
     parallel = engine_config.parallel
     if parallel.data_parallel_size == 1 and parallel.data_parallel_backend == "mp":
         prestart_engine_core()  # its imports run beside the server's, next
     try:
         from mmserve.entrypoints.openai.api_server import serve_api_server
 
-        return serve_api_server(server_config, engine_config)
+        return serve_api_server(server_config, engine_config, sock=sock)
     finally:
         discard_prestarted()
+        sock.close()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import signal
 import tempfile
 import time
 
+import httpx
 import pytest
 
 from mmserve import LLM
@@ -36,7 +37,7 @@ def offline(model_path):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    s = ServerProcess(model_path, *ARGS)
+    s = ServerProcess(model_path, *ARGS, env={"VLLM_SERVER_DEV_MODE": "1"})
     s.model = model_path
     yield s
     assert s.stop() == 0
@@ -88,6 +89,24 @@ def test_repeats_hit_where_their_image_went_whichever_server_took_them(server):
     per_server = [after.value("mmserve_api_server_requests_total", api_server=str(i)) for i in (0, 1)]
     assert sum(per_server) == after.value("mmserve_requests_total", outcome="success")
     assert min(per_server) > 0, per_server  # the kernel handed connections to both servers
+
+
+def test_a_multimodal_reset_through_one_server_empties_every_servers_caches(server, offline):
+    """`/reset_mm_cache` lands on one API server; the engine cores tell the other, which empties its own
+    processor cache and IPC senders too: no repeat afterwards is served by either layer, on either server."""
+    urls = [data_url(make_image(700 + i)) for i in range(4)]
+    assert all(post(server, u).status_code == 200 for u in urls for _ in range(4))  # both servers hold most
+    assert httpx.post(server.base_url + "/reset_mm_cache", timeout=60).status_code == 200
+    time.sleep(0.3)  # the other server takes the engine cores' word with their next outputs
+    before = settled_scrape(server)
+    again = [post(server, u) for u in urls]
+    after = settled_scrape(server)
+    assert [r.json()["choices"][0]["message"]["content"] for r in again] == [expected(offline, u) for u in urls]
+    for layer in ("processor", "ipc"):
+        assert after.value("mmserve_cache_queries_total", layer=layer) - \
+            before.value("mmserve_cache_queries_total", layer=layer) == 4, layer
+        assert after.value("mmserve_cache_hits_total", layer=layer) == before.value("mmserve_cache_hits_total",
+                                                                                     layer=layer), layer
 
 
 def test_a_killed_engine_core_is_survived_by_every_api_server(model_path, offline):

@@ -87,3 +87,25 @@ def test_ctrl_c_while_the_engine_core_starts_is_a_quiet_stop(tmp_path):
         proc.wait()
     assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
                    for pid in engines)
+
+
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_a_port_in_use_is_one_line_before_anything_loads(tmp_path, servers):
+    """The listening socket is bound first (`listen.py`): a port another process holds is refused at
+    once with one line, by one API server and by the launcher alike (which set SO_REUSEPORT, so a
+    second launcher would have shared the port with the first)."""
+    import socket
+
+    path = make_checkpoint(tmp_path)
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a launcher's socket was
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        serve = [sys.executable, "-m", "mmserve.cli", "serve", path, "--port", str(port), "--api-server-count",
+                 servers, "--max-model-len", "256"]
+        done = subprocess.run(serve, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"mmserve: error: cannot listen on 127.0.0.1:{port}: Address already in use (is another server " \
+           "running on it?)" in done.stderr
+    assert "Traceback" not in done.stderr and "engine core" not in done.stderr  # refused before any started

@@ -90,9 +90,9 @@ def samples() -> list[Any]:
         ResponseAnswer(6, b"[]"),
         ResponseAnswer(7, error="KeyError: x"),
         # cache resets [36:40]: P0 -> P1 and its answer (with an output's P1 times), the node store's
-        ResetCaches(3, prefix=True, encoder=False, ipc_epoch=2, client_index=1),
+        ResetCaches(3, prefix=True, encoder=False, mm=True, ipc_epoch=2, client_index=1),
         EngineCoreOutputs([EngineCoreOutput("r0", [5], timestamp=2.5, queued_at=1.0, scheduled_at=1.5)], None, {},
-                          [CachesReset(3, 96, 2, 1)]),
+                          [CachesReset(3, 96, 2, 1)], reset_items=True),
         StoreDropUnused(8),
         StoreAnswer(8, dropped=5),
     ]

@@ -232,8 +232,9 @@ class EngineCoreProc:
         except ValueError:
             logger.error("ignoring a cache reset from unknown API server %d", ask.client_index)
             return
-        if ask.ipc_epoch >= 0:
+        if ask.mm:
             self.channels.start_epoch(ask.client_index, ask.ipc_epoch)
+            self.channels.items_reset_by(ask.client_index)
         self._resets.append((ask.client_index, self.core.reset_caches(ask)))
 
     def _add_request(self, request: EngineCoreRequest) -> None:

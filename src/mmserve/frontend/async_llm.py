@@ -297,6 +297,8 @@ class AsyncLLM:
         for request_id, missing in batch.resend.items():
             self.admission.resend(request_id, missing)
         self.resets.answered(rank, batch.resets)
+        if batch.reset_items:
+            self.resets.reset_by_another_server()
         ok: list[EngineCoreOutput] = []
         for out in batch.outputs:
             if out.first_logits is not None and (open_request := self.requests.get(out.request_id)) is not None:

@@ -3,7 +3,9 @@
 A reset is one `ResetCaches` per serving rank, answered by a `CachesReset` in that rank's next
 outputs to this API server; `reset_mm_cache` first empties P0's own layers — the processor cache,
 every IPC sender (a new epoch, which the ask carries to the rank's receiver) and the item store's
-unpinned entries. What each layer drops and keeps is written once, in `engine/cache_reset.py`.
+unpinned entries. With several API servers, each engine core tells the other servers, which empty
+their own processor caches and IPC senders (`reset_by_another_server`). What each layer drops and
+keeps is written once, in `engine/cache_reset.py`.
 A rank that dies before it answers holds nothing any more: its answer is skipped. A rank with no
 engine core now is skipped the same way (a restarted one starts empty).
 """
@@ -43,12 +45,14 @@ class ResetReport:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def reset_frontend_items(inputs: InputProcessor, transport: ItemTransport | None, report: ResetReport) -> list[int]:
-    """Empty P0's item layers (`reset_mm_cache`); each rank's new IPC epoch (none without a transport)."""
+def reset_frontend_items(inputs: InputProcessor, transport: ItemTransport | None, report: ResetReport,
+                         store: bool = True) -> list[int]:
+    """Empty P0's item layers (`reset_mm_cache`; the item store's unpinned entries too with `store`);
+    each rank's new IPC epoch (none without a transport)."""
     report.processor_items = inputs.processor_cache.clear()
     if transport is None:
         return []
-    epochs, report.store_items = transport.reset()
+    epochs, report.store_items = transport.reset(store)
     return epochs
 
 
@@ -65,14 +69,18 @@ class CacheResets:
     async def reset(self, prefix: bool, encoder: bool, mm: bool) -> ResetReport:
         """Empty P0's item layers (`mm`), then ask every serving rank and await the answers; what was dropped."""
         report = ResetReport()
-        epochs = reset_frontend_items(self.inputs, self.transport, report) if mm else []
+        epochs: list[int] = []
+        if mm and self.transport.store_round_trips:  # the node's store answers a round trip: off the event loop
+            epochs = await asyncio.to_thread(reset_frontend_items, self.inputs, self.transport, report)
+        elif mm:
+            epochs = reset_frontend_items(self.inputs, self.transport, report)
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
         waits = []
         for rank, client in enumerate(self.ranks.clients):
             if client is None:
                 continue
-            ask = ResetCaches(call_id, prefix, encoder, epochs[rank] if epochs else -1, self.transport.client_index)
+            ask = ResetCaches(call_id, prefix, encoder, mm, epochs[rank] if epochs else 0, self.transport.client_index)
             self._waiting[rank, call_id] = future = loop.create_future()
             try:
                 client.reset_caches(ask)
@@ -84,6 +92,11 @@ class CacheResets:
             if done is not None:
                 report.add(done)
         return report
+
+    def reset_by_another_server(self) -> None:
+        """Another API server reset the multimodal caches: this one's processor cache and IPC senders
+        too (the node's store is reset already). Each rank tells it; a second time is cheap."""
+        reset_frontend_items(self.inputs, self.transport, ResetReport(), store=False)
 
     def answered(self, rank: int, resets: list[CachesReset]) -> None:
         for done in resets:

@@ -53,12 +53,14 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 class ResetCaches(msgspec.Struct, tag="reset"):
     """Drop what P1's caches hold (vLLM's `reset_prefix_cache` / `reset_encoder_cache` /
     `reset_mm_cache`, `engine/cache_reset.py`); answered by a `CachesReset` in the asking API
-    server's next outputs. `ipc_epoch` >= 0: that server's IPC receiver starts this epoch, empty."""
+    server's next outputs. With `mm` the asking server's IPC receiver starts `ipc_epoch`, empty,
+    and every other API server is told to reset its own item layers (`EngineCoreOutputs.reset_items`)."""
 
     call_id: int
     prefix: bool = False  # KV blocks' keys, partial blocks, first tokens
     encoder: bool = False  # encoder outputs
-    ipc_epoch: int = -1
+    mm: bool = False
+    ipc_epoch: int = 0
     client_index: int = 0
 
 
@@ -207,6 +209,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     stats: SchedulerStats | None = None
     resend: dict[str, list[str]] = {}
     resets: list[CachesReset] = []  # the server's `ResetCaches` done since its last outputs
+    reset_items: bool = False  # another API server reset the multimodal caches: reset this one's item layers
 
 
 EngineCoreEvent = EngineCoreReady | EngineCoreFailed | EngineCoreOutputs  # everything P1 sends P0

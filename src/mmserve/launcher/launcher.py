@@ -2,7 +2,7 @@
 
 The launcher (title `mmserve::launcher`):
 - resolves the model once (the built-in one is generated here, not M times);
-- binds the listening socket once (SO_REUSEADDR, SO_REUSEPORT) and hands it to M API-server
+- binds the listening socket once (`entrypoints/openai/listen.py`) and hands it to M API-server
   processes (`mmserve::api_server_<i>`): the kernel gives each connection to one of them;
 - makes one ipc directory for every socket between API servers and engine cores, and sets
   PROMETHEUS_MULTIPROC_DIR for the servers (one /metrics answers for all: `metrics.py`);
@@ -42,6 +42,7 @@ from mmserve.config import EngineConfig
 from mmserve.deployment_defaults import with_item_transport
 from mmserve import log_levels
 from mmserve.entrypoints.openai.api_server import ENGINE_DEAD_EXIT_CODE, serve_api_server
+from mmserve.entrypoints.openai.listen import listen_socket
 from mmserve.gc_tuning import pause_collection
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.frontend.engine_client.attached_engine import Attachment, engine_addresses
@@ -75,19 +76,6 @@ def run_launcher(server_config: ServerConfig, engine_config: EngineConfig) -> in
     finally:
         launcher.shutdown()
         signal.signal(signal.SIGTERM, previous)
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every API server accepts on."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if hasattr(socket, "SO_REUSEPORT"):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class Launcher:

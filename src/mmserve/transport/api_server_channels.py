@@ -42,6 +42,7 @@ class ApiServerChannels:
         self._client: dict[str, int] = {}  # request id -> the server it came from
         self._last_stats: list[SchedulerStats | None] = [None] * len(self.outputs)
         self._last_shared: SchedulerStats | None = None
+        self._reset_items: set[int] = set()  # servers to tell that another reset the multimodal caches
 
     def register(self, request: EngineCoreRequest) -> None:
         self.check_client(request.client_index)
@@ -62,6 +63,10 @@ class ApiServerChannels:
         """Empty API server `client_index`'s IPC receiver, which starts `epoch` (its sender's, reset)."""
         if self.receivers is not None:
             self.receivers[client_index].start_epoch(epoch)
+
+    def items_reset_by(self, client_index: int) -> None:
+        """API server `client_index` reset its item layers: every other server is told to, with its next outputs."""
+        self._reset_items.update(c for c in range(len(self.outputs)) if c != client_index)
 
     def forget(self, request_id: str) -> None:
         self._client.pop(request_id, None)
@@ -90,9 +95,12 @@ class ApiServerChannels:
             if stats is not None and self.receivers is not None:  # its receiver's half, to compare with its sender
                 own = msgspec.structs.replace(stats, caches={**stats.caches,
                                                              "ipc_receiver": self.receivers[client].stats()})
-            if not by_client[client] and not asks[client] and not done[client] and own == self._last_stats[client]:
+            told = client in self._reset_items
+            if not by_client[client] and not asks[client] and not done[client] and not told \
+                    and own == self._last_stats[client]:
                 continue
-            queue.send(EngineCoreOutputs(by_client[client], own, asks[client], done[client]))
+            queue.send(EngineCoreOutputs(by_client[client], own, asks[client], done[client], told))
+            self._reset_items.discard(client)
             self._last_stats[client] = own
         if self.stats_out is not None and stats is not None and stats != self._last_shared:
             self.stats_out.send(RankStats(self.rank, stats))

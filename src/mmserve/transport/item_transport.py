@@ -147,13 +147,13 @@ class ItemTransport:
         if remote:
             self.remote.add(rank)
 
-    def reset(self) -> tuple[list[int], int]:
+    def reset(self, store: bool = True) -> tuple[list[int], int]:
         """Drop what the transport's layers hold (`/reset_mm_cache`): every IPC sender starts a new
-        epoch from empty, and the store drops every entry no request pins. Each rank's new epoch
-        (for its receiver), and the store entries dropped."""
+        epoch from empty, and (with `store`) the store drops every entry no request pins. Each
+        rank's new epoch (for its receiver), and the store entries dropped."""
         for sender in self.senders:
             sender.reset()
-        dropped = self.shm.store.drop_unused() if self.shm is not None else 0
+        dropped = self.shm.store.drop_unused() if self.shm is not None and store else 0
         return [sender.epoch for sender in self.senders], dropped
 
     def finish(self, request_id: str) -> None:

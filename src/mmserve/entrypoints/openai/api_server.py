@@ -164,9 +164,10 @@ class _RunState:
 
 def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None = None,
                      sock: socket.socket | None = None, started: Callable[[], None] | None = None) -> int:
-    """One API server until SIGTERM / Ctrl-C (0) or its engine cores' death. With `attachment` it is
-    API server `engine_config.parallel.api_server_index` of a launcher's several: it serves on the
-    launcher's `sock` and calls `started()` once it accepts connections instead of announcing itself."""
+    """One API server until SIGTERM / Ctrl-C (0) or its engine cores' death, on `sock` (bound by the
+    caller before anything loads: `listen.py`; None: uvicorn binds the configured port). With
+    `attachment` it is API server `engine_config.parallel.api_server_index` of a launcher's several:
+    it calls `started()` once it accepts connections instead of announcing itself."""
     log_levels.configure(server_config.log_level)
     # before any other thread starts; the processor cache keeps each new item's pixels
     process = ServingProcess(f"api_server_{engine_config.parallel.api_server_index}",

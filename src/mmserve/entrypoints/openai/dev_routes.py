@@ -6,8 +6,8 @@ are taken: a reset never needs to preempt here, as running requests keep their b
 no external KV cache), `POST /reset_mm_cache`, `POST /reset_encoder_cache`. Each answers once every
 rank has reset, 200 with what was dropped (`frontend/cache_resets.py: ResetReport`; vLLM answers an
 empty 200). What a reset drops and keeps: `engine/cache_reset.py`. With several API servers the
-engine cores and the node's item store are reset for all; the processor cache and IPC senders of
-the API server that took the call only.
+one that takes the call resets the engine cores and the node's item store for all, and the engine
+cores tell the others to empty their own processor caches and IPC senders.
 """
 
 from __future__ import annotations

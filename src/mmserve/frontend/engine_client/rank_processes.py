@@ -131,8 +131,8 @@ class RankProcesses:
         call_id = next(self._reset_ids)
         waiting = [rank for rank, client in enumerate(self.ranks.clients) if client is not None]
         for rank in waiting:
-            self.ranks.client(rank).reset_caches(ResetCaches(call_id, prefix, encoder, epochs[rank] if epochs else -1,
-                                                             self.transport.client_index))
+            ask = ResetCaches(call_id, prefix, encoder, mm, epochs[rank] if epochs else 0, self.transport.client_index)
+            self.ranks.client(rank).reset_caches(ask)
         while waiting:
             rank = waiting[0]
             if (batch := self._poll(rank, _IDLE_WAIT_S)) is None:
