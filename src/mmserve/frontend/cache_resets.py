@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, fields
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmserve.frontend.engine_client.core_client import EngineDeadError
@@ -56,6 +57,13 @@ def reset_frontend_items(inputs: InputProcessor, transport: ItemTransport | None
     return epochs
 
 
+def reset_asks(clients: Sequence[object | None], call_id: int, prefix: bool, encoder: bool, mm: bool,
+               epochs: list[int], client_index: int) -> dict[int, ResetCaches]:
+    """One `ResetCaches` per rank with an engine core (`epochs`: each rank's new IPC epoch, for `mm`)."""
+    return {rank: ResetCaches(call_id, prefix, encoder, mm, epochs[rank] if epochs else 0, client_index)
+            for rank, client in enumerate(clients) if client is not None}
+
+
 class CacheResets:
     """The resets this API server asked its ranks for and awaits (`reset`, answered by `answered`)."""
 
@@ -77,13 +85,11 @@ class CacheResets:
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
         waits = []
-        for rank, client in enumerate(self.ranks.clients):
-            if client is None:
-                continue
-            ask = ResetCaches(call_id, prefix, encoder, mm, epochs[rank] if epochs else 0, self.transport.client_index)
+        asks = reset_asks(self.ranks.clients, call_id, prefix, encoder, mm, epochs, self.transport.client_index)
+        for rank, ask in asks.items():
             self._waiting[rank, call_id] = future = loop.create_future()
             try:
-                client.reset_caches(ask)
+                self.ranks.client(rank).reset_caches(ask)
             except EngineDeadError:
                 del self._waiting[rank, call_id]
                 continue

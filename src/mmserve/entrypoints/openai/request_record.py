@@ -5,11 +5,11 @@ brought tokens is counted as it happens (vLLM's inter-token latency)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mmserve.cache_report import CacheReport
 from mmserve.metrics import FinishedRequest, ServerMetrics
-from mmserve.outputs import RequestOutput, RequestTimes
+from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 
@@ -35,9 +35,7 @@ class RequestRecord:
     first_token_time: float | None = None
     last_token_time: float | None = None
     params: SamplingParams | None = None  # set once the request's parameters are made
-    choice_tokens: list[int] = field(default_factory=list)  # each completion's tokens so far
-    finish_reasons: list[str | None] = field(default_factory=list)
-    times: RequestTimes | None = None  # the engine core's (`RequestOutput.metrics`)
+    last: RequestOutput | None = None  # the latest output (its completions, finish reasons, engine times)
     finished: bool = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -53,9 +51,7 @@ class RequestRecord:
         self.generation_tokens = tokens
         self.cached_tokens = out.num_cached_tokens or 0
         self.report = out.cache_report or self.report
-        self.choice_tokens = [len(c.token_ids) for c in out.outputs]
-        self.times = out.metrics or self.times
-        self.finish_reasons = [c.finish_reason for c in out.outputs]
+        self.last = out
 
     def finish(self, outcome: str) -> None:
         """Count the request under `outcome`; later calls do nothing."""
@@ -64,11 +60,12 @@ class RequestRecord:
         self.finished = True
         now = time.perf_counter()
         first, last = self.first_token_time, self.last_token_time
-        n = self.params.n if self.params is not None else max(len(self.choice_tokens), 1)
-        reasons = [r or outcome for r in self.finish_reasons] if outcome == "success" else [outcome] * n
+        choices = self.last.outputs if self.last is not None else []
+        n = self.params.n if self.params is not None else max(len(choices), 1)
+        reasons = [c.finish_reason or outcome for c in choices] if outcome == "success" else [outcome] * n
         self.metrics.on_request_finished(outcome, self.prompt_tokens, self.generation_tokens,
                                          None if first is None else first - self.arrival, now - self.arrival,
-                                         FinishedRequest(reasons, max(self.choice_tokens, default=0), n,
-                                                         self.params.max_tokens if self.params else None,
+                                         FinishedRequest(reasons, max((len(c.token_ids) for c in choices), default=0),
+                                                         n, self.params.max_tokens if self.params else None,
                                                          None if first is None or last is None else last - first,
-                                                         self.times))
+                                                         self.last.metrics if self.last is not None else None))

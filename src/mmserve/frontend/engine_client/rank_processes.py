@@ -25,8 +25,8 @@ from mmserve.frontend.engine_client.core_client import EngineDeadError
 from mmserve.frontend.engine_client.engine_ranks import EngineRanks
 from mmserve.frontend.engine_client.sender import RankSender
 from mmserve.transport.undo import UndoLog
-from mmserve.frontend.cache_resets import ResetReport
-from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ResetCaches, SchedulerStats
+from mmserve.frontend.cache_resets import ResetReport, reset_asks
+from mmserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from mmserve.outputs import RequestOutput
 from mmserve.rank_metrics import DataParallelFigures
 from mmserve.transport.item_transport import ItemTransport
@@ -129,10 +129,10 @@ class RankProcesses:
         if mm:
             epochs, report.store_items = self.transport.reset()
         call_id = next(self._reset_ids)
-        waiting = [rank for rank, client in enumerate(self.ranks.clients) if client is not None]
-        for rank in waiting:
-            ask = ResetCaches(call_id, prefix, encoder, mm, epochs[rank] if epochs else 0, self.transport.client_index)
+        asks = reset_asks(self.ranks.clients, call_id, prefix, encoder, mm, epochs, self.transport.client_index)
+        for rank, ask in asks.items():
             self.ranks.client(rank).reset_caches(ask)
+        waiting = list(asks)
         while waiting:
             rank = waiting[0]
             if (batch := self._poll(rank, _IDLE_WAIT_S)) is None:
