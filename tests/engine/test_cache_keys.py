@@ -152,7 +152,7 @@ def check_pair(llm: LLM, a: dict, b: dict) -> None:
     check_partial(llm, ra, rb)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 def family_llm(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     path = make_checkpoint(tmp) if request.param == "llava" else make_qwen_checkpoint(tmp, family=request.param)

@@ -1,8 +1,9 @@
-"""Qwen2.5-VL and Qwen3-VL: greedy outputs token-for-token equal to transformers' `generate`.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: greedy outputs token-for-token equal to transformers' `generate`.
 
 Each variant is a tiny checkpoint built here with transformers: Qwen3-VL (GQA, interleaved
-M-RoPE, deepstack after two vision layers) and Qwen2.5-VL (window attention with full-attention
-blocks, sectioned M-RoPE, QKV bias). The prompts cover no image, one image, two images of
+M-RoPE, deepstack after two vision layers), Qwen2.5-VL (window attention with full-attention
+blocks, sectioned M-RoPE, QKV bias) and Qwen2-VL (LayerNorm and QuickGELU in the tower, full
+attention per frame, a LayerNorm merger). The prompts cover no image, one image, two images of
 different sizes and aspect ratios, an image below `min_pixels` and one above `max_pixels`, and a
 request with its own `mm_processor_kwargs`. Every variant runs them batched, with prefill chunks
 smaller than one image, with preemption, and again with every cache hitting.
@@ -25,6 +26,7 @@ MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 48  # 4 to 48 tokens at patch 16
 VARIANTS = {
     "qwen3-vl": dict(family="qwen3_vl", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
     "qwen2.5-vl": dict(family="qwen2_5_vl", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48),
+    "qwen2-vl": dict(family="qwen2_vl", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48),
 }
 
 

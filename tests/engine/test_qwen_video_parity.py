@@ -1,4 +1,4 @@
-"""Video on Qwen2.5-VL and Qwen3-VL: greedy outputs token-for-token equal to transformers' `generate`.
+"""Video on Qwen2-VL, Qwen2.5-VL and Qwen3-VL: greedy outputs token-for-token equal to transformers' `generate`.
 
 Both sides get the same decoded frames: a lossless PNG .mov (decodes bit-exact), an H.264 .mp4
 (the reference is fed PyAV's decoding of the same bytes), raw frames with their fps beside an
@@ -7,9 +7,11 @@ the runs cover batching, prefill chunks smaller than one group, TP = 2, every ca
 repeat, a clip that shares its first frames with a later video reusing those groups, and a video
 larger than the encoder cache.
 
-Qwen2.5-VL positions: text after a video resumes at max + 1 (the model's original rule), where
-transformers 5.x resumes at start + max(h, w) / merge; they agree when a video's scaled temporal
-extent does not exceed its spatial one, which these clips keep (see models/mrope.py).
+Qwen2-VL's temporal position steps 1 per group, Qwen2.5-VL's by the group's seconds (the H.264
+clip, sampled at 2 fps, tells them apart). Qwen2(.5)-VL positions: text after a video resumes at
+max + 1 (the model's original rule), where transformers 5.x resumes at start + max(h, w) / merge;
+they agree when a video's scaled temporal extent does not exceed its spatial one, which these
+clips keep (see models/mrope.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def prompts() -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "qwen2_vl"])
 def variant(request, tmp_path_factory):
     path = make_qwen_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param)
     items = prompts()

@@ -16,7 +16,8 @@ from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoin
 LLAVA_TEXT = "USER: {image}\n{question} ASSISTANT:"
 QWEN_TEXT = "<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n"
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
-CHECKPOINTS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl", "llava-gqa", "llava-mha", "qwen2_5_vl", "qwen3_vl")
+CHECKPOINTS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl", "llava-gqa", "llava-mha", "qwen2_vl", "qwen2_5_vl",
+               "qwen3_vl")
 
 
 def checkpoint(name: str, tmp_dir: Path) -> str:

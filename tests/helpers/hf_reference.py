@@ -31,7 +31,7 @@ def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dt
 
 def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> tuple[list[list[int]], list[int]]:
-    """transformers' Qwen2.5-VL / Qwen3-VL `generate` on each prompt dict alone.
+    """transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL `generate` on each prompt dict alone.
 
     The Qwen processor classes need torchvision, so the inputs are built the way they build
     them, from transformers' own pieces: `Qwen2VLImageProcessorPil` for pixels and grids, each
@@ -54,7 +54,8 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: tor
     assert type(model).__name__ == arch
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-    family = "qwen3_vl" if arch.startswith("Qwen3") else "qwen2_5_vl"
+    family = {"Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen2VLForConditionalGeneration": "qwen2_vl"}.get(
+        arch, "qwen2_5_vl")
     video_processor = None  # built at the first video
     refs, lens = [], []
     for item in items:
@@ -140,12 +141,12 @@ def _frames_of(video) -> tuple:
 
 
 def _video_text(out: dict, family: str, video_processor) -> str:
-    """A video's prompt text as the families' processors write it: Qwen2.5-VL the wrapped pads;
+    """A video's prompt text as the families' processors write it: Qwen2(.5)-VL the wrapped pads;
     Qwen3-VL per group `<t seconds>` + wrapped pads, timestamps by transformers'
     `Qwen3VLProcessor._calculate_timestamps`, with no outer wrapper (transformers 4.57's form)."""
     t, h, w = out["video_grid_thw"][0].tolist()
     per_group = "<|video_pad|>" * (h * w // video_processor.merge_size**2)
-    if family == "qwen2_5_vl":
+    if family != "qwen3_vl":
         return "<|vision_start|>" + per_group * t + "<|vision_end|>"
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 

@@ -1,4 +1,4 @@
-"""Both Qwen vision towers with the triton backend's segments (interpreted on CPU) against the same
+"""The three Qwen vision towers with the triton backend's segments (interpreted on CPU) against the same
 tower with the torch backend's: the attention through the variable-length kernel and the small ops
 between the GEMMs through `TRITON_OPS` (the residual add fused into the RMSNorm that reads it, the
 float32 rotary of q and k, SiLU x up over the packed gate/up projection), with heads of 80 split

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+from transformers import (AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
+                          Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mmserve.ipc.pixel_codes import pixel_values
@@ -17,8 +18,9 @@ from mmserve.models.builtin_qwen_vl import SPECIAL_TOKENS, write_tiny_qwen_vl
 from mmserve.multimodal.qwen_processor import QwenVLProcessor
 from helpers.tiny_models import make_image, make_qwen_checkpoint
 
-HF_CLASS = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
-ARCHITECTURE = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+HF_CLASS = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+            "qwen2_vl": Qwen2VLForConditionalGeneration}
+ARCHITECTURE = {family: cls.__name__ for family, cls in HF_CLASS.items()}
 # Small enough that writing, loading and generating take a fraction of a second.
 SMALL = {
     "qwen3_vl": dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -30,6 +32,10 @@ SMALL = {
                                         num_key_value_heads=1),
                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, fullatt_block_indexes=[1]),
                        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64),
+    "qwen2_vl": dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1),
+                     vision_config=dict(depth=2, embed_dim=32, mlp_ratio=2),
+                     min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64),
 }
 
 
@@ -139,7 +145,7 @@ def test_rope_follows_an_overridden_head_dim(tmp_path):
         assert len(greedy(path, make_image(0, (64, 64)), max_new_tokens=2)) == 2
 
 
-@pytest.mark.parametrize("variant", ["qwen3_vl", "qwen2_5_vl", "builtin"])
+@pytest.mark.parametrize("variant", ["qwen3_vl", "qwen2_5_vl", "qwen2_vl", "builtin"])
 def test_greedy_outputs_follow_the_image(variant, tmp_path):
     """The init std makes outputs depend on the image and not repeat one token (else the
     parity tests could pass with the image ignored)."""
@@ -154,6 +160,6 @@ def test_greedy_outputs_follow_the_image(variant, tmp_path):
 
 def test_bad_arguments_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown Qwen-VL family"):
-        write_tiny_qwen_vl(tmp_path / "x", family="qwen2_vl")
+        write_tiny_qwen_vl(tmp_path / "x", family="qwen1_vl")
     with pytest.raises(ValueError, match="vocab_size"):
         write_tiny_qwen_vl(tmp_path / "y", text_config=dict(vocab_size=64))

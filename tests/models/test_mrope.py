@@ -1,5 +1,5 @@
 """M-RoPE against transformers 5.23: `mrope_positions` equals `get_rope_index` (positions and
-`rope_deltas`) of tiny Qwen2.5-VL and Qwen3-VL models on prompts built here the way the processor
+`rope_deltas`) of tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models on prompts built here the way the processor
 builds them (`mm_token_type_ids` 1 on image pads, 2 on video pads), and `MRotaryEmbedding` equals
 the text rotary embeddings' cos / sin after their M-RoPE recomposition (blocks and interleaved)."""
 
@@ -19,13 +19,15 @@ TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=1, o
                    spatial_merge_size=MERGE, patch_size=14)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def hf(request):
-    """A tiny HF `Qwen2_5_VLModel` / `Qwen3VLModel`: `get_rope_index` reads its config."""
+    """A tiny HF `Qwen2VLModel` / `Qwen2_5_VLModel` / `Qwen3VLModel`: `get_rope_index` reads its config."""
     from transformers import AutoConfig, AutoModel
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    config = AutoConfig.for_model(request.param, vision_config=TINY_VISION,
+    vision = TINY_VISION if request.param != "qwen2_vl" else dict(  # Qwen2-VL names its width embed_dim
+        depth=1, embed_dim=16, hidden_size=32, mlp_ratio=1, num_heads=1, spatial_merge_size=MERGE, patch_size=14)
+    config = AutoConfig.for_model(request.param, vision_config=vision,
                                   text_config={**TINY_TEXT, "rope_parameters": rope}, image_token_id=IMAGE,
                                   video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     return AutoModel.from_config(config).eval()
@@ -77,11 +79,23 @@ def test_positions_at_the_prompt_edges(hf, lead, tail):
     assert torch.equal(ours, ref[:, 0]) and delta == int(ref_delta[0, 0])
 
 
+def test_qwen2_video_temporal_step_is_one(hf):
+    """Qwen2-VL video: the temporal index steps 1 per group, whatever the frame rate (the model's
+    `mrope_positions` gives it step 1.0; spatial extent larger than the temporal one)."""
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("Qwen2-VL's rule")
+    grids = [(3, 8, 12)]
+    ids, items, types = build_prompt(grids, pad=VIDEO)
+    ref, ref_delta = hf_rope_index(hf, ids, types, grids, key="video_grid_thw")
+    ours, delta = mrope_positions(ids, items, MERGE, temporal_steps=[1.0])
+    assert torch.equal(ours, ref[:, 0]) and delta == int(ref_delta[0, 0])
+
+
 def test_qwen2_5_video_temporal_step(hf):
     """Qwen2.5-VL video: temporal index * tokens_per_second * second_per_grid_ts (spatial extent
     larger than the temporal one, where 5.23 and the original agree on the text after it)."""
     if hf.config.model_type != "qwen2_5_vl":
-        pytest.skip("Qwen3-VL splits a video into t = 1 grids: the image case")
+        pytest.skip("Qwen2.5-VL's rule (Qwen3-VL splits a video into t = 1 grids: the image case)")
     grids, seconds = [(4, 8, 12)], 0.3  # step 1.2 (tokens_per_second 4): 0, 1, 2, 3
     ids, items, types = build_prompt(grids, pad=VIDEO)
     ref, ref_delta = hf_rope_index(hf, ids, types, grids, key="video_grid_thw",

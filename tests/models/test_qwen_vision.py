@@ -1,5 +1,6 @@
-"""Our Qwen2.5-VL and Qwen3-VL vision towers against transformers' `model.visual`
-(`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`) on the same random weights:
+"""Our Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers against transformers' `model.visual`
+(`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel`,
+`Qwen3VLVisionModel`) on the same random weights:
 images of different grids in one call (one a whole number of windows, two cut short by the grid's
 edge, one of two frames), parameter names, Qwen2.5-VL's window order, and two gloo ranks of
 tensor parallelism with the fused QKV read as three row ranges.
@@ -16,8 +17,9 @@ import torch
 
 from mmserve.models.parallel import Shard, TensorParallel
 from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower, window_order
+from mmserve.models.qwen2_vision import Qwen2VisionTower
 from mmserve.models.qwen3_vision import Qwen3VisionTower
-from mmserve.models.qwen_config import QwenVisionConfig
+from mmserve.models.qwen_config import QWEN2_VL, QwenVisionConfig, load_qwen_config
 from mmserve.models.qwen_vision import check_vision_shardable
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -28,7 +30,10 @@ SHAPE = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=
              temporal_patch_size=2)
 QWEN2_5 = dict(SHAPE, depth=4, patch_size=14, window_size=56, fullatt_block_indexes=[1, 3])
 QWEN3 = dict(SHAPE, depth=4, patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 2])
-TOWERS = {"qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
+# Qwen2-VL's vision config: embed_dim wide, hidden_size out (the decoder's width)
+QWEN2 = dict(depth=4, embed_dim=32, mlp_ratio=2, hidden_size=48, num_heads=2, patch_size=14, spatial_merge_size=2,
+             temporal_patch_size=2)
+TOWERS = {"qwen2": Qwen2VisionTower, "qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
 
 
 def randomize(module: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
@@ -52,6 +57,16 @@ def our_config(c) -> QwenVisionConfig:
 
 def build_hf(family: str):
     """(transformers' tower in float32 with random weights, our config of it)."""
+    if family == "qwen2":  # read as mmserve reads a checkpoint's config.json
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        config = Qwen2VLVisionConfig(**QWEN2)
+        hf = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32)
+        randomize(hf.eval())
+        raw = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": config.to_dict()}
+        ours = load_qwen_config(raw, "/nonexistent")
+        assert ours.family == QWEN2_VL and ours.vision.intermediate_size == 64 and ours.vision.out_hidden_size == 48
+        return hf, ours.vision
     if family == "qwen2_5":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -152,6 +167,7 @@ RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from mmserve.models.parallel import TensorParallel
 from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
+from mmserve.models.qwen2_vision import Qwen2VisionTower
 from mmserve.models.qwen3_vision import Qwen3VisionTower
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method="file://" + path + ".store", rank=rank, world_size=2)
@@ -165,7 +181,8 @@ def read(full, s):
 
 outs = []
 for family, cfg, state, pixels, grids in torch.load(path, weights_only=False):
-    tower = (Qwen3VisionTower if family == "qwen3" else Qwen2_5VisionTower)(cfg, TensorParallel(rank, 2))
+    towers = {"qwen2": Qwen2VisionTower, "qwen2_5": Qwen2_5VisionTower, "qwen3": Qwen3VisionTower}
+    tower = towers[family](cfg, TensorParallel(rank, 2))
     shards = {f"{m}.{n}" if m else n: s for m, mod in tower.named_modules()
               for n, s in getattr(mod, "tp_shards", {}).items()}
     with torch.no_grad():

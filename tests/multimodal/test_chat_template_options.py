@@ -165,7 +165,7 @@ def test_the_content_format_is_read_from_the_template():
 
     published = [json.loads(path.read_text())["chat_template"]
                  for path in PUBLISHED.glob("*/chat_template.json")]
-    assert len(published) == 3
+    assert len(published) == 4
     assert all(content_format(t) == "openai" for t in [*published, BUILTIN_LLAVA, BUILTIN_QWEN])
     assert content_format(STRING_TEMPLATE) == "string" == content_format(RAISING)
     assert content_format("{% for m in messages %}{% set parts = m.content %}"

@@ -1,7 +1,7 @@
 """The published files of each family load as published (helpers/published.py, tests/data/published/).
 
-Processor configs as llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-7B-Instruct and
-Qwen/Qwen3-VL-8B-Instruct publish them, their real chat templates wherever a checkpoint may put
+Processor configs as llava-hf/llava-1.5-7b-hf, Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct
+and Qwen/Qwen3-VL-8B-Instruct publish them, their real chat templates wherever a checkpoint may put
 them, and the real Qwen2 byte-level BPE vocabulary. transformers' own Qwen processors need
 torchvision, absent here: the pixels come from `Qwen2VLImageProcessorPil`, whatever class the
 file names (`Qwen2VLImageProcessor`, `Qwen2VLImageProcessorFast`).
@@ -18,7 +18,7 @@ from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoin
 from mmserve.multimodal.processing import create_processor
 
 PLACES = ("chat_template.json", "chat_template.jinja", "tokenizer_config.json")
-QWEN = {"qwen2_5_vl": "qwen2.5-vl-7b-instruct", "qwen3_vl": "qwen3-vl-8b-instruct"}
+QWEN = {"qwen2_vl": "qwen2-vl-7b-instruct", "qwen2_5_vl": "qwen2.5-vl-7b-instruct", "qwen3_vl": "qwen3-vl-8b-instruct"}
 IMAGE_TURN = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
                                              "parameters": {"type": "object",
@@ -45,7 +45,7 @@ def test_the_qwen_templates_render_wherever_they_are_published(qwen, tiny, famil
                 .apply_chat_template(IMAGE_TURN) for place in PLACES[1:]}
     rendered["chat_template.json"] = qwen[family].apply_chat_template(IMAGE_TURN)
     assert len(set(rendered.values())) == 1, rendered  # chat_template.json was not read before
-    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" if family == "qwen2_5_vl" else ""
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" if family != "qwen3_vl" else ""
     assert rendered["chat_template.json"] == (f"{system}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
                                               "What is this?<|im_end|>\n<|im_start|>assistant\n")
 
@@ -68,7 +68,8 @@ def test_qwen3_vl_template_renders_tools_tool_calls_and_tool_turns(qwen):
     assert "Picture 1: <|vision_start|>" in vision_ids and "Picture 2: <|vision_start|>" in vision_ids
 
 
-@pytest.mark.parametrize("family, pixels", [("qwen2_5_vl", (3136, 12845056)), ("qwen3_vl", (65536, 16777216))])
+@pytest.mark.parametrize("family, pixels", [("qwen2_vl", (3136, 12845056)), ("qwen2_5_vl", (3136, 12845056)),
+                                            ("qwen3_vl", (65536, 16777216))])
 def test_qwen_image_processor_settings_as_published(qwen, family, pixels):
     processor = qwen[family]
     assert (processor.default_pixels["min_pixels"], processor.default_pixels["max_pixels"]) == pixels
@@ -79,6 +80,23 @@ def test_qwen_image_processor_settings_as_published(qwen, family, pixels):
     height, width = smart_resize(300, 500, factor=patch * 2, min_pixels=pixels[0], max_pixels=pixels[1])
     assert data["image_grid_thw"].tolist() == [1, height // patch, width // patch]
     assert processor.num_placeholder_tokens(data) == height * width // (patch * patch * 4)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_repo_without_a_video_file_sizes_videos_as_transformers_does(qwen, family, tmp_path):
+    """Qwen2-VL and Qwen2.5-VL publish no video_preprocessor_config.json: transformers' video
+    processor reads preprocessor_config.json instead (the image budget, 3136 to 12845056 pixels a
+    frame), and so do we (the class defaults, 100352 to 602112, before)."""
+    from helpers.hf_reference import hf_video_processor
+
+    video = qwen[family].video
+    reference = hf_video_processor(published_qwen(make_qwen_checkpoint(tmp_path, family=family), tmp_path / "p",
+                                                  QWEN[family]), family)
+    assert (video.defaults.min_pixels, video.defaults.max_pixels) == (reference.size.shortest_edge,
+                                                                      reference.size.longest_edge) == (3136, 12845056)
+    assert (video.patch_size, video.image_mean, video.image_std) == (reference.patch_size, tuple(reference.image_mean),
+                                                                    tuple(reference.image_std))
+    assert video.defaults.fps == reference.fps is None  # every frame, unless the request asks for a rate
 
 
 def test_qwen3_vl_video_settings_as_published(qwen):

@@ -1,8 +1,9 @@
 """The built-in tiny Qwen-VL checkpoints: random weights in the published layout, no download.
 
-`write_tiny_qwen_vl` writes a Qwen3-VL (the default, `builtin:tiny-qwen3-vl`) or a Qwen2.5-VL
-directory that transformers loads as published checkpoints load: `config.json`
-(`Qwen3VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`), safetensors (sharded
+`write_tiny_qwen_vl` writes a Qwen3-VL (the default, `builtin:tiny-qwen3-vl`), Qwen2.5-VL or
+Qwen2-VL directory that transformers loads as published checkpoints load: `config.json`
+(`Qwen3VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` /
+`Qwen2VLForConditionalGeneration`), safetensors (sharded
 with an index when asked), `generation_config.json`, `tokenizer.json` (the built-in byte-level
 BPE with Qwen's special tokens), `chat_template.jinja` (Qwen2-VL's shape), `preprocessor_config.json`
 (image_processor_type `Qwen2VLImageProcessor`, the pixel budget) and
@@ -78,11 +79,14 @@ _VISION = {
     "qwen2_5_vl": dict(depth=3, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[2],
                        hidden_act="silu", tokens_per_second=2),
+    # Qwen2-VL names its width embed_dim; its hidden_size is the decoder's (set by `_config`)
+    "qwen2_vl": dict(depth=3, embed_dim=64, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+                     temporal_patch_size=2, hidden_act="quick_gelu"),
 }
 _TEXT: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, rms_norm_eps=1e-6)
 # mrope_section (t, h, w) at the default head_dim 32; other head dims keep the proportions
-_ROPE_SECTION = {"qwen3_vl": (8, 4, 4), "qwen2_5_vl": (4, 6, 6)}
+_ROPE_SECTION = {"qwen3_vl": (8, 4, 4), "qwen2_5_vl": (4, 6, 6), "qwen2_vl": (4, 6, 6)}
 
 
 def build_qwen_tokenizer() -> Any:
@@ -113,8 +117,8 @@ def _text_config(family: str, tokenizer: Any, text_config: dict | None, ids: dic
             "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
     if text["vocab_size"] < len(tokenizer):
         raise ValueError(f"text vocab_size {text['vocab_size']} < tokenizer size {len(tokenizer)}")
-    if family == "qwen2_5_vl":
-        # Qwen2.5-VL's attention always uses hidden / heads, and its config has neither field
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        # Qwen2(.5)-VL's attention always uses hidden / heads, and its config has neither field
         text.pop("head_dim", None)
         head_dim = text["hidden_size"] // text["num_attention_heads"]
         rope: dict[str, Any] = {"mrope_section": mrope_section(family, head_dim)}
@@ -130,7 +134,8 @@ def _config(family: str, tokenizer: Any, text_config: dict | None, vision_config
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = _text_config(family, tokenizer, text_config, ids)
-    vision = {**_VISION[family], "out_hidden_size": text["hidden_size"], **(vision_config or {})}
+    out = "hidden_size" if family == "qwen2_vl" else "out_hidden_size"  # the merger's output width
+    vision = {**_VISION[family], out: text["hidden_size"], **(vision_config or {})}
     return AutoConfig.for_model(
         family, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -171,8 +176,9 @@ def write_tiny_qwen_vl(path: str | os.PathLike, *, family: str = "qwen3_vl", tex
                        vision_config: dict | None = None, min_pixels: int = DEFAULT_MIN_PIXELS,
                        max_pixels: int = DEFAULT_MAX_PIXELS, init_std: float = DEFAULT_INIT_STD, seed: int = 0,
                        max_shard_size: str | None = None) -> None:
-    """Writes a random-weight Qwen3-VL (`family="qwen3_vl"`) or Qwen2.5-VL (`"qwen2_5_vl"`)
-    checkpoint directory at `path`; `text_config` / `vision_config` override the small defaults."""
+    """Writes a random-weight Qwen3-VL (`family="qwen3_vl"`), Qwen2.5-VL (`"qwen2_5_vl"`) or
+    Qwen2-VL (`"qwen2_vl"`) checkpoint directory at `path`; `text_config` / `vision_config`
+    override the small defaults."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
     from transformers.utils import logging as hf_logging

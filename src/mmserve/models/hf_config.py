@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Union
 if TYPE_CHECKING:
     from mmserve.models.qwen_config import QwenVLModelConfig
 
-_SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                            "Qwen3VLForConditionalGeneration")
+_SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 @dataclass(frozen=True)

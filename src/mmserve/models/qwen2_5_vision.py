@@ -11,6 +11,7 @@ Norms are RMSNorm (eps 1e-6), the MLP is gated SiLU with bias.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
-from mmserve.models.attention.torch_sdpa import TORCH
-from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, activation, norm_residual
+from mmserve.models.layers import TORCH_OPS, LayerOps, RMSNorm, activation, add_norm
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, project
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
-                                        check_grids, frame_boundaries, vision_positions)
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary, VisionTower,
+                                        frame_boundaries, vision_positions)
 from mmserve.worker.device import to_device
 
 INTERMEDIATE = "the vision tower's intermediate_size"
@@ -55,24 +55,26 @@ class GatedMLP(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """`ln_q` (RMSNorm on each patch), each merge block's patches concatenated, then `mlp`:
-    Linear (column-parallel), exact GELU, Linear (row-parallel) to out_hidden_size."""
+    """`ln_q` (RMSNorm on each patch; Qwen2-VL's is a LayerNorm: `norm`), each merge block's
+    patches concatenated, then `mlp`: Linear (column-parallel), exact GELU, Linear (row-parallel)
+    to out_hidden_size."""
 
-    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE,
+                 norm: Callable[[int], nn.Module] = _rms_norm) -> None:
         super().__init__()
         self.hidden = cfg.hidden_size * cfg.merge_unit
-        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
+        self.ln_q = norm(cfg.hidden_size)
         self.mlp = nn.Sequential(ColumnParallelLinear(self.hidden, self.hidden, True, tp, what=MERGER), nn.GELU(),
                                  RowParallelLinear(self.hidden, cfg.out_hidden_size, True, tp, what=MERGER))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         # x (+ residual, the stream as the blocks carry it): [P, D] -> [P / merge_unit, out_hidden_size]
-        return self.mlp(norm_residual(ops, self.ln_q, x, residual)[0].view(-1, self.hidden))
+        return self.mlp(add_norm(ops, self.ln_q, x, residual)[0].view(-1, self.hidden))
 
 
-class Qwen2_5VisionTower(nn.Module):
-    """Qwen2.5-VL's `model.visual`: parameter names and shapes as transformers' (at TP=1)."""
+class Qwen2_5VisionTower(VisionTower):
+    """Qwen2.5-VL's `model.visual`."""
 
     def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -81,14 +83,6 @@ class Qwen2_5VisionTower(nn.Module):
         self.rotary_pos_emb = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg, tp, _rms_norm, GatedMLP(cfg, tp)) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, tp)
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid],
-                attention: AttentionBackend = TORCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
-        order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
-        out_hidden_size] in the processor's order, an empty deepstack list)."""
-        check_grids(pixel_values, grid_thw, self.cfg)
-        return self.run(pixel_values, self.plan(grid_thw, attention, pixel_values.device))
 
     def plan(self, grid_thw: list[Grid], attention: AttentionBackend, device: torch.device) -> WindowPlan:
         """The call's `WindowPlan`, from the grids alone (host work, one copy to `device`)."""

@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from mmserve.models.attention.backend import AttentionBackend
-from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import TORCH_OPS, EmbeddingTable, LayerOps, activation
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
 from mmserve.models.qwen_config import QwenVisionConfig
-from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary,
-                                        check_grids, frame_boundaries, vision_positions)
+from mmserve.models.qwen_vision import (Grid, VisionBlock, VisionPatchEmbed, VisionPlan, VisionRotary, VisionTower,
+                                        frame_boundaries, vision_positions)
 from mmserve.worker.device import to_device
 
 INTERMEDIATE = "the vision tower's intermediate_size"
@@ -68,8 +67,9 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
 
 
-class Qwen3VisionTower(nn.Module):
-    """Qwen3-VL's `model.visual`: parameter names and shapes as transformers' (at TP=1)."""
+class Qwen3VisionTower(VisionTower):
+    """Qwen3-VL's `model.visual` (deepstack features as transformers gives them: in block order,
+    i.e. `deepstack_visual_indexes` order when it is sorted, as in every published checkpoint)."""
 
     def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -84,16 +84,6 @@ class Qwen3VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, tp, _layer_norm, VisionMLP(cfg, tp)) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, False, tp)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, True, tp) for _ in cfg.deepstack_visual_indexes)
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid],
-                attention: AttentionBackend = TORCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
-        order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
-        out_hidden_size], one [P / merge_unit, out_hidden_size] feature tensor per deepstack
-        layer, in block order as transformers gives them, i.e. `deepstack_visual_indexes` order
-        when it is sorted, as in every published checkpoint)."""
-        check_grids(pixel_values, grid_thw, self.cfg)
-        return self.run(pixel_values, self.plan(grid_thw, attention, pixel_values.device))
 
     def plan(self, grid_thw: list[Grid], attention: AttentionBackend, device: torch.device) -> Qwen3Plan:
         """The call's `Qwen3Plan`, from the grids alone (host work, one copy to `device`)."""

@@ -1,10 +1,13 @@
-"""Qwen2.5-VL and Qwen3-VL `config.json` (and the pixel budget of `preprocessor_config.json`),
-read into plain frozen dataclasses (no torch, no transformers).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL `config.json` (and the pixel budget of
+`preprocessor_config.json`), read into plain frozen dataclasses (no torch, no transformers).
 
-Both layouts published checkpoints use are read: Qwen2.5-VL's flat one (decoder fields at the top
-level, `rope_scaling: {"type": "mrope", "mrope_section": [...]}`, vision `in_chans`) and the
-nested one transformers 5 writes and Qwen3-VL ships (`text_config`, `rope_parameters` or
-`rope_scaling` with `mrope_interleaved`).
+Both layouts published checkpoints use are read: Qwen2-VL's and Qwen2.5-VL's flat one (decoder
+fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section": [...]}`, vision
+`in_chans`) and the nested one transformers 5 writes and Qwen3-VL ships (`text_config`,
+`rope_parameters` or `rope_scaling` with `mrope_interleaved`). Qwen2-VL's vision config names its
+width `embed_dim` and its MLP `mlp_ratio`, and its `hidden_size` is the decoder's (the merger's
+output): read into the same fields as the others' `hidden_size`, `intermediate_size` and
+`out_hidden_size`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 
 from mmserve.models.hf_config import TextConfig
 
+QWEN2_VL = "qwen2_vl"
 QWEN2_5_VL = "qwen2_5_vl"
 QWEN3_VL = "qwen3_vl"
-FAMILIES = {"Qwen2_5_VLForConditionalGeneration": QWEN2_5_VL, "Qwen3VLForConditionalGeneration": QWEN3_VL}
+FAMILIES = {"Qwen2VLForConditionalGeneration": QWEN2_VL, "Qwen2_5_VLForConditionalGeneration": QWEN2_5_VL,
+            "Qwen3VLForConditionalGeneration": QWEN3_VL}
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class QwenTextConfig(TextConfig):
 class QwenVisionConfig:
     """The vision tower: patches of temporal_patch_size x patch_size², merged spatial_merge_size².
 
+    Qwen2-VL: LayerNorm, QuickGELU MLP (fc1, fc2), full attention within each frame.
     Qwen2.5-VL: RMSNorm, gated SiLU MLP, window attention except in `fullatt_block_indexes`.
     Qwen3-VL: LayerNorm, GELU MLP, learned position embeddings interpolated to the grid, and
     deepstack mergers after the blocks in `deepstack_visual_indexes`.
@@ -56,7 +62,7 @@ class QwenVisionConfig:
     hidden_act: str
     window_size: int = 0  # Qwen2.5-VL: window side in pixels
     fullatt_block_indexes: tuple[int, ...] = ()
-    tokens_per_second: float = 2.0  # Qwen2.5-VL video positions
+    tokens_per_second: float = 2.0  # Qwen2.5-VL video positions (Qwen2-VL steps 1 per group)
     num_position_embeddings: int = 0  # Qwen3-VL
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL
 
@@ -76,9 +82,9 @@ class QwenVisionConfig:
 
 @dataclass(frozen=True)
 class QwenVLModelConfig:
-    """A Qwen2.5-VL or Qwen3-VL checkpoint: vision tower and decoder, and the pixel budget."""
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint: vision tower and decoder, and the pixel budget."""
 
-    family: str  # QWEN2_5_VL | QWEN3_VL
+    family: str  # QWEN2_VL | QWEN2_5_VL | QWEN3_VL
     text: QwenTextConfig
     vision: QwenVisionConfig
     image_token_id: int
@@ -99,7 +105,7 @@ class QwenVLModelConfig:
 
 
 def load_qwen_config(raw: dict[str, Any], model_dir: str) -> QwenVLModelConfig:
-    """`raw` is the parsed config.json of a Qwen2.5-VL / Qwen3-VL checkpoint in `model_dir`."""
+    """`raw` is the parsed config.json of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint in `model_dir`."""
     family = next(FAMILIES[a] for a in raw["architectures"] if a in FAMILIES)
     text_raw = raw.get("text_config") or raw  # Qwen2.5-VL's published config is flat
     tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
@@ -124,10 +130,13 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
     section = tuple(rope.get("mrope_section") or ((24, 20, 20) if qwen3 else (16, 24, 24)))  # transformers' defaults
     if len(section) != 3:
         raise ValueError(f"a {family} checkpoint needs rope mrope_section of 3 ints; got {section!r}")
-    # Qwen2.5-VL's attention ignores a configured head_dim (transformers uses hidden / heads)
+    # Qwen2-VL's and Qwen2.5-VL's attention ignore a configured head_dim (transformers uses hidden / heads)
     head_dim = (t.get("head_dim") or hidden // heads) if qwen3 else hidden // heads
     if 2 * sum(section) != head_dim:
         raise ValueError(f"mrope_section {section} must sum to head_dim / 2 ({head_dim // 2})")
+    if t.get("use_sliding_window"):
+        raise ValueError(f"a {family} checkpoint with use_sliding_window true is not supported (no published "
+                         "checkpoint sets it: every layer attends over the whole context)")
     eos = t.get("eos_token_id", 151645)
     return QwenTextConfig(
         vocab_size=t.get("vocab_size", 151936),
@@ -145,13 +154,15 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
         tie_word_embeddings=tie,
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         mrope_section=section,
-        mrope_interleaved=qwen3,  # transformers' Qwen3-VL always interleaves, Qwen2.5-VL never does
+        mrope_interleaved=qwen3,  # transformers' Qwen3-VL always interleaves, Qwen2(.5)-VL never does
         qk_norm=qwen3,
         qkv_bias=not qwen3 or bool(t.get("attention_bias", False)),
     )
 
 
 def _vision_config(v: dict[str, Any], family: str) -> QwenVisionConfig:
+    if family == QWEN2_VL:
+        return _qwen2_vision_config(v)
     qwen3 = family == QWEN3_VL
     return QwenVisionConfig(
         depth=v.get("depth", 27 if qwen3 else 32),
@@ -169,6 +180,24 @@ def _vision_config(v: dict[str, Any], family: str) -> QwenVisionConfig:
         tokens_per_second=float(v.get("tokens_per_second", 2)),
         num_position_embeddings=v.get("num_position_embeddings", 2304) if qwen3 else 0,
         deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else (),
+    )
+
+
+def _qwen2_vision_config(v: dict[str, Any]) -> QwenVisionConfig:
+    """Qwen2-VL's vision config (transformers' `Qwen2VLVisionConfig` defaults, Qwen2-VL-7B's shape):
+    `embed_dim` wide, `mlp_ratio` x wider inside the MLP, `hidden_size` out."""
+    width = v.get("embed_dim", 1280)
+    return QwenVisionConfig(
+        depth=v.get("depth", 32),
+        hidden_size=width,
+        intermediate_size=int(width * v.get("mlp_ratio", 4)),
+        num_heads=v.get("num_heads", 16),
+        in_channels=v.get("in_channels", v.get("in_chans", 3)),
+        patch_size=v.get("patch_size", 14),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+        out_hidden_size=v.get("hidden_size", 3584),
+        hidden_act=v.get("hidden_act", "quick_gelu"),
     )
 
 

@@ -1,6 +1,7 @@
-"""What the Qwen2.5-VL and Qwen3-VL vision towers share: the patch embedding, the axial 2-D rotary,
-attention that never leaves its segment (a frame of an image, or a window of one), the pre-norm
-block, and the tensor-parallel fused QKV.
+"""What the Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers share: a tower call as a plan then a
+run (`VisionTower`), the patch embedding, the axial 2-D rotary, attention that never leaves its
+segment (a frame of an image, or a window of one), the pre-norm block, and the tensor-parallel
+fused QKV.
 
 Shapes: P = patches of every image in one tower call (rows of `pixel_values`, images in order,
 each image's patches in the processor's merge-block order: the m x m patches of a merge block are
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.attention.backend import SegmentAttention
+from mmserve.models.attention.backend import AttentionBackend, SegmentAttention
+from mmserve.models.attention.torch_sdpa import TORCH
 from mmserve.models.layers import add_norm
 from mmserve.models.parallel import SINGLE, ParallelLinear, RowParallelLinear, Shard, TensorParallel
 from mmserve.models.quantization.base import LinearMethod, LinearShape
@@ -112,6 +115,29 @@ class VisionPlan:
 
     angles: torch.Tensor  # [P, Dh/2] float32: each patch's rotary angles (`VisionRotary.angles`)
     frames: SegmentAttention  # one segment per frame of every image
+
+
+class VisionTower(nn.Module):
+    """A Qwen tower (`model.visual`, parameter names and shapes as transformers' at TP=1): a call is
+    `plan` (everything derived from the grids: host work, one copy to the device) then `run`
+    (device work alone, nothing read back), which each family defines."""
+
+    cfg: QwenVisionConfig
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[Grid],
+                attention: AttentionBackend = TORCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixel_values: [P, patch_dim] (the processor's rows of these images, concatenated in
+        order), grid_thw: one (t, h, w) per image in patches -> (embeddings [P / merge_unit,
+        out_hidden_size] in the processor's order, one [P / merge_unit, out_hidden_size] feature
+        tensor per deepstack layer: Qwen3-VL's, in block order as transformers gives them)."""
+        check_grids(pixel_values, grid_thw, self.cfg)
+        return self.run(pixel_values, self.plan(grid_thw, attention, pixel_values.device))
+
+    def plan(self, grid_thw: list[Grid], attention: AttentionBackend, device: torch.device) -> VisionPlan:
+        raise NotImplementedError
+
+    def run(self, pixel_values: torch.Tensor, plan: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
 
 
 class QKVParallelLinear(ParallelLinear):

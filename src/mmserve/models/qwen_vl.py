@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL as transformers' `*ForConditionalGeneration` define them: a dynamic-
-resolution vision tower (`model.visual`), a Qwen2 / Qwen3 decoder with M-RoPE
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL as transformers' `*ForConditionalGeneration` define them: a
+dynamic-resolution vision tower (`model.visual`), a Qwen2 / Qwen3 decoder with M-RoPE
 (`model.language_model`) and the LM head.
 
 The runner's interface is LLaVA's (models/llava.py) plus what the family needs:
@@ -19,8 +19,9 @@ from torch import nn
 from mmserve.models.attention.backend import StepAttention
 from mmserve.models.parallel import SINGLE, TensorParallel, check_decoder_shardable
 from mmserve.models.qwen2_5_vision import Qwen2_5VisionTower
+from mmserve.models.qwen2_vision import Qwen2VisionTower
 from mmserve.models.qwen3_vision import Qwen3VisionTower
-from mmserve.models.qwen_config import QWEN3_VL, QwenVLModelConfig
+from mmserve.models.qwen_config import QWEN2_5_VL, QWEN2_VL, QWEN3_VL, QwenVLModelConfig
 from mmserve.models.qwen_text import QwenTextModel
 from mmserve.models.mrope import mrope_positions
 from mmserve.models.qwen_vision import check_vision_shardable
@@ -34,13 +35,13 @@ class QwenVLInner(nn.Module):
 
     def __init__(self, cfg: QwenVLModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        tower = Qwen3VisionTower if cfg.family == QWEN3_VL else Qwen2_5VisionTower
-        self.visual = tower(cfg.vision, tp)
+        towers = {QWEN2_VL: Qwen2VisionTower, QWEN2_5_VL: Qwen2_5VisionTower, QWEN3_VL: Qwen3VisionTower}
+        self.visual = towers[cfg.family](cfg.vision, tp)
         self.language_model = QwenTextModel(cfg.text, tp)
 
 
 class QwenVLForConditionalGeneration(VisionLanguageModel):
-    OLD_PREFIXES = (  # Qwen2.5-VL's published layout (transformers 4.49) -> the module tree
+    OLD_PREFIXES = (  # Qwen2-VL's and Qwen2.5-VL's published layout (transformers 4.4x) -> the module tree
         ("visual.", "model.visual."),
         ("model.layers.", "model.language_model.layers."),
         ("model.embed_tokens.", "model.language_model.embed_tokens."),
@@ -78,11 +79,12 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
         the delta that continues them (token i >= len at position i + delta on every axis).
 
         Positions read nothing of an item but its `position_key` (which the prefix cache's block
-        keys carry): (t, h, w), and for a Qwen2.5-VL video group also (index in its video, seconds
-        per group). A video arrives as one t = 1 item per temporal group. Qwen3-VL keys no group:
-        each is placed as an image (timestamp text between groups carries time). Qwen2.5-VL joins
-        a video's contiguous groups into one grid whose temporal index steps by `tokens_per_second
-        * seconds per group` per group (float32, as transformers multiplies them)."""
+        keys carry): (t, h, w), and for a Qwen2-VL or Qwen2.5-VL video group also (index in its
+        video, seconds per group). A video arrives as one t = 1 item per temporal group. Qwen3-VL
+        keys no group: each is placed as an image (timestamp text between groups carries time).
+        Qwen2-VL and Qwen2.5-VL join a video's contiguous groups into one grid whose temporal index
+        steps by 1 per group (Qwen2-VL) or by `tokens_per_second * seconds per group` (Qwen2.5-VL,
+        float32, as transformers multiplies them)."""
         grids: list[list[int]] = []
         steps: list[float] = []
         for item in items:
@@ -91,7 +93,7 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
                 grids[-1][1] += t
                 continue
             grids.append([item.placeholder.offset, t, h, w])
-            steps.append(1.0 if group is None else
+            steps.append(1.0 if group is None or self.config.family == QWEN2_VL else
                          float(torch.tensor(group[1], dtype=torch.float32) * self.config.vision.tokens_per_second))
         four = [(offset, t, h, w) for offset, t, h, w in grids]
         return mrope_positions(token_ids, four, self.config.vision.spatial_merge_size, steps)

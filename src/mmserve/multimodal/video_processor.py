@@ -1,9 +1,9 @@
-"""Qwen2.5-VL / Qwen3-VL video pixels (P0), the same values as transformers' video processors.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL video pixels (P0), the same values as transformers' video processors.
 
 transformers' `Qwen2VLVideoProcessor` and `Qwen3VLVideoProcessor` need torchvision, which this
 CPU torch lacks; this module does what their `_preprocess` does, step for step:
 
-1. sized by the family's `smart_resize` (imported from transformers): Qwen2.5-VL per frame
+1. sized by the family's `smart_resize` (imported from transformers): Qwen2(.5)-VL per frame
    (`min_pixels <= h*w <= max_pixels`), Qwen3-VL over the clip (`t*h*w`, t = sampled frames);
 2. resized as torchvision's `resize` does a uint8 [T, C, H, W] tensor on the CPU (bicubic,
    antialias, uint8 in and out: torch's native uint8 kernel; an unchanged size is not resampled);
@@ -35,6 +35,7 @@ from mmserve.multimodal.video_options import VideoOptions
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 _HALF = (0.5, 0.5, 0.5)
 _FAMILY_DEFAULTS = {  # the transformers classes' defaults, where the checkpoint's config is silent
+    "qwen2_vl": dict(image_mean=_CLIP_MEAN, image_std=_CLIP_STD, patch_size=14),
     "qwen2_5_vl": dict(image_mean=_CLIP_MEAN, image_std=_CLIP_STD, patch_size=14),
     "qwen3_vl": dict(image_mean=_HALF, image_std=_HALF, patch_size=16),
 }
@@ -62,15 +63,36 @@ class ProcessedVideo:
                 "image_grid_thw": torch.tensor([1, h, w], dtype=torch.int64)}
 
 
+def video_config(model_path: str) -> dict[str, Any]:
+    """The video processor's settings as transformers' `BaseVideoProcessor.get_video_processor_dict`
+    finds them: `processor_config.json`'s nested `video_processor`, else
+    `video_preprocessor_config.json`, else `preprocessor_config.json` (Qwen2-VL's and Qwen2.5-VL's
+    published repos have no video file: their videos take the image processor's pixel budget,
+    `min_pixels` / `max_pixels`), else nothing (the class defaults)."""
+    nested = _read_json(os.path.join(model_path, "processor_config.json")).get("video_processor")
+    if isinstance(nested, dict):
+        return nested
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = os.path.join(model_path, name)
+        if os.path.isfile(path):
+            return _read_json(path)
+    return {}
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        loaded = json.load(f)
+    return loaded if isinstance(loaded, dict) else {}
+
+
 class QwenVideoProcessor:
-    """The checkpoint's video processor settings (`video_preprocessor_config.json`)."""
+    """The checkpoint's video processor settings, from the file transformers reads them from
+    (`video_config`)."""
 
     def __init__(self, model_path: str, family: str) -> None:
-        config_file = os.path.join(model_path, "video_preprocessor_config.json")
-        config: dict[str, Any] = {}
-        if os.path.isfile(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+        config = video_config(model_path)
         defaults = _FAMILY_DEFAULTS[family]
         self.family = family
         self.patch_size = int(config.get("patch_size", defaults["patch_size"]))
