@@ -1,7 +1,9 @@
 """Quantized copies of checkpoints in the published layouts, and their dequantized twins.
 
 Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
-`WQLinear_GEMM.from_linear` packs (`awq/modules/linear/gemm.py`), W4A16 as compressed-tensors'
+`WQLinear_GEMM.from_linear` packs (`awq/modules/linear/gemm.py`), GPTQ as AutoGPTQ's
+`QuantLinear.pack` (`auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py`: rows packed into words,
+zeros stored less one, `g_idx`), W4A16 as compressed-tensors'
 `pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), FP8 block-wise as
 transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
 compressed-tensors' float-quantized format (`weight_scale` [out, 1]). `quantize_copy` writes the
@@ -28,7 +30,7 @@ VISION = ("visual", "vision_tower", "multi_modal_projector")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
-FORMATS = ("awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
+FORMATS = ("awq", "gptq", "gptq-asym", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -42,6 +44,21 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
     words = codes.reshape(codes.shape[0], -1, 8)[..., AWQ_ORDER].to(torch.int64)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
     return _to_int32((words << shifts).sum(-1))
+
+
+def gptq_pack(values: torch.Tensor) -> torch.Tensor:
+    """int [rows, cols] (0..15) -> int32 [rows / 8, cols] as AutoGPTQ's `pack` fills `qweight`:
+    word r of each column ORs row 8r + j shifted by 4j (its `qweight[row] |= intweight[j] << (4 * (j - i))`)."""
+    words = torch.zeros(values.shape[0] // 8, values.shape[1], dtype=torch.int64, device=values.device)
+    for j in range(8):
+        words |= values[j::8].to(torch.int64) << (4 * j)
+    return _to_int32(words)
+
+
+def gptq_pack_columns(values: torch.Tensor) -> torch.Tensor:
+    """int [rows, cols] (0..15) -> int32 [rows, cols / 8] as AutoGPTQ's `pack` fills `qzeros`:
+    word c of each row ORs column 8c + j shifted by 4j."""
+    return gptq_pack(values.t().contiguous()).t().contiguous()
 
 
 def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
@@ -67,6 +84,27 @@ def _awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Te
     deq = ((codes.reshape(out, -1, group) - zeros[..., None]) * scales.float()[..., None]).reshape(out, inp)
     tensors = {"qweight": awq_pack(codes.t().contiguous()), "qzeros": awq_pack(zeros.t().contiguous()),
                "scales": scales.t().contiguous()}
+    return tensors, deq
+
+
+def _gptq(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """AutoGPTQ's quantizer grid (`quantization/quantizer.py`: symmetric about zero code 8 =
+    (maxq + 1) / 2, else zero = round(-min / scale)) with round-to-nearest codes, packed by `pack`.
+    Asymmetric zeros are kept >= 1: AutoGPTQ's stored `zero - 1` of a zero code 0 wraps."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) * 2 / 15).clamp(min=1e-5).half()
+        zeros = torch.full(scale.shape, 8.0, device=w.device)
+    else:
+        lo, hi = g.amin(-1).clamp(max=-1e-3), g.amax(-1)
+        scale = ((hi - lo).clamp(min=1e-5) / 15).half()
+        zeros = (-lo / scale.float()).round().clamp(1, 15)
+    codes = (g / scale.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
+    deq = ((codes - zeros[..., None]) * scale.float()[..., None]).reshape(out, inp)
+    tensors = {"qweight": gptq_pack(codes.reshape(out, inp).t()), "qzeros": gptq_pack_columns(zeros.t() - 1),
+               "scales": scale.t().contiguous(),
+               "g_idx": (torch.arange(inp, device=w.device) // group).to(torch.int32)}
     return tensors, deq
 
 
@@ -119,6 +157,9 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": vision}
+    if fmt in ("gptq", "gptq-asym"):  # as Qwen's Qwen2-VL-*-Instruct-GPTQ-Int4 (no module list: the tensors say)
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": fmt == "gptq",
+                "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [block, block],
@@ -141,6 +182,8 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
     """One weight [out, in] in `fmt`: (the checkpoint tensors by suffix, the float W they stand for)."""
     if fmt == "awq":
         return _awq(w, group)
+    if fmt in ("gptq", "gptq-asym"):
+        return _gptq(w, group, symmetric=fmt == "gptq")
     if fmt in ("w4a16", "w4a16-asym"):
         return _w4a16(w, group, symmetric=fmt == "w4a16")
     if fmt == "fp8-block":

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, Recipe, awq_pack, checkpoint_bytes, ct_pack,
-                                       quantize_copy, quantize_entry)
+                                       gptq_pack, gptq_pack_columns, quantize_copy, quantize_entry)
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
@@ -22,6 +22,8 @@ from mmserve.models.quantization.config import QuantSpec, read_quant_spec
 
 
 EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_packed", "weight_scale"),
+                     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+                     "gptq-asym": ("qweight", "qzeros", "scales", "g_idx"),
                      "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
                      "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
 
@@ -38,6 +40,38 @@ def test_awq_packer_puts_column_8c_plus_order_k_in_nibble_k():
         for c in range(2):
             for k in range(8):  # AutoAWQ: qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << (i * 4)
                 assert _nibble(int(packed[r, c]), k) == codes[r, 8 * c + AWQ_ORDER[k]]
+
+
+def test_gptq_packer_puts_row_8r_plus_k_in_nibble_k_of_word_r():
+    """AutoGPTQ's `pack`: qweight's word r of column c holds rows 8r..8r+7 (nibble k: row 8r + k);
+    qzeros' word c of row g holds columns 8c..8c+7 (nibble k: column 8c + k)."""
+    codes = torch.randint(0, 16, (16, 3))
+    packed = gptq_pack(codes)
+    assert packed.shape == (2, 3) and packed.dtype == torch.int32
+    for r in range(2):
+        for c in range(3):
+            for k in range(8):
+                assert _nibble(int(packed[r, c]), k) == codes[8 * r + k, c]
+    zeros = torch.randint(0, 16, (3, 16))
+    packed = gptq_pack_columns(zeros)
+    assert packed.shape == (3, 2)
+    assert all(_nibble(int(packed[g, c]), k) == zeros[g, 8 * c + k]
+               for g in range(3) for c in range(2) for k in range(8))
+
+
+def test_a_gptq_weight_is_q_less_its_stored_zero_plus_one_times_its_scale(source, tmp_path):
+    """The dequantized layer from the published tensors as AutoGPTQ's `dequantize` reads them
+    (zeros + 1, each input row's group by `g_idx`), written out here from its description."""
+    quantized, _ = quantize_copy(source, tmp_path, "gptq-asym")
+    stored = "model.layers.0.mlp.down_proj"  # transformers saves Qwen2.5-VL under its published names
+    tensors = load_file(str(Path(quantized) / "model.safetensors"))
+    qweight, qzeros, scales, g_idx = (tensors[f"{stored}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx"))
+    shifts = torch.arange(0, 32, 4)
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])  # [in, out]
+    z = ((qzeros[:, :, None] >> shifts) & 0xF).reshape(qzeros.shape[0], -1) + 1  # [groups, out]
+    want = ((q - z[g_idx.long()]) * scales[g_idx.long()].float()).t()  # W [out, in]
+    layer = dict(load_model(quantized).named_modules())["model.language_model.layers.0.mlp.down_proj"]
+    assert torch.equal(layer.method.dequantize(layer), want)
 
 
 @pytest.mark.parametrize("packed_dim", [0, 1])
@@ -164,6 +198,9 @@ def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, 
     ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "AWQ with 8 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}, "AWQ version 'marlin'"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False}, "GPTQ with 8 bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "act-order"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "'gptq_v2'"),
 ])
 def test_unsupported_quantization_is_refused_in_one_line(config, message, source, tmp_path):
     folder = tmp_path / "q"
@@ -173,6 +210,28 @@ def test_unsupported_quantization_is_refused_in_one_line(config, message, source
     with pytest.raises(ValueError, match=message) as info:
         read_quant_spec(str(folder))
     assert "\n" not in str(info.value)
+
+
+def test_a_gptq_checkpoint_whose_g_idx_is_out_of_order_is_refused_at_load(source, tmp_path):
+    """desc_act false in its config, but a layer's groups reordered: one line, not wrong tokens."""
+    quantized, _ = quantize_copy(source, tmp_path, "gptq")
+    path = Path(quantized) / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="act-order") as info:
+        load_model(quantized)
+    assert "\n" not in str(info.value)
+
+
+def test_gptq_quantizes_the_layers_its_checkpoint_holds_quantized(source, tmp_path):
+    """GPTQ's config names no modules: the decoder's projections, stored as qweight, are GPTQ's;
+    the vision tower, stored as plain weights, stays dense."""
+    model = load_model(quantize_copy(source, tmp_path, "gptq")[0])
+    methods = {name: m.method.name for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+    assert {m for n, m in methods.items() if "visual" in n} == {"dense"}
+    assert {m for n, m in methods.items() if "layers." in n and "visual" not in n} == {"gptq"}
 
 
 def test_online_fp8_refuses_an_already_quantized_checkpoint(source, tmp_path):

@@ -56,8 +56,9 @@ def load_model(model_dir: str, dtype: str | torch.dtype = "float32", tp: TensorP
     device = torch.device(device)
     with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
         model = cls(cfg, tp)
-        assign_methods(model, spec, checkpoint_module_names(model_dir, cls) if spec is not None else {},
-                       activation_quant)
+        names = checkpoint_module_names(model_dir, cls) if spec is not None else {}
+        assign_methods(model, spec, names, activation_quant,
+                       stored_quantized(model_dir) if spec is not None and spec.by_tensors else None)
         if spec is not None and device.type == "cpu" and dtype == torch.float32 and not cfg.tie_word_embeddings:
             keep_half_head(model, checkpoint_dtype(model_dir, cls, "lm_head.weight"))
     if device.type != "meta":
@@ -88,6 +89,12 @@ def checkpoint_module_names(model_dir: str, cls) -> dict[str, str]:
         module = name.rpartition(".")[0]
         names[cls.canonical_name(name).rpartition(".")[0]] = module
     return names
+
+
+def stored_quantized(model_dir: str) -> set[str]:
+    """The checkpoint's names of the modules it holds quantized (a `qweight` of theirs): GPTQ's
+    config names none, its checkpoints leave the vision tower dense by storing it so."""
+    return {name.removesuffix(".qweight") for name, _ in iter_checkpoint(model_dir) if name.endswith(".qweight")}
 
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}

@@ -8,6 +8,11 @@ Formats read (each key and its meaning as the named source writes or reads it):
   `bits: 4`, `group_size`, `zero_point: true`, `version: "gemm"`; `modules_to_not_convert`
   names modules by substring (vLLM `is_layer_skipped_awq`: `any(m in prefix ...)`); Qwen's
   `Qwen2.5-VL-*-Instruct-AWQ` list `["visual"]`.
+- `quant_method: "gptq"` (AutoGPTQ / GPTQModel `QuantLinear.pack`, `checkpoint_format: "gptq"`;
+  transformers' `GPTQConfig`; vLLM `gptq.py`): `bits: 4`, `group_size` (-1: one group per row),
+  `sym`, `desc_act: false`. GPTQ names no modules to leave dense: a layer is quantized where the
+  checkpoint holds its `qweight` (Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int4` keep the vision tower
+  dense; vLLM's Qwen-VL models drop the quant config from the tower for GPTQ alike).
 - `quant_method: "fp8"` (transformers `FineGrainedFP8Config`; vLLM `fp8.py`; Qwen's
   `Qwen3-VL-*-Instruct-FP8`): `fmt: "e4m3"`, `activation_scheme: "dynamic"`,
   `weight_block_size: [128, 128]` (block-wise, `weight_scale_inv`), or no block size (one
@@ -39,10 +44,11 @@ ONLINE_CHOICES = ("fp8",)  # --quantization
 class QuantSpec:
     """Which kernel family a checkpoint's quantized layers take, and which layers are left dense.
 
-    `format`: "awq" (int4, AutoAWQ's GEMM packing), "w4a16" (int4, compressed-tensors'
-    pack-quantized), "fp8_block" (FP8 with block scales), "fp8_channel" (FP8 with one scale per
-    output row or per tensor, from the checkpoint), "fp8_online" (a float checkpoint quantized to
-    FP8 per output row at load). Names are matched as the checkpoint spells its modules."""
+    `format`: "awq" (int4, AutoAWQ's GEMM packing), "gptq" (int4, AutoGPTQ's packing), "w4a16"
+    (int4, compressed-tensors' pack-quantized), "fp8_block" (FP8 with block scales),
+    "fp8_channel" (FP8 with one scale per output row or per tensor, from the checkpoint),
+    "fp8_online" (a float checkpoint quantized to FP8 per output row at load). Names are matched
+    as the checkpoint spells its modules."""
 
     format: str
     group_size: int = 128  # int4: input columns per scale (and zero point)
@@ -51,6 +57,7 @@ class QuantSpec:
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
+    by_tensors: bool = False  # gptq: a layer is quantized where its checkpoint holds a qweight
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear layer `module` (the checkpoint's name for it) is quantized."""
@@ -60,7 +67,7 @@ class QuantSpec:
 
     @property
     def is_int4(self) -> bool:
-        return self.format in ("awq", "w4a16")
+        return self.format in ("awq", "gptq", "w4a16")
 
 
 def _matches(module: str, entry: str) -> bool:
@@ -87,10 +94,10 @@ def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | No
     if not q:
         return None
     method = q.get("quant_method")
-    readers = {"awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed}
+    readers = {"awq": _awq, "gptq": _gptq, "fp8": _fp8, "compressed-tensors": _compressed}
     if method not in readers:
         raise ValueError(f"quantization method {method!r} of {model_dir!r} is not supported "
-                         "(supported: awq, fp8, compressed-tensors)")
+                         "(supported: awq, gptq, fp8, compressed-tensors)")
     return readers[method](q)
 
 
@@ -104,6 +111,22 @@ def _awq(q: dict[str, Any]) -> QuantSpec:
     group = max(0, int(q.get("group_size", q.get("q_group_size", 128))))  # -1: one group per row (0 here)
     return QuantSpec("awq", group_size=group, symmetric=False,
                      skip_substrings=tuple(q.get("modules_to_not_convert") or ()))
+
+
+def _gptq(q: dict[str, Any]) -> QuantSpec:
+    if q.get("bits") != 4:
+        raise ValueError(f"GPTQ with {q.get('bits')} bits is not supported (4 only)")
+    if q.get("desc_act"):
+        raise ValueError("GPTQ with act-order (desc_act: true) is not supported: its groups are not runs of "
+                         "input columns; use a checkpoint quantized with desc_act false")
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt != "gptq" or q.get("is_marlin_format"):
+        raise ValueError(f"GPTQ checkpoint_format {'marlin' if q.get('is_marlin_format') else fmt!r} is not "
+                         "supported (AutoGPTQ's \"gptq\" packing only)")
+    if q.get("dynamic"):
+        raise ValueError("GPTQ with per-module `dynamic` settings (GPTQModel) is not supported")
+    group = int(q.get("group_size", 128))
+    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)), by_tensors=True)
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:
@@ -153,5 +176,5 @@ def check_cpu_activation_quant(mode: str, spec: QuantSpec | None, device: str, d
         raise ValueError(f"{flag} quantizes float32 activations; --dtype is {dtype} (use float32 or auto)")
     if spec is None or not spec.is_int4:
         held = "not quantized" if spec is None else f"quantized as {spec.format}"
-        raise ValueError(f"{flag} needs a checkpoint with 4-bit weights (AWQ or compressed-tensors W4A16); "
+        raise ValueError(f"{flag} needs a checkpoint with 4-bit weights (AWQ, GPTQ or compressed-tensors W4A16); "
                          f"this one is {held}")

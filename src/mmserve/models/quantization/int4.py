@@ -1,10 +1,11 @@
 """4-bit integer weights with a scale and zero point per group of input columns: AWQ (AutoAWQ's
-GEMM packing) and compressed-tensors' pack-quantized W4A16, both held in one resident form.
+GEMM packing), GPTQ (AutoGPTQ's packing) and compressed-tensors' pack-quantized W4A16, all held
+in one resident form.
 
 Resident form (what the kernels read), for this rank's W [out, in] in groups of `group` columns:
 - `qweight` int32 [out, in / 8]: nibble k (bits 4k..4k+3) of word j in row o is q[o, 8j + k],
   an unsigned code 0..15 (rows are contiguous: a decode GEMV reads each row once);
-- `scales` float32 [out, in / group], `zeros` uint8 [out, in / group] (codes 0..15);
+- `scales` float32 [out, in / group], `zeros` uint8 [out, in / group] (codes 0..15; GPTQ's 1..16);
 - W[o, i] = (q[o, i] - zeros[o, i // group]) * scales[o, i // group].
 
 AWQ as published (AutoAWQ `awq/modules/linear/gemm.py`, `WQLinear_GEMM.from_linear`; vLLM
@@ -12,6 +13,14 @@ AWQ as published (AutoAWQ `awq/modules/linear/gemm.py`, `WQLinear_GEMM.from_line
 [in / group, out / 8], `scales` fp16 [in / group, out]; W^T[i, o] = (q - z) * s. Eight output
 columns share a word: nibble k of word c holds column 8c + ORDER[k], ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 (AutoAWQ's `order_map`), so column 8c + j is in nibble REVERSE[j] (vLLM's `AWQ_REVERSE_ORDER`).
+
+GPTQ as published (AutoGPTQ `nn_modules/qlinear/__init__.py` `QuantLinear.pack`, GPTQModel's
+`checkpoint_format: "gptq"`; vLLM `quantization/gptq.py`): `qweight` int32 [in / 8, out], eight
+input rows to a word (nibble k of word r in column o holds q[8r + k, o]: the transpose of the
+resident form's words), `qzeros` int32 [in / group, out / 8] (nibble k of word c holds
+zero[g, 8c + k] - 1: AutoGPTQ stores zeros less one), `scales` fp16 [in / group, out], `g_idx`
+int32 [in], each input row's group (i // group without act-order, the only case read here);
+W^T[i, o] = (q[i, o] - (qzero + 1)) * scale.
 
 W4A16 as published (compressed-tensors `compressors/quantized_compressors/pack_quantized.py`:
 `pack_to_int32`, `unpack_from_int32`; `quantization/lifecycle/forward.py`: `dequantize`):
@@ -63,8 +72,8 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 class Int4Method(LinearMethod):
-    """One resident form and its kernels for both published int4 layouts (`format`: "awq" or
-    "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy);
+    """One resident form and its kernels for the published int4 layouts (`format`: "awq", "gptq"
+    or "w4a16"); `group` 0 means one group per row (compressed-tensors' channel strategy);
     `activations` "int8": the GEMV's rows on the CPU by the int8-activation one (`--cpu-activation-quant`)."""
 
     attrs = ("int4_group",)
@@ -82,10 +91,8 @@ class Int4Method(LinearMethod):
             raise ValueError(f"int4 weights of {out}x{inp} on this rank do not fit groups of {group} "
                              "(the rank's input columns must be a multiple of the group, and rows of 8)")
         layer.int4_group = group
-        if self.format == "awq":
-            self._awq_weights(layer, shape, group)
-        else:
-            self._w4a16_weights(layer, shape, group)
+        {"awq": self._awq_weights, "gptq": self._gptq_weights, "w4a16": self._w4a16_weights}[self.format](
+            layer, shape, group)
 
     def _awq_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
@@ -96,6 +103,17 @@ class Int4Method(LinearMethod):
         register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
         register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
                  keep_dtype=True)
+
+    def _gptq_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
+        out, inp, s = shape.out_features, shape.in_features, shape.shard
+        by_out = s is not None and s.dim == 0  # GPTQ's tensors are W^T: output columns on dim 1
+        _check_aligned(s, 8 if by_out else group)
+        per_group = None if self.group == 0 else _along(s, 0, group)  # one group per row: whole on every rank
+        register(layer, "qweight", (inp // 8, out), torch.int32, _along(s, 1) if by_out else _along(s, 0, 8))
+        register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
+        register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
+                 keep_dtype=True)
+        register(layer, "g_idx", (inp,), torch.int32, None if by_out else _along(s, 0))
 
     def _w4a16_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
@@ -117,6 +135,12 @@ class Int4Method(LinearMethod):
             zeros = unpack_nibbles(layer.qzeros)
             zeros = zeros.view(zeros.shape[0], -1, 8)[..., reverse].reshape(zeros.shape[0], -1)
             replace(layer, qweight=pack_nibbles(codes.t().contiguous()), scales=layer.scales.t().contiguous(),
+                    zeros=zeros.t().contiguous())
+            return
+        if self.format == "gptq":
+            _check_runs_of_groups(layer.g_idx, layer.int4_group)
+            zeros = unpack_nibbles(layer.qzeros) + 1  # [in / group, out]: AutoGPTQ stores zero - 1
+            replace(layer, qweight=layer.qweight.t().contiguous(), scales=layer.scales.t().contiguous(),
                     zeros=zeros.t().contiguous())
             return
         scales = layer.weight_scale.contiguous()
@@ -176,6 +200,15 @@ def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
     args = (qweight, scales, zeros, layer.int4_group, 0, stop - start)
     rows = cpu_gemv.int4_rows(*args)
     return dequantize_rows(*args) if rows is None else rows
+
+
+def _check_runs_of_groups(g_idx: torch.Tensor, group: int) -> None:
+    """ValueError unless GPTQ's `g_idx` (this rank's input rows) puts each run of `group` rows in
+    one group, in order: act-order checkpoints reorder them, which the resident form cannot hold."""
+    rows = torch.arange(g_idx.shape[0], device=g_idx.device) // group
+    if g_idx.numel() and not torch.equal(g_idx.to(torch.int64) - int(g_idx[0]), rows):
+        raise ValueError("a GPTQ layer's g_idx is not in order (act-order): not supported; use a checkpoint "
+                         "quantized with desc_act false")
 
 
 def _along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:

@@ -25,17 +25,20 @@ def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod
 
 
 def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: dict[str, str],
-                   activation_quant: str = "none") -> int:
+                   activation_quant: str = "none", stored: set[str] | None = None) -> int:
     """Give every linear layer `spec` covers its method (call on the meta device, before loading);
-    `checkpoint_names` maps a module's name here to the checkpoint's (older layouts differ).
-    Returns the number of layers quantized."""
+    `checkpoint_names` maps a module's name here to the checkpoint's (older layouts differ);
+    `stored`: the checkpoint's quantized modules, where the spec is read from its tensors
+    (`QuantSpec.by_tensors`). Returns the number of layers quantized."""
     from mmserve.models.parallel import ParallelLinear
 
     if spec is None:
         return 0
     method, count = make_method(spec, activation_quant), 0
     for name, module in model.named_modules():
-        if isinstance(module, ParallelLinear) and spec.quantizes(checkpoint_names.get(name, name)):
+        stored_name = checkpoint_names.get(name, name)
+        if isinstance(module, ParallelLinear) and spec.quantizes(stored_name) and (
+                stored is None or stored_name in stored):
             module.set_method(method)
             count += 1
     return count
