@@ -271,13 +271,15 @@ def test_vllms_spellings_of_a_command_line_are_read_as_vllm_reads_them(tmp_path,
                       "--limit-mm-per-prompt.video", "0", "--mm-processor-kwargs.max_pixels=1003520",
                       "--mm_processor_kwargs.fps", "2.0", "--kv-events-config.publisher", "zmq",
                       "--kv-events-config.enable_kv_cache_events", "true", "--cuda-graph-sizes", "1",
-                      "--override-generation-config.stop+", "a,b", "--mm-encoder-tp-mode", "data"],
+                      "--override-generation-config.stop+", "a,b", "--mm-encoder-tp-mode", "data",
+                      "--hf-overrides", '{"architectures": ["Qwen2VLForConditionalGeneration"]}'],
                      json_flags(serve))
     args = parser.parse_args(argv)
     assert args.max_model_len == 4096 and args.limit_mm_per_prompt == {"image": 2, "video": 0}
     assert args.mm_processor_kwargs == {"max_pixels": 1003520, "fps": 2.0}
     assert args.kv_events_config == {"publisher": "zmq", "enable_kv_cache_events": True}
     assert args.override_generation_config == {"stop": ["a", "b"]}
+    assert args.hf_overrides == {"architectures": ["Qwen2VLForConditionalGeneration"]}
     assert MultiModalConfig(limit_mm_per_prompt={"image": {"count": 3, "width": 512, "height": 512},
                                                  "video": {"count": 0}}).limit_mm_per_prompt == {"image": 3, "video": 0}
     for bad, words in ((["--max-num-seqs.x", "1"], "--max-num-seqs takes no JSON object"),

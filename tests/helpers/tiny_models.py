@@ -57,7 +57,7 @@ def make_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
 
 
 def make_qwen_checkpoint(tmp_dir: str | Path, family: str = "qwen3_vl", **kwargs: Any) -> str:
-    """Writes a tiny Qwen3-VL or Qwen2.5-VL under `tmp_dir` and returns its path (`kwargs` are
+    """Writes a tiny Qwen3-VL, Qwen2.5-VL or Qwen2-VL under `tmp_dir` and returns its path (`kwargs` are
     `write_tiny_qwen_vl`'s); each distinct set of arguments gets its own sub-folder, written once."""
     key = json.dumps([family, kwargs], sort_keys=True, default=str)
     path = Path(tmp_dir) / f"tiny-{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

@@ -21,12 +21,12 @@ from mmserve.config import ModelConfig
 from mmserve.models.hub import is_repo_id, locate
 
 _RESOLVE = """
-import sys
+import json, sys
 from mmserve.config import ModelConfig
 from mmserve.models.hub import locate
 try:
     print(locate(ModelConfig(model=sys.argv[1], revision=sys.argv[2] or None, tokenizer_revision=sys.argv[3] or None,
-                             download_dir=sys.argv[4] or None)))
+                             download_dir=sys.argv[4] or None, hf_overrides=json.loads(sys.argv[5]))))
 except ValueError as e:
     print("error:", e)
 """
@@ -65,17 +65,18 @@ def hub(files):
 
 
 def start(env: dict[str, str], model: str, revision: str = "", tokenizer_revision: str = "",
-          download_dir: str = "") -> subprocess.Popen[str]:
+          download_dir: str = "", overrides: dict | None = None) -> subprocess.Popen[str]:
     """`locate` in a fresh interpreter (see `resolve`)."""
-    return subprocess.Popen([sys.executable, "-c", _RESOLVE, model, revision, tokenizer_revision, download_dir],
+    return subprocess.Popen([sys.executable, "-c", _RESOLVE, model, revision, tokenizer_revision, download_dir,
+                             json.dumps(overrides or {})],
                             env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def resolve(env: dict[str, str], model: str, revision: str = "", tokenizer_revision: str = "",
-            download_dir: str = "") -> str:
+            download_dir: str = "", overrides: dict | None = None) -> str:
     """`locate` in a fresh interpreter: the snapshot path, or "error: <message>"."""
-    return answer(start(env, model, revision, tokenizer_revision, download_dir))
+    return answer(start(env, model, revision, tokenizer_revision, download_dir, overrides))
 
 
 def answer(proc: subprocess.Popen[str]) -> str:
@@ -127,6 +128,19 @@ def test_an_unreachable_hub_with_nothing_cached_is_one_line(hub, tmp_path):
     hub.stop()
     unreachable = resolve(hub_env(hub, tmp_path / "cache"), "org/tiny")
     assert unreachable.startswith("error: org/tiny: the Hugging Face Hub") and "cannot be reached" in unreachable
+
+
+def test_hf_overrides_are_checked_before_the_weights_and_read_through_links(hub, tmp_path):
+    """The architecture check runs on the merged config.json (a wrong override: refused before any
+    weight is fetched); a good one reads the snapshot through a directory of links."""
+    env = {**hub_env(hub, tmp_path / "cache"), "MMSERVE_CACHE": str(tmp_path / "mmserve")}
+    refused = resolve(env, "org/tiny", overrides={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert refused.startswith("error: org/tiny is a LlamaForCausalLM checkpoint, which mmserve does not serve")
+    assert not [p for _, p in hub.requests if p.endswith(".safetensors")]
+    path = Path(resolve(env, "org/tiny", overrides={"text_config": {"max_position_embeddings": 4096}}))
+    assert path.parent == tmp_path / "mmserve" / "hf-overrides"
+    assert json.loads((path / "config.json").read_text())["text_config"]["max_position_embeddings"] == 4096
+    assert (path / "model.safetensors").resolve().parent.name == "blobs"  # the snapshot's own file
 
 
 def test_errors_name_the_repo_and_what_to_do(hub, tmp_path):

@@ -37,6 +37,11 @@ class ModelConfig:
         {}, 'Sampling defaults over the generation config\'s, as JSON: {"temperature": 0.6, "max_new_tokens": 512} '
         "(generation_config.json's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
         "with --generation-config vllm they are the only defaults (vLLM's flag).", parse=json.loads)
+    hf_overrides: dict[str, Any] = opt(
+        {}, 'Values over the checkpoint\'s config.json, as JSON (vLLM\'s flag): {"max_position_embeddings": 65536}, '
+        '{"architectures": ["Qwen2VLForConditionalGeneration"]}; a "text_config" or "vision_config" object is merged '
+        "into that part key by key, any other value replaces the key's. Every process reads the checkpoint through a "
+        "directory of links to its files with the merged config.json.", parse=json.loads)
     model_dir: str | None = opt(
         None, "The checkpoint directory --model resolves to (set once by models/hub.py, not a flag).", cli=False)
     dtype: str = opt("auto", "Weights and activations dtype (auto: bfloat16 on CUDA, float32 on CPU).",
@@ -77,6 +82,8 @@ class ModelConfig:
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be auto, vllm or a directory; got {self.generation_config!r}")
         overrides = self.override_generation_config
+        if not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object of config.json keys; got {self.hf_overrides!r:.80}")
         if not isinstance(overrides, dict) or any(k not in GENERATION_KEYS for k in overrides):
             raise ValueError("override_generation_config must be a JSON object of generation_config.json's sampling "
                              f"names ({', '.join(GENERATION_KEYS)}); got {overrides!r}")

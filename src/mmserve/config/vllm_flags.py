@@ -91,7 +91,6 @@ VLLM_FLAGS = (
     VllmFlag("--speculative-config", REFUSED, "speculative decoding is not supported"),
     VllmFlag("--kv-transfer-config", REFUSED, "disaggregated prefill (KV transfer) is not supported"),
     VllmFlag("--enable-sleep-mode", REFUSED, "sleep mode is not supported", switch=True),
-    VllmFlag("--hf-overrides", REFUSED, "the checkpoint's config.json is read as it is"),
     VllmFlag("--otlp-traces-endpoint", REFUSED, "OpenTelemetry tracing is not supported"),
     VllmFlag("--cpu-offload-gb", REFUSED, "weights are not offloaded to the CPU"),
     VllmFlag("--tokenizer", REFUSED, "the tokenizer is the checkpoint's own (--tokenizer-revision takes it from "

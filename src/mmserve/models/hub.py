@@ -26,13 +26,12 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from mmserve.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, cache_root, resolve_model
 from mmserve.models.hf_config import check_architecture
+from mmserve.models.hf_overrides import merged, overridden_dir
+from mmserve.models.link_dirs import linked_directory
 
 if TYPE_CHECKING:
     from mmserve.config import EngineConfig, ModelConfig
@@ -65,20 +64,23 @@ def on_this_node(config: EngineConfig) -> EngineConfig:
 
 
 def locate(model: ModelConfig) -> str:
-    """The local checkpoint directory of `model.model` (see the module docstring)."""
-    name = model.model
+    """The local checkpoint directory of `model.model` (see the module docstring), read through
+    `model.hf_overrides` when it has any (`hf_overrides.py`)."""
+    name, overrides = model.model, model.hf_overrides
     if model.model_dir is not None:
         return model.model_dir
     if name.startswith(BUILTIN_PREFIX):
-        return resolve_model(name)
-    if os.path.isdir(name):
-        _check_config(name, name)
-        return name
-    if not is_repo_id(name):
+        path = resolve_model(name)
+    elif os.path.isdir(name):
+        _check_config(name, name, overrides)
+        path = name
+    elif not is_repo_id(name):
         raise ValueError(f"model {name!r} is neither a directory nor a Hugging Face repo id (org/name); give a "
                          f"checkpoint directory, a repo id such as Qwen/Qwen2.5-VL-7B-Instruct, or "
                          f"{BUILTIN_PREFIX}{BUILTIN_MODELS[0]}")
-    return download(name, model.revision, model.tokenizer_revision, model.download_dir)
+    else:
+        path = download(name, model.revision, model.tokenizer_revision, model.download_dir, overrides)
+    return overridden_dir(path, overrides) if overrides else path
 
 
 def prefetch(name: str, server_args: Sequence[str]) -> str:
@@ -100,14 +102,15 @@ def is_repo_id(name: str) -> bool:
 
 
 def download(repo_id: str, revision: str | None = None, tokenizer_revision: str | None = None,
-             cache_dir: str | None = None) -> str:
+             cache_dir: str | None = None, overrides: dict[str, Any] | None = None) -> str:
     """The snapshot folder of `repo_id` at `revision` with the files a checkpoint needs, downloaded
-    (with huggingface_hub's progress bars) unless the cache holds them; a ValueError otherwise."""
+    (with huggingface_hub's progress bars) unless the cache holds them; a ValueError otherwise (its
+    config.json, with `overrides`, checked before the weights are fetched)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     with hub_errors(repo_id, revision, cache_dir):
         config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
-        _check_config(os.path.dirname(config), repo_id)
+        _check_config(os.path.dirname(config), repo_id, overrides)
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=CHECKPOINT_FILES)
     if not any(name.endswith(".safetensors") for name in os.listdir(path)):
         raise ValueError(f"{repo_id} publishes no .safetensors weights (mmserve loads safetensors only)")
@@ -121,38 +124,19 @@ def download(repo_id: str, revision: str | None = None, tokenizer_revision: str 
 
 def overlay(model_dir: str, tokenizer_dir: str, repo_id: str) -> str:
     """A directory of links: every file of `model_dir`, the tokenizer files of `tokenizer_dir` over
-    them (under mmserve's cache, named by both snapshots' commits; made once, renamed in whole)."""
+    them (under mmserve's cache, named by both snapshots' commits: `link_dirs.linked_directory`)."""
     name = f"{os.path.basename(model_dir)}+{os.path.basename(tokenizer_dir)}"
-    target = cache_root() / "overlays" / repo_id.replace("/", "--") / name
-    if (target / "config.json").exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
-        for folder in (model_dir, tokenizer_dir):
-            for entry in os.listdir(folder):
-                link = staging / entry
-                if link.is_symlink():
-                    link.unlink()
-                link.symlink_to(os.path.realpath(os.path.join(folder, entry)))
-        try:
-            os.rename(staging, target)
-        except OSError:  # a concurrent start renamed its identical copy first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    return linked_directory(cache_root() / "overlays" / repo_id.replace("/", "--") / name, [model_dir, tokenizer_dir])
 
 
-def _check_config(path: str, name: str) -> None:
-    """ValueError unless `path` holds a config.json of a family mmserve serves."""
+def _check_config(path: str, name: str, overrides: dict[str, Any] | None = None) -> None:
+    """ValueError unless `path` holds a config.json (with `overrides` merged) of a family mmserve serves."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"{name} has no config.json: not a Hugging Face checkpoint directory")
     with open(file) as f:
         raw: dict[str, Any] = json.load(f)
-    check_architecture(raw, name)
+    check_architecture(merged(raw, overrides or {}), name)
 
 
 @contextlib.contextmanager
