@@ -31,12 +31,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-# two pytest-xdist workers (tests/conftest.py groups them: a file in one worker; every file whose
+# two pytest-xdist workers (tests/conftest.py schedules them: a file in one worker; every file whose
 # checks see the whole machine, /dev/shm or Ray, in one worker); TEST_WORKERS=0 runs in this process.
 # The 15 slowest tests are listed at the end: where the suite's time (aim: under 20 minutes) goes.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --durations=15
 
 # The GPU kit, on a CUDA machine, from a clone: the python there (GPU_PY, with its own CUDA torch and
 # mmserve's dependencies installed) runs the tree as it is; nothing is built or downloaded first.

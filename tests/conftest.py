@@ -7,9 +7,14 @@ imported by any of them (through torch or xgrammar), and a kernel decorated befo
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 
 from helpers import triton_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,16 +28,35 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "state is the machine's: under `-n` one worker runs every such file")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist (`make test` runs two workers) each file's tests run in one worker, as
+    `--dist loadfile` would (a module's server or engine starts once), and every `machine_wide`
+    file in the same one, one after another: a test that counts /dev/shm segments or Ray clusters
+    must not see another worker's. (`--dist loadgroup` with `xdist_group` marks did this until
+    pytest 9, whose node ids xdist 3.8 can no longer suffix with the group: every test was then
+    scheduled alone, a file's servers started in both workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "machine_wide" if _machine_wide(path) else path
+
+    return FileScheduling(config, log)
+
+
+@functools.cache
+def _machine_wide(path: str) -> bool:
+    """Whether the test file at `path` (a node id's, from the root) marks itself `machine_wide`."""
+    try:
+        return "pytest.mark.machine_wide" in (ROOT / path).read_text()
+    except OSError:
+        return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) each file's tests run
-    in one worker, as `--dist loadfile` would (a module's server or engine starts once), and every
-    `machine_wide` file in the same one, one after another: a test that counts /dev/shm segments or
-    Ray clusters must not see another worker's. Skip the `gpu` tests where CUDA is absent (at once:
-    they build nothing)."""
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            group = "machine_wide" if item.get_closest_marker("machine_wide") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+    """Skip the `gpu` tests where CUDA is absent (at once: they build nothing)."""
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

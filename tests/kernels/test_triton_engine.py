@@ -1,6 +1,7 @@
 """Whole engines with `attention_backend="triton"` (interpreted on CPU): greedy tokens equal to
-the torch backend's, which tests/engine/*parity* hold equal to transformers', for both built-in
-families and a Qwen2.5-VL checkpoint (window attention). Each runs with a prefix-cache hit and
+the torch backend's, which tests/engine/*parity* hold equal to transformers', for a LLaVA checkpoint
+(its CLIP tower at 56 pixels: 17 rows, where the built-in's 577 took a minute interpreted), the
+built-in Qwen3-VL and a Qwen2.5-VL checkpoint (window attention). Each runs with a prefix-cache hit and
 chunked prefill, so decoder chunks start after cached blocks, and with an image, so the vision
 tower attends through the varlen kernel; and with a float16 KV cache under the float32 model.
 Also: the CPU default stays torch, and a backend that cannot run is refused at start-up."""
@@ -13,12 +14,12 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import ModelConfig
 from mmserve.models.attention.backend import attention_backend
-from helpers.tiny_models import make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 QWEN = ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<|vision_start|><|image_pad|><|vision_end|>")
 TEMPLATES = {  # (chat template, an image's text) of each family
-    "builtin:tiny-llava": ("USER: {} ASSISTANT:", "<image>\n"),
+    "llava": ("USER: {} ASSISTANT:", "<image>\n"),  # a tiny LLaVA whose CLIP tower takes 56-pixel images
     "builtin:tiny-qwen3-vl": QWEN,
     "qwen2.5-vl": QWEN,  # a tiny checkpoint whose 56-pixel image is four windows
 }
@@ -41,7 +42,10 @@ def run(model: str, path: str, backend: str, **engine_args) -> tuple[list[list[i
 @pytest.mark.parametrize("model", list(TEMPLATES))
 def test_the_triton_backend_equals_the_torch_backend(model, tmp_path):
     pytest.importorskip("triton")
-    path = model if model.startswith("builtin:") else make_qwen_checkpoint(tmp_path, family="qwen2_5_vl")
+    if model == "llava":
+        path = make_checkpoint(tmp_path, vision_config=dict(image_size=56, patch_size=14))
+    else:
+        path = model if model.startswith("builtin:") else make_qwen_checkpoint(tmp_path, family="qwen2_5_vl")
     want, torch_name = run(model, path, "torch")
     got, name = run(model, path, "triton")
     assert (name, torch_name) == ("triton", "torch")
@@ -105,7 +109,7 @@ def test_decode_graphs_replay_the_triton_kernel_from_their_static_buffers():
     pytest.importorskip("triton")
     from mmserve.models.attention.triton_backend import TritonBackend
 
-    template, _ = TEMPLATES["builtin:tiny-llava"]
+    template, _ = TEMPLATES["llava"]  # the built-in LLaVA's template, text only
     items = [{"prompt": template.format("word " * (2 * i + 1))} for i in range(3)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(3)]
     args = dict(model="builtin:tiny-llava", attention_backend="triton", num_kv_blocks=32, block_size=8,
