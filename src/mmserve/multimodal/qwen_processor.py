@@ -1,4 +1,4 @@
-"""Input processing (P0) for Qwen2.5-VL and Qwen3-VL: dynamic resolution, placeholders expanded here.
+"""Input processing (P0) for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution, placeholders expanded here.
 
 transformers' Qwen-VL processor classes need torchvision, which this CPU torch lacks; as vLLM
 does, the pixels are `Qwen2VLImageProcessorPil`'s (the same values as the HF processor): its
@@ -141,7 +141,7 @@ class QwenVLProcessor:
     def position_key(self, data: dict[str, torch.Tensor],
                      group: tuple[int, float] | None = None) -> tuple[int | float, ...]:
         """What M-RoPE reads of an item (`MultiModalItem.position_key`): its grid (t, h, w); for a
-        Qwen2.5-VL video group also `group` = (its index in the video, seconds per group), its
+        Qwen2-VL or Qwen2.5-VL video group also `group` = (its index in the video, seconds per group), its
         temporal place. Qwen3-VL places a group as an image (its timestamp text carries time)."""
         t, h, w = (int(v) for v in data["image_grid_thw"].reshape(3).tolist())
         if group is None or self.family == QWEN3_VL:
@@ -171,8 +171,8 @@ class QwenVLProcessor:
     def video_text(self, video: ProcessedVideo) -> str:
         """What replaces a video's `<|vision_start|><|video_pad|><|vision_end|>` in the prompt.
 
-        Qwen2.5-VL (`Qwen2_5_VLProcessor`): the wrapper with t*h*w/merge² pads. Qwen3-VL, as its
-        processor in transformers 4.57 (the model's release) writes it: per temporal group
+        Qwen2(.5)-VL (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`): the wrapper with t*h*w/merge²
+        pads. Qwen3-VL, as its processor in transformers 4.57 (the model's release) writes it: per temporal group
         `<{t:.1f} seconds>` then `<|vision_start|>` + h*w/merge² pads + `<|vision_end|>`, with no
         outer wrapper (transformers 5.x keeps one: 2 tokens more; vLLM follows 4.57, as we do)."""
         groups, h, w = video.grid

@@ -1,14 +1,15 @@
 """How a video is sampled and sized: one options schema, decided in one place.
 
 `VideoOptions` holds every setting that changes a video's processed pixels. Its defaults come from
-the checkpoint's `video_preprocessor_config.json`; they are overridden, in this order, by the
-server's `--media-io-kwargs '{"video": {...}}'`, the request's `media_io_kwargs.video` and the
-request's `mm_processor_kwargs` (video keys only: `fps`, `num_frames`, `min_frames`, `max_frames`;
-its `min_pixels` / `max_pixels` size images). `resolve` validates the merged result; the item hash
-covers `as_dict()`, so a cached video is never reused under other settings (vLLM #55203).
+the checkpoint's video processor settings (`video_processor.py: video_config`); they are
+overridden, in this order, by the server's `--media-io-kwargs '{"video": {...}}'`, the request's
+`media_io_kwargs.video` and the request's `mm_processor_kwargs` (video keys only: `fps`,
+`num_frames`, `min_frames`, `max_frames`; its `min_pixels` / `max_pixels` size images). `resolve`
+validates the merged result; the item hash covers `as_dict()`, so a cached video is never reused
+under other settings (vLLM #55203).
 
 `sample_indices` is the family's frame sampler, exactly as transformers has it:
-`Qwen2VLVideoProcessor.sample_frames` (Qwen2.5-VL) and `Qwen3VLVideoProcessor.sample_frames`.
+`Qwen2VLVideoProcessor.sample_frames` (Qwen2-VL, Qwen2.5-VL) and `Qwen3VLVideoProcessor.sample_frames`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _MAX_INT = 1 << 31
 class VideoOptions:
     """`fps` / `num_frames`: the sampling target (at most one given); `min_frames` / `max_frames`
     clamp an fps-derived count; `min_pixels` / `max_pixels` (the processor's `size`) bound one
-    frame's (Qwen2.5-VL) or the whole clip's t*h*w (Qwen3-VL) resized pixels."""
+    frame's (Qwen2(.5)-VL) or the whole clip's t*h*w (Qwen3-VL) resized pixels."""
 
     fps: float | None = 2.0
     num_frames: int | None = None

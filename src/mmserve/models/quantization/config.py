@@ -57,13 +57,17 @@ class QuantSpec:
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
-    by_tensors: bool = False  # gptq: a layer is quantized where its checkpoint holds a qweight
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear layer `module` (the checkpoint's name for it) is quantized."""
         if any(part in module for part in self.skip_substrings):
             return False
         return not any(_matches(module, entry) for entry in self.skip_names)
+
+    @property
+    def by_tensors(self) -> bool:
+        """GPTQ names no layers to skip: a layer is quantized where its checkpoint holds a qweight."""
+        return self.format == "gptq"
 
     @property
     def is_int4(self) -> bool:
@@ -126,7 +130,7 @@ def _gptq(q: dict[str, Any]) -> QuantSpec:
     if q.get("dynamic"):
         raise ValueError("GPTQ with per-module `dynamic` settings (GPTQModel) is not supported")
     group = int(q.get("group_size", 128))
-    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)), by_tensors=True)
+    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)))
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:
