@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import secrets
-import signal
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,6 +38,7 @@ from mmserve.entrypoints.openai.dev_routes import cache_reset_routes, dev_mode
 from mmserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from mmserve.entrypoints.openai.server_config import ServerConfig
 from mmserve.entrypoints.openai.server_routes import add_model_routes, status_routes
+from mmserve.entrypoints.openai.start_signals import StartSignals
 from mmserve.entrypoints.openai.serving_base import ServingOptions
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -173,28 +173,15 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     process = ServingProcess(f"api_server_{engine_config.parallel.api_server_index}",
                              min(HEAP_PAD_BYTES, engine_config.processor_cache_bytes_per_server))
     keep_triton_out()  # before the processor's transformers import (lazy_imports.py)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM acts like Ctrl-C
-    # Ctrl-C raises at once, also while the engine starts (asyncio.Runner's own handler would only
-    # cancel the main task at its first await, after the whole start); uvicorn takes it once serving
-    previous_int = signal.signal(signal.SIGINT, _interrupt) if _default_sigint() else None
+    signals = StartSignals()  # Ctrl-C and SIGTERM stop the start at once; uvicorn takes them once serving
+    signals.install()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(_serve(server_config, engine_config, attachment, sock, started, process))
+            return runner.run(_serve(server_config, engine_config, attachment, sock, started, process, signals))
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if previous_int is not None:
-            signal.signal(signal.SIGINT, previous_int)
-
-
-def _default_sigint() -> bool:
-    """Whether SIGINT has Python's handler (not ignored, as in a job started in the background)."""
-    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+        signals.restore()
 
 
 def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
@@ -233,13 +220,14 @@ def _loop_factory() -> Any:
 
 
 async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None,
-                 sock: socket.socket | None, started: Callable[[], None] | None, process: ServingProcess) -> int:
-    from mmserve.frontend.async_llm import AsyncLLM
+                 sock: socket.socket | None, started: Callable[[], None] | None, process: ServingProcess,
+                 signals: StartSignals) -> int:
+    with signals.raising():  # the engine cores' start, in this first step: a stop signal raises in it
+        from mmserve.frontend.async_llm import AsyncLLM
 
+        engine = AsyncLLM(engine_config, attachment)
     reserve = process.reserve
     launcher = attachment.launcher_pid if attachment is not None else None  # it may die while the engine starts
-
-    engine = AsyncLLM(engine_config, attachment)
     engine.log_stats = not server_config.disable_log_stats
     keeper = asyncio.create_task(_keep_heap_reserve(reserve, engine)) if reserve.enabled else None
     try:
@@ -265,15 +253,17 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         server = uvicorn.Server(config)
         process.serve()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
+        if not signals.serving(server):  # stopped during the start's last steps
+            return 0
         supervisor = asyncio.create_task(_supervise(server, engine, model, state, started, launcher))
         try:
             await server.serve(sockets=None if sock is None else [sock])
         finally:
             supervisor.cancel()
-            if keeper is not None:
-                keeper.cancel()
         return state.exit_code
     finally:
+        if keeper is not None:
+            keeper.cancel()
         engine.shutdown()
 
 

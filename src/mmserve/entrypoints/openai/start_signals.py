@@ -1,0 +1,70 @@
+"""SIGINT (Ctrl-C) and SIGTERM for an API server until uvicorn takes them (`StartSignals`).
+
+While the server starts, a stop signal must stop it at once, also in the middle of the engine
+core's start, which runs in the event loop's first step without awaiting. So there it raises
+KeyboardInterrupt. Anywhere else it must not: raised inside the event loop's own machinery (uvloop's
+loop being entered, before the first step) it left the loop marked running. The loop could then
+not be closed, and the server printed "Cannot close a running event loop" and a pending task.
+Outside the start's own code a signal is only noted. The start raises it when it begins
+(`raising`), and once uvicorn is about to serve it is uvicorn's stop (`serving`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Any, Iterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StartSignals:
+    """Installed for SIGINT (unless ignored, as in a job started in the background) and SIGTERM
+    (which acts like Ctrl-C) by `install`, restored by `restore`."""
+
+    def __init__(self) -> None:
+        self.pending = False  # a signal came while it could not raise
+        self._armed = False
+        self._server: Any = None
+        self._previous: dict[int, Any] = {}
+        self._raise: Any = signal.default_int_handler
+
+    def install(self) -> None:
+        sigint = signal.getsignal(signal.SIGINT)
+        if callable(sigint):
+            self._raise = sigint  # the CLI's (`cli.CtrlC`: it defers a Ctrl-C out of an import) or Python's
+        for signum in STOP_SIGNALS:
+            if signum == signal.SIGINT and not callable(sigint):
+                continue
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    @contextlib.contextmanager
+    def raising(self) -> Iterator[None]:
+        """The start's own code (plain Python in the loop's first step): a signal raises
+        KeyboardInterrupt at once, and so does one that came before."""
+        if self.pending:
+            raise KeyboardInterrupt
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def serving(self, server: Any) -> bool:
+        """Whether uvicorn's `server` should serve (False: a signal came already). One that comes
+        from here until uvicorn installs its own handlers asks it to exit."""
+        self._server = server
+        return not self.pending
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._armed:
+            self._raise(signal.SIGINT, frame)
+            return
+        self.pending = True
+        if self._server is not None:
+            self._server.should_exit = True
