@@ -30,7 +30,7 @@ VISION = ("visual", "vision_tower", "multi_modal_projector")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
-FORMATS = ("awq", "gptq", "gptq-asym", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
+FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -87,12 +87,20 @@ def _awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Te
     return tensors, deq
 
 
-def _gptq(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _gptq(w: torch.Tensor, group: int, symmetric: bool,
+          act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """AutoGPTQ's quantizer grid (`quantization/quantizer.py`: symmetric about zero code 8 =
     (maxq + 1) / 2, else zero = round(-min / scale)) with round-to-nearest codes, packed by `pack`.
-    Asymmetric zeros are kept >= 1: AutoGPTQ's stored `zero - 1` of a zero code 0 wraps."""
+    Asymmetric zeros are kept >= 1: AutoGPTQ's stored `zero - 1` of a zero code 0 wraps.
+    `act_order` (desc_act: true): GPTQ quantizes the input columns in the order of its Hessian's
+    diagonal, group after group of `group` columns in that order, so `g_idx` scatters each group;
+    here the order is a permutation drawn from the input width (one input, one Hessian: a layer's
+    Q/K/V, or gate/up, share it, as they do in a real checkpoint)."""
     out, inp = w.shape
-    g = w.reshape(out, inp // group, group)
+    order = torch.arange(inp, device=w.device)
+    if act_order:
+        order = torch.randperm(inp, generator=torch.Generator().manual_seed(inp)).to(w.device)
+    g = w[:, order].reshape(out, inp // group, group)  # each group's columns together
     if symmetric:
         scale = (g.abs().amax(-1) * 2 / 15).clamp(min=1e-5).half()
         zeros = torch.full(scale.shape, 8.0, device=w.device)
@@ -101,10 +109,11 @@ def _gptq(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch
         scale = ((hi - lo).clamp(min=1e-5) / 15).half()
         zeros = (-lo / scale.float()).round().clamp(1, 15)
     codes = (g / scale.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
-    deq = ((codes - zeros[..., None]) * scale.float()[..., None]).reshape(out, inp)
-    tensors = {"qweight": gptq_pack(codes.reshape(out, inp).t()), "qzeros": gptq_pack_columns(zeros.t() - 1),
-               "scales": scale.t().contiguous(),
-               "g_idx": (torch.arange(inp, device=w.device) // group).to(torch.int32)}
+    back = torch.argsort(order)  # column i of W is column back[i] of the grouped order
+    deq = ((codes - zeros[..., None]) * scale.float()[..., None]).reshape(out, inp)[:, back]
+    g_idx = (torch.arange(inp, device=w.device) // group)[back].to(torch.int32)
+    tensors = {"qweight": gptq_pack(codes.reshape(out, inp)[:, back].t()), "qzeros": gptq_pack_columns(zeros.t() - 1),
+               "scales": scale.t().contiguous(), "g_idx": g_idx}
     return tensors, deq
 
 
@@ -157,8 +166,9 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": vision}
-    if fmt in ("gptq", "gptq-asym"):  # as Qwen's Qwen2-VL-*-Instruct-GPTQ-Int4 (no module list: the tensors say)
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": fmt == "gptq",
+    if fmt in ("gptq", "gptq-asym", "gptq-act-order"):  # as Qwen's Qwen2-VL-*-Instruct-GPTQ-Int4 (no module list)
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": fmt == "gptq-act-order",
+                "sym": fmt != "gptq-asym",
                 "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -182,8 +192,8 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
     """One weight [out, in] in `fmt`: (the checkpoint tensors by suffix, the float W they stand for)."""
     if fmt == "awq":
         return _awq(w, group)
-    if fmt in ("gptq", "gptq-asym"):
-        return _gptq(w, group, symmetric=fmt == "gptq")
+    if fmt in ("gptq", "gptq-asym", "gptq-act-order"):
+        return _gptq(w, group, symmetric=fmt != "gptq-asym", act_order=fmt == "gptq-act-order")
     if fmt in ("w4a16", "w4a16-asym"):
         return _w4a16(w, group, symmetric=fmt == "w4a16")
     if fmt == "fp8-block":

@@ -24,6 +24,7 @@ from mmserve.models.quantization.config import QuantSpec, read_quant_spec
 EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_packed", "weight_scale"),
                      "gptq": ("qweight", "qzeros", "scales", "g_idx"),
                      "gptq-asym": ("qweight", "qzeros", "scales", "g_idx"),
+                     "gptq-act-order": ("qweight", "qzeros", "scales", "g_idx"),
                      "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
                      "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
 
@@ -199,7 +200,6 @@ def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, 
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}, "AWQ version 'marlin'"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False}, "GPTQ with 8 bits"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "act-order"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "'gptq_v2'"),
 ])
 def test_unsupported_quantization_is_refused_in_one_line(config, message, source, tmp_path):
@@ -212,17 +212,32 @@ def test_unsupported_quantization_is_refused_in_one_line(config, message, source
     assert "\n" not in str(info.value)
 
 
-def test_a_gptq_checkpoint_whose_g_idx_is_out_of_order_is_refused_at_load(source, tmp_path):
-    """desc_act false in its config, but a layer's groups reordered: one line, not wrong tokens."""
-    quantized, _ = quantize_copy(source, tmp_path, "gptq")
+def test_a_gptq_checkpoint_whose_groups_are_not_all_of_its_group_size_is_refused_at_load(source, tmp_path):
+    """Group 0's input rows moved into group 1 (one group empty, one twice its size): no order of
+    the columns makes runs of `group_size`; one line, not wrong tokens."""
+    quantized, _ = quantize_copy(source, tmp_path, "gptq-act-order")
     path = Path(quantized) / "model.safetensors"
     tensors = load_file(str(path))
     name = "model.layers.1.mlp.down_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()
+    g_idx = tensors[name].clone()
+    g_idx[g_idx == 0] = 1 if int(g_idx.max()) >= 1 else 0
+    tensors[name] = g_idx
     save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="act-order") as info:
+    with pytest.raises(ValueError, match="g_idx does not give each") as info:
         load_model(quantized)
     assert "\n" not in str(info.value)
+
+
+def test_act_order_sorts_each_layers_input_columns_once_and_keeps_qkv_fused(source, tmp_path):
+    """An act-order layer holds its columns sorted by group and the order (`perm`); siblings that
+    share it (one input, one Hessian) stay one GEMM; a layer in order holds none."""
+    model = load_model(quantize_copy(source, tmp_path, "gptq-act-order")[0])
+    layers = _linears(model)
+    fused = [layer for name, layer in layers.items() if isinstance(layer, FusedLinear)]
+    assert fused and all(layer.perm.shape == (layer.shape.in_features,) for layer in fused)
+    assert all(not torch.equal(layer.perm, torch.arange(layer.perm.shape[0])) for layer in fused)
+    in_order = load_model(quantize_copy(source, tmp_path / "in-order", "gptq")[0])
+    assert not any(hasattr(layer, "perm") for layer in _linears(in_order).values())
 
 
 def test_gptq_quantizes_the_layers_its_checkpoint_holds_quantized(source, tmp_path):
@@ -279,3 +294,37 @@ def test_online_fp8_holds_one_float_weight_at_a_time_while_loading(source, monke
     tower = [name for name, m in model.named_modules() if m in layer_registry and "visual" in name]
     assert tower  # as vLLM's online FP8 does, the tower's linears too
     assert model.weight_bytes < 0.8 * load_model(source).weight_bytes
+
+
+def test_act_order_gptq_over_tensor_parallel_ranks_is_refused_before_loading(source, tmp_path):
+    """A rank holding half an act-order layer's input columns would hold parts of every group: one
+    line before any worker starts (static_groups, or group_size -1, keep g_idx in order: allowed)."""
+    from mmserve import LLM
+
+    quantized = quantize_copy(source, tmp_path, "gptq-act-order")[0]
+    with pytest.raises(ValueError, match=r"act-order \(desc_act: true\) runs on one rank only") as info:
+        LLM(model=quantized, tensor_parallel_size=2, max_model_len=256)
+    assert "\n" not in str(info.value)
+    config = json.loads((Path(quantized) / "config.json").read_text())["quantization_config"]
+    assert read_quant_spec(quantized).act_order
+    for in_order in ({"static_groups": True}, {"group_size": -1}):
+        (Path(quantized) / "config.json").write_text(json.dumps({"quantization_config": {**config, **in_order}}))
+        assert not read_quant_spec(quantized).act_order
+
+
+def test_act_order_siblings_stack_only_where_their_column_orders_agree():
+    from types import SimpleNamespace
+
+    from mmserve.models.quantization.int4 import Int4Method
+
+    def layer(perm: list[int] | None) -> SimpleNamespace:
+        tensors = {"qweight": torch.zeros(8, 2, dtype=torch.int32), "scales": torch.ones(8, 1),
+                   "zeros": torch.zeros(8, 1, dtype=torch.uint8)}
+        return SimpleNamespace(**tensors, **({} if perm is None else {"perm": torch.tensor(perm)}))
+
+    method = Int4Method("gptq", 16, True)
+    order, other = list(range(15, -1, -1)), list(range(16))
+    assert torch.equal(method.concat([layer(order), layer(order)])["perm"], torch.tensor(order))
+    assert method.concat([layer(order), layer(other)]) is None
+    assert method.concat([layer(None), layer(order)]) is None and method.concat([layer(order), layer(None)]) is None
+    assert "perm" not in method.concat([layer(None), layer(None)])

@@ -23,8 +23,8 @@ from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoin
 pytestmark = pytest.mark.slow  # runs transformers and the engine on each format (deselect with -m 'not slow')
 
 MAX_NEW = 6
-METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "w4a16": "w4a16", "w4a16-asym": "w4a16",
-          "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
+METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "w4a16": "w4a16",
+          "w4a16-asym": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -55,8 +55,9 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return {family: _checkpoint(family, folder) for family in FAMILIES}
 
 
-# every format on every family; GPTQ's asymmetric variant (its zeros a tensor like AWQ's) on one
-CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if fmt != "gptq-asym" or family == "qwen3_vl"]
+# every format on every family; GPTQ's asymmetric and act-order variants on one each
+ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl"}
+CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 
 
 @pytest.mark.parametrize("fmt, family", CASES)

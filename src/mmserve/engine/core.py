@@ -26,7 +26,7 @@ from mmserve.ipc.messages import (CachesReset, CacheStats, EngineCoreOutput, Eng
                                   FinishReason, ResetCaches, SchedulerStats)
 from mmserve.ipc.worker_messages import SchedulerOutput
 from mmserve.models.hf_config import ModelConfig, load_model_config
-from mmserve.models.quantization.config import check_cpu_activation_quant, read_quant_spec
+from mmserve.models.quantization.config import check_cpu_activation_quant, check_tensor_parallel, read_quant_spec
 from mmserve.models.quantization.cpu_gemv import GEMV_MAX_ROWS
 from mmserve.worker.device import kv_cache_dtype_of, rank_device, resolve_dtype
 from mmserve.worker.executor import make_executor
@@ -250,9 +250,11 @@ class EngineCore:
 
 
 def check_quantization(config: EngineConfig, model_dir: str) -> None:
-    """Refuse before loading, in one line, a quantization the engine does not read or a
-    `--cpu-activation-quant` that cannot apply; say once when that mode is on."""
+    """Refuse before loading, in one line, a quantization the engine does not read or cannot
+    split over the tensor-parallel ranks, or a `--cpu-activation-quant` that cannot apply; say
+    once when that mode is on."""
     spec = read_quant_spec(model_dir, config.model.quantization)
+    check_tensor_parallel(spec, config.parallel.tensor_parallel_size)
     mode = config.model.cpu_activation_quant
     if mode != "none":
         device = rank_device(config, 0)

@@ -10,7 +10,8 @@ Formats read (each key and its meaning as the named source writes or reads it):
   `Qwen2.5-VL-*-Instruct-AWQ` list `["visual"]`.
 - `quant_method: "gptq"` (AutoGPTQ / GPTQModel `QuantLinear.pack`, `checkpoint_format: "gptq"`;
   transformers' `GPTQConfig`; vLLM `gptq.py`): `bits: 4`, `group_size` (-1: one group per row),
-  `sym`, `desc_act: false`. GPTQ names no modules to leave dense: a layer is quantized where the
+  `sym`, `desc_act` (act-order: `g_idx` then scatters each group over the input columns, read
+  by int4.py). GPTQ names no modules to leave dense: a layer is quantized where the
   checkpoint holds its `qweight` (Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int4` keep the vision tower
   dense; vLLM's Qwen-VL models drop the quant config from the tower for GPTQ alike).
 - `quant_method: "fp8"` (transformers `FineGrainedFP8Config`; vLLM `fp8.py`; Qwen's
@@ -55,6 +56,7 @@ class QuantSpec:
     symmetric: bool = True  # w4a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
+    act_order: bool = False  # gptq: groups scattered over the input columns (`g_idx`; int4.py sorts them)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
 
@@ -120,9 +122,6 @@ def _awq(q: dict[str, Any]) -> QuantSpec:
 def _gptq(q: dict[str, Any]) -> QuantSpec:
     if q.get("bits") != 4:
         raise ValueError(f"GPTQ with {q.get('bits')} bits is not supported (4 only)")
-    if q.get("desc_act"):
-        raise ValueError("GPTQ with act-order (desc_act: true) is not supported: its groups are not runs of "
-                         "input columns; use a checkpoint quantized with desc_act false")
     fmt = q.get("checkpoint_format", "gptq")
     if fmt != "gptq" or q.get("is_marlin_format"):
         raise ValueError(f"GPTQ checkpoint_format {'marlin' if q.get('is_marlin_format') else fmt!r} is not "
@@ -130,7 +129,16 @@ def _gptq(q: dict[str, Any]) -> QuantSpec:
     if q.get("dynamic"):
         raise ValueError("GPTQ with per-module `dynamic` settings (GPTQModel) is not supported")
     group = int(q.get("group_size", 128))
-    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)))
+    act_order = bool(q.get("desc_act")) and not q.get("static_groups") and group > 0  # else g_idx is in order
+    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)), act_order=act_order)
+
+
+def check_tensor_parallel(spec: QuantSpec | None, tp_size: int) -> None:
+    """ValueError in one line where the checkpoint cannot be split over `tp_size` ranks: an
+    act-order GPTQ layer split by input columns gives a rank groups it holds only part of."""
+    if spec is not None and spec.act_order and tp_size > 1:
+        raise ValueError("GPTQ with act-order (desc_act: true) runs on one rank only: use --tensor-parallel-size 1 "
+                         "(or a checkpoint quantized with desc_act false)")
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:

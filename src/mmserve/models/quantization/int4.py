@@ -19,8 +19,11 @@ GPTQ as published (AutoGPTQ `nn_modules/qlinear/__init__.py` `QuantLinear.pack`,
 input rows to a word (nibble k of word r in column o holds q[8r + k, o]: the transpose of the
 resident form's words), `qzeros` int32 [in / group, out / 8] (nibble k of word c holds
 zero[g, 8c + k] - 1: AutoGPTQ stores zeros less one), `scales` fp16 [in / group, out], `g_idx`
-int32 [in], each input row's group (i // group without act-order, the only case read here);
-W^T[i, o] = (q[i, o] - (qzero + 1)) * scale.
+int32 [in], each input row's group: i // group, or with act-order (`desc_act: true`) groups of
+`group` rows scattered in the order GPTQ quantized them; W^T[i, o] = (q[i, o] - (qzero[g_idx[i], o]
++ 1)) * scale[g_idx[i], o]. An act-order layer's resident form holds its input columns sorted by
+group, and `perm` int64 [in] (resident column p is W's column perm[p]): `apply` gathers x's columns
+by it first (exllama's and vLLM's `g_idx` sort), one gather of a step's activations per layer.
 
 W4A16 as published (compressed-tensors `compressors/quantized_compressors/pack_quantized.py`:
 `pack_to_int32`, `unpack_from_int32`; `quantization/lifecycle/forward.py`: `dequantize`):
@@ -138,10 +141,14 @@ class Int4Method(LinearMethod):
                     zeros=zeros.t().contiguous())
             return
         if self.format == "gptq":
-            _check_runs_of_groups(layer.g_idx, layer.int4_group)
             zeros = unpack_nibbles(layer.qzeros) + 1  # [in / group, out]: AutoGPTQ stores zero - 1
-            replace(layer, qweight=layer.qweight.t().contiguous(), scales=layer.scales.t().contiguous(),
-                    zeros=zeros.t().contiguous())
+            resident = {"qweight": layer.qweight.t().contiguous(), "scales": layer.scales.t().contiguous(),
+                        "zeros": zeros.t().contiguous()}
+            perm = _act_order(layer.g_idx, layer.int4_group, resident["scales"].shape[1])
+            if perm is not None:  # input columns sorted by group: x's columns are gathered to match
+                resident["qweight"] = pack_nibbles(unpack_nibbles(resident["qweight"])[:, perm])
+                resident["perm"] = perm
+            replace(layer, **resident)
             return
         scales = layer.weight_scale.contiguous()
         if self.symmetric:
@@ -151,9 +158,18 @@ class Int4Method(LinearMethod):
         replace(layer, qweight=layer.weight_packed.contiguous(), scales=scales, zeros=zeros)
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
-        return dequantize_rows(*_resident(layer), layer.int4_group)
+        w = dequantize_rows(*_resident(layer), layer.int4_group)
+        perm = getattr(layer, "perm", None)
+        if perm is None:
+            return w
+        unsorted = torch.empty_like(w)
+        unsorted[:, perm] = w  # column p of the resident form is W's column perm[p]
+        return unsorted
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        perm = getattr(layer, "perm", None)
+        if perm is not None:
+            x = x.index_select(-1, perm)
         if x.is_cuda:
             from mmserve.models.quantization.triton_kernels import int4_linear
 
@@ -167,13 +183,23 @@ class Int4Method(LinearMethod):
         return tiled_linear(x, bias, rows, lambda a, b: _rows(layer, a, b))
 
     def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        if getattr(layer, "perm", None) is not None:  # the C call would skip the gather of x's columns
+            return None
         args = (layer.qweight, layer.scales, layer.zeros, layer.int4_group)
         return q8_gemv.int4_q8_call(*args) if getattr(layer, "int4_interleaved", False) else cpu_gemv.int4_call(*args)
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         if any(getattr(layer, "int4_interleaved", False) for layer in layers):
             return None
-        return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("qweight", "scales", "zeros")}
+        perm = getattr(layers[0], "perm", None)
+        perms = [getattr(layer, "perm", None) for layer in layers]
+        # act-order siblings stack only where their input orders agree (one input, one Hessian)
+        if any(p is not None for p in perms) and not (perm is not None and all(
+                p is not None and torch.equal(p, perm) for p in perms)):
+            return None
+        stacked = {name: torch.cat([getattr(layer, name) for layer in layers])
+                   for name in ("qweight", "scales", "zeros")}
+        return stacked if perm is None else {**stacked, "perm": perm}
 
     def pack(self, layer: Layer) -> bool:
         """With int8 activations, W's rows interleaved by 16 for the int8 kernel (q8_gemv.py), where
@@ -202,13 +228,23 @@ def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
     return dequantize_rows(*args) if rows is None else rows
 
 
-def _check_runs_of_groups(g_idx: torch.Tensor, group: int) -> None:
-    """ValueError unless GPTQ's `g_idx` (this rank's input rows) puts each run of `group` rows in
-    one group, in order: act-order checkpoints reorder them, which the resident form cannot hold."""
-    rows = torch.arange(g_idx.shape[0], device=g_idx.device) // group
-    if g_idx.numel() and not torch.equal(g_idx.to(torch.int64) - int(g_idx[0]), rows):
-        raise ValueError("a GPTQ layer's g_idx is not in order (act-order): not supported; use a checkpoint "
-                         "quantized with desc_act false")
+def _act_order(g_idx: torch.Tensor, group: int, groups: int) -> torch.Tensor | None:
+    """None where GPTQ's `g_idx` (this rank's input rows' groups) puts each run of `group` rows in
+    one group, in order; for an act-order checkpoint (desc_act: true, each group a scattered set of
+    `group` rows) the order of input columns that makes the groups runs: column p of the resident
+    form is W's column perm[p] (exllama's and vLLM's `g_idx` sort). ValueError where no order can
+    (groups of other sizes, or groups beyond the `groups` this rank holds: a tensor-parallel split
+    of an act-order layer's input columns)."""
+    g = g_idx.to(torch.int64)
+    rows = torch.arange(g.shape[0], device=g.device) // group
+    if not g.numel() or torch.equal(g - g[0], rows):
+        return None
+    perm = torch.sort(g, stable=True).indices
+    if int(g.min()) < 0 or int(g.max()) >= groups or not torch.equal(g[perm], rows):
+        raise ValueError(f"a GPTQ layer's g_idx does not give each of its {groups} groups {group} input rows "
+                         "(act-order with tensor parallelism across input columns is not supported: use "
+                         "--tensor-parallel-size 1, or a checkpoint quantized with desc_act false)")
+    return perm
 
 
 def _along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:
