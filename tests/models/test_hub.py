@@ -123,11 +123,23 @@ def test_the_cache_answers_offline_and_download_dir_is_a_cache_too(hub, tmp_path
     assert missing.startswith("error: org/other is not in the Hugging Face cache") and "HF_HUB_OFFLINE=1" in missing
 
 
-@pytest.mark.slow  # huggingface_hub retries a refused connection for ~25 s before it gives up
 def test_an_unreachable_hub_with_nothing_cached_is_one_line(hub, tmp_path):
+    """Said after one refused HEAD (it took ~25 s of huggingface_hub's retries before `hub_reachable`)."""
     hub.stop()
     unreachable = resolve(hub_env(hub, tmp_path / "cache"), "org/tiny")
     assert unreachable.startswith("error: org/tiny: the Hugging Face Hub") and "cannot be reached" in unreachable
+
+
+def test_an_unreachable_hub_without_hf_hub_offline_serves_the_cache_and_says_so(hub, tmp_path):
+    """An air-gapped machine that forgot HF_HUB_OFFLINE: the cached snapshots of both revisions at
+    once, after one HEAD to the Hub; the other lookups never reach it."""
+    env = hub_env(hub, tmp_path / "cache")
+    online = resolve(env, "org/tiny"), resolve(env, "org/tiny", "v2")
+    hub.stop()
+    for proc, path in ((start(env, "org/tiny"), online[0]), (start(env, "org/tiny", "v2"), online[1])):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.strip().splitlines()[-1] == path, err
+        assert f"the Hugging Face Hub ({hub.url}) cannot be reached: org/tiny is read from the cache" in err
 
 
 def test_hf_overrides_are_checked_before_the_weights_and_read_through_links(hub, tmp_path):

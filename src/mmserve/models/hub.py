@@ -13,7 +13,10 @@ that directory is not: it resolves the same name there (`on_this_node`). A name 
   else HF_HUB_CACHE / HF_HOME, which huggingface_hub reads itself, as it reads HF_TOKEN,
   HF_ENDPOINT and HF_HUB_OFFLINE) and returns the snapshot folder; its file locks keep concurrent
   starts on one machine from corrupting the cache. config.json comes first, alone, so that an
-  architecture mmserve does not serve is refused before the weights are fetched.
+  architecture mmserve does not serve is refused before the weights are fetched. The Hub is asked
+  once first whether it answers at all (`hub_reachable`): where it does not (no network, an
+  air-gapped cluster without HF_HUB_OFFLINE) the cache alone answers, at once, instead of after
+  huggingface_hub's retries of every call (~25 s each).
 
 Every failure is a ValueError whose message is one line naming the model and what to do.
 """
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -42,6 +46,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CHECKPOINT_FILES = ["*.safetensors", "*.safetensors.index.json", "*.json", *TOKENIZER_FILES]
 # huggingface_hub's own rule for a repo id: two names of [\w.-], neither with "--" or ".."
 _REPO_ID = re.compile(r"^[\w.-]{1,96}/[\w.-]{1,96}$")
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_engine_model(config: EngineConfig) -> EngineConfig:
@@ -106,20 +112,39 @@ def download(repo_id: str, revision: str | None = None, tokenizer_revision: str 
     """The snapshot folder of `repo_id` at `revision` with the files a checkpoint needs, downloaded
     (with huggingface_hub's progress bars) unless the cache holds them; a ValueError otherwise (its
     config.json, with `overrides`, checked before the weights are fetched)."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
 
+    local = not constants.is_offline_mode() and not hub_reachable()
+    if local:
+        logger.warning("the Hugging Face Hub (%s) cannot be reached: %s is read from the cache", constants.ENDPOINT,
+                       repo_id)
     with hub_errors(repo_id, revision, cache_dir):
-        config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
+        config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir,
+                                 local_files_only=local)
         _check_config(os.path.dirname(config), repo_id, overrides)
-        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=CHECKPOINT_FILES)
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=CHECKPOINT_FILES,
+                                 local_files_only=local)
     if not any(name.endswith(".safetensors") for name in os.listdir(path)):
         raise ValueError(f"{repo_id} publishes no .safetensors weights (mmserve loads safetensors only)")
     if tokenizer_revision is None or tokenizer_revision == revision:
         return path
     with hub_errors(repo_id, tokenizer_revision, cache_dir):
         tokenizer = snapshot_download(repo_id, revision=tokenizer_revision, cache_dir=cache_dir,
-                                      allow_patterns=TOKENIZER_FILES)
+                                      allow_patterns=TOKENIZER_FILES, local_files_only=local)
     return overlay(path, tokenizer, repo_id)
+
+
+def hub_reachable() -> bool:
+    """Whether the Hub's endpoint answers at all (any HTTP status) to one HEAD, with no retry,
+    within huggingface_hub's timeout for metadata requests (HF_HUB_ETAG_TIMEOUT, 10 s by default)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception:  # refused, no route, no name, timed out, a proxy's failure: no answer
+        return False
+    return True
 
 
 def overlay(model_dir: str, tokenizer_dir: str, repo_id: str) -> str:
