@@ -1,4 +1,4 @@
-"""On a CUDA GPU: quantized weights (AWQ, W4A16, FP8 block-wise and per row, `--quantization fp8`)
+"""On a CUDA GPU: quantized weights (AWQ, GPTQ 4- and 8-bit, W4A16, FP8 block-wise and per row, `--quantization fp8`)
 through our Triton kernels at the 7B's shapes against dequantize-then-matmul, and greedy tokens
 against transformers on the dequantized weights (float32 equal, bfloat16 agreement printed).
 `make test-gpu`; skipped (instantly) where CUDA is absent."""
@@ -10,7 +10,8 @@ import torch
 
 from helpers.gpu_cases import checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, quantize_copy, random_fp8, random_int4
+from helpers.quant_checkpoints import FORMATS, quantize_copy, random_fp8, random_int4, random_int8
+from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows
 
 pytestmark = pytest.mark.gpu
@@ -32,9 +33,12 @@ def test_kernels_at_the_7b_shapes_equal_dequantize_then_matmul(M, N, K):
     gen = torch.Generator().manual_seed(M + N)
     qweight, scales, zeros = random_int4(N, K, 128, gen)
     weight, block_scale, W8 = random_fp8(N, K, (128, 128), gen)
+    codes, scales8, zeros8 = random_int8(N, K, 128, gen)
     x = torch.randn(M, K, generator=gen).cuda()
     cases = {"int4": (triton_kernels.int4_linear(x, qweight.cuda(), scales.cuda(), zeros.cuda(), 128, None),
                       dequantize_rows(qweight, scales, zeros, 128)),
+             "int8": (triton_kernels.int8_linear(x, codes.cuda(), scales8.cuda(), zeros8.cuda(), 128, None),
+                      int8.dequantize_rows(codes, scales8, zeros8, 128)),
              "fp8 block": (triton_kernels.fp8_linear(x, weight.cuda(), block_scale.cuda(), (128, 128), None), W8)}
     for name, (got, W) in cases.items():
         want = x.double() @ W.cuda().double().t()
@@ -61,9 +65,10 @@ def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
           f"{sum(a == b for a, b in pairs) / len(pairs):.1%} of {len(pairs)}")
 
 
-@pytest.mark.parametrize("fmt", ["awq", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["awq", "fp8-block", "gptq-int8", "gptq-act-order"])
 def test_quantized_decode_replayed_from_cuda_graphs_equals_eager(tmp_path, fmt):
-    """The quantized layers' Triton GEMV captured in the decode graphs gives the eager tokens (float32)."""
+    """The quantized layers' Triton GEMV captured in the decode graphs gives the eager tokens (float32);
+    act-order's gather of x's columns is captured with it."""
     (path, _), items = quantize_copy(checkpoint("qwen3_vl", tmp_path), tmp_path, fmt), prompts("qwen3_vl")
     eager, first = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", enforce_eager=True,
                               max_model_len=512)

@@ -123,6 +123,10 @@ def _linear(rows: int, out: int, inner: int, fmt: str, bias: bool = False) -> Ca
         words, groups = _empty(out, inner // 8, dtype=I32), _empty(out, inner // 128, dtype=F32)
         zeros = _empty(out, inner // 128, dtype=torch.uint8)
         return lambda: triton_kernels.int4_linear(x, words, groups, zeros, 128, b)
+    if fmt == "int8":
+        codes, groups = _empty(out, inner, dtype=torch.uint8), _empty(out, inner // 128, dtype=F32)
+        zero_codes = _empty(out, inner // 128, dtype=torch.int16)
+        return lambda: triton_kernels.int8_linear(x, codes, groups, zero_codes, 128, b)
     weight = _empty(out, inner, dtype=torch.float8_e4m3fn)
     if fmt == "fp8 block":
         return lambda: triton_kernels.fp8_linear(x, weight, _empty(out // 128, inner // 128, dtype=F32), (128, 128), b)
@@ -130,6 +134,6 @@ def _linear(rows: int, out: int, inner: int, fmt: str, bias: bool = False) -> Ca
 
 
 def quantized_cases() -> list[Case]:
-    """The int4 and FP8 GEMV (decode rows) and GEMM (prefill rows), Q/K/V of the 7B with its bias."""
+    """The int4, int8 and FP8 GEMV (decode rows) and GEMM (prefill rows), Q/K/V of the 7B with its bias."""
     return [(f"{fmt} qkv of qwen2.5-7b, {rows} rows", _linear(rows, 4608, 3584, fmt, bias=True))
-            for fmt in ("int4", "fp8 block", "fp8 row") for rows in (1, 1024)]
+            for fmt in ("int4", "int8", "fp8 block", "fp8 row") for rows in (1, 1024)]

@@ -30,7 +30,8 @@ VISION = ("visual", "vision_tower", "multi_modal_projector")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
-FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel")
+FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "gptq-int8", "w4a16", "w4a16-asym", "w4a16-act-order",
+           "fp8-block", "fp8-channel")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -46,19 +47,21 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
     return _to_int32((words << shifts).sum(-1))
 
 
-def gptq_pack(values: torch.Tensor) -> torch.Tensor:
-    """int [rows, cols] (0..15) -> int32 [rows / 8, cols] as AutoGPTQ's `pack` fills `qweight`:
-    word r of each column ORs row 8r + j shifted by 4j (its `qweight[row] |= intweight[j] << (4 * (j - i))`)."""
-    words = torch.zeros(values.shape[0] // 8, values.shape[1], dtype=torch.int64, device=values.device)
-    for j in range(8):
-        words |= values[j::8].to(torch.int64) << (4 * j)
+def gptq_pack(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int [rows, cols] (0..2^bits - 1) -> int32 [rows / (32 / bits), cols] as AutoGPTQ's `pack`
+    fills `qweight`: word r of each column ORs row (32 / bits) r + j shifted by bits * j (its
+    `qweight[row] |= intweight[j] << (self.bits * (j - i))`)."""
+    per_word = 32 // bits
+    words = torch.zeros(values.shape[0] // per_word, values.shape[1], dtype=torch.int64, device=values.device)
+    for j in range(per_word):
+        words |= values[j::per_word].to(torch.int64) << (bits * j)
     return _to_int32(words)
 
 
-def gptq_pack_columns(values: torch.Tensor) -> torch.Tensor:
-    """int [rows, cols] (0..15) -> int32 [rows, cols / 8] as AutoGPTQ's `pack` fills `qzeros`:
-    word c of each row ORs column 8c + j shifted by 4j."""
-    return gptq_pack(values.t().contiguous()).t().contiguous()
+def gptq_pack_columns(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int [rows, cols] (0..2^bits - 1) -> int32 [rows, cols / (32 / bits)] as AutoGPTQ's `pack`
+    fills `qzeros`: word c of each row ORs column (32 / bits) c + j shifted by bits * j."""
+    return gptq_pack(values.t().contiguous(), bits).t().contiguous()
 
 
 def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
@@ -87,39 +90,55 @@ def _awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Te
     return tensors, deq
 
 
-def _gptq(w: torch.Tensor, group: int, symmetric: bool,
-          act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """AutoGPTQ's quantizer grid (`quantization/quantizer.py`: symmetric about zero code 8 =
-    (maxq + 1) / 2, else zero = round(-min / scale)) with round-to-nearest codes, packed by `pack`.
-    Asymmetric zeros are kept >= 1: AutoGPTQ's stored `zero - 1` of a zero code 0 wraps.
-    `act_order` (desc_act: true): GPTQ quantizes the input columns in the order of its Hessian's
-    diagonal, group after group of `group` columns in that order, so `g_idx` scatters each group;
-    here the order is a permutation drawn from the input width (one input, one Hessian: a layer's
-    Q/K/V, or gate/up, share it, as they do in a real checkpoint)."""
+def _gptq(w: torch.Tensor, group: int, symmetric: bool, act_order: bool = False,
+          bits: int = 4) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """AutoGPTQ's quantizer grid (`quantization/quantizer.py`, maxq = 2^bits - 1: symmetric about
+    zero code (maxq + 1) / 2, else zero = round(-min / scale)) with round-to-nearest codes, packed
+    by `pack`. Asymmetric zeros are kept >= 1: AutoGPTQ's stored `zero - 1` of a zero code 0 wraps.
+    `act_order` (desc_act: true): groups in `quantization_order`, scattered by `g_idx`."""
     out, inp = w.shape
-    order = torch.arange(inp, device=w.device)
-    if act_order:
-        order = torch.randperm(inp, generator=torch.Generator().manual_seed(inp)).to(w.device)
+    maxq = 2**bits - 1
+    order = quantization_order(inp, act_order, w.device)
     g = w[:, order].reshape(out, inp // group, group)  # each group's columns together
     if symmetric:
-        scale = (g.abs().amax(-1) * 2 / 15).clamp(min=1e-5).half()
-        zeros = torch.full(scale.shape, 8.0, device=w.device)
+        scale = (g.abs().amax(-1) * 2 / maxq).clamp(min=1e-5).half()
+        zeros = torch.full(scale.shape, (maxq + 1) / 2, device=w.device)
     else:
         lo, hi = g.amin(-1).clamp(max=-1e-3), g.amax(-1)
-        scale = ((hi - lo).clamp(min=1e-5) / 15).half()
-        zeros = (-lo / scale.float()).round().clamp(1, 15)
-    codes = (g / scale.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
+        scale = ((hi - lo).clamp(min=1e-5) / maxq).half()
+        zeros = (-lo / scale.float()).round().clamp(1, maxq)
+    codes = (g / scale.float()[..., None] + zeros[..., None]).round().clamp(0, maxq)
     back = torch.argsort(order)  # column i of W is column back[i] of the grouped order
     deq = ((codes - zeros[..., None]) * scale.float()[..., None]).reshape(out, inp)[:, back]
-    g_idx = (torch.arange(inp, device=w.device) // group)[back].to(torch.int32)
-    tensors = {"qweight": gptq_pack(codes.reshape(out, inp)[:, back].t()), "qzeros": gptq_pack_columns(zeros.t() - 1),
-               "scales": scale.t().contiguous(), "g_idx": g_idx}
+    tensors = {"qweight": gptq_pack(codes.reshape(out, inp)[:, back].t(), bits),
+               "qzeros": gptq_pack_columns(zeros.t() - 1, bits), "scales": scale.t().contiguous(),
+               "g_idx": _g_idx(back, group)}
     return tensors, deq
 
 
-def _w4a16(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def quantization_order(inp: int, act_order: bool, device: torch.device) -> torch.Tensor:
+    """The order GPTQ quantizes W's input columns in, group after group of `group_size` columns:
+    their own, or with act-order that of its Hessian's diagonal. Here a permutation drawn from
+    the input width: one input, one Hessian, so a layer's Q/K/V (or gate/up) share it, as in a
+    real checkpoint."""
+    if not act_order:
+        return torch.arange(inp, device=device)
+    return torch.randperm(inp, generator=torch.Generator().manual_seed(inp)).to(device)
+
+
+def _g_idx(back: torch.Tensor, group: int) -> torch.Tensor:
+    """Each input column's group, for columns quantized in the order whose inverse is `back`."""
+    return (torch.arange(back.shape[0], device=back.device) // group)[back].to(torch.int32)
+
+
+def _w4a16(w: torch.Tensor, group: int, symmetric: bool,
+           act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' W4A16 as llm-compressor's GPTQ writes it; `act_order`: its actorder
+    "group", groups in `quantization_order` with `weight_g_idx`."""
     out, inp = w.shape
-    g = w.reshape(out, inp // group, group)
+    order = quantization_order(inp, act_order, w.device)
+    back = torch.argsort(order)
+    g = w[:, order].reshape(out, inp // group, group)
     if symmetric:
         scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-5).bfloat16()
         zp = torch.zeros_like(scale, dtype=torch.int64)
@@ -128,11 +147,13 @@ def _w4a16(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict[str, torc
         scale = ((hi - lo).clamp(min=1e-5) / 15).bfloat16()
         zp = (-8 - lo / scale.float()).round().clamp(-8, 7).to(torch.int64)
     q = (g / scale.float()[..., None] + zp[..., None]).round().clamp(-8, 7)
-    deq = ((q - zp[..., None]) * scale.float()[..., None]).reshape(out, inp)
-    tensors = {"weight_packed": ct_pack(q.reshape(out, inp)), "weight_scale": scale,
+    deq = ((q - zp[..., None]) * scale.float()[..., None]).reshape(out, inp)[:, back]
+    tensors = {"weight_packed": ct_pack(q.reshape(out, inp)[:, back]), "weight_scale": scale,
                "weight_shape": torch.tensor([out, inp])}
     if not symmetric:
         tensors["weight_zero_point"] = ct_pack(zp, packed_dim=0)
+    if act_order:
+        tensors["weight_g_idx"] = _g_idx(back, group)
     return tensors, deq
 
 
@@ -166,8 +187,9 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": vision}
-    if fmt in ("gptq", "gptq-asym", "gptq-act-order"):  # as Qwen's Qwen2-VL-*-Instruct-GPTQ-Int4 (no module list)
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": fmt == "gptq-act-order",
+    if fmt.startswith("gptq"):  # as Qwen's Qwen2-VL-*-Instruct-GPTQ-Int4 / -Int8 (no module list)
+        return {"quant_method": "gptq", "bits": 8 if fmt == "gptq-int8" else 4, "group_size": group,
+                "desc_act": fmt == "gptq-act-order",
                 "sym": fmt != "gptq-asym",
                 "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
     if fmt == "fp8-block":
@@ -181,7 +203,8 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
         fmt_name = "float-quantized"
     else:
         weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
-                   "symmetric": fmt == "w4a16", "dynamic": False, "actorder": None}
+                   "symmetric": fmt != "w4a16-asym", "dynamic": False,
+                   "actorder": "group" if fmt == "w4a16-act-order" else None}
         acts, fmt_name = None, "pack-quantized"
     return {"quant_method": "compressed-tensors", "format": fmt_name, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
@@ -192,10 +215,11 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
     """One weight [out, in] in `fmt`: (the checkpoint tensors by suffix, the float W they stand for)."""
     if fmt == "awq":
         return _awq(w, group)
-    if fmt in ("gptq", "gptq-asym", "gptq-act-order"):
-        return _gptq(w, group, symmetric=fmt != "gptq-asym", act_order=fmt == "gptq-act-order")
-    if fmt in ("w4a16", "w4a16-asym"):
-        return _w4a16(w, group, symmetric=fmt == "w4a16")
+    if fmt.startswith("gptq"):
+        return _gptq(w, group, symmetric=fmt != "gptq-asym", act_order=fmt == "gptq-act-order",
+                     bits=8 if fmt == "gptq-int8" else 4)
+    if fmt in ("w4a16", "w4a16-asym", "w4a16-act-order"):
+        return _w4a16(w, group, symmetric=fmt != "w4a16-asym", act_order=fmt == "w4a16-act-order")
     if fmt == "fp8-block":
         return _fp8_block(w, block)
     return _fp8_channel(w)
@@ -311,6 +335,14 @@ def random_int4(N: int, K: int, group: int, gen: torch.Generator) -> tuple[torch
     scales = torch.rand(N, K // group, generator=gen) * 0.1
     zeros = torch.randint(0, 16, (N, K // group), dtype=torch.uint8, generator=gen)
     return qweight, scales, zeros
+
+
+def random_int8(N: int, K: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int8 weight in the resident form (int8.py): random codes, scales and zeros (GPTQ's 1..256)."""
+    codes = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(N, K // group, generator=gen) * 0.01
+    zeros = torch.randint(1, 257, (N, K // group), dtype=torch.int16, generator=gen)
+    return codes, scales, zeros
 
 
 def random_fp8(N: int, K: int, block: tuple[int, int] | None,

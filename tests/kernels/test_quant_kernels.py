@@ -1,5 +1,5 @@
 """Our Triton kernels for quantized weights (models/quantization/triton_kernels.py) against
-dequantize-then-matmul: int4 (groups, zero points) and FP8 (per row, per block with partial
+dequantize-then-matmul: int4 and int8 (groups, zero points) and FP8 (per row, per block with partial
 blocks, subnormal and negative codes), through the decode GEMV (split over K) and the prefill
 GEMM, with and without a bias; interpreted on the CPU where there is no GPU."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.quant_checkpoints import random_fp8, random_int4
+from helpers.quant_checkpoints import random_fp8, random_int4, random_int8
 from helpers.triton_device import DEVICE
+from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows
 
 pytest.importorskip("triton")
@@ -33,6 +34,16 @@ def test_int4_linear_equals_dequantize_then_matmul(M, N, K, group):
     got = triton_kernels.int4_linear(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group,
                                      None if bias is None else bias.to(DEVICE))
     _check(got, x, dequantize_rows(qweight, scales, zeros, group), bias)
+
+
+@pytest.mark.parametrize("M", [1, 3, 20])
+@pytest.mark.parametrize("N, K, group", [(24, 96, 32), (40, 256, 128), (8, 1024, 1024)])  # the last: one group a row
+def test_int8_linear_equals_dequantize_then_matmul(M, N, K, group):
+    codes, scales, zeros = random_int8(N, K, group, GEN)
+    x, bias = torch.randn(M, K, generator=GEN), (torch.randn(N, generator=GEN) if M != 3 else None)
+    got = triton_kernels.int8_linear(x.to(DEVICE), codes.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group,
+                                     None if bias is None else bias.to(DEVICE))
+    _check(got, x, int8.dequantize_rows(codes, scales, zeros, group), bias)
 
 
 @pytest.mark.parametrize("M", [1, 20])

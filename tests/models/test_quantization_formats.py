@@ -14,23 +14,45 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, Recipe, awq_pack, checkpoint_bytes, ct_pack,
-                                       gptq_pack, gptq_pack_columns, quantize_copy, quantize_entry)
+                                       gptq_pack, gptq_pack_columns, quantization_config, quantize_copy,
+                                       quantize_entry)
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
 from mmserve.models.quantization.config import QuantSpec, read_quant_spec
+from mmserve.models.quantization.int8 import unpack_bytes
 
 
 EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_packed", "weight_scale"),
                      "gptq": ("qweight", "qzeros", "scales", "g_idx"),
                      "gptq-asym": ("qweight", "qzeros", "scales", "g_idx"),
                      "gptq-act-order": ("qweight", "qzeros", "scales", "g_idx"),
+                     "gptq-int8": ("qweight", "qzeros", "scales", "g_idx"),
                      "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
+                     "w4a16-act-order": ("weight_packed", "weight_scale", "weight_g_idx"),
                      "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
+
+
+def _with_actorder(actorder: str | None) -> dict:
+    """compressed-tensors' W4A16 config with its weights' `actorder` set."""
+    config = quantization_config("w4a16", 128, 128)
+    config["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    return config
 
 
 def _nibble(word: int, k: int) -> int:
     return (word & 0xFFFFFFFF) >> (4 * k) & 0xF
+
+
+def test_gptq_8_bit_packer_puts_row_4r_plus_k_in_byte_k_of_word_r_and_the_loader_reads_it_so():
+    codes = torch.randint(0, 256, (8, 3))
+    packed = gptq_pack(codes, bits=8)
+    assert packed.shape == (2, 3) and packed.dtype == torch.int32
+    for r in range(2):
+        for c in range(3):
+            for k in range(4):
+                assert (int(packed[r, c]) & 0xFFFFFFFF) >> (8 * k) & 0xFF == codes[4 * r + k, c]
+    assert torch.equal(unpack_bytes(packed.t().contiguous()), codes.t().to(torch.uint8))  # the resident rows
 
 
 def test_awq_packer_puts_column_8c_plus_order_k_in_nibble_k():
@@ -199,8 +221,9 @@ def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, 
     ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "AWQ with 8 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}, "AWQ version 'marlin'"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False}, "GPTQ with 8 bits"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False}, "GPTQ with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "'gptq_v2'"),
+    (_with_actorder("columns"), "W4A16 with actorder 'columns'"),
 ])
 def test_unsupported_quantization_is_refused_in_one_line(config, message, source, tmp_path):
     folder = tmp_path / "q"
@@ -228,10 +251,11 @@ def test_a_gptq_checkpoint_whose_groups_are_not_all_of_its_group_size_is_refused
     assert "\n" not in str(info.value)
 
 
-def test_act_order_sorts_each_layers_input_columns_once_and_keeps_qkv_fused(source, tmp_path):
+@pytest.mark.parametrize("fmt", ["gptq-act-order", "w4a16-act-order"])
+def test_act_order_sorts_each_layers_input_columns_once_and_keeps_qkv_fused(fmt, source, tmp_path):
     """An act-order layer holds its columns sorted by group and the order (`perm`); siblings that
     share it (one input, one Hessian) stay one GEMM; a layer in order holds none."""
-    model = load_model(quantize_copy(source, tmp_path, "gptq-act-order")[0])
+    model = load_model(quantize_copy(source, tmp_path, fmt)[0])
     layers = _linears(model)
     fused = [layer for name, layer in layers.items() if isinstance(layer, FusedLinear)]
     assert fused and all(layer.perm.shape == (layer.shape.in_features,) for layer in fused)
@@ -296,20 +320,33 @@ def test_online_fp8_holds_one_float_weight_at_a_time_while_loading(source, monke
     assert model.weight_bytes < 0.8 * load_model(source).weight_bytes
 
 
-def test_act_order_gptq_over_tensor_parallel_ranks_is_refused_before_loading(source, tmp_path):
+@pytest.mark.parametrize("fmt, name", [("gptq-act-order", r"GPTQ with act-order \(desc_act: true\)"),
+                                       ("w4a16-act-order", "W4A16 with actorder group")])
+def test_act_order_over_tensor_parallel_ranks_is_refused_before_loading(fmt, name, source, tmp_path):
     """A rank holding half an act-order layer's input columns would hold parts of every group: one
-    line before any worker starts (static_groups, or group_size -1, keep g_idx in order: allowed)."""
+    line before any worker starts."""
     from mmserve import LLM
 
-    quantized = quantize_copy(source, tmp_path, "gptq-act-order")[0]
-    with pytest.raises(ValueError, match=r"act-order \(desc_act: true\) runs on one rank only") as info:
+    quantized = quantize_copy(source, tmp_path, fmt)[0]
+    with pytest.raises(ValueError, match=f"{name} runs on one rank only") as info:
         LLM(model=quantized, tensor_parallel_size=2, max_model_len=256)
     assert "\n" not in str(info.value)
-    config = json.loads((Path(quantized) / "config.json").read_text())["quantization_config"]
-    assert read_quant_spec(quantized).act_order
-    for in_order in ({"static_groups": True}, {"group_size": -1}):
-        (Path(quantized) / "config.json").write_text(json.dumps({"quantization_config": {**config, **in_order}}))
-        assert not read_quant_spec(quantized).act_order
+
+
+@pytest.mark.parametrize("change, act_order", [({}, True), ({"static_groups": True}, False),
+                                                ({"group_size": -1}, False), ({"desc_act": False}, False)])
+def test_gptq_act_order_is_desc_act_unless_static_groups_or_one_group_keep_g_idx_in_order(change, act_order,
+                                                                                          tmp_path):
+    config = {**quantization_config("gptq-act-order", 128, 128), **change}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}))
+    assert read_quant_spec(str(tmp_path)).act_order is act_order
+
+
+@pytest.mark.parametrize("actorder, act_order", [(None, False), ("weight", False), ("static", False), ("group", True)])
+def test_w4a16_act_order_is_actorder_group_the_others_keep_weight_g_idx_out(actorder, act_order, tmp_path):
+    """llm-compressor's "weight" (alias "static") orders the calibration only: no `weight_g_idx`."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": _with_actorder(actorder)}))
+    assert read_quant_spec(str(tmp_path)).act_order is act_order
 
 
 def test_act_order_siblings_stack_only_where_their_column_orders_agree():

@@ -1,4 +1,4 @@
-"""Quantized checkpoints (AWQ, W4A16, FP8 block-wise and per channel, `--quantization fp8`):
+"""Quantized checkpoints (AWQ, GPTQ 4- and 8-bit, W4A16, FP8 block-wise and per channel, `--quantization fp8`):
 greedy float32 tokens equal transformers running the dequantized weights, on Qwen3-VL, Qwen2.5-VL
 and LLaVA, with the weights held quantized.
 
@@ -23,8 +23,9 @@ from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoin
 pytestmark = pytest.mark.slow  # runs transformers and the engine on each format (deselect with -m 'not slow')
 
 MAX_NEW = 6
-METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "w4a16": "w4a16",
-          "w4a16-asym": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
+METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "gptq-int8": "gptq-int8",
+          "w4a16": "w4a16",
+          "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -55,8 +56,9 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return {family: _checkpoint(family, folder) for family in FAMILIES}
 
 
-# every format on every family; GPTQ's asymmetric and act-order variants on one each
-ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl"}
+# every format on every family; GPTQ's asymmetric and the act-order variants on one each
+ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava"}
+# GPTQ's 8-bit form (as Qwen's Qwen2-VL-*-GPTQ-Int8) on every family: its own method and kernels
 CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 
 
@@ -89,7 +91,8 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
     assert got == _reference(family, online_fp8_twin(sources[family], tmp_path / "twin"), items)
 
 
-@pytest.mark.parametrize("fmt, stored", [("awq", None), ("gptq-asym", None), ("w4a16-asym", None), ("fp8-block", None),
+@pytest.mark.parametrize("fmt, stored", [("awq", None), ("gptq-asym", None), ("gptq-int8", None), ("w4a16-asym", None),
+                                         ("fp8-block", None),
                                          ("fp8-channel", None), ("awq", torch.float16)])
 def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
     """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM

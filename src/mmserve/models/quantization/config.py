@@ -9,7 +9,7 @@ Formats read (each key and its meaning as the named source writes or reads it):
   names modules by substring (vLLM `is_layer_skipped_awq`: `any(m in prefix ...)`); Qwen's
   `Qwen2.5-VL-*-Instruct-AWQ` list `["visual"]`.
 - `quant_method: "gptq"` (AutoGPTQ / GPTQModel `QuantLinear.pack`, `checkpoint_format: "gptq"`;
-  transformers' `GPTQConfig`; vLLM `gptq.py`): `bits: 4`, `group_size` (-1: one group per row),
+  transformers' `GPTQConfig`; vLLM `gptq.py`): `bits` 4 or 8 (int8.py), `group_size` (-1: one group per row),
   `sym`, `desc_act` (act-order: `g_idx` then scatters each group over the input columns, read
   by int4.py). GPTQ names no modules to leave dense: a layer is quantized where the
   checkpoint holds its `qweight` (Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int4` keep the vision tower
@@ -23,7 +23,8 @@ Formats read (each key and its meaning as the named source writes or reads it):
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
-  `"pack-quantized"` with 4-bit `int` weights by `group` or `channel` (W4A16); `ignore` entries
+  `"pack-quantized"` with 4-bit `int` weights by `group` or `channel` (W4A16; `actorder` "group"
+  stores `weight_g_idx`, as GPTQ's `g_idx`; "weight", alias "static", stores none); `ignore` entries
   match a module's name exactly, or as a regular expression after `re:` (`re.match`).
 - `--quantization fp8` (vLLM's online `Fp8Config`): every linear layer, the vision tower's and the
   projector's too, as vLLM's Qwen-VL and LLaVA models hand it their quant config (only GPTQ is
@@ -52,11 +53,12 @@ class QuantSpec:
     as the checkpoint spells its modules."""
 
     format: str
-    group_size: int = 128  # int4: input columns per scale (and zero point)
+    group_size: int = 128  # int4, int8: input columns per scale (and zero point)
+    bits: int = 4  # gptq: 4 or 8
     symmetric: bool = True  # w4a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
-    act_order: bool = False  # gptq: groups scattered over the input columns (`g_idx`; int4.py sorts them)
+    act_order: bool = False  # int4: groups scattered over the input columns (`g_idx`; int4.py sorts them)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
 
@@ -73,7 +75,7 @@ class QuantSpec:
 
     @property
     def is_int4(self) -> bool:
-        return self.format in ("awq", "gptq", "w4a16")
+        return self.format in ("awq", "gptq", "w4a16") and self.bits == 4
 
 
 def _matches(module: str, entry: str) -> bool:
@@ -120,8 +122,9 @@ def _awq(q: dict[str, Any]) -> QuantSpec:
 
 
 def _gptq(q: dict[str, Any]) -> QuantSpec:
-    if q.get("bits") != 4:
-        raise ValueError(f"GPTQ with {q.get('bits')} bits is not supported (4 only)")
+    bits = q.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"GPTQ with {bits} bits is not supported (4 or 8)")
     fmt = q.get("checkpoint_format", "gptq")
     if fmt != "gptq" or q.get("is_marlin_format"):
         raise ValueError(f"GPTQ checkpoint_format {'marlin' if q.get('is_marlin_format') else fmt!r} is not "
@@ -130,15 +133,17 @@ def _gptq(q: dict[str, Any]) -> QuantSpec:
         raise ValueError("GPTQ with per-module `dynamic` settings (GPTQModel) is not supported")
     group = int(q.get("group_size", 128))
     act_order = bool(q.get("desc_act")) and not q.get("static_groups") and group > 0  # else g_idx is in order
-    return QuantSpec("gptq", group_size=max(0, group), symmetric=bool(q.get("sym", True)), act_order=act_order)
+    return QuantSpec("gptq", group_size=max(0, group), bits=bits, symmetric=bool(q.get("sym", True)),
+                     act_order=act_order)
 
 
 def check_tensor_parallel(spec: QuantSpec | None, tp_size: int) -> None:
     """ValueError in one line where the checkpoint cannot be split over `tp_size` ranks: an
-    act-order GPTQ layer split by input columns gives a rank groups it holds only part of."""
+    act-order int4 layer split by input columns gives a rank groups it holds only part of."""
     if spec is not None and spec.act_order and tp_size > 1:
-        raise ValueError("GPTQ with act-order (desc_act: true) runs on one rank only: use --tensor-parallel-size 1 "
-                         "(or a checkpoint quantized with desc_act false)")
+        what = "GPTQ with act-order (desc_act: true)" if spec.format == "gptq" else "W4A16 with actorder group"
+        raise ValueError(f"{what} runs on one rank only: use --tensor-parallel-size 1 (or a checkpoint "
+                         "quantized without act-order)")
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:
@@ -167,10 +172,12 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
             raise ValueError("compressed-tensors FP8 with static activation scales is not supported (dynamic only)")
         return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", skip_names=skip)
     if fmt == "pack-quantized" and (bits, kind) == (4, "int") and strategy in ("group", "channel") and acts is None:
-        if weights.get("actorder") not in (None, "weight"):
-            raise ValueError(f"compressed-tensors W4A16 with actorder {weights.get('actorder')!r} is not supported")
+        actorder = weights.get("actorder")
+        if actorder not in (None, "weight", "static", "group"):
+            raise ValueError(f"compressed-tensors W4A16 with actorder {actorder!r} is not supported")
         group = int(weights.get("group_size") or 0) if strategy == "group" else 0  # 0: one group per row
-        return QuantSpec("w4a16", group_size=group, symmetric=bool(weights.get("symmetric", True)), skip_names=skip)
+        return QuantSpec("w4a16", group_size=group, symmetric=bool(weights.get("symmetric", True)), skip_names=skip,
+                         act_order=actorder == "group" and group > 0)
     raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r} "
                      "is not supported (FP8 by channel or tensor, W4A16 by group or channel)")
 

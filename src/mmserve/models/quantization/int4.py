@@ -20,10 +20,9 @@ input rows to a word (nibble k of word r in column o holds q[8r + k, o]: the tra
 resident form's words), `qzeros` int32 [in / group, out / 8] (nibble k of word c holds
 zero[g, 8c + k] - 1: AutoGPTQ stores zeros less one), `scales` fp16 [in / group, out], `g_idx`
 int32 [in], each input row's group: i // group, or with act-order (`desc_act: true`) groups of
-`group` rows scattered in the order GPTQ quantized them; W^T[i, o] = (q[i, o] - (qzero[g_idx[i], o]
-+ 1)) * scale[g_idx[i], o]. An act-order layer's resident form holds its input columns sorted by
-group, and `perm` int64 [in] (resident column p is W's column perm[p]): `apply` gathers x's columns
-by it first (exllama's and vLLM's `g_idx` sort), one gather of a step's activations per layer.
+`group` rows scattered (groups.py); W^T[i, o] = (q[i, o] - (qzero[g_idx[i], o] + 1)) *
+scale[g_idx[i], o]. An act-order layer's resident form holds its input columns sorted by group,
+and `perm` int64 [in], which `apply` gathers x's columns by first.
 
 W4A16 as published (compressed-tensors `compressors/quantized_compressors/pack_quantized.py`:
 `pack_to_int32`, `unpack_from_int32`; `quantization/lifecycle/forward.py`: `dequantize`):
@@ -31,7 +30,9 @@ W4A16 as published (compressed-tensors `compressors/quantized_compressors/pack_q
 codes -8..7 offset to unsigned); `weight_scale` [out, in / group] (one column for the `channel`
 strategy); asymmetric: `weight_zero_point` int32 [ceil(out / 8), in / group], packed along rows
 the same way (nibble k of word r = zp[8r + k, g] + 8); symmetric: zero point 0, i.e. code 8;
-`weight_shape` int [2] = (out, in). W = (q - zp) * scale.
+`weight_shape` int [2] = (out, in). W = (q - zp) * scale. With `actorder: "group"`
+(llm-compressor's GPTQ), `weight_g_idx` int32 [in]: each input column's group, as GPTQ's `g_idx`
+with act-order, and sorted the same way.
 
 Kernels: the C GEMV and row tiles on the CPU (cpu_gemv.py), Triton's GEMV and GEMM on a GPU
 (triton_kernels.py), each proven equal to `dequantize_rows` then a matmul. With `--cpu-activation-quant
@@ -45,7 +46,9 @@ from __future__ import annotations
 import torch
 
 from mmserve.models.quantization import cpu_gemv, q8_gemv
-from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, Shard, register, replace, tiled_linear
+from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, register, replace, tiled_linear
+from mmserve.models.quantization.groups import (along, check_aligned, gathered, group_order, register_gptq, stack,
+                                                unsorted)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column 8c + AWQ_ORDER[k]
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j lies in nibble AWQ_REVERSE[j]
@@ -81,8 +84,10 @@ class Int4Method(LinearMethod):
 
     attrs = ("int4_group",)
 
-    def __init__(self, format: str, group: int, symmetric: bool, activations: str = "none") -> None:
+    def __init__(self, format: str, group: int, symmetric: bool, activations: str = "none",
+                 act_order: bool = False) -> None:
         self.format, self.group, self.symmetric, self.activations = format, group, symmetric, activations
+        self.act_order = act_order  # w4a16: the checkpoint holds `weight_g_idx` (GPTQ's g_idx always)
         self.name = format
 
     def _group(self, shape: LinearShape) -> int:
@@ -100,35 +105,29 @@ class Int4Method(LinearMethod):
     def _awq_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
         by_out = s is not None and s.dim == 0  # AWQ's tensors are W^T: output columns on dim 1
-        _check_aligned(s, 8 if by_out else group)
-        register(layer, "qweight", (inp, out // 8), torch.int32, _along(s, 1, 8) if by_out else _along(s, 0))
-        per_group = None if self.group == 0 else _along(s, 0, group)  # one group per row: whole on every rank
-        register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
-        register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
+        check_aligned(s, 8 if by_out else group)
+        register(layer, "qweight", (inp, out // 8), torch.int32, along(s, 1, 8) if by_out else along(s, 0))
+        per_group = None if self.group == 0 else along(s, 0, group)  # one group per row: whole on every rank
+        register(layer, "qzeros", (inp // group, out // 8), torch.int32, along(s, 1, 8) if by_out else per_group)
+        register(layer, "scales", (inp // group, out), torch.float32, along(s, 1) if by_out else per_group,
                  keep_dtype=True)
 
     def _gptq_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
-        out, inp, s = shape.out_features, shape.in_features, shape.shard
-        by_out = s is not None and s.dim == 0  # GPTQ's tensors are W^T: output columns on dim 1
-        _check_aligned(s, 8 if by_out else group)
-        per_group = None if self.group == 0 else _along(s, 0, group)  # one group per row: whole on every rank
-        register(layer, "qweight", (inp // 8, out), torch.int32, _along(s, 1) if by_out else _along(s, 0, 8))
-        register(layer, "qzeros", (inp // group, out // 8), torch.int32, _along(s, 1, 8) if by_out else per_group)
-        register(layer, "scales", (inp // group, out), torch.float32, _along(s, 1) if by_out else per_group,
-                 keep_dtype=True)
-        register(layer, "g_idx", (inp,), torch.int32, None if by_out else _along(s, 0))
+        register_gptq(layer, shape, group, 8, whole_rows=self.group == 0)
 
     def _w4a16_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
         by_out = s is not None and s.dim == 0
-        _check_aligned(s, 8 if by_out else group)
-        per_group = _along(s, 0) if by_out else None if self.group == 0 else _along(s, 1, group)
-        register(layer, "weight_packed", (out, inp // 8), torch.int32, _along(s, 0) if by_out else _along(s, 1, 8))
+        check_aligned(s, 8 if by_out else group)
+        per_group = along(s, 0) if by_out else None if self.group == 0 else along(s, 1, group)
+        register(layer, "weight_packed", (out, inp // 8), torch.int32, along(s, 0) if by_out else along(s, 1, 8))
         register(layer, "weight_scale", (out, inp // group), torch.float32, per_group, keep_dtype=True)
         register(layer, "weight_shape", (2,), torch.int64)
         if not self.symmetric:
             register(layer, "weight_zero_point", (out // 8, inp // group), torch.int32,
-                     _along(s, 0, 8) if by_out else per_group)
+                     along(s, 0, 8) if by_out else per_group)
+        if self.act_order:
+            register(layer, "weight_g_idx", (inp,), torch.int32, None if by_out else along(s, 0))
 
     def process_weights(self, layer: Layer) -> None:
         if self.format == "awq":
@@ -142,34 +141,25 @@ class Int4Method(LinearMethod):
             return
         if self.format == "gptq":
             zeros = unpack_nibbles(layer.qzeros) + 1  # [in / group, out]: AutoGPTQ stores zero - 1
-            resident = {"qweight": layer.qweight.t().contiguous(), "scales": layer.scales.t().contiguous(),
-                        "zeros": zeros.t().contiguous()}
-            perm = _act_order(layer.g_idx, layer.int4_group, resident["scales"].shape[1])
-            if perm is not None:  # input columns sorted by group: x's columns are gathered to match
-                resident["qweight"] = pack_nibbles(unpack_nibbles(resident["qweight"])[:, perm])
-                resident["perm"] = perm
-            replace(layer, **resident)
+            replace(layer, **_sorted_by_group({"qweight": layer.qweight.t().contiguous(),
+                                               "scales": layer.scales.t().contiguous(),
+                                               "zeros": zeros.t().contiguous()}, layer.g_idx, layer.int4_group))
             return
         scales = layer.weight_scale.contiguous()
         if self.symmetric:
             zeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
         else:  # packed along rows: unpack the transpose
             zeros = unpack_nibbles(layer.weight_zero_point.t().contiguous()).t()[:scales.shape[0]].contiguous()
-        replace(layer, qweight=layer.weight_packed.contiguous(), scales=scales, zeros=zeros)
+        resident = {"qweight": layer.weight_packed.contiguous(), "scales": scales, "zeros": zeros}
+        if self.act_order:
+            resident = _sorted_by_group(resident, layer.weight_g_idx, layer.int4_group)
+        replace(layer, **resident)
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
-        w = dequantize_rows(*_resident(layer), layer.int4_group)
-        perm = getattr(layer, "perm", None)
-        if perm is None:
-            return w
-        unsorted = torch.empty_like(w)
-        unsorted[:, perm] = w  # column p of the resident form is W's column perm[p]
-        return unsorted
+        return unsorted(dequantize_rows(*_resident(layer), layer.int4_group), getattr(layer, "perm", None))
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        perm = getattr(layer, "perm", None)
-        if perm is not None:
-            x = x.index_select(-1, perm)
+        x = gathered(x, layer)
         if x.is_cuda:
             from mmserve.models.quantization.triton_kernels import int4_linear
 
@@ -191,15 +181,7 @@ class Int4Method(LinearMethod):
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         if any(getattr(layer, "int4_interleaved", False) for layer in layers):
             return None
-        perm = getattr(layers[0], "perm", None)
-        perms = [getattr(layer, "perm", None) for layer in layers]
-        # act-order siblings stack only where their input orders agree (one input, one Hessian)
-        if any(p is not None for p in perms) and not (perm is not None and all(
-                p is not None and torch.equal(p, perm) for p in perms)):
-            return None
-        stacked = {name: torch.cat([getattr(layer, name) for layer in layers])
-                   for name in ("qweight", "scales", "zeros")}
-        return stacked if perm is None else {**stacked, "perm": perm}
+        return stack(layers, ("qweight", "scales", "zeros"))
 
     def pack(self, layer: Layer) -> bool:
         """With int8 activations, W's rows interleaved by 16 for the int8 kernel (q8_gemv.py), where
@@ -228,33 +210,10 @@ def _rows(layer: Layer, start: int, stop: int) -> torch.Tensor:
     return dequantize_rows(*args) if rows is None else rows
 
 
-def _act_order(g_idx: torch.Tensor, group: int, groups: int) -> torch.Tensor | None:
-    """None where GPTQ's `g_idx` (this rank's input rows' groups) puts each run of `group` rows in
-    one group, in order; for an act-order checkpoint (desc_act: true, each group a scattered set of
-    `group` rows) the order of input columns that makes the groups runs: column p of the resident
-    form is W's column perm[p] (exllama's and vLLM's `g_idx` sort). ValueError where no order can
-    (groups of other sizes, or groups beyond the `groups` this rank holds: a tensor-parallel split
-    of an act-order layer's input columns)."""
-    g = g_idx.to(torch.int64)
-    rows = torch.arange(g.shape[0], device=g.device) // group
-    if not g.numel() or torch.equal(g - g[0], rows):
-        return None
-    perm = torch.sort(g, stable=True).indices
-    if int(g.min()) < 0 or int(g.max()) >= groups or not torch.equal(g[perm], rows):
-        raise ValueError(f"a GPTQ layer's g_idx does not give each of its {groups} groups {group} input rows "
-                         "(act-order with tensor parallelism across input columns is not supported: use "
-                         "--tensor-parallel-size 1, or a checkpoint quantized with desc_act false)")
-    return perm
-
-
-def _along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:
-    """The rank's slice of W's split axis as a shard of a tensor holding that axis on `dim`,
-    `unit` of W's rows or columns per entry (a packed word, a group)."""
-    return None if shard is None else Shard(dim, shard.start // unit, shard.length // unit)
-
-
-def _check_aligned(shard: Shard | None, unit: int) -> None:
-    if shard is not None and (shard.start % unit or shard.length % unit):
-        raise ValueError(f"a tensor-parallel shard [{shard.start}, {shard.start + shard.length}) of a quantized "
-                         f"weight does not start and end on its packing unit ({unit})")
-
+def _sorted_by_group(resident: dict[str, torch.Tensor], g_idx: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """The resident tensors as they are where `g_idx` is in order; else (act-order) with qweight's
+    input columns sorted by group, and `perm`, the order (groups.py)."""
+    perm = group_order(g_idx, group, resident["scales"].shape[1])
+    if perm is None:
+        return resident
+    return {**resident, "qweight": pack_nibbles(unpack_nibbles(resident["qweight"])[:, perm]), "perm": perm}

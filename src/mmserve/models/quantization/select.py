@@ -10,13 +10,16 @@ from mmserve.models.quantization.base import HALF_FLOATS, LinearMethod
 from mmserve.models.quantization.config import QuantSpec
 from mmserve.models.quantization.fp8 import Fp8BlockMethod, Fp8RowMethod
 from mmserve.models.quantization.int4 import Int4Method
+from mmserve.models.quantization.int8 import Int8Method
 
 
 def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod:
     """The one method instance every quantized layer of a checkpoint shares (`activation_quant`:
     `--cpu-activation-quant`, which int4 methods take)."""
+    if spec.format == "gptq" and spec.bits == 8:
+        return Int8Method(spec.group_size)
     if spec.is_int4:
-        return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant)
+        return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant, spec.act_order)
     if spec.format == "fp8_block":
         return Fp8BlockMethod(spec.block)
     if spec.format == "fp8_online":

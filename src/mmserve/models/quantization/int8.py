@@ -1,0 +1,89 @@
+"""8-bit integer weights with a scale and zero point per group of input columns: GPTQ's 8-bit form
+(AutoGPTQ's packing; Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int8`).
+
+Resident form (what the kernels read), for this rank's W [out, in] in groups of `group` columns:
+- `qweight` uint8 [out, in]: the codes 0..255, rows contiguous;
+- `scales` float32 [out, in / group], `zeros` int16 [out, in / group] (GPTQ's zeros, 1..256);
+- W[o, i] = (q[o, i] - zeros[o, i // group]) * scales[o, i // group];
+- act-order: the columns sorted by group, and `perm` (groups.py).
+
+GPTQ 8-bit as published (AutoGPTQ `QuantLinear.pack` with `bits` 8, GPTQModel's `checkpoint_format:
+"gptq"`; vLLM `quantization/gptq.py`): `qweight` int32 [in / 4, out], four input rows to a word
+(byte k of word r in column o holds q[4r + k, o]), `qzeros` int32 [in / group, out / 4] (byte k of
+word c holds zero[g, 4c + k] - 1: zeros stored less one, as at 4 bits), `scales` fp16 [in / group,
+out], `g_idx` int32 [in]; W^T[i, o] = (q[i, o] - (qzero[g_idx[i], o] + 1)) * scale[g_idx[i], o].
+
+Kernels: Triton's GEMV and GEMM on a GPU (triton_kernels.py: `int8_linear`, W dequantized in
+registers as int4's is). On the CPU, W dequantized `PREFILL_TILE_ROWS` rows at a time and multiplied
+in float32: exact, but with no C GEMV a decode step dequantizes every weight (int4's C kernel
+dequantizes in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, replace, tiled_linear
+from mmserve.models.quantization.groups import gathered, group_order, register_gptq, stack, unsorted
+
+_BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
+
+
+def unpack_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., 4n]: byte k of word j becomes element 4j + k."""
+    codes = (words[..., None] >> _BYTE_SHIFTS.to(words.device)) & 0xFF
+    return codes.reshape(*words.shape[:-1], -1).to(torch.uint8)
+
+
+def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                    start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows [start, stop) of the resident form's W (in its column order), float32 [rows, in]."""
+    codes = qweight[start:stop].to(torch.int16)
+    z = zeros[start:stop].repeat_interleave(group, dim=1)
+    s = scales[start:stop].repeat_interleave(group, dim=1)
+    return (codes - z).float() * s
+
+
+class Int8Method(LinearMethod):
+    """GPTQ's 8-bit weights in one resident form; `group` 0 means one group per row."""
+
+    name = "gptq-int8"
+    attrs = ("int8_group",)
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def create_weights(self, layer: Layer, shape: LinearShape) -> None:
+        out, inp = shape.out_features, shape.in_features
+        group = self.group or inp
+        if inp % group or group % 4 or out % 4:
+            raise ValueError(f"int8 weights of {out}x{inp} on this rank do not fit groups of {group} "
+                             "(the rank's input columns must be a multiple of the group, and rows of 4)")
+        layer.int8_group = group
+        register_gptq(layer, shape, group, 4, whole_rows=self.group == 0)
+
+    def process_weights(self, layer: Layer) -> None:
+        codes = unpack_bytes(layer.qweight.t().contiguous())  # [out, in]
+        zeros = (unpack_bytes(layer.qzeros).to(torch.int16) + 1).t().contiguous()  # AutoGPTQ stores zero - 1
+        scales = layer.scales.t().contiguous()
+        perm = group_order(layer.g_idx, layer.int8_group, scales.shape[1])
+        if perm is None:
+            replace(layer, qweight=codes, scales=scales, zeros=zeros)
+        else:
+            replace(layer, qweight=codes[:, perm].contiguous(), scales=scales, zeros=zeros, perm=perm)
+
+    def dequantize(self, layer: Layer) -> torch.Tensor:
+        w = dequantize_rows(layer.qweight, layer.scales, layer.zeros, layer.int8_group)
+        return unsorted(w, getattr(layer, "perm", None))
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = gathered(x, layer)
+        if x.is_cuda:
+            from mmserve.models.quantization.triton_kernels import int8_linear
+
+            return int8_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int8_group, bias)
+        return tiled_linear(x, bias, layer.qweight.shape[0], lambda start, stop: dequantize_rows(
+            layer.qweight, layer.scales, layer.zeros, layer.int8_group, start, stop))
+
+    def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        return stack(layers, ("qweight", "scales", "zeros"))
