@@ -97,7 +97,7 @@ class CtrlC:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._handle:  # else changed since
             signal.signal(signal.SIGINT, self._previous)
 
     def _handle(self, signum: int, frame: Any) -> None:

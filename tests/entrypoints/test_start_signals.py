@@ -2,7 +2,7 @@
 once inside the engine cores' start and otherwise at the next point that can stop, and never from
 inside the event loop's machinery. There a KeyboardInterrupt left uvloop's loop marked running:
 "Cannot close a running event loop", a pending task destroyed, exit 1 (seen in CI, under load, in
-test_server_startup's Ctrl-C test)."""
+test_server_startup's Ctrl-C test). And once the server has stopped, the exit ignores them."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_the_storm_catches_a_handler_that_raises_anywhere():
     assert any("running event loop" in outcome for outcome in ended), ended
 
 
-def test_a_signal_before_the_start_raises_when_it_begins_and_one_after_it_stops_uvicorn():
+def test_a_signal_before_the_start_raises_when_it_begins_one_after_it_stops_uvicorn_and_the_exit_ignores_them():
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal
     signals = StartSignals()
@@ -61,8 +61,10 @@ def test_a_signal_before_the_start_raises_when_it_begins_and_one_after_it_stops_
         signal.raise_signal(signal.SIGINT)  # before uvicorn installs its handlers
         assert server.should_exit and signals.pending
         assert not signals.serving(server)
-        signals.restore()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signals.stopped()  # the server has stopped: the process exits, whatever comes
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+        assert {signal.getsignal(s) for s in previous} == {signal.SIG_IGN}
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -165,7 +165,8 @@ class _RunState:
 def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment | None = None,
                      sock: socket.socket | None = None, started: Callable[[], None] | None = None) -> int:
     """One API server until SIGTERM / Ctrl-C (0) or its engine cores' death, on `sock` (bound by the
-    caller before anything loads: `listen.py`; None: uvicorn binds the configured port). With
+    caller before anything loads: `listen.py`; None: uvicorn binds the configured port); once it
+    returns the process ignores SIGINT and SIGTERM (`StartSignals.stopped`: it is exiting). With
     `attachment` it is API server `engine_config.parallel.api_server_index` of a launcher's several:
     it calls `started()` once it accepts connections instead of announcing itself."""
     log_levels.configure(server_config.log_level)
@@ -181,7 +182,7 @@ def serve_api_server(server_config: ServerConfig, engine_config: EngineConfig, a
     except KeyboardInterrupt:
         return 0
     finally:
-        signals.restore()
+        signals.stopped()
 
 
 def _auto_tool_parser(server_config: ServerConfig, engine: AsyncLLM) -> str | None:
@@ -245,7 +246,10 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         if server_config.enable_request_id_headers:
             app.add_middleware(RequestIdHeaderMiddleware)  # outside the error handlers: a 4xx has it too
         add_user_middleware(app, server_config.middleware or [])
-        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+        # lifespan off: the app has no startup or shutdown handlers, and uvicorn's force exit (a second
+        # Ctrl-C) skips the lifespan's shutdown, leaving its task to be cancelled as the loop closes,
+        # which logged a CancelledError traceback
+        config = uvicorn.Config(app, host=server_config.host, port=server_config.port, lifespan="off",
                                 log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=read_timeout_protocol(server_config.request_read_timeout_s),
                                 **server_config.uvicorn_args())

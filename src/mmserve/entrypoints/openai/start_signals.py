@@ -7,6 +7,11 @@ loop being entered, before the first step) it left the loop marked running. The 
 not be closed, and the server printed "Cannot close a running event loop" and a pending task.
 Outside the start's own code a signal is only noted. The start raises it when it begins
 (`raising`), and once uvicorn is about to serve it is uvicorn's stop (`serving`).
+
+Once the server has stopped, the process only exits: from `stopped` on, SIGINT and SIGTERM are
+ignored, so that the engine cores' shutdown and the interpreter's exit complete. A second Ctrl-C
+(or a terminal's and a supervisor's together) that landed there raised KeyboardInterrupt in the
+middle of the cleanup, or ended the process by SIGINT (exit status -2).
 """
 
 from __future__ import annotations
@@ -20,13 +25,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class StartSignals:
     """Installed for SIGINT (unless ignored, as in a job started in the background) and SIGTERM
-    (which acts like Ctrl-C) by `install`, restored by `restore`."""
+    (which acts like Ctrl-C) by `install`; both ignored by `stopped`."""
 
     def __init__(self) -> None:
         self.pending = False  # a signal came while it could not raise
         self._armed = False
         self._server: Any = None
-        self._previous: dict[int, Any] = {}
         self._raise: Any = signal.default_int_handler
 
     def install(self) -> None:
@@ -36,12 +40,12 @@ class StartSignals:
         for signum in STOP_SIGNALS:
             if signum == signal.SIGINT and not callable(sigint):
                 continue
-            self._previous[signum] = signal.signal(signum, self._handle)
+            signal.signal(signum, self._handle)
 
-    def restore(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
+    def stopped(self) -> None:
+        """The server has stopped (or its start has): the process exits, ignoring stop signals."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
     @contextlib.contextmanager
     def raising(self) -> Iterator[None]:
