@@ -16,9 +16,10 @@ middle of the cleanup, or ended the process by SIGINT (exit status -2).
 
 from __future__ import annotations
 
-import contextlib
 import signal
-from typing import Any, Iterator
+import sys
+from types import FrameType
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -29,7 +30,7 @@ class StartSignals:
 
     def __init__(self) -> None:
         self.pending = False  # a signal came while it could not raise
-        self._armed = False
+        self.start_frame: FrameType | None = None  # the frame running the start's own code (`raising`)
         self._server: Any = None
         self._raise: Any = signal.default_int_handler
 
@@ -46,18 +47,13 @@ class StartSignals:
         """The server has stopped (or its start has): the process exits, ignoring stop signals."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
+        self.start_frame = None
 
-    @contextlib.contextmanager
-    def raising(self) -> Iterator[None]:
-        """The start's own code (plain Python in the loop's first step): a signal raises
-        KeyboardInterrupt at once, and so does one that came before."""
-        if self.pending:
-            raise KeyboardInterrupt
-        self._armed = True
-        try:
-            yield
-        finally:
-            self._armed = False
+    def raising(self) -> _StartCode:
+        """`with` it around the start's own code (plain Python in the loop's first step): a signal
+        raises KeyboardInterrupt at once while the frame that entered it runs (its callees too),
+        and so does one that came before."""
+        return _StartCode(self)
 
     def serving(self, server: Any) -> bool:
         """Whether uvicorn's `server` should serve (False: a signal came already). One that comes
@@ -66,9 +62,36 @@ class StartSignals:
         return not self.pending
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._armed:
+        if self.start_frame is not None and _on_stack(self.start_frame, frame):
             self._raise(signal.SIGINT, frame)
             return
         self.pending = True
         if self._server is not None:
             self._server.should_exit = True
+
+
+class _StartCode:
+    """`StartSignals.raising`'s context. It marks the frame that runs the start, not a flag to
+    clear: a signal that lands as the `with` is left (in `__exit__`, before it clears the frame)
+    raises there, still inside the start, and none raises once that frame is off the stack, in
+    the event loop's machinery, whatever was cleared."""
+
+    def __init__(self, signals: StartSignals) -> None:
+        self.signals = signals
+
+    def __enter__(self) -> None:
+        if self.signals.pending:
+            raise KeyboardInterrupt
+        self.signals.start_frame = sys._getframe(1)
+
+    def __exit__(self, *exc: object) -> None:
+        self.signals.start_frame = None
+
+
+def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
+    """Whether `target` is `frame` or one of its callers."""
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
