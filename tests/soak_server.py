@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import uvicorn
 
 from mmserve.config import EngineConfig
-from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.app import build_app
 from mmserve.frontend.async_llm import AsyncLLM
 from mmserve.ipc.messages import CacheStats
 from mmserve.multimodal.cache import ENTRY_OVERHEAD_BYTES

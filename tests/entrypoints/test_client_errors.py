@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.app import build_app
 from mmserve.entrypoints.openai.read_timeout import read_timeout_protocol
 from mmserve.errors import CLIENT, INTERNAL, ClientError, engine_error
 from helpers.fake_engine import GOOD, MODEL, FakeEngine, post

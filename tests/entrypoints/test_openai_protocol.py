@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.fake_engine import CACHED, GOOD, MODEL, PIECES, FakeEngine, messages, post
-from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.app import build_app
 from mmserve.ipc.messages import CacheStats, SchedulerStats
 
 

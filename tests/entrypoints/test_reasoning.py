@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.fake_engine import MODEL, FakeEngine, post
-from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.app import build_app
 from mmserve.entrypoints.openai.reasoning import ReasoningSplitter
 from mmserve.entrypoints.openai.serving_base import ServingOptions
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from helpers.fake_engine import FakeEngine, messages, post
 from helpers.tiny_models import make_checkpoint, make_image
 from mmserve import LLM, SamplingParams
-from mmserve.entrypoints.openai.api_server import build_app
+from mmserve.entrypoints.openai.app import build_app
 from mmserve.entrypoints.openai.protocol_completions import CompletionRequest
 from mmserve.models.generation_config import load_generation_defaults
 from mmserve.models.hf_config import eos_token_id, eos_token_ids
