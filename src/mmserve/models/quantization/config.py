@@ -58,7 +58,7 @@ class QuantSpec:
     symmetric: bool = True  # w4a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
     per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
-    act_order: bool = False  # int4: groups scattered over the input columns (`g_idx`; int4.py sorts them)
+    act_order: bool = False  # gptq, w4a16: groups scattered over the input columns (`g_idx`; groups.py sorts them)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
 
