@@ -10,7 +10,8 @@ import torch
 
 from helpers.gpu_cases import checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, quantize_copy, random_fp8, random_int4, random_int8
+from helpers.quant_checkpoints import FORMATS, quantize_copy
+from helpers.resident_weights import random_fp8, random_int4, random_int8
 from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.quant_checkpoints import random_fp8, random_int4, random_int8
+from helpers.resident_weights import random_fp8, random_int4, random_int8
 from helpers.triton_device import DEVICE
 from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.quant_checkpoints import random_int4
+from helpers.resident_weights import random_int4
 from mmserve.models.quantization import cpu_gemv, q8_gemv
 from mmserve.models.quantization.int4 import Int4Method, dequantize_rows, unpack_nibbles
 

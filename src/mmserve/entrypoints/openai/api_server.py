@@ -128,27 +128,7 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
     try:
         engine.start()
         model = engine_config.model.model
-        limit = server_config.max_request_body_mb
-        options = ServingOptions(_auto_tool_parser(server_config, engine), server_config.chat_template_policy(),
-                                 _reasoning_parser(server_config, engine), server_config.return_tokens_as_token_ids,
-                                 server_config.enable_force_include_usage)
-        app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
-                        None if limit is None else int(limit * (1 << 20)), options,
-                        int(server_config.responses_store_mb * (1 << 20)),
-                        attachment.responses if attachment is not None else None, server_config.cors(),
-                        docs=not server_config.disable_fastapi_docs)
-        if server_config.enable_request_id_headers:
-            app.add_middleware(RequestIdHeaderMiddleware)  # outside the error handlers: a 4xx has it too
-        add_user_middleware(app, server_config.middleware or [])
-        # lifespan off: the app has no startup or shutdown handlers, and uvicorn's force exit (a second
-        # Ctrl-C) skips the lifespan's shutdown, leaving its task to be cancelled as the loop closes,
-        # which logged a CancelledError traceback
-        config = uvicorn.Config(app, host=server_config.host, port=server_config.port, lifespan="off",
-                                log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                http=read_timeout_protocol(server_config.request_read_timeout_s),
-                                **server_config.uvicorn_args())
-        take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
-        server = uvicorn.Server(config)
+        server = _uvicorn_server(server_config, engine, model, attachment)
         process.serve()  # a full collection would stall the event loop: every stream, every admission
         state = _RunState()
         if not signals.serving(server):  # stopped during the start's last steps
@@ -163,6 +143,32 @@ async def _serve(server_config: ServerConfig, engine_config: EngineConfig, attac
         if keeper is not None:
             keeper.cancel()
         engine.shutdown()
+
+
+def _uvicorn_server(server_config: ServerConfig, engine: AsyncLLM, model: str,
+                    attachment: Attachment | None) -> uvicorn.Server:
+    """uvicorn's server of `app.py`'s app over `engine` serving `model`, as the flags configure them."""
+    limit = server_config.max_request_body_mb
+    options = ServingOptions(_auto_tool_parser(server_config, engine), server_config.chat_template_policy(),
+                             _reasoning_parser(server_config, engine), server_config.return_tokens_as_token_ids,
+                             server_config.enable_force_include_usage)
+    app = build_app(engine, server_config.served_model_names(model), server_config.api_key,
+                    None if limit is None else int(limit * (1 << 20)), options,
+                    int(server_config.responses_store_mb * (1 << 20)),
+                    attachment.responses if attachment is not None else None, server_config.cors(),
+                    docs=not server_config.disable_fastapi_docs)
+    if server_config.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)  # outside the error handlers: a 4xx has it too
+    add_user_middleware(app, server_config.middleware or [])
+    # lifespan off: the app has no startup or shutdown handlers, and uvicorn's force exit (a second
+    # Ctrl-C) skips the lifespan's shutdown, leaving its task to be cancelled as the loop closes,
+    # which logged a CancelledError traceback
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, lifespan="off",
+                            log_level=server_config.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            http=read_timeout_protocol(server_config.request_read_timeout_s),
+                            **server_config.uvicorn_args())
+    take_over_uvicorn_access_log()  # AccessLogMiddleware writes the line, after the first bytes
+    return uvicorn.Server(config)
 
 
 async def _supervise(server: uvicorn.Server, engine: AsyncLLM, model: str, state: _RunState,
