@@ -26,7 +26,7 @@ from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.partial_prefix import PartialPrefixIndex, file_block, find_reusable
 from mmserve.engine.request import Request
 from mmserve.ipc.messages import EngineCoreRequest
-from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_internvl_checkpoint, make_qwen_checkpoint
 from helpers.tiny_videos import make_frames
 
 BS = 4  # small blocks: many block boundaries fall inside and between items
@@ -53,8 +53,9 @@ pair = st.tuples(st.lists(segment, max_size=4), st.lists(segment, max_size=3), s
 
 
 def build(segments: list[tuple], family: str) -> dict:
-    """The offline prompt dict for a run of segments (LLaVA: videos become text)."""
-    image_pad = "<image>" if family == "llava" else "<|vision_start|><|image_pad|><|vision_end|>"
+    """The offline prompt dict for a run of segments (LLaVA, InternVL: videos become text)."""
+    image_pad = {"llava": "<image>", "internvl": "<IMG_CONTEXT>"}.get(family,
+                                                                      "<|vision_start|><|image_pad|><|vision_end|>")
     body, images, videos = [], [], []
     for kind, value in segments:
         if kind == "text":
@@ -62,7 +63,7 @@ def build(segments: list[tuple], family: str) -> dict:
         elif kind == "image":
             body.append(image_pad)
             images.append(IMAGES[value])
-        elif family == "llava":
+        elif family in ("llava", "internvl"):
             body.append(f"fps {value}")
         else:
             body.append(VIDEO)
@@ -152,10 +153,11 @@ def check_pair(llm: LLM, a: dict, b: dict) -> None:
     check_partial(llm, ra, rb)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl"])
 def family_llm(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
-    path = make_checkpoint(tmp) if request.param == "llava" else make_qwen_checkpoint(tmp, family=request.param)
+    makers = {"llava": make_checkpoint, "internvl": make_internvl_checkpoint}
+    path = makers[request.param](tmp) if request.param in makers else make_qwen_checkpoint(tmp, family=request.param)
     return request.param, LLM(model=path, block_size=BS, limit_mm_per_prompt={"image": 10, "video": 10})
 
 

@@ -11,13 +11,14 @@ import torch
 
 from mmserve import LLM
 from mmserve.models.builtin import resolve_model
-from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
+from helpers.tiny_models import make_checkpoint, make_image, make_internvl_checkpoint, make_qwen_checkpoint
 
 LLAVA_TEXT = "USER: {image}\n{question} ASSISTANT:"
 QWEN_TEXT = "<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n"
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
 CHECKPOINTS = ("builtin:tiny-llava", "builtin:tiny-qwen3-vl", "llava-gqa", "llava-mha", "qwen2_vl", "qwen2_5_vl",
-               "qwen3_vl")
+               "qwen3_vl", "internvl3", "internvl3.5")
+IMAGE_TOKENS = {"llava": "<image>", "internvl": "<IMG_CONTEXT>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 def checkpoint(name: str, tmp_dir: Path) -> str:
@@ -29,17 +30,22 @@ def checkpoint(name: str, tmp_dir: Path) -> str:
     if name == "llava-mha":
         return make_checkpoint(tmp_dir, text_config=dict(num_attention_heads=4, num_key_value_heads=4),
                                vision_config=dict(image_size=56, patch_size=14))
+    if name == "internvl3":
+        return make_internvl_checkpoint(tmp_dir)
+    if name == "internvl3.5":
+        return make_internvl_checkpoint(tmp_dir, text_model_type="qwen3", tie_word_embeddings=False)
     return make_qwen_checkpoint(tmp_dir, family=name)
 
 
-def is_qwen(name: str) -> bool:
-    return "qwen" in name
+def family(name: str) -> str:
+    """"llava", "internvl" or "qwen": the kit name's prompt format and transformers reference."""
+    return "internvl" if name.startswith("internvl") else "qwen" if "qwen" in name else "llava"
 
 
 def prompts(name: str) -> list[dict[str, Any]]:
     """Text only, a long text, two images (the first twice): the same for every checkpoint."""
-    template = QWEN_TEXT if is_qwen(name) else LLAVA_TEXT
-    image = "<|vision_start|><|image_pad|><|vision_end|>" if is_qwen(name) else "<image>"
+    template = LLAVA_TEXT if family(name) == "llava" else QWEN_TEXT
+    image = IMAGE_TOKENS[family(name)]
     a, b = make_image(0, (64, 48)), make_image(1, (40, 40))
     return [
         {"prompt": template.format(image="", question="hello there")},
@@ -53,9 +59,10 @@ def prompts(name: str) -> list[dict[str, Any]]:
 def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, dtype: torch.dtype,
               device: str = "cuda") -> list[list[int]]:
     """transformers' greedy tokens for each prompt, on `device` in `dtype`."""
+    from helpers.hf_internvl import hf_internvl_greedy
     from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 
-    reference = hf_qwen_greedy if is_qwen(name) else hf_greedy
+    reference = {"llava": hf_greedy, "internvl": hf_internvl_greedy, "qwen": hf_qwen_greedy}[family(name)]
     return reference(path, items, max_new, dtype=dtype, device=device)[0]
 
 

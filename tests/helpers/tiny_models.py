@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.models.builtin import write_tiny_llava
+from mmserve.models.builtin_internvl import write_tiny_internvl
 from mmserve.models.builtin_qwen_vl import write_tiny_qwen_vl
 
 # Small enough that writing, loading and generating take well under a second each.
@@ -63,6 +64,17 @@ def make_qwen_checkpoint(tmp_dir: str | Path, family: str = "qwen3_vl", **kwargs
     path = Path(tmp_dir) / f"tiny-{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if not (path / "config.json").is_file():
         write_tiny_qwen_vl(path, family=family, **kwargs)
+    return str(path)
+
+
+def make_internvl_checkpoint(tmp_dir: str | Path, **kwargs: Any) -> str:
+    """Writes a tiny InternVL under `tmp_dir` and returns its path (`kwargs` are `write_tiny_internvl`'s:
+    `text_model_type="qwen3"` for InternVL 3.5's decoder); each distinct set of arguments gets its
+    own sub-folder, written once."""
+    key = json.dumps(kwargs, sort_keys=True, default=str)
+    path = Path(tmp_dir) / f"tiny-internvl-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if not (path / "config.json").is_file():
+        write_tiny_internvl(path, **kwargs)
     return str(path)
 
 

@@ -8,6 +8,8 @@ inner features are split (models/parallel.py); embeddings and layer norms are re
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -62,8 +64,23 @@ class CLIPAttention(nn.Module):
         return self.out_proj(out.reshape(N, L, -1))  # [N, L, Dv], all-reduced
 
 
+class MLPShape(Protocol):
+    """What a tower's two-layer MLP reads of its config (CLIP's, InternViT's)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def hidden_act(self) -> str: ...
+
+
 class CLIPMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
+    """fc1 (column-parallel), the activation, fc2 (row-parallel); InternViT's MLP is the same."""
+
+    def __init__(self, cfg: MLPShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         what = "the vision tower's intermediate_size"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, tp, what=what)

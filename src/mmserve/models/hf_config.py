@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
+    from mmserve.models.internvl_config import InternVLModelConfig
     from mmserve.models.qwen_config import QwenVLModelConfig
 
 _SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                            "InternVLForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ class LlavaModelConfig:
 
 
 def load_model_config(model_dir: str) -> ModelConfig:
-    """Read `model_dir/config.json` (a LLaVA or a Qwen-VL family, by `architectures`); a clear
-    ValueError for what mmserve cannot serve."""
+    """Read `model_dir/config.json` (a LLaVA, InternVL or Qwen-VL family, by `architectures`); a
+    clear ValueError for what mmserve cannot serve."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} has no config.json: not a Hugging Face model directory")
@@ -95,6 +97,10 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raw = json.load(f)
     check_architecture(raw, model_dir)
     archs = raw.get("architectures") or []
+    if "InternVLForConditionalGeneration" in archs:
+        from mmserve.models.internvl_config import load_internvl_config
+
+        return load_internvl_config(raw, model_dir)
     if "LlavaForConditionalGeneration" not in archs and raw.get("model_type") != "llava":
         from mmserve.models.qwen_config import load_qwen_config
 
@@ -116,41 +122,55 @@ def load_model_config(model_dir: str) -> ModelConfig:
     )
 
 
-ModelConfig = Union[LlavaModelConfig, "QwenVLModelConfig"]
+ModelConfig = Union[LlavaModelConfig, "QwenVLModelConfig", "InternVLModelConfig"]
 
 
 def check_architecture(raw: dict[str, Any], name: str) -> None:
     """ValueError naming `name` unless config.json (`raw`) is a family mmserve serves."""
     archs = raw.get("architectures") or []
+    if "InternVLChatModel" in archs:  # InternVL's own code (trust_remote_code); its -hf twin is transformers'
+        raise ValueError(f"{name} is an InternVLChatModel checkpoint (InternVL's own remote code), which mmserve "
+                         "does not serve; serve the same weights in transformers' layout, the repo's -hf twin "
+                         "(e.g. OpenGVLab/InternVL3-8B-hf, OpenGVLab/InternVL3_5-8B-HF)")
     if not any(a in _SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llava":
         found = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
         raise ValueError(f"{name} is a {found} checkpoint, which mmserve does not serve; it serves "
                          f"{', '.join(_SUPPORTED_ARCHITECTURES)}")
 
 
-def _text_config(t: dict[str, Any]) -> TextConfig:
+def decoder_fields(t: dict[str, Any], *, vocab_size: int, rope_theta: float, max_positions: int,
+                   eos: int) -> dict[str, Any]:
+    """The `TextConfig` fields every family's decoder config names alike (transformers' names; the
+    family's defaults where a field is absent), but `head_dim` and the biases, which differ by family.
+    The rope must be the default one: a ValueError names any other."""
     heads = t.get("num_attention_heads", 32)
-    hidden = t.get("hidden_size", 4096)
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "mrope"):  # "mrope": Qwen2-VL's old name for its sections
         raise ValueError(f"rope type {rope_type!r} is not supported yet (only 'default')")
-    eos = t.get("eos_token_id", 2)
-    return TextConfig(
-        vocab_size=t.get("vocab_size", 32000),
-        hidden_size=hidden,
+    eos_id = t.get("eos_token_id", eos)
+    return dict(
+        vocab_size=t.get("vocab_size", vocab_size),
+        hidden_size=t.get("hidden_size", 4096),
         intermediate_size=t.get("intermediate_size", 11008),
         num_hidden_layers=t.get("num_hidden_layers", 32),
         num_attention_heads=heads,
         num_key_value_heads=t.get("num_key_value_heads") or heads,
-        head_dim=t.get("head_dim") or hidden // heads,
         rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
-        max_position_embeddings=t.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", rope_theta))),
+        max_position_embeddings=t.get("max_position_embeddings", max_positions),
+        eos_token_id=eos_id[0] if isinstance(eos_id, list) else eos_id,
+    )
+
+
+def _text_config(t: dict[str, Any]) -> TextConfig:
+    fields = decoder_fields(t, vocab_size=32000, rope_theta=10000.0, max_positions=2048, eos=2)
+    return TextConfig(
+        **fields,
+        head_dim=t.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"],
         attention_bias=t.get("attention_bias", False),
         mlp_bias=t.get("mlp_bias", False),
         tie_word_embeddings=t.get("tie_word_embeddings", False),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
 
 

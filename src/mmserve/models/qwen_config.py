@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.models.hf_config import TextConfig
+from mmserve.models.hf_config import TextConfig, decoder_fields
 
 QWEN2_VL = "qwen2_vl"
 QWEN2_5_VL = "qwen2_5_vl"
@@ -123,8 +123,8 @@ def load_qwen_config(raw: dict[str, Any], model_dir: str) -> QwenVLModelConfig:
 
 
 def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
-    heads = t.get("num_attention_heads", 32)
-    hidden = t.get("hidden_size", 4096)
+    fields = decoder_fields(t, vocab_size=151936, rope_theta=1000000.0, max_positions=32768, eos=151645)
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
     qwen3 = family == QWEN3_VL
     section = tuple(rope.get("mrope_section") or ((24, 20, 20) if qwen3 else (16, 24, 24)))  # transformers' defaults
@@ -137,22 +137,12 @@ def _text_config(t: dict[str, Any], family: str, tie: bool) -> QwenTextConfig:
     if t.get("use_sliding_window"):
         raise ValueError(f"a {family} checkpoint with use_sliding_window true is not supported (no published "
                          "checkpoint sets it: every layer attends over the whole context)")
-    eos = t.get("eos_token_id", 151645)
     return QwenTextConfig(
-        vocab_size=t.get("vocab_size", 151936),
-        hidden_size=hidden,
-        intermediate_size=t.get("intermediate_size", 11008),
-        num_hidden_layers=t.get("num_hidden_layers", 32),
-        num_attention_heads=heads,
-        num_key_value_heads=t.get("num_key_value_heads") or heads,
+        **fields,
         head_dim=head_dim,
-        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 1000000.0))),
-        max_position_embeddings=t.get("max_position_embeddings", 32768),
         attention_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
         mlp_bias=False,
         tie_word_embeddings=tie,
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
         mrope_section=section,
         mrope_interleaved=qwen3,  # transformers' Qwen3-VL always interleaves, Qwen2(.5)-VL never does
         qk_norm=qwen3,

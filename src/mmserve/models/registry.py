@@ -22,6 +22,12 @@ def model_class(cfg: ModelConfig) -> Any:
         from mmserve.models.llava import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
+    from mmserve.models.internvl_config import InternVLModelConfig
+
+    if isinstance(cfg, InternVLModelConfig):
+        from mmserve.models.internvl import InternVLForConditionalGeneration
+
+        return InternVLForConditionalGeneration
     from mmserve.models.qwen_vl import QwenVLForConditionalGeneration
 
     return QwenVLForConditionalGeneration

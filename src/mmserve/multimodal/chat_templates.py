@@ -236,6 +236,19 @@ def pick_chat_template(processor_template: str | None, tokenizer_template: str |
     return processor_template or tokenizer_template
 
 
+def render_with_tokenizer(tokenizer: Any, processor_template: str | None, conversation: list[dict],
+                          tools: list[dict] | None, options: ChatTemplateOptions | None,
+                          placeholders: Mapping[str, str]) -> str:
+    """`conversation` rendered by the tokenizer's renderer with `options.template`, else the template
+    `pick_chat_template` picks between the processor's (`processor_chat_template`) and the tokenizer's
+    own; ending as `options` say (default: with the reply prompt); ClientError for what it refuses."""
+    options = options or ChatTemplateOptions()
+    own = tokenizer.chat_template
+    template = options.template or pick_chat_template(processor_template, own if isinstance(own, str) else None,
+                                                      bool(tools))
+    return render_chat(tokenizer.apply_chat_template, template, conversation, tools, options, placeholders)
+
+
 def render_chat(apply: Callable[..., Any], template: str | None, conversation: list[dict],
                 tools: list[dict] | None, options: ChatTemplateOptions, placeholders: Mapping[str, str]) -> str:
     """`conversation` rendered by `apply` (a tokenizer's or processor's `apply_chat_template`) with

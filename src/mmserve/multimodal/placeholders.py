@@ -24,10 +24,11 @@ def check_image_count(prompt: str, image_token: str, num_images: int) -> None:
         )
 
 
-def expand(tokenizer: Any, image_token: str, image_token_id: int, prompt: str,
-           counts: list[int]) -> tuple[list[int], list[PlaceholderRange]]:
+def expand(tokenizer: Any, image_token: str, image_token_id: int, prompt: str, counts: list[int],
+           wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> tuple[list[int], list[PlaceholderRange]]:
     """The token ids the HF processor gets by tokenizing `prompt` with its i-th image token
-    expanded to `counts[i]` placeholders, and each item's placeholder range.
+    expanded to `counts[i]` placeholders, and each item's placeholder range. `wrap`: token ids
+    the processor writes before and after each image's placeholders (InternVL's `<img>`, `</img>`).
 
     Tokenized with one image token per image, then expanded in token space: a tokenizer splits
     its added tokens out of the text before anything else, so the text between them tokenizes
@@ -42,9 +43,9 @@ def expand(tokenizer: Any, image_token: str, image_token_id: int, prompt: str,
     ranges: list[PlaceholderRange] = []
     done = 0
     for position, count in zip(positions, counts):
-        expanded += token_ids[done:position]
+        expanded += token_ids[done:position] + list(wrap[0])
         ranges.append(PlaceholderRange(offset=len(expanded) if count else 0, length=count))
-        expanded += [image_token_id] * count
+        expanded += [image_token_id] * count + list(wrap[1])
         done = position + 1
     return expanded + token_ids[done:], ranges
 

@@ -149,12 +149,19 @@ class MultiModalProcessor:
 
 
 def create_processor(model_path: str) -> ItemProcessor:
-    """The P0 processor for a checkpoint: LLaVA's (this module) or the Qwen-VL families'
-    (multimodal/qwen_processor.py), chosen by `config.json`'s architectures."""
+    """The P0 processor for a checkpoint: LLaVA's (this module), InternVL's
+    (multimodal/internvl_processor.py) or the Qwen-VL families' (multimodal/qwen_processor.py),
+    chosen by `config.json`'s architectures."""
     from mmserve.models.hf_config import LlavaModelConfig, load_model_config
+    from mmserve.models.internvl_config import InternVLModelConfig
 
-    if isinstance(load_model_config(model_path), LlavaModelConfig):
+    config = load_model_config(model_path)
+    if isinstance(config, LlavaModelConfig):
         return MultiModalProcessor(model_path)
+    if isinstance(config, InternVLModelConfig):
+        from mmserve.multimodal.internvl_processor import InternVLItemProcessor
+
+        return InternVLItemProcessor(model_path)
     from mmserve.multimodal.qwen_processor import QwenVLProcessor
 
     return QwenVLProcessor(model_path)

@@ -26,8 +26,7 @@ from mmserve.multimodal import placeholders
 from mmserve.multimodal import resample
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
 from mmserve.multimodal.pixel_table import processor_lut
-from mmserve.multimodal.chat_templates import (ChatTemplateOptions, pick_chat_template, processor_chat_template,
-                                                render_chat)
+from mmserve.multimodal.chat_templates import ChatTemplateOptions, processor_chat_template, render_with_tokenizer
 from mmserve.errors import ClientError
 from mmserve.models.qwen_config import QWEN3_VL
 from mmserve.multimodal.video_options import REQUEST_KEYS
@@ -194,10 +193,6 @@ class QwenVLProcessor:
         """Renders a conversation with the checkpoint's chat template (wherever it is published:
         multimodal/chat_templates.py) or `options.template`, ending as `options` say (default:
         with the reply prompt); ClientError for what the template refuses."""
-        options = options or ChatTemplateOptions()
-        own = self.tokenizer.chat_template
-        template = options.template or pick_chat_template(self.chat_template, own if isinstance(own, str) else None,
-                                                          bool(tools))
-        return render_chat(self.tokenizer.apply_chat_template, template, conversation, tools, options,
-                           {"image": f"<|vision_start|>{self.image_token}<|vision_end|>",
-                            "video": f"<|vision_start|>{self.video_token}<|vision_end|>"})
+        return render_with_tokenizer(self.tokenizer, self.chat_template, conversation, tools, options,
+                                     {"image": f"<|vision_start|>{self.image_token}<|vision_end|>",
+                                      "video": f"<|vision_start|>{self.video_token}<|vision_end|>"})

@@ -1,0 +1,123 @@
+"""Tiny InternVL checkpoints (InternVL 3 / 3.5 in transformers' layout): random weights, no download.
+
+`write_tiny_internvl` writes a directory that transformers loads as the published `-hf` repos
+(`OpenGVLab/InternVL3-8B-hf`, `OpenGVLab/InternVL3_5-8B-HF`) load: `config.json`
+(`InternVLForConditionalGeneration`, an InternViT tower and a Qwen2 (InternVL 3) or Qwen3
+(InternVL 3.5) decoder), safetensors, `generation_config.json`, the tokenizer (the built-in
+byte-level BPE with Qwen's and InternVL's special tokens, named as InternVL's tokenizer names
+them), `chat_template.jinja` (an image part is `<IMG_CONTEXT>\\n`, as the published template
+writes it), `preprocessor_config.json` (`GotOcr2ImageProcessor`: tiles of the tower's image size)
+and `processor_config.json` (`image_seq_length`). The same arguments always give the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mmserve.models.builtin import fill_random, round_up, tokenizer_json
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+# InternVL-hf's template: a default system turn, an image part as `<IMG_CONTEXT>\n`
+CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{ '<IMG_CONTEXT>\\n' }}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{ '<video>\\n' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+DEFAULT_INIT_STD = 0.2  # a scale where greedy outputs follow the image (see builtin.DEFAULT_INIT_STD)
+# 56 px tiles of 7 px patches: 64 patches, 16 tokens per tile after the 0.5 pixel shuffle
+_VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=[56, 56], patch_size=[7, 7], attention_bias=True, use_qk_norm=False,
+                               norm_type="layer_norm", hidden_act="gelu", layer_scale_init_value=0.1,
+                               use_mean_pooling=True, layer_norm_eps=1e-6)
+_TEXT: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+TEXT_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def build_internvl_tokenizer() -> Any:
+    """A fresh `PreTrainedTokenizerFast`: the built-in BPE with InternVL's special tokens, no BOS,
+    and the names InternVL's processor reads them by."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tokenizer_json(SPECIAL_TOKENS, None)),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=8192, chat_template=CHAT_TEMPLATE,
+        extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    )
+
+
+def _config(tokenizer: Any, text_model_type: str, text_config: dict | None, vision_config: dict | None,
+            downsample_ratio: float, tie_word_embeddings: bool) -> Any:
+    from transformers import AutoConfig
+
+    if text_model_type not in TEXT_MODEL_TYPES:
+        raise ValueError(f"unknown decoder {text_model_type!r}; known: {', '.join(TEXT_MODEL_TYPES)}")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text = {**_TEXT, "vocab_size": round_up(len(tokenizer), 64), **(text_config or {}),
+            "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
+    if text_model_type == "qwen3":
+        text.setdefault("head_dim", 32)
+    if text_model_type == "llama":
+        text.setdefault("attention_bias", False)
+    vision = {**_VISION, **(vision_config or {})}
+    side, patch = vision["image_size"][0], vision["patch_size"][0]
+    seq = int((side // patch) ** 2 * downsample_ratio**2)
+    return AutoConfig.for_model(
+        "internvl", text_config={"model_type": text_model_type, **text}, vision_config=vision,
+        image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=seq, downsample_ratio=downsample_ratio,
+        projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
+        tie_word_embeddings=tie_word_embeddings, dtype="float32")
+
+
+def _write_processor_files(path: Path, tokenizer: Any, config: Any, max_patches: int) -> None:
+    tokenizer.save_pretrained(str(path))
+    side = config.vision_config.image_size[0]
+    pre = {"image_processor_type": "GotOcr2ImageProcessor", "crop_to_patches": False, "min_patches": 1,
+           "max_patches": max_patches, "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+           "do_resize": True, "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225],
+           "rescale_factor": 1 / 255, "resample": 3, "size": {"height": side, "width": side}}
+    (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
+    processor = {"processor_class": "InternVLProcessor", "image_seq_length": config.image_seq_length}
+    (path / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
+def write_tiny_internvl(path: str | os.PathLike, *, text_model_type: str = "qwen2", text_config: dict | None = None,
+                        vision_config: dict | None = None, downsample_ratio: float = 0.5, max_patches: int = 6,
+                        tie_word_embeddings: bool = True, init_std: float = DEFAULT_INIT_STD, seed: int = 0) -> None:
+    """Writes a random-weight InternVL checkpoint directory at `path`: an InternVL 3 shape (Qwen2
+    decoder) by default, `text_model_type="qwen3"` for InternVL 3.5's; `text_config` /
+    `vision_config` override the small defaults; `max_patches`: the image processor's tile limit;
+    `tie_word_embeddings` (transformers 5 reads the top level's): False saves an `lm_head` of its own."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = build_internvl_tokenizer()
+    config = _config(tokenizer, text_model_type, text_config, vision_config, downsample_ratio, tie_word_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    fill_random(model, init_std, seed)  # InternViT's layer scales too: a random scale per channel
+    text = config.text_config
+    model.generation_config = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(target))
+    _write_processor_files(target, tokenizer, config, max_patches)
