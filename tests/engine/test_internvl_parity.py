@@ -5,7 +5,9 @@ bias on q, k, v; tied embeddings, as InternVL3-1B is published) and InternVL 3.5
 with q / k norms; untied). The prompts cover no image, one tile, several tiles with the thumbnail,
 two images of other aspect ratios, and a request with its own tiling in vLLM's and transformers'
 names. Every variant runs them batched, with prefill chunks smaller than one tile, with
-preemption, again with every cache hitting, and over two tensor-parallel ranks.
+preemption, again with every cache hitting, and over two tensor-parallel ranks; and in InternVL's
+own layout (`InternVLChatModel`, written here from the same weights as transformers' conversion
+script reads them), against transformers on the `-hf` twin. An AWQ decoder, in both layouts.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.models.builtin_internvl import write_internvl_own_layout
+from mmserve.models.quantization.select import describe_quantization
 from helpers.hf_internvl import hf_internvl_greedy
 from helpers.parity_runs import run_greedy
+from helpers.quant_checkpoints import quantize_copy
 from helpers.tiny_models import make_image, make_internvl_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns processes (deselect with -m 'not slow')
@@ -106,3 +111,51 @@ def test_tp2_equals_transformers(variant):
         assert [o.outputs[0].token_ids for o in outs] == refs
     finally:
         llm.engine.core.shutdown()
+
+
+def own_prompts() -> list[dict]:
+    """`prompts()` as InternVL's own layout is prompted: an image is `<image>` (vLLM's placeholder)."""
+    return [{**item, "prompt": item["prompt"].replace("<IMG_CONTEXT>", "<image>")} for item in prompts()]
+
+
+@pytest.fixture(scope="module")
+def own_layout(variant, tmp_path_factory):
+    """The variant's weights in InternVL's own layout (`InternVLChatModel`: fused `qkv`, `mlp1`,
+    `llm_config`, the tiling in config.json), and transformers' tokens on the same weights."""
+    path, refs, _ = variant
+    own = tmp_path_factory.mktemp("own") / "internvl-chat"
+    write_internvl_own_layout(path, own)
+    return str(own), refs
+
+
+def test_internvl_s_own_layout_equals_transformers(own_layout):
+    """`OpenGVLab/InternVL3-8B` as published: the same tokens as transformers on the `-hf` twin."""
+    path, refs = own_layout
+    got, llm = run_greedy(path, own_prompts(), MAX_NEW, max_num_batched_tokens=16, block_size=4)
+    assert got == refs
+    assert llm.engine.core.executor.runner.model.config.layout == "chat"
+
+
+def test_internvl_s_own_layout_over_two_ranks(own_layout):
+    """The fused `qkv` split by heads over two gloo ranks (q's, k's and v's rows of each rank)."""
+    path, refs = own_layout
+    llm = LLM(model=path, tensor_parallel_size=2, block_size=4, num_kv_blocks=256)
+    try:
+        outs = llm.generate(own_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        assert [o.outputs[0].token_ids for o in outs] == refs
+    finally:
+        llm.engine.core.shutdown()
+
+
+def test_an_awq_decoder_in_either_layout_equals_transformers_on_its_weights(tmp_path):
+    """InternVL's AWQ releases quantize the decoder alone: the same tokens as transformers on the
+    dequantized weights, from transformers' layout and from InternVL's own."""
+    source = make_internvl_checkpoint(tmp_path / "dense")
+    quantized, dequantized = quantize_copy(source, tmp_path, "awq")
+    refs, _ = hf_internvl_greedy(dequantized, prompts()[:3], MAX_NEW)
+    got, llm = run_greedy(quantized, prompts()[:3], MAX_NEW)
+    assert got == refs
+    assert "awq" in describe_quantization(llm.engine.core.executor.runner.model)
+    own = tmp_path / "awq-own"
+    write_internvl_own_layout(quantized, own)
+    assert run_greedy(str(own), own_prompts()[:3], MAX_NEW)[0] == refs

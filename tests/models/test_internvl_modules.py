@@ -1,5 +1,5 @@
 """InternVL's tower, pixel shuffle and projector against transformers', module by module, and its
-config.json read (what mmserve refuses, it refuses by name, before any weight is read).
+config.json read in both layouts (what mmserve refuses, it refuses by name, before any weight is read).
 
 Three tower shapes: InternViT-300M's (LayerNorm, a bias on q, k, v; InternVL 3 / 3.5 up to 38B),
 InternViT-6B's (RMSNorm, no bias, an RMSNorm over all heads' q and k, a final LayerNorm: the 78B's),
@@ -17,6 +17,7 @@ import torch
 
 from mmserve.models.hf_config import load_model_config
 from mmserve.models.internvl import InternVLForConditionalGeneration, pixel_shuffle
+from mmserve.models.builtin_internvl import write_internvl_own_layout
 from mmserve.models.loader import load_model
 from helpers.tiny_models import make_internvl_checkpoint
 
@@ -75,17 +76,61 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path, change, message):
     source = Path(make_internvl_checkpoint(tmp_path / "src"))
     path = tmp_path / "changed"
     shutil.copytree(source, path)
-    config = json.loads((path / "config.json").read_text())
-    for key, value in change.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
-    (path / "config.json").write_text(json.dumps(config))
+    change_config(path, change)
     with pytest.raises(ValueError, match=message):
         load_model_config(str(path))
 
 
-def test_internvl_s_own_layout_points_to_the_hf_twin(tmp_path):
-    """`OpenGVLab/InternVL3-8B` (InternVL's remote code) is refused with the name of what serves."""
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["InternVLChatModel"],
-                                                      "model_type": "internvl_chat"}))
-    with pytest.raises(ValueError, match="InternVLChatModel.*OpenGVLab/InternVL3-8B-hf"):
-        load_model_config(str(tmp_path))
+def change_config(path: Path, change: dict) -> None:
+    """config.json at `path` with `change` merged in (a dict value merged into the section it names)."""
+    config = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def own_layout(tmp_path) -> Path:
+    """A tiny InternVL in InternVL's own layout (`InternVLChatModel`); its `-hf` twin is `twin`."""
+    own = tmp_path / "own"
+    write_internvl_own_layout(make_internvl_checkpoint(tmp_path / "hf", max_patches=4), own)
+    return own
+
+
+def twin(own: Path) -> str:
+    """The `-hf` checkpoint `own_layout` was written from."""
+    return make_internvl_checkpoint(own.parent / "hf", max_patches=4)
+
+
+def test_internvl_s_own_layout_reads_its_config(own_layout):
+    cfg = load_model_config(str(own_layout))
+    assert cfg.layout == "chat" and cfg.tiling == (1, 4, True) and cfg.max_tiles == 5
+    assert cfg.image_token_id == 5 and cfg.tile_tokens == 16  # the tokenizer's <IMG_CONTEXT>
+    assert cfg.tie_word_embeddings and cfg.text.qkv_bias  # llm_config's: a Qwen2 decoder, tied
+
+
+def test_internvl_s_own_names_load_into_transformers_tree(own_layout):
+    """Every tensor of the own layout finds its place (the fused qkv whole), and the features equal
+    transformers' on the `-hf` twin."""
+    pixels = torch.randn(2, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    model = load_model(str(own_layout))
+    assert model.model.vision_tower.encoder.layer[0].attention.qkv is not None
+    assert torch.equal(model.encode_tiles(pixels), hf_features(twin(own_layout), pixels))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"llm_config": {"architectures": ["InternLM2ForCausalLM"]}}, "InternLM2ForCausalLM is not supported"),
+    ({"ps_version": "v1"}, "ps_version 'v1' is not supported"),
+])
+def test_what_the_own_layout_cannot_serve_is_refused_by_name(own_layout, change, message):
+    change_config(own_layout, change)
+    with pytest.raises(ValueError, match=message):
+        load_model_config(str(own_layout))
+
+
+def test_the_own_layout_needs_the_image_context_token(own_layout):
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        text = (own_layout / name).read_text().replace("<IMG_CONTEXT>", "<IMG_CTX>")
+        (own_layout / name).write_text(text)
+    with pytest.raises(ValueError, match="no <IMG_CONTEXT> token"):
+        load_model_config(str(own_layout))

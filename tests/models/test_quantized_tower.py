@@ -54,7 +54,7 @@ def test_each_quantized_tensor_of_a_rank_qkv_is_read_over_its_three_row_ranges(s
     own packing at the same three places, and stacked to the rank's 96 rows."""
     cfg = QwenVisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=14,
                            temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, hidden_act="silu")
-    qkv = QKVParallelLinear(cfg, TensorParallel(1, 2))
+    qkv = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, TensorParallel(1, 2))
     qkv.set_method(make_method(spec))
     for name, want in shards.items():
         assert qkv.tp_shards[name] == want

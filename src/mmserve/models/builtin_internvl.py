@@ -121,3 +121,88 @@ def write_tiny_internvl(path: str | os.PathLike, *, text_model_type: str = "qwen
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(target))
     _write_processor_files(target, tokenizer, config, max_patches)
+
+
+# InternVL's own chat template (`tokenizer_config.json` of its repos): string content, a default system turn
+OWN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are InternVL, a multimodal large language model.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+_OWN_VISION_NAMES = (  # transformers' names -> InternVL's, the inverse of its conversion's renames
+    ("vision_tower.", "vision_model."), (".encoder.layer.", ".encoder.layers."),
+    (".embeddings.cls_token", ".embeddings.class_embedding"),
+    (".embeddings.position_embeddings", ".embeddings.position_embedding"),
+    (".embeddings.patch_embeddings.projection.", ".embeddings.patch_embedding."),
+    (".lambda_1", ".ls1"), (".lambda_2", ".ls2"), (".attention.projection_layer.", ".attn.proj."),
+    (".attention.", ".attn."), (".layernorm_before.", ".norm1."), (".layernorm_after.", ".norm2."),
+    ("multi_modal_projector.layer_norm.", "mlp1.0."), ("multi_modal_projector.linear_1.", "mlp1.1."),
+    ("multi_modal_projector.linear_2.", "mlp1.3."),
+)
+
+
+def write_internvl_own_layout(hf_dir: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Writes the checkpoint at `hf_dir` (transformers' layout) at `path` in InternVL's own
+    (`InternVLChatModel`, as `OpenGVLab/InternVL3-8B` is published): config.json's `llm_config`,
+    InternViT's names and fused `qkv`, `mlp1`, the tiling in config.json, the tokenizer's template."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(hf_dir), Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((source / "config.json").read_text())
+    pre = json.loads((source / "preprocessor_config.json").read_text())
+    vision, text = raw["vision_config"], raw["text_config"]
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[text["model_type"]]
+    config = {
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat", "template": "internvl2_5",
+        "llm_config": {**text, "architectures": [arch], "tie_word_embeddings": raw.get("tie_word_embeddings", True)},
+        "vision_config": {
+            "architectures": ["InternVisionModel"], "model_type": "intern_vit_6b", "hidden_size": vision["hidden_size"],
+            "intermediate_size": vision["intermediate_size"], "num_hidden_layers": vision["num_hidden_layers"],
+            "num_attention_heads": vision["num_attention_heads"], "image_size": vision["image_size"][0],
+            "patch_size": vision["patch_size"][0], "num_channels": 3, "qkv_bias": vision["attention_bias"],
+            "qk_normalization": vision["use_qk_norm"], "norm_type": vision["norm_type"],
+            "layer_norm_eps": vision["layer_norm_eps"], "hidden_act": vision["hidden_act"], "drop_path_rate": 0.0},
+        "downsample_ratio": raw["downsample_ratio"], "select_layer": raw["vision_feature_layer"], "ps_version": "v2",
+        "dynamic_image_size": True, "use_thumbnail": True, "min_dynamic_patch": pre["min_patches"],
+        "max_dynamic_patch": pre["max_patches"], "force_image_size": vision["image_size"][0],
+    }
+    if "quantization_config" in raw:  # an AWQ / GPTQ decoder's: its skip list in InternVL's names
+        own = {"vision_tower": "vision_model", "multi_modal_projector": "mlp1"}
+        quant = dict(raw["quantization_config"])
+        if "modules_to_not_convert" in quant:
+            quant["modules_to_not_convert"] = [own.get(m, m) for m in quant["modules_to_not_convert"]]
+        config["quantization_config"] = quant
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors: dict[str, Any] = {}
+    fused: dict[str, dict[str, Any]] = {}  # a layer's q, k, v, to stack into one qkv
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if name.startswith("language_model.") or name == "lm_head.weight":
+            tensors["language_model." + name if name == "lm_head.weight" else name] = tensor
+            continue
+        for old, new in _OWN_VISION_NAMES:
+            name = name.replace(old, new)
+        for part in ("q_proj", "k_proj", "v_proj"):
+            if f".attn.{part}." in name:
+                fused.setdefault(name.replace(f".attn.{part}.", ".attn.qkv."), {})[part] = tensor
+                break
+        else:
+            tensors[name] = tensor
+    for name, parts in fused.items():
+        tensors[name] = torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]])
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = OWN_CHAT_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    for name in ("tokenizer.json", "generation_config.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    side = vision["image_size"][0]  # what the repos publish beside: a CLIP-style file their code does not read
+    clip = {"crop_size": side, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+            "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": pre["image_mean"],
+            "image_std": pre["image_std"], "resample": 3, "size": side}
+    (target / "preprocessor_config.json").write_text(json.dumps(clip, indent=2) + "\n")

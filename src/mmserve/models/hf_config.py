@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 _SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "InternVLForConditionalGeneration")
+                            "InternVLForConditionalGeneration", "InternVLChatModel")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,10 @@ def load_model_config(model_dir: str) -> ModelConfig:
         from mmserve.models.internvl_config import load_internvl_config
 
         return load_internvl_config(raw, model_dir)
+    if "InternVLChatModel" in archs:
+        from mmserve.models.internvl_config import load_internvl_chat_config
+
+        return load_internvl_chat_config(raw, model_dir)
     if "LlavaForConditionalGeneration" not in archs and raw.get("model_type") != "llava":
         from mmserve.models.qwen_config import load_qwen_config
 
@@ -128,10 +132,6 @@ ModelConfig = Union[LlavaModelConfig, "QwenVLModelConfig", "InternVLModelConfig"
 def check_architecture(raw: dict[str, Any], name: str) -> None:
     """ValueError naming `name` unless config.json (`raw`) is a family mmserve serves."""
     archs = raw.get("architectures") or []
-    if "InternVLChatModel" in archs:  # InternVL's own code (trust_remote_code); its -hf twin is transformers'
-        raise ValueError(f"{name} is an InternVLChatModel checkpoint (InternVL's own remote code), which mmserve "
-                         "does not serve; serve the same weights in transformers' layout, the repo's -hf twin "
-                         "(e.g. OpenGVLab/InternVL3-8B-hf, OpenGVLab/InternVL3_5-8B-HF)")
     if not any(a in _SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llava":
         found = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
         raise ValueError(f"{name} is a {found} checkpoint, which mmserve does not serve; it serves "

@@ -10,12 +10,14 @@ interface is LLaVA's (models/llava.py).
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from mmserve.ipc.pixel_codes import decode
 from mmserve.models.attention.backend import StepAttention
-from mmserve.models.internvl_config import InternVLModelConfig
+from mmserve.models.internvl_config import CHAT, InternVLModelConfig
 from mmserve.models.internvl_vision import InternVisionTower
 from mmserve.models.layers import activation
 from mmserve.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel,
@@ -50,12 +52,30 @@ def pixel_shuffle(features: torch.Tensor, scale: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3)
 
 
+# InternVL's own names -> transformers' (its conversion script's renames; `attn.qkv` stays one matrix)
+_OWN_NAMES = [(re.compile(pattern), repl) for pattern, repl in (
+    (r"^vision_model\.", "model.vision_tower."),
+    (r"\.encoder\.layers\.", ".encoder.layer."),
+    (r"\.embeddings\.class_embedding$", ".embeddings.cls_token"),
+    (r"\.embeddings\.position_embedding$", ".embeddings.position_embeddings"),
+    (r"\.embeddings\.patch_embedding\.", ".embeddings.patch_embeddings.projection."),
+    (r"\.ls(\d)$", r".lambda_\1"),
+    (r"\.attn\.proj\.", ".attention.projection_layer."),
+    (r"\.attn\.", ".attention."),
+    (r"\.norm1\.", ".layernorm_before."),
+    (r"\.norm2\.", ".layernorm_after."),
+    (r"^mlp1\.0\.", "model.multi_modal_projector.layer_norm."),
+    (r"^mlp1\.1\.", "model.multi_modal_projector.linear_1."),
+    (r"^mlp1\.3\.", "model.multi_modal_projector.linear_2."),
+)]
+
+
 class InternVLInner(nn.Module):
     """The `model.` prefix of the checkpoint: vision tower, projector, decoder."""
 
     def __init__(self, cfg: InternVLModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.vision_tower = InternVisionTower(cfg.vision, cfg.feature_layer, tp)
+        self.vision_tower = InternVisionTower(cfg.vision, cfg.feature_layer, tp, fused=cfg.layout == CHAT)
         self.multi_modal_projector = InternVLMultiModalProjector(cfg, tp)
         self.language_model = QwenTextModel(cfg.text, tp)
 
@@ -74,6 +94,16 @@ class InternVLForConditionalGeneration(VisionLanguageModel):
         self.tp = tp
         self.model = InternVLInner(cfg, tp)
         self._init_lm_head(self.model.language_model.embed_tokens)
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str:
+        """A checkpoint tensor's name in this module tree: InternVL's own names (`vision_model.*`,
+        `mlp1.*`) renamed as transformers' conversion renames them (its fused `qkv` kept whole),
+        then the saved layouts' prefixes."""
+        if name.startswith(("vision_model.", "mlp1.")):
+            for pattern, repl in _OWN_NAMES:
+                name = pattern.sub(repl, name)
+        return super().canonical_name(name)
 
     # ---- loading --------------------------------------------------------------------------------
 

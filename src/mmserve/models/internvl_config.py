@@ -1,6 +1,15 @@
-"""InternVL's `config.json` (transformers' `InternVLForConditionalGeneration`: the `-hf` repos of
-InternVL 3 and 3.5), and the tile limit of its `preprocessor_config.json`, read into plain frozen
-dataclasses (no torch, no transformers).
+"""InternVL's `config.json`, read into plain frozen dataclasses (no torch, no transformers), in
+either layout its checkpoints are published in:
+
+- transformers' (`InternVLForConditionalGeneration`: the `-hf` repos of InternVL 3 and 3.5), its
+  tile limit in `preprocessor_config.json`;
+- InternVL's own (`InternVLChatModel`, remote code: `OpenGVLab/InternVL3-8B`, `InternVL3_5-8B`, their
+  AWQ quantizations): `llm_config`, a `vision_config` with InternViT's own names (`qkv_bias`,
+  `qk_normalization`), `select_layer`, `ps_version`, and the tiling (`max_dynamic_patch`,
+  `use_thumbnail`) in config.json itself; the image token's id is the tokenizer's.
+
+The weights are the same in both (transformers' conversion renames them and splits the fused
+`qkv`), and so is the arithmetic; `InternVLModelConfig.layout` says which names to read.
 
 The decoder is a Qwen2 (InternVL 3), Qwen3 (InternVL 3.5) or Llama one with 1-D rotary positions:
 read into `QwenTextConfig`, whose attention covers all three (a bias on q, k, v; q / k RMSNorm),
@@ -11,13 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mmserve.models.hf_config import decoder_fields
 from mmserve.models.qwen_config import QwenTextConfig
 
 TEXT_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+HF, CHAT = "hf", "chat"
+# InternVL's own names for its decoder classes (its `llm_config.architectures`)
+_LLM_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,8 @@ class InternVLModelConfig:
     vision_feature_select_strategy: str
     tie_word_embeddings: bool
     max_tiles: int  # tiles of the largest image the image processor makes by default (thumbnail included)
+    layout: str = HF  # HF: transformers' names and files; CHAT: InternVL's own (`InternVLChatModel`)
+    tiling: tuple[int, int, bool] = (1, 12, True)  # CHAT: (min tiles, max tiles, thumbnail), from config.json
 
     @property
     def scale(self) -> int:
@@ -112,6 +126,55 @@ def load_internvl_config(raw: dict[str, Any], model_dir: str) -> InternVLModelCo
         tie_word_embeddings=tie,
         max_tiles=_max_tiles(model_dir),
     )
+
+
+def load_internvl_chat_config(raw: dict[str, Any], model_dir: str) -> InternVLModelConfig:
+    """`raw` is the parsed config.json of an `InternVLChatModel` checkpoint (InternVL's own layout)."""
+    llm = dict(raw.get("llm_config") or {})
+    archs = llm.get("architectures") or []
+    kind = next((_LLM_ARCHITECTURES[a] for a in archs if a in _LLM_ARCHITECTURES), None)
+    if kind is None:
+        raise ValueError(f"an InternVL checkpoint whose decoder is {', '.join(archs) or 'unnamed'} is not supported; "
+                         f"supported: {', '.join(_LLM_ARCHITECTURES)}")
+    if raw.get("ps_version", "v2") != "v2":
+        raise ValueError(f"ps_version {raw.get('ps_version')!r} is not supported (only InternVL's 'v2' pixel shuffle)")
+    v = dict(raw.get("vision_config") or {})
+    vision = {**v, "attention_bias": v.get("qkv_bias", True), "use_qk_norm": v.get("qk_normalization", False),
+              "use_mean_pooling": True}  # InternVL's tower has no final norm
+    image_size = raw.get("force_image_size") or v.get("image_size", 448)
+    low, high = int(raw.get("min_dynamic_patch", 1)), int(raw.get("max_dynamic_patch", 12))
+    thumbnail = bool(raw.get("use_thumbnail", True))
+    if not raw.get("dynamic_image_size", True):
+        low = high = 1
+    hf_layout = {"vision_config": {**vision, "image_size": image_size},
+                 "text_config": {**llm, "model_type": kind},
+                 "downsample_ratio": raw.get("downsample_ratio", 0.5),
+                 "vision_feature_layer": raw.get("select_layer", -1),
+                 "projector_hidden_act": "gelu", "image_token_id": _image_token_id(model_dir),
+                 "tie_word_embeddings": bool(llm.get("tie_word_embeddings", False))}
+    cfg = load_internvl_config(hf_layout, model_dir)
+    tiles = high + 1 if thumbnail and high > 1 else high
+    return replace(cfg, layout=CHAT, max_tiles=tiles, tiling=(low, high, thumbnail))
+
+
+def _image_token_id(model_dir: str) -> int:
+    """`<IMG_CONTEXT>`'s id, from the tokenizer's added tokens (InternVL's config does not name it):
+    `tokenizer_config.json`'s `added_tokens_decoder`, `added_tokens.json` or `tokenizer.json`'s list."""
+    def read(name: str) -> Any:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    decoder = (read("tokenizer_config.json") or {}).get("added_tokens_decoder") or {}
+    found = {token.get("content"): int(i) for i, token in decoder.items()}
+    found.update((read("added_tokens.json") or {}).items())
+    listed = (read("tokenizer.json") or {}).get("added_tokens", [])
+    found.update({token.get("content"): int(token["id"]) for token in listed})
+    if "<IMG_CONTEXT>" not in found:
+        raise ValueError(f"{model_dir!r}: the tokenizer has no <IMG_CONTEXT> token, which InternVL's prompts need")
+    return int(found["<IMG_CONTEXT>"])
 
 
 def _side(value: Any, what: str) -> int:

@@ -22,6 +22,7 @@ from mmserve.models.clip import CLIPMLP
 from mmserve.models.internvl_config import InternVisionConfig
 from mmserve.models.layers import RMSNorm
 from mmserve.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, project
+from mmserve.models.qwen_vision import QKVParallelLinear
 
 
 def _norm(cfg: InternVisionConfig, dim: int) -> nn.Module:
@@ -54,26 +55,37 @@ class InternVisionEmbeddings(nn.Module):
 
 
 class InternVisionAttention(nn.Module):
-    """`num_heads` is this rank's share of the heads."""
+    """`num_heads` is this rank's share of the heads. q, k and v are three matrices (transformers'
+    layout) or InternVL's own one fused `qkv` (`fused`), split by heads the same way under TP."""
 
-    fused_projections = (("q_proj", "k_proj", "v_proj"),)  # one matrix once packed (`fuse_projections`)
+    fused_projections: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"),)  # one matrix once packed
 
-    def __init__(self, cfg: InternVisionConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: InternVisionConfig, tp: TensorParallel = SINGLE, fused: bool = False) -> None:
         super().__init__()
         D, bias, what = cfg.hidden_size, cfg.attention_bias, "the vision tower's num_attention_heads"
         self.num_heads = tp.split(cfg.num_attention_heads, what)
         self.head_dim = cfg.head_dim
-        self.q_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
-        self.k_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
-        self.v_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
+        self.qkv = QKVParallelLinear(D, cfg.num_attention_heads, tp, bias) if fused else None
+        if fused:
+            self.fused_projections = ()  # one matrix already
+        else:
+            self.q_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
+            self.k_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
+            self.v_proj = ColumnParallelLinear(D, D, bias, tp, what=what)
         self.projection_layer = RowParallelLinear(D, D, True, tp, what=what)
         self.q_norm = RMSNorm(D, 1e-6) if cfg.use_qk_norm else None  # transformers' default eps
         self.k_norm = RMSNorm(D, 1e-6) if cfg.use_qk_norm else None
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [P, D] -> q, k, v: [P, D / tp] each."""
+        if self.qkv is not None:
+            return self.qkv(x).chunk(3, dim=-1)
+        return project(x, self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x: torch.Tensor, tiles: SegmentAttention) -> torch.Tensor:
         # x: [N, L, Dv]; `tiles`: the N tiles as N segments of L rows
         N, L, D = x.shape
-        q, k, v = project(x.view(N * L, D), self.q_proj, self.k_proj, self.v_proj)  # [N * L, D / tp] each
+        q, k, v = self._project(x.view(N * L, D))  # [N * L, D / tp] each
         if self.q_norm is not None and self.k_norm is not None:  # over every head: a replicated tower
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(N * L, self.num_heads, self.head_dim) for t in (q, k, v))
@@ -82,9 +94,9 @@ class InternVisionAttention(nn.Module):
 
 
 class InternVisionLayer(nn.Module):
-    def __init__(self, cfg: InternVisionConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: InternVisionConfig, tp: TensorParallel = SINGLE, fused: bool = False) -> None:
         super().__init__()
-        self.attention = InternVisionAttention(cfg, tp)
+        self.attention = InternVisionAttention(cfg, tp, fused)
         self.mlp = CLIPMLP(cfg, tp)
         self.layernorm_before = _norm(cfg, cfg.hidden_size)
         self.layernorm_after = _norm(cfg, cfg.hidden_size)
@@ -98,20 +110,23 @@ class InternVisionLayer(nn.Module):
 
 
 class InternVisionEncoder(nn.Module):
-    def __init__(self, cfg: InternVisionConfig, num_layers: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: InternVisionConfig, num_layers: int, tp: TensorParallel = SINGLE,
+                 fused: bool = False) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(InternVisionLayer(cfg, tp) for _ in range(num_layers))
+        self.layer = nn.ModuleList(InternVisionLayer(cfg, tp, fused) for _ in range(num_layers))
 
 
 class InternVisionTower(nn.Module):
     """The output of layer `feature_layer` (1..L), through the final LayerNorm when that is the last
-    layer of a tower without mean pooling. Layers past it are not built."""
+    layer of a tower without mean pooling. Layers past it are not built. `fused`: InternVL's own
+    layout, one `qkv` matrix per layer."""
 
-    def __init__(self, cfg: InternVisionConfig, feature_layer: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: InternVisionConfig, feature_layer: int, tp: TensorParallel = SINGLE,
+                 fused: bool = False) -> None:
         super().__init__()
         tp = SINGLE if cfg.use_qk_norm else tp
         self.embeddings = InternVisionEmbeddings(cfg)
-        self.encoder = InternVisionEncoder(cfg, feature_layer, tp)
+        self.encoder = InternVisionEncoder(cfg, feature_layer, tp, fused)
         last = feature_layer == cfg.num_hidden_layers
         self.layernorm = nn.LayerNorm(cfg.hidden_size, cfg.layer_norm_eps) if last and not cfg.use_mean_pooling \
             else None

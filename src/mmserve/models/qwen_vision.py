@@ -147,12 +147,13 @@ class QKVParallelLinear(ParallelLinear):
     tower): each of the method's tensors is read range by range along the axis its shard slices
     (packed words, groups, blocks) and concatenated, as the ranges' rows are."""
 
-    def __init__(self, cfg: QwenVisionConfig, tp: TensorParallel = SINGLE) -> None:
-        D = cfg.hidden_size
-        per = tp.split(cfg.num_heads, "the vision tower's num_heads") * cfg.head_dim  # rows of q (or k, v)
+    def __init__(self, hidden_size: int, num_heads: int, tp: TensorParallel = SINGLE, bias: bool = True) -> None:
+        D = hidden_size
+        per = tp.split(num_heads, "the vision tower's num_heads") * (D // num_heads)  # rows of q (or k, v)
         self.ranges = _touching([Shard(0, part * D + tp.rank * per, per) for part in range(3)])
-        super().__init__(LinearShape(3 * per, D, self.ranges[0] if len(self.ranges) == 1 else None), None, True)
-        self.tp_shards["bias"] = self.ranges[0] if len(self.ranges) == 1 else self.ranges
+        super().__init__(LinearShape(3 * per, D, self.ranges[0] if len(self.ranges) == 1 else None), None, bias)
+        if bias:
+            self.tp_shards["bias"] = self.ranges[0] if len(self.ranges) == 1 else self.ranges
         if len(self.ranges) > 1:
             self._hold_over_ranges(self.method)
 
@@ -219,7 +220,7 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = tp.split(cfg.num_heads, "the vision tower's num_heads")
         self.head_dim = cfg.head_dim
-        self.qkv = QKVParallelLinear(cfg, tp)
+        self.qkv = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, tp)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, True, tp, what="the vision tower's hidden_size")
 
     def forward(self, x: torch.Tensor, rope: Rope, segments: SegmentAttention) -> torch.Tensor:

@@ -15,19 +15,24 @@ A request may set the tiling (`mm_processor_kwargs`): transformers' names `crop_
 `min_patches`, `max_patches`, or vLLM's InternVL names `dynamic_image_size`, `min_dynamic_patch`,
 `max_dynamic_patch`; at most the checkpoint's own `max_patches` (what the memory profile sized).
 It changes the processed item, so it is part of the item's hash. Video input is not supported.
+
+InternVL's own layout (`InternVLChatModel`) tiles the same way, with the settings config.json holds
+(`min_dynamic_patch`, `max_dynamic_patch`; vLLM's processor reads the same), and its prompts name an
+image `<image>` (vLLM's placeholder for it), expanded to the same tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, cast
+from typing import Any
 
 import torch
 from PIL import Image
 
 from mmserve.errors import ClientError
 from mmserve.ipc.items import PlaceholderRange
+from mmserve.models.tokenizer import load_tokenizer
 from mmserve.multimodal import placeholders
 from mmserve.multimodal.chat_templates import ChatTemplateOptions, processor_chat_template, render_with_tokenizer
 from mmserve.multimodal.media import check_image, to_rgb
@@ -46,27 +51,26 @@ class InternVLItemProcessor:
     Stateless after construction: a call that raises leaves nothing."""
 
     def __init__(self, model_path: str) -> None:
-        from transformers import AutoTokenizer
-        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
         from mmserve.models.hf_config import load_model_config
-        from mmserve.models.internvl_config import InternVLModelConfig
+        from mmserve.models.internvl_config import CHAT, InternVLModelConfig
 
         config = load_model_config(model_path)
         if not isinstance(config, InternVLModelConfig):
             raise ValueError(f"{model_path!r} is not an InternVL checkpoint")
-        self.tokenizer: Any = cast(Any, AutoTokenizer.from_pretrained(model_path))
-        self.image_processor = GotOcr2ImageProcessorPil.from_pretrained(model_path)  # whichever class the file names
-        self.chat_template = processor_chat_template(model_path)
-        self.image_token = "<IMG_CONTEXT>"
+        self.tokenizer: Any = load_tokenizer(model_path)
+        self.own_layout = config.layout == CHAT
+        self.image_processor = _own_image_processor(config) if self.own_layout else _hf_image_processor(model_path)
+        self.chat_template = None if self.own_layout else processor_chat_template(model_path)
+        self.context_token = "<IMG_CONTEXT>"  # what each of an image's placeholders is
+        self.image_token = "<image>" if self.own_layout else self.context_token  # the prompt's token for an image
         self.image_token_id = config.image_token_id
         self.wrap = ((self._token_id("<img>"),), (self._token_id("</img>"),))
-        if self._token_id(self.image_token) != self.image_token_id:
-            raise ValueError(f"{model_path!r}: the tokenizer's {self.image_token} is not config.json's "
+        if self._token_id(self.context_token) != self.image_token_id:
+            raise ValueError(f"{model_path!r}: the tokenizer's {self.context_token} is not config.json's "
                              f"image_token_id {self.image_token_id}")
         self.tile_tokens = config.tile_tokens
         seq = _processor_config(model_path).get("image_seq_length", self.tile_tokens)
-        if seq != self.tile_tokens:
+        if seq != self.tile_tokens and not self.own_layout:
             raise ValueError(f"{model_path!r}: processor_config.json's image_seq_length {seq} is not the "
                              f"{self.tile_tokens} tokens the model makes of a tile")
         size = self.image_processor.size
@@ -144,13 +148,16 @@ class InternVLItemProcessor:
                 "tile_tokens": self.tile_tokens}
 
     def check_image_count(self, prompt: str, num_images: int) -> None:
-        """ClientError unless the prompt has exactly one `<IMG_CONTEXT>` per image."""
+        """ClientError unless the prompt has exactly one image token per image."""
         placeholders.check_image_count(prompt, self.image_token, num_images)
 
     def expand(self, prompt: str, counts: list[int]) -> tuple[list[int], list[PlaceholderRange]]:
-        """Token ids with the i-th `<IMG_CONTEXT>` expanded to `<img>`, `counts[i]` of them, `</img>`,
-        and each image's range (its `<IMG_CONTEXT>` tokens)."""
-        return placeholders.expand(self.tokenizer, self.image_token, self.image_token_id, prompt, counts, self.wrap)
+        """Token ids with the i-th image token (`<IMG_CONTEXT>`; InternVL's own layout: `<image>`)
+        expanded to `<img>`, `counts[i]` `<IMG_CONTEXT>`, `</img>`, and each image's range (its
+        `<IMG_CONTEXT>` tokens)."""
+        if self.own_layout:  # `<image>` is text to the tokenizer; `<IMG_CONTEXT>` one token
+            prompt = prompt.replace(self.image_token, self.context_token)
+        return placeholders.expand(self.tokenizer, self.context_token, self.image_token_id, prompt, counts, self.wrap)
 
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
                             options: ChatTemplateOptions | None = None) -> str:
@@ -167,3 +174,33 @@ def _processor_config(model_path: str) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _hf_image_processor(model_path: str) -> Any:
+    """transformers' layout: the checkpoint's `GotOcr2ImageProcessor` settings, in the PIL class."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    path = os.path.join(model_path, "preprocessor_config.json")
+    kind = ""
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            kind = json.load(f).get("image_processor_type") or ""
+    if not kind.startswith("GotOcr2ImageProcessor"):
+        raise ValueError(f"{model_path!r}: an InternVL image processor of type {kind or 'unnamed'!r} is not supported "
+                         "(only GotOcr2ImageProcessor's tiling)")
+    return GotOcr2ImageProcessorPil.from_pretrained(model_path)
+
+
+def _own_image_processor(config: Any) -> Any:
+    """InternVL's own layout: its `dynamic_preprocess` (tiles of the tower's size, the grid nearest the
+    image's aspect ratio, a thumbnail after several, bicubic) and `ToTensor` + `Normalize` by
+    ImageNet's mean and std, which are `GotOcr2ImageProcessorPil`'s with these settings."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    low, high, thumbnail = config.tiling
+    if not thumbnail and high > 1:
+        raise ValueError("an InternVL checkpoint with use_thumbnail false is not supported")
+    side = config.vision.image_size
+    return GotOcr2ImageProcessorPil(size={"height": side, "width": side}, min_patches=low, max_patches=high,
+                                    image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+                                    resample=3, crop_to_patches=False)

@@ -16,12 +16,13 @@ applied by multimodal/video_items.py.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from PIL import Image
 
 from mmserve.ipc.items import PlaceholderRange
+from mmserve.models.tokenizer import load_tokenizer
 from mmserve.multimodal import placeholders
 from mmserve.multimodal import resample
 from mmserve.multimodal.media import MediaError, check_image, to_rgb
@@ -43,10 +44,9 @@ class QwenVLProcessor:
     Stateless after construction (as the LLaVA processor): a call that raises leaves nothing."""
 
     def __init__(self, model_path: str) -> None:
-        from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.tokenizer: Any = cast(Any, AutoTokenizer.from_pretrained(model_path))
+        self.tokenizer: Any = load_tokenizer(model_path)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
         self.chat_template = processor_chat_template(model_path)  # chat_template.jinja / .json, else None
         self.image_token = "<|image_pad|>"

@@ -123,9 +123,9 @@ class GrammarCache:
     def _get_compiler(self, eos_token_id: int | None):
         if self._compiler is None:
             import xgrammar as xgr
-            from transformers import AutoTokenizer
+            from mmserve.models.tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            tokenizer = load_tokenizer(self.model_dir)
             stop = [eos_token_id] if eos_token_id is not None else None
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
