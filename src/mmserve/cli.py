@@ -105,9 +105,19 @@ class CtrlC:
         if _importing(frame):
             if not self._deferred:
                 self._deferred = True
-                threading.Thread(target=_after_import, name="mmserve-ctrl-c", daemon=True).start()
+                threading.Thread(target=self._after_import, name="mmserve-ctrl-c", daemon=True).start()
             return
         raise KeyboardInterrupt
+
+    def _after_import(self) -> None:
+        """Once the main thread is out of every import, send SIGINT again (its handler then raises).
+        Should that land in the next import (the main thread was between two), it is deferred again:
+        a Ctrl-C is never dropped."""
+        main = threading.main_thread().ident
+        while main is not None and _importing(sys._current_frames().get(main)):
+            time.sleep(0.01)
+        self._deferred = False
+        signal.raise_signal(signal.SIGINT)
 
 
 def _importing(frame: Any) -> bool:
@@ -117,14 +127,6 @@ def _importing(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _after_import() -> None:
-    """Once the main thread is out of every import, send SIGINT again (its handler then raises)."""
-    main = threading.main_thread().ident
-    while main is not None and _importing(sys._current_frames().get(main)):
-        time.sleep(0.01)
-    signal.raise_signal(signal.SIGINT)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -12,6 +12,8 @@ script reads them), against transformers on the `-hf` twin. An AWQ decoder, in b
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -159,3 +161,11 @@ def test_an_awq_decoder_in_either_layout_equals_transformers_on_its_weights(tmp_
     own = tmp_path / "awq-own"
     write_internvl_own_layout(quantized, own)
     assert run_greedy(str(own), own_prompts()[:3], MAX_NEW)[0] == refs
+    # as OpenGVLab publishes its AWQ releases: the config in `llm_config`, no modules_to_not_convert
+    config = json.loads((own / "config.json").read_text())
+    quant = {k: v for k, v in config.pop("quantization_config").items() if k != "modules_to_not_convert"}
+    config["llm_config"]["quantization_config"] = quant
+    (own / "config.json").write_text(json.dumps(config))
+    got, llm = run_greedy(str(own), own_prompts()[:3], MAX_NEW)
+    assert got == refs
+    assert "awq" in describe_quantization(llm.engine.core.executor.runner.model)

@@ -70,8 +70,9 @@ class QuantSpec:
 
     @property
     def by_tensors(self) -> bool:
-        """GPTQ names no layers to skip: a layer is quantized where its checkpoint holds a qweight."""
-        return self.format == "gptq"
+        """GPTQ names no layers to skip, and some AWQ releases name too few (InternVL's, vLLM patches
+        them): a layer of either is quantized where its checkpoint holds a qweight."""
+        return self.format in ("gptq", "awq")
 
     @property
     def is_int4(self) -> bool:
@@ -91,7 +92,8 @@ def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | No
     if os.path.isfile(path):
         with open(path) as f:
             config = json.load(f)
-    q = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    decoder = config.get("text_config") or config.get("llm_config") or {}  # InternVL's own layout: llm_config
+    q = config.get("quantization_config") or decoder.get("quantization_config")
     if online is not None:
         if online not in ONLINE_CHOICES:
             raise ValueError(f"--quantization {online!r} is not supported (choices: {', '.join(ONLINE_CHOICES)})")
