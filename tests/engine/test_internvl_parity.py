@@ -169,3 +169,13 @@ def test_an_awq_decoder_in_either_layout_equals_transformers_on_its_weights(tmp_
     got, llm = run_greedy(str(own), own_prompts()[:3], MAX_NEW)
     assert got == refs
     assert "awq" in describe_quantization(llm.engine.core.executor.runner.model)
+
+
+def test_dynamic_ntk_rope_within_the_trained_length_equals_transformers(tmp_path):
+    """Decoders published with dynamic NTK rope (`rope_type: dynamic`, factor 2): within
+    max_position_embeddings transformers leaves the rotary base as it is, and so does mmserve (it
+    was refused as an unsupported rope type)."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    path = make_internvl_checkpoint(tmp_path, text_config={"rope_parameters": rope})
+    refs, _ = hf_internvl_greedy(path, prompts()[:3], MAX_NEW)
+    assert run_greedy(path, prompts()[:3], MAX_NEW)[0] == refs

@@ -142,12 +142,15 @@ def decoder_fields(t: dict[str, Any], *, vocab_size: int, rope_theta: float, max
                    eos: int) -> dict[str, Any]:
     """The `TextConfig` fields every family's decoder config names alike (transformers' names; the
     family's defaults where a field is absent), but `head_dim` and the biases, which differ by family.
-    The rope must be the default one: a ValueError names any other."""
+    The rope must be the default one, or dynamic NTK scaling, which changes nothing within
+    `max_position_embeddings` (transformers scales the base only past it; `--max-model-len` may not
+    go past it: engine/core.py); a ValueError names any other."""
     heads = t.get("num_attention_heads", 32)
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):  # "mrope": Qwen2-VL's old name for its sections
-        raise ValueError(f"rope type {rope_type!r} is not supported yet (only 'default')")
+    if rope_type not in ("default", "mrope", "dynamic"):  # "mrope": Qwen2-VL's old name for its sections
+        raise ValueError(f"rope type {rope_type!r} is not supported yet (only 'default', and 'dynamic' within "
+                         "max_position_embeddings)")
     eos_id = t.get("eos_token_id", eos)
     return dict(
         vocab_size=t.get("vocab_size", vocab_size),
