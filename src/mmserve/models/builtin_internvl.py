@@ -149,13 +149,28 @@ def write_internvl_own_layout(hf_dir: str | os.PathLike, path: str | os.PathLike
     """Writes the checkpoint at `hf_dir` (transformers' layout) at `path` in InternVL's own
     (`InternVLChatModel`, as `OpenGVLab/InternVL3-8B` is published): config.json's `llm_config`,
     InternViT's names and fused `qkv`, `mlp1`, the tiling in config.json, the tokenizer's template."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     source, target = Path(hf_dir), Path(path)
     target.mkdir(parents=True, exist_ok=True)
     raw = json.loads((source / "config.json").read_text())
     pre = json.loads((source / "preprocessor_config.json").read_text())
+    (target / "config.json").write_text(json.dumps(_own_config(raw, pre), indent=2) + "\n")
+    save_file(_own_tensors(source / "model.safetensors"), str(target / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = OWN_CHAT_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    for name in ("tokenizer.json", "generation_config.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    side = raw["vision_config"]["image_size"][0]  # what the repos publish beside: a CLIP-style file, unread
+    clip = {"crop_size": side, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+            "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": pre["image_mean"],
+            "image_std": pre["image_std"], "resample": 3, "size": side}
+    (target / "preprocessor_config.json").write_text(json.dumps(clip, indent=2) + "\n")
+
+
+def _own_config(raw: dict[str, Any], pre: dict[str, Any]) -> dict[str, Any]:
+    """InternVL's config.json for transformers' `raw` (and its image processor's `pre`)."""
     vision, text = raw["vision_config"], raw["text_config"]
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[text["model_type"]]
     config = {
@@ -178,10 +193,18 @@ def write_internvl_own_layout(hf_dir: str | os.PathLike, path: str | os.PathLike
         if "modules_to_not_convert" in quant:
             quant["modules_to_not_convert"] = [own.get(m, m) for m in quant["modules_to_not_convert"]]
         config["quantization_config"] = quant
-    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def _own_tensors(weights: Path) -> dict[str, Any]:
+    """The tensors of transformers' one-file checkpoint `weights` under InternVL's names, each
+    layer's q, k and v stacked into one `qkv` (rows: q's, then k's, then v's)."""
+    import torch
+    from safetensors.torch import load_file
+
     tensors: dict[str, Any] = {}
     fused: dict[str, dict[str, Any]] = {}  # a layer's q, k, v, to stack into one qkv
-    for name, tensor in load_file(str(source / "model.safetensors")).items():
+    for name, tensor in load_file(str(weights)).items():
         if name.startswith("language_model.") or name == "lm_head.weight":
             tensors["language_model." + name if name == "lm_head.weight" else name] = tensor
             continue
@@ -195,14 +218,4 @@ def write_internvl_own_layout(hf_dir: str | os.PathLike, path: str | os.PathLike
             tensors[name] = tensor
     for name, parts in fused.items():
         tensors[name] = torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]])
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = OWN_CHAT_TEMPLATE
-    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    for name in ("tokenizer.json", "generation_config.json"):
-        (target / name).write_bytes((source / name).read_bytes())
-    side = vision["image_size"][0]  # what the repos publish beside: a CLIP-style file their code does not read
-    clip = {"crop_size": side, "do_center_crop": True, "do_normalize": True, "do_resize": True,
-            "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": pre["image_mean"],
-            "image_std": pre["image_std"], "resample": 3, "size": side}
-    (target / "preprocessor_config.json").write_text(json.dumps(clip, indent=2) + "\n")
+    return tensors
