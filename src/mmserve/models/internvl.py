@@ -89,11 +89,7 @@ class InternVLForConditionalGeneration(VisionLanguageModel):
     )
 
     def __init__(self, cfg: InternVLModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.model = InternVLInner(cfg, tp)
-        self._init_lm_head(self.model.language_model.embed_tokens)
+        super().__init__(cfg, tp, InternVLInner(cfg, tp))
 
     @classmethod
     def canonical_name(cls, name: str) -> str:

@@ -72,9 +72,11 @@ class InternVLModelConfig:
     vision_feature_layer: int
     vision_feature_select_strategy: str
     tie_word_embeddings: bool
-    max_tiles: int  # tiles of the largest image the image processor makes by default (thumbnail included)
+    # the default tiling: (min tiles, max tiles, thumbnail after several); HF: preprocessor_config.json's
+    # `min_patches` / `max_patches` (transformers' InternVL processor always crops, with a thumbnail);
+    # CHAT: config.json's `min_dynamic_patch` / `max_dynamic_patch` / `use_thumbnail`
+    tiling: tuple[int, int, bool]
     layout: str = HF  # HF: transformers' names and files; CHAT: InternVL's own (`InternVLChatModel`)
-    tiling: tuple[int, int, bool] = (1, 12, True)  # CHAT: (min tiles, max tiles, thumbnail), from config.json
 
     @property
     def scale(self) -> int:
@@ -90,6 +92,12 @@ class InternVLModelConfig:
     def feature_layer(self) -> int:
         """The tower's layer whose output is taken (1..L; L: the last, with its final norm if any)."""
         return self.vision_feature_layer % (self.vision.num_hidden_layers + 1)
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles of the largest image under the default tiling, the thumbnail included."""
+        _, high, thumbnail = self.tiling
+        return high + 1 if thumbnail and high > 1 else high
 
     @property
     def max_item_tokens(self) -> int:
@@ -124,7 +132,7 @@ def load_internvl_config(raw: dict[str, Any], model_dir: str) -> InternVLModelCo
         vision_feature_layer=layer,
         vision_feature_select_strategy=strategy,
         tie_word_embeddings=tie,
-        max_tiles=_max_tiles(model_dir),
+        tiling=_preprocessor_tiling(model_dir),
     )
 
 
@@ -152,9 +160,7 @@ def load_internvl_chat_config(raw: dict[str, Any], model_dir: str) -> InternVLMo
                  "vision_feature_layer": raw.get("select_layer", -1),
                  "projector_hidden_act": "gelu", "image_token_id": _image_token_id(model_dir),
                  "tie_word_embeddings": bool(llm.get("tie_word_embeddings", False))}
-    cfg = load_internvl_config(hf_layout, model_dir)
-    tiles = high + 1 if thumbnail and high > 1 else high
-    return replace(cfg, layout=CHAT, max_tiles=tiles, tiling=(low, high, thumbnail))
+    return replace(load_internvl_config(hf_layout, model_dir), layout=CHAT, tiling=(low, high, thumbnail))
 
 
 def _image_token_id(model_dir: str) -> int:
@@ -232,13 +238,12 @@ def _text_config(t: dict[str, Any], tie: bool) -> QwenTextConfig:
     )
 
 
-def _max_tiles(model_dir: str) -> int:
-    """Tiles of the largest image under the image processor's defaults: `max_patches` plus the
-    thumbnail (transformers' InternVL processor always crops to tiles)."""
+def _preprocessor_tiling(model_dir: str) -> tuple[int, int, bool]:
+    """transformers' layout: the image processor's `min_patches` / `max_patches` (its class defaults,
+    1 and 12, where the file is silent), a thumbnail after several tiles."""
     path = os.path.join(model_dir, "preprocessor_config.json")
     pre: dict[str, Any] = {}
     if os.path.isfile(path):
         with open(path) as f:
             pre = json.load(f)
-    max_patches = int(pre.get("max_patches", 12))
-    return max_patches + 1 if max_patches > 1 else 1
+    return int(pre.get("min_patches", 1)), int(pre.get("max_patches", 12)), True

@@ -59,11 +59,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     )
 
     def __init__(self, cfg: LlavaModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.model = LlavaInner(cfg, tp)
-        self._init_lm_head(self.model.language_model.embed_tokens)
+        super().__init__(cfg, tp, LlavaInner(cfg, tp))
 
     # ---- loading --------------------------------------------------------------------------------
 

@@ -50,11 +50,7 @@ class QwenVLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
 
     def __init__(self, cfg: QwenVLModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.model = QwenVLInner(cfg, tp)
-        self._init_lm_head(self.model.language_model.embed_tokens)
+        super().__init__(cfg, tp, QwenVLInner(cfg, tp))
 
     # ---- loading --------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """What every family's top-level model shares: the LM head and logits, the KV heads a rank
 caches, and renaming a checkpoint's older saved layout into the module tree.
 
-A family subclasses `VisionLanguageModel`, builds its `model` (vision tower + decoder) and
-calls `_init_lm_head`; the runner's and loader's interface is listed in models/registry.py.
+A family subclasses `VisionLanguageModel` and hands its `model` (vision tower + decoder) to its
+constructor; the runner's and loader's interface is listed in models/registry.py.
 """
 
 from __future__ import annotations
@@ -26,12 +26,19 @@ class VisionLanguageModel(nn.Module):
     weight_bytes = 0  # the loader sets it: bytes its parameters hold (quantized ones as held)
     config: Any
     tp: TensorParallel
+    model: Any  # the family's `model.` prefix: its tower(s) and `language_model`
 
-    def _init_lm_head(self, embed_tokens: nn.Module) -> None:
-        text = self.config.text
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, self.tp)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = embed_tokens.weight  # type: ignore[assignment]  # a Parameter
+    def __init__(self, cfg: Any, tp: TensorParallel, model: Any) -> None:
+        """The family's config, this rank's place, its `model` (built for that rank), and the LM
+        head over the decoder's embeddings (the same table when tied)."""
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = model
+        text = cfg.text
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = model.language_model.embed_tokens.weight  # type: ignore[assignment]
 
     @classmethod
     def canonical_name(cls, name: str) -> str:
@@ -44,7 +51,7 @@ class VisionLanguageModel(nn.Module):
     @property
     def text_model(self) -> Any:
         """The decoder (`model.language_model`: embeddings, layers, final norm)."""
-        return self.model.language_model  # type: ignore[union-attr]  # every family's `model` has one
+        return self.model.language_model
 
     @property
     def hidden_size(self) -> int:
