@@ -1,4 +1,5 @@
-"""On a CUDA GPU: quantized weights (AWQ, GPTQ 4- and 8-bit, W4A16, FP8 block-wise and per row, `--quantization fp8`)
+"""On a CUDA GPU: quantized weights (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8, FP8 block-wise and per row,
+`--quantization fp8`)
 through our Triton kernels at the 7B's shapes against dequantize-then-matmul, and greedy tokens
 against transformers on the dequantized weights (float32 equal, bfloat16 agreement printed).
 `make test-gpu`; skipped (instantly) where CUDA is absent."""
@@ -10,10 +11,11 @@ import torch
 
 from helpers.gpu_cases import checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, quantize_copy
+from helpers.quant_checkpoints import FORMATS, W8A8, assert_w8a8_greedy_close, int8_activation_hooks, quantize_copy
 from helpers.resident_weights import random_fp8, random_int4, random_int8
 from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows
+from mmserve.models.quantization.w8a8 import quantize_rows
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 12
@@ -30,26 +32,34 @@ def _cuda():
 @pytest.mark.parametrize("N, K", SHAPES_7B)
 def test_kernels_at_the_7b_shapes_equal_dequantize_then_matmul(M, N, K):
     from mmserve.models.quantization import triton_kernels
+    from mmserve.models.quantization.triton_int8_mm import int8_scaled_mm
 
     gen = torch.Generator().manual_seed(M + N)
     qweight, scales, zeros = random_int4(N, K, 128, gen)
     weight, block_scale, W8 = random_fp8(N, K, (128, 128), gen)
     codes, scales8, zeros8 = random_int8(N, K, 128, gen)
     x = torch.randn(M, K, generator=gen).cuda()
+    w8, w8_scale = codes.view(torch.int8), scales8[:, 0].contiguous()  # W8A8: int8 codes, a scale a row
+    q, s = quantize_rows(x)
     cases = {"int4": (triton_kernels.int4_linear(x, qweight.cuda(), scales.cuda(), zeros.cuda(), 128, None),
                       dequantize_rows(qweight, scales, zeros, 128)),
              "int8": (triton_kernels.int8_linear(x, codes.cuda(), scales8.cuda(), zeros8.cuda(), 128, None),
                       int8.dequantize_rows(codes, scales8, zeros8, 128)),
-             "fp8 block": (triton_kernels.fp8_linear(x, weight.cuda(), block_scale.cuda(), (128, 128), None), W8)}
+             "fp8 block": (triton_kernels.fp8_linear(x, weight.cuda(), block_scale.cuda(), (128, 128), None), W8),
+             "w8a8": (int8_scaled_mm(q, s, w8.cuda(), w8_scale.cuda(), None, torch.float32),
+                      w8.float() * w8_scale[:, None])}
     for name, (got, W) in cases.items():
-        want = x.double() @ W.cuda().double().t()
+        rows = q.double() * s.double() if name == "w8a8" else x.double()  # W8A8 multiplies x as quantized
+        want = rows @ W.cuda().double().t()
         bound = (x.abs().double() @ W.cuda().abs().double().t()) * K * 2**-22 + 1e-6
         assert ((got.double() - want).abs() <= bound).all(), name
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "fp8-online"])
+@pytest.mark.parametrize("fmt", [*(f for f in FORMATS if f not in ("w8a16-asym", "w8a8-tensor")), "fp8-online"])
 def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
-    """float32: token-equal to transformers on the dequantized weights; bfloat16: agreement printed."""
+    """float32: token-equal to transformers on the dequantized weights (W8A8: close, its activations
+    quantized alike, `assert_w8a8_greedy_close`); bfloat16: agreement printed."""
+    from helpers.hf_reference import hf_qwen_greedy
     from helpers.quant_checkpoints import online_fp8_twin
 
     source, items = checkpoint("qwen3_vl", tmp_path), prompts("qwen3_vl")
@@ -57,10 +67,15 @@ def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
         path, twin, extra = source, online_fp8_twin(source, tmp_path / "twin"), {"quantization": "fp8"}
     else:
         (path, twin), extra = quantize_copy(source, tmp_path, fmt), {}
-    ours, _ = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512, **extra)
-    assert ours == hf_tokens("qwen3_vl", twin, items, MAX_NEW, torch.float32)
+    prepare = (lambda model: int8_activation_hooks(model)) if fmt in W8A8 else None
+    if fmt in W8A8:
+        assert_w8a8_greedy_close(path, twin, items, MAX_NEW, hf_qwen_greedy, 0.1, device="cuda", dtype="float32",
+                                 max_model_len=512).shutdown()
+    else:
+        ours, _ = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512, **extra)
+        assert ours == hf_tokens("qwen3_vl", twin, items, MAX_NEW, torch.float32)
     ours, _ = run_greedy(path, items, MAX_NEW, device="cuda", dtype="bfloat16", max_model_len=512, **extra)
-    theirs = hf_tokens("qwen3_vl", twin, items, MAX_NEW, torch.bfloat16)
+    theirs = hf_tokens("qwen3_vl", twin, items, MAX_NEW, torch.bfloat16, prepare=prepare)
     pairs = [(a, b) for mine, ref in zip(ours, theirs) for a, b in zip(mine, ref)]
     print(f"\n{fmt}: bfloat16 tokens equal to transformers' bfloat16 on the dequantized weights: "
           f"{sum(a == b for a, b in pairs) / len(pairs):.1%} of {len(pairs)}")

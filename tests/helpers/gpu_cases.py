@@ -57,13 +57,13 @@ def prompts(name: str) -> list[dict[str, Any]]:
 
 
 def hf_tokens(name: str, path: str, items: list[dict[str, Any]], max_new: int, dtype: torch.dtype,
-              device: str = "cuda") -> list[list[int]]:
-    """transformers' greedy tokens for each prompt, on `device` in `dtype`."""
+              device: str = "cuda", **extra: Any) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, on `device` in `dtype` (`extra`: e.g. `prepare`)."""
     from helpers.hf_internvl import hf_internvl_greedy
     from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 
     reference = {"llava": hf_greedy, "internvl": hf_internvl_greedy, "qwen": hf_qwen_greedy}[family(name)]
-    return reference(path, items, max_new, dtype=dtype, device=device)[0]
+    return reference(path, items, max_new, dtype=dtype, device=device, **extra)[0]
 
 
 def release_llms() -> int:

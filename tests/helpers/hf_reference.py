@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from PIL import Image
 
@@ -11,12 +13,16 @@ __all__ = ["hf_greedy", "hf_qwen_greedy", "hf_video_inputs", "hf_video_processor
 
 
 def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
-              device: str = "cpu") -> tuple[list[list[int]], list[int]]:
+              device: str = "cpu", prepare: Callable[[torch.nn.Module], None] | None = None,
+              ) -> tuple[list[list[int]], list[int]]:
     """transformers' `generate` on each prompt dict alone: output token ids and prompt lengths
-    (the model in `dtype` on `device`: the GPU kit runs it on CUDA)."""
+    (the model in `dtype` on `device`: the GPU kit runs it on CUDA; `prepare` is called on it
+    once loaded, e.g. to quantize its activations as W8A8 does)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    if prepare is not None:
+        prepare(model)
     processor = AutoProcessor.from_pretrained(path)
     refs, lens = [], []
     for item in items:
@@ -30,7 +36,8 @@ def hf_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dt
 
 
 def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: torch.dtype = torch.float32,
-                   device: str = "cpu") -> tuple[list[list[int]], list[int]]:
+                   device: str = "cpu", prepare: Callable[[torch.nn.Module], None] | None = None,
+                   ) -> tuple[list[list[int]], list[int]]:
     """transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL `generate` on each prompt dict alone.
 
     The Qwen processor classes need torchvision, so the inputs are built the way they build
@@ -52,6 +59,8 @@ def hf_qwen_greedy(path: str, items: list[dict], max_new_tokens: int, dtype: tor
         arch = json.load(f)["architectures"][0]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
     assert type(model).__name__ == arch
+    if prepare is not None:
+        prepare(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
     family = {"Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen2VLForConditionalGeneration": "qwen2_vl"}.get(

@@ -3,8 +3,9 @@
 Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
 `WQLinear_GEMM.from_linear` packs (`awq/modules/linear/gemm.py`), GPTQ as AutoGPTQ's
 `QuantLinear.pack` (`auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py`: rows packed into words,
-zeros stored less one, `g_idx`), W4A16 as compressed-tensors'
-`pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), FP8 block-wise as
+zeros stored less one, `g_idx`), W4A16 and W8A16 as compressed-tensors'
+`pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), W8A8 as its int-quantized
+format stores it (int8 `weight`, `weight_scale` [out, 1] or [1]), FP8 block-wise as
 transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
 compressed-tensors' float-quantized format (`weight_scale` [out, 1]). `quantize_copy` writes the
 quantized checkpoint and a plain float32 one holding exactly the weights it stands for, which
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
 FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "gptq-int8", "w4a16", "w4a16-asym", "w4a16-act-order",
-           "fp8-block", "fp8-channel")
+           "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "fp8-block", "fp8-channel")
+W8A8 = ("w8a8", "w8a8-tensor")  # activations quantized too: the reference needs `int8_activation_hooks`
+ROW_PARALLEL = ("o_proj", "down_proj")  # a rank holds a slice of their input
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -64,15 +68,17 @@ def gptq_pack_columns(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return gptq_pack(values.t().contiguous(), bits).t().contiguous()
 
 
-def ct_pack(signed: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
-    """int4 values -8..7 -> int32 as compressed-tensors' `pack_to_int32` (offset 8, along `packed_dim`)."""
-    value = (signed.to(torch.int64) + 8)
+def ct_pack(signed: torch.Tensor, packed_dim: int = 1, bits: int = 4) -> torch.Tensor:
+    """int values -2^(bits-1)..2^(bits-1)-1 -> int32 as compressed-tensors' `pack_to_int32` (offset
+    2^(bits-1), 32 / bits values to a word, along `packed_dim`)."""
+    value = (signed.to(torch.int64) + (1 << (bits - 1)))
+    per_word = 32 // bits
     if packed_dim == 0:
         value = value.t()
-    packed = torch.zeros(value.shape[0], -(-value.shape[1] // 8), dtype=torch.int64, device=value.device)
-    for i in range(8):
-        part = value[:, i::8]
-        packed[:, :part.shape[1]] |= part << (4 * i)
+    packed = torch.zeros(value.shape[0], -(-value.shape[1] // per_word), dtype=torch.int64, device=value.device)
+    for i in range(per_word):
+        part = value[:, i::per_word]
+        packed[:, :part.shape[1]] |= part << (bits * i)
     packed = _to_int32(packed)
     return packed.t().contiguous() if packed_dim == 0 else packed
 
@@ -131,30 +137,124 @@ def _g_idx(back: torch.Tensor, group: int) -> torch.Tensor:
     return (torch.arange(back.shape[0], device=back.device) // group)[back].to(torch.int32)
 
 
-def _w4a16(w: torch.Tensor, group: int, symmetric: bool,
-           act_order: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """compressed-tensors' W4A16 as llm-compressor's GPTQ writes it; `act_order`: its actorder
-    "group", groups in `quantization_order` with `weight_g_idx`."""
+def _packed(w: torch.Tensor, group: int, symmetric: bool, act_order: bool = False,
+            bits: int = 4) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' W4A16 / W8A16 (`bits`) as llm-compressor's GPTQ writes it, on
+    `calculate_qparams`' grid (symmetric: max|w| over half the range; else zero points in range);
+    `act_order`: its actorder "group", groups in `quantization_order` with `weight_g_idx`."""
     out, inp = w.shape
+    lo_code, hi_code = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     order = quantization_order(inp, act_order, w.device)
     back = torch.argsort(order)
     g = w[:, order].reshape(out, inp // group, group)
     if symmetric:
-        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-5).bfloat16()
+        scale = (g.abs().amax(-1) / ((hi_code - lo_code) / 2)).clamp(min=1e-5).bfloat16()
         zp = torch.zeros_like(scale, dtype=torch.int64)
     else:
         lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo).clamp(min=1e-5) / 15).bfloat16()
-        zp = (-8 - lo / scale.float()).round().clamp(-8, 7).to(torch.int64)
-    q = (g / scale.float()[..., None] + zp[..., None]).round().clamp(-8, 7)
+        scale = ((hi - lo).clamp(min=1e-5) / (hi_code - lo_code)).bfloat16()
+        zp = (lo_code - lo / scale.float()).round().clamp(lo_code, hi_code).to(torch.int64)
+    q = (g / scale.float()[..., None] + zp[..., None]).round().clamp(lo_code, hi_code)
     deq = ((q - zp[..., None]) * scale.float()[..., None]).reshape(out, inp)[:, back]
-    tensors = {"weight_packed": ct_pack(q.reshape(out, inp)[:, back]), "weight_scale": scale,
+    tensors = {"weight_packed": ct_pack(q.reshape(out, inp)[:, back], bits=bits), "weight_scale": scale,
                "weight_shape": torch.tensor([out, inp])}
     if not symmetric:
-        tensors["weight_zero_point"] = ct_pack(zp, packed_dim=0)
+        tensors["weight_zero_point"] = ct_pack(zp, packed_dim=0, bits=bits)
     if act_order:
         tensors["weight_g_idx"] = _g_idx(back, group)
     return tensors, deq
+
+
+def _w8a8(w: torch.Tensor, per_tensor: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' int-quantized W8A8 weights: symmetric int8 codes on `calculate_qparams`'
+    grid (max|w| / 127.5) per output row, or one for the tensor; the scale stored bfloat16, as
+    llm-compressor stores it in the model's dtype."""
+    peak = w.abs().amax() if per_tensor else w.abs().amax(dim=1, keepdim=True)
+    scale = (peak / 127.5).clamp(min=1e-5).bfloat16()
+    q = (w / scale.float()).round().clamp(-128, 127)
+    return {"weight": q.to(torch.int8), "weight_scale": scale.reshape(1) if per_tensor else scale}, q * scale.float()
+
+
+def int8_token_fake_quant(x: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """x as W8A8's activations stand for it, as vLLM's `scaled_int8_quant` quantizes them (dynamic,
+    per token): each row, or each of its `parts` slices (a row-parallel layer's ranks), rounded
+    half to even at 127 / max|row| and clamped to int8, then scaled back by max|row| / 127."""
+    slices = []
+    for piece in x.float().chunk(parts, dim=-1):
+        peak = piece.abs().amax(dim=-1, keepdim=True)
+        q = torch.where(peak > 0, torch.round(piece * (127.0 / peak)), torch.zeros_like(piece)).clamp(-128, 127)
+        slices.append(q * (peak / 127.0))
+    return torch.cat(slices, dim=-1).to(x.dtype)
+
+
+def int8_activation_hooks(model: torch.nn.Module, tp: int = 1) -> None:
+    """Make transformers' `model` quantize the inputs of its decoder projections (the layers
+    `quantize_copy` quantizes) as W8A8 runs them: per token, and in `tp` slices for the
+    row-parallel ones, as each rank of a tensor-parallel engine quantizes its own."""
+    pattern = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+    for name, module in model.named_modules():
+        if pattern.search(name) and not any(v in name for v in VISION):
+            parts = tp if name.endswith(ROW_PARALLEL) else 1
+            module.register_forward_pre_hook(lambda _m, args, parts=parts: (int8_token_fake_quant(args[0], parts),))
+
+
+def record_logprobs(into: list[torch.Tensor]) -> Callable[[torch.nn.Module], None]:
+    """A `prepare` for the `hf_*_greedy` references: each step's log-probabilities over the
+    vocabulary (the LM head's last row, float32) appended to `into`, prompt after prompt."""
+    def prepare(model: torch.nn.Module) -> None:
+        model.get_output_embeddings().register_forward_hook(
+            lambda _m, _args, out: into.append(torch.log_softmax(out[0, -1].float(), dim=-1).cpu()))
+    return prepare
+
+
+def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, float]], theirs: list[int],
+                        their_logprobs: list[torch.Tensor], tol: float) -> int:
+    """W8A8's greedy tokens against the reference's, where rounding each token's activations to
+    int8 turns float noise into whole quanta (a value at a rounding boundary, rounded the other
+    way): at every step until the two part, the reference's token is among ours' top log-probabilities
+    with its log-probability within `tol` of the reference's; where they part, the reference holds
+    ours within `tol` of its own choice (a near tie), and the comparison ends. Returns the steps compared."""
+    for step, (mine, ref) in enumerate(zip(ours, theirs)):
+        lp = their_logprobs[step]
+        assert ref in our_logprobs[step], f"step {step}: the reference's token {ref} not in our top log-probabilities"
+        assert abs(our_logprobs[step][ref] - float(lp[ref])) < tol, f"step {step}: log-probabilities apart"
+        if mine != ref:
+            assert float(lp[ref] - lp[mine]) < tol, f"step {step}: {mine} != {ref}, not a near tie"
+            return step + 1
+    assert len(ours) == len(theirs)
+    return len(ours)
+
+
+def assert_w8a8_greedy_close(quantized: str, dequantized: str, items: list[dict], max_new: int,
+                             reference: Callable[..., tuple[list[list[int]], list[int]]], tol: float,
+                             **engine_args: Any) -> Any:
+    """A W8A8 checkpoint's greedy tokens and log-probabilities (an `LLM` on `engine_args`, the CPU
+    unless they name a device) against `reference` (`hf_greedy`, `hf_qwen_greedy`: transformers on
+    `dequantized`, its activations quantized as the engine's ranks quantize them), by
+    `assert_greedy_close`. Returns the `LLM`."""
+    from mmserve import LLM, SamplingParams
+
+    engine_args.setdefault("device", "cpu")
+    llm = LLM(model=quantized, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=5)
+    outs = [o.outputs[0] for o in llm.generate(items, params)]
+    llm.engine.core.check_integrity()
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.pool.num_blocks
+    steps: list[torch.Tensor] = []
+    record = record_logprobs(steps)
+
+    def prepare(model: torch.nn.Module) -> None:
+        int8_activation_hooks(model, engine_args.get("tensor_parallel_size", 1))
+        record(model)
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_args.get("dtype", "float32")]
+    device = "cpu" if engine_args["device"] == "cpu" else "cuda"
+    theirs = reference(dequantized, items, max_new, dtype=dtype, device=device, prepare=prepare)[0]
+    for out, ref in zip(outs, theirs):
+        mine = [{token: lp.logprob for token, lp in step.items()} for step in out.logprobs]
+        assert_greedy_close(list(out.token_ids), mine, ref, steps[:len(ref)], tol)
+        del steps[:len(ref)]
+    return llm
 
 
 def _fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -201,9 +301,16 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
         weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
         fmt_name = "float-quantized"
+    elif fmt in W8A8:  # llm-compressor's W8A8 preset
+        weights = {"num_bits": 8, "type": "int", "strategy": "tensor" if fmt == "w8a8-tensor" else "channel",
+                   "symmetric": True, "dynamic": False, "group_size": None, "actorder": None}
+        acts = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+        fmt_name = "int-quantized"
     else:
-        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group,
-                   "symmetric": fmt != "w4a16-asym", "dynamic": False,
+        by_channel = fmt == "w8a16-asym"  # llm-compressor's W8A16 preset is per channel
+        weights = {"num_bits": 8 if fmt.startswith("w8a16") else 4, "type": "int",
+                   "strategy": "channel" if by_channel else "group", "group_size": None if by_channel else group,
+                   "symmetric": not fmt.endswith("-asym"), "dynamic": False,
                    "actorder": "group" if fmt == "w4a16-act-order" else None}
         acts, fmt_name = None, "pack-quantized"
     return {"quant_method": "compressed-tensors", "format": fmt_name, "quantization_status": "compressed",
@@ -226,7 +333,13 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
         return _gptq(w, group, symmetric=fmt != "gptq-asym", act_order=fmt == "gptq-act-order",
                      bits=8 if fmt == "gptq-int8" else 4)
     if fmt in ("w4a16", "w4a16-asym", "w4a16-act-order"):
-        return _w4a16(w, group, symmetric=fmt != "w4a16-asym", act_order=fmt == "w4a16-act-order")
+        return _packed(w, group, symmetric=fmt != "w4a16-asym", act_order=fmt == "w4a16-act-order")
+    if fmt == "w8a16":
+        return _packed(w, group, symmetric=True, bits=8)
+    if fmt == "w8a16-asym":  # per channel: one group per row
+        return _packed(w, w.shape[1], symmetric=False, bits=8)
+    if fmt in W8A8:
+        return _w8a8(w, per_tensor=fmt == "w8a8-tensor")
     if fmt == "fp8-block":
         return _fp8_block(w, block)
     return _fp8_channel(w)

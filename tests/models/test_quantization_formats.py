@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, Recipe, awq_pack, checkpoint_bytes, ct_pack,
-                                       gptq_pack, gptq_pack_columns, quantize_copy, quantize_entry,
-                                       w4a16_config)
+from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, VISION, W8A8, Recipe, awq_pack, checkpoint_bytes,
+                                       ct_pack, gptq_pack, gptq_pack_columns, int8_token_fake_quant,
+                                       quantization_config, quantize_copy, quantize_entry, w4a16_config)
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
@@ -30,6 +30,9 @@ EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_p
                      "gptq-int8": ("qweight", "qzeros", "scales", "g_idx"),
                      "w4a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
                      "w4a16-act-order": ("weight_packed", "weight_scale", "weight_g_idx"),
+                     "w8a16": ("weight_packed", "weight_scale"),
+                     "w8a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
+                     "w8a8": ("weight", "weight_scale"), "w8a8-tensor": ("weight", "weight_scale"),
                      "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
 
 
@@ -123,16 +126,18 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_loaded_layers_are_the_checkpoints_weights_bit_for_bit(fmt, source, tmp_path):
+    """And each layer's product is the float layer's (W8A8's: on x quantized per token, as vLLM does)."""
     quantized, dequantized = quantize_copy(source, tmp_path, fmt)
     model, plain = load_model(quantized), load_model(dequantized)
     reference = _linears(plain)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    x_as_run = int8_token_fake_quant(x) if fmt in W8A8 else x
     for name, layer in _linears(model).items():
         assert layer.method.name != "dense", name
         want = reference[name].method.dequantize(reference[name])
         assert torch.equal(layer.method.dequantize(layer), want), name
         if want.shape[1] == x.shape[1]:
-            torch.testing.assert_close(layer(x), reference[name](x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer(x), reference[name](x_as_run), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -208,6 +213,32 @@ def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, 
     assert load_model(source).lm_head.weight.dtype == torch.float32
 
 
+def w8a8_config(**activations) -> dict:
+    """compressed-tensors' W8A8 `quantization_config` with its input activations' fields overridden."""
+    config = quantization_config("w8a8", 128, 128)
+    config["config_groups"]["group_0"]["input_activations"].update(activations)
+    return config
+
+
+def _spec(config: dict, folder: Path) -> QuantSpec | None:
+    """`read_quant_spec` of a checkpoint folder whose config.json holds `config`."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"quantization_config": config}))
+    return read_quant_spec(str(folder))
+
+
+def test_compressed_tensors_8_bit_schemes_are_read_as_published(tmp_path):
+    """W8A16 (pack-quantized, 8-bit: channel, or group) and W8A8 (int-quantized, per channel or tensor)."""
+    skip = ("lm_head", *(f"re:.*{name}.*" for name in VISION))
+    assert _spec(quantization_config("w8a16", 128, 128), tmp_path / "a") == QuantSpec(
+        "w8a16", group_size=128, bits=8, skip_names=skip)
+    assert _spec(quantization_config("w8a16-asym", 128, 128), tmp_path / "b") == QuantSpec(
+        "w8a16", group_size=0, bits=8, symmetric=False, skip_names=skip)
+    assert _spec(quantization_config("w8a8", 128, 128), tmp_path / "c") == QuantSpec("w8a8", bits=8, skip_names=skip)
+    assert _spec(quantization_config("w8a8-tensor", 128, 128), tmp_path / "d") == QuantSpec(
+        "w8a8", bits=8, per_tensor=True, skip_names=skip)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' of"),
     ({"quant_method": "gguf"}, "'gguf' of"),
@@ -217,6 +248,10 @@ def test_a_quantized_checkpoints_16_bit_lm_head_stays_16_bit_on_the_cpu(stored, 
     ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False}, "GPTQ with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "'gptq_v2'"),
     (w4a16_config("columns"), "W4A16 with actorder 'columns'"),
+    (w8a8_config(dynamic=False, strategy="tensor"), "W8A8 with static activation scales"),
+    (w8a8_config(symmetric=False), "W8A8 with asymmetric"),
+    (w8a8_config(num_bits=4, type="int"), "int8 weights with 4-bit int activations"),
+    ({**w8a8_config(), "format": "pack-quantized"}, "'pack-quantized' with 8-bit int weights by 'channel' and act"),
 ])
 def test_unsupported_quantization_is_refused_in_one_line(config, message, source, tmp_path):
     folder = tmp_path / "q"

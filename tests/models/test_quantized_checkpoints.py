@@ -1,6 +1,7 @@
-"""Quantized checkpoints (AWQ, GPTQ 4- and 8-bit, W4A16, FP8 block-wise and per channel, `--quantization fp8`):
-greedy float32 tokens equal transformers running the dequantized weights, on Qwen3-VL, Qwen2.5-VL
-and LLaVA, with the weights held quantized.
+"""Quantized checkpoints (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8, FP8 block-wise and per channel,
+`--quantization fp8`): greedy float32 tokens equal transformers running the dequantized weights (for
+W8A8 with its activations quantized per token, `int8_activation_hooks`), on Qwen3-VL, Qwen2.5-VL and
+LLaVA, with the weights held quantized.
 
 The quantized checkpoints are written here from random weights in the published layouts
 (`helpers/quant_checkpoints.py`, written from AutoAWQ's, compressed-tensors' and transformers'
@@ -16,16 +17,20 @@ import torch
 
 from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, checkpoint_bytes, online_fp8_twin, quantize_copy
+from helpers.quant_checkpoints import (FORMATS, W8A8, assert_w8a8_greedy_close, checkpoint_bytes, online_fp8_twin,
+                                       quantize_copy)
+from mmserve import LLM
 from mmserve.models.quantization.select import describe_quantization
 from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint
 
 pytestmark = pytest.mark.slow  # runs transformers and the engine on each format (deselect with -m 'not slow')
 
 MAX_NEW = 6
+W8A8_TOL = 0.1  # log-probability: a few activation quanta rounded the other way move it ~0.03 here
 METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "gptq-int8": "gptq-int8",
-          "w4a16": "w4a16",
-          "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
+          "w4a16": "w4a16", "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "w8a16": "w8a16",
+          "w8a16-asym": "w8a16", "w8a8": "w8a8", "w8a8-tensor": "w8a8", "fp8-block": "fp8_block",
+          "fp8-channel": "fp8_channel"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -50,6 +55,17 @@ def _reference(family: str, path: str, items: list[dict]) -> list[list[int]]:
     return (hf_greedy if family == "llava" else hf_qwen_greedy)(path, items, MAX_NEW)[0]
 
 
+def _check(fmt: str, family: str, quantized: str, dequantized: str, items: list[dict], **engine_args) -> LLM:
+    """The engine's greedy tokens against transformers' on the dequantized weights: equal; W8A8's
+    close (`assert_w8a8_greedy_close`: its activations rounded to int8 turn float noise into quanta)."""
+    reference = hf_greedy if family == "llava" else hf_qwen_greedy
+    if fmt in W8A8:
+        return assert_w8a8_greedy_close(quantized, dequantized, items, MAX_NEW, reference, W8A8_TOL, **engine_args)
+    got, llm = run_greedy(quantized, items, MAX_NEW, **engine_args)
+    assert got == reference(dequantized, items, MAX_NEW)[0]
+    return llm
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("dense")
@@ -57,7 +73,8 @@ def sources(tmp_path_factory) -> dict[str, str]:
 
 
 # every format on every family; GPTQ's asymmetric and the act-order variants on one each
-ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava"}
+ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava",
+              "w8a16-asym": "qwen2_5_vl", "w8a8-tensor": "llava"}
 # GPTQ's 8-bit form (as Qwen's Qwen2-VL-*-GPTQ-Int8) on every family: its own method and kernels
 CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 
@@ -65,9 +82,7 @@ CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.g
 @pytest.mark.parametrize("fmt, family", CASES)
 def test_greedy_equals_transformers_on_the_dequantized_weights(fmt, family, sources, tmp_path):
     quantized, dequantized = quantize_copy(sources[family], tmp_path, fmt)
-    items = _prompts(family)
-    got, llm = run_greedy(quantized, items, MAX_NEW)
-    assert got == _reference(family, dequantized, items)
+    llm = _check(fmt, family, quantized, dequantized, _prompts(family))
     stats = llm.engine.core.stats()  # the metric's source: resident bytes as held
     assert abs(stats.weight_bytes / checkpoint_bytes(quantized) - 1) < 0.15
     assert METHOD[fmt] in describe_quantization(llm.engine.core.executor.runner.model)
@@ -92,14 +107,12 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
 
 
 @pytest.mark.parametrize("fmt, stored", [("awq", None), ("gptq-asym", None), ("gptq-int8", None), ("w4a16-asym", None),
-                                         ("fp8-block", None),
+                                         ("w8a16", None), ("w8a8", None), ("fp8-block", None),
                                          ("fp8-channel", None), ("awq", torch.float16)])
 def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
     """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM
     head's rows): two ranks give transformers' tokens on the dequantized weights, as one does."""
     quantized, dequantized = quantize_copy(sources["qwen3_vl"], tmp_path, fmt, unquantized=stored)
-    items = _prompts("qwen3_vl")
-    got, llm = run_greedy(quantized, items, MAX_NEW, tensor_parallel_size=2)
-    assert got == _reference("qwen3_vl", dequantized, items)
+    llm = _check(fmt, "qwen3_vl", quantized, dequantized, _prompts("qwen3_vl"), tensor_parallel_size=2)
     both = llm.engine.core.stats().weight_bytes  # the ranks' shards and the replicated tensors twice
     assert checkpoint_bytes(quantized) < both < 2 * checkpoint_bytes(quantized)

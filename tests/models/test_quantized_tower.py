@@ -19,7 +19,8 @@ from mmserve.models.quantization.config import QuantSpec
 from mmserve.models.quantization.select import make_method
 
 MAX_NEW = 4
-METHOD = {"awq": "awq", "w4a16-asym": "w4a16", "fp8-block": "fp8_block", "fp8-channel": "fp8_channel"}
+METHOD = {"awq": "awq", "w4a16-asym": "w4a16", "w8a16-asym": "w8a16", "fp8-block": "fp8_block",
+          "fp8-channel": "fp8_channel"}
 PADS = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
@@ -29,7 +30,8 @@ def _items() -> list[dict]:
 
 
 @pytest.mark.parametrize("family, fmt", [("qwen2_5_vl", "fp8-channel"), ("qwen3_vl", "fp8-block"),
-                                         ("qwen2_5_vl", "awq"), ("qwen3_vl", "w4a16-asym")])
+                                         ("qwen2_5_vl", "awq"), ("qwen3_vl", "w4a16-asym"),
+                                         ("qwen2_5_vl", "w8a16-asym")])
 def test_a_quantized_tower_gives_transformers_tokens_on_the_dequantized_weights(family, fmt, tmp_path):
     source = make_qwen_checkpoint(tmp_path, family=family, min_pixels=28 * 28 * 4, max_pixels=32 * 32 * 16)
     quantized, dequantized = quantize_copy(source, tmp_path, fmt, tower=True)

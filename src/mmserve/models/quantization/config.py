@@ -23,9 +23,12 @@ Formats read (each key and its meaning as the named source writes or reads it):
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
-  `"pack-quantized"` with 4-bit `int` weights by `group` or `channel` (W4A16; `actorder` "group"
-  stores `weight_g_idx`, as GPTQ's `g_idx`; "weight", alias "static", stores none); `ignore` entries
-  match a module's name exactly, or as a regular expression after `re:` (`re.match`).
+  `"pack-quantized"` with 4- or 8-bit `int` weights by `group` or `channel` and no activation
+  quantization (W4A16, W8A16; `actorder` "group" stores `weight_g_idx`, as GPTQ's `g_idx`;
+  "weight", alias "static", stores none), or `"int-quantized"` with 8-bit symmetric `int` weights by
+  `channel` or `tensor` and 8-bit symmetric `int` input activations, `dynamic` by `token` (W8A8,
+  llm-compressor's "W8A8" preset; RedHatAI's `*-quantized.w8a8`); `ignore` entries match a
+  module's name exactly, or as a regular expression after `re:` (`re.match`).
 - `--quantization fp8` (vLLM's online `Fp8Config`): every linear layer, the vision tower's and the
   projector's too, as vLLM's Qwen-VL and LLaVA models hand it their quant config (only GPTQ is
   kept off the tower, `_maybe_ignore_quant_config`); the LM head and convolutions stay.
@@ -46,8 +49,9 @@ ONLINE_CHOICES = ("fp8",)  # --quantization
 class QuantSpec:
     """Which kernel family a checkpoint's quantized layers take, and which layers are left dense.
 
-    `format`: "awq" (int4, AutoAWQ's GEMM packing), "gptq" (int4, AutoGPTQ's packing), "w4a16"
-    (int4, compressed-tensors' pack-quantized), "fp8_block" (FP8 with block scales),
+    `format`: "awq" (int4, AutoAWQ's GEMM packing), "gptq" (int4 or int8, AutoGPTQ's packing), "w4a16"
+    and "w8a16" (int4, int8: compressed-tensors' pack-quantized), "w8a8" (int8 weights by row and
+    int8 activations by token: compressed-tensors' int-quantized), "fp8_block" (FP8 with block scales),
     "fp8_channel" (FP8 with one scale per output row or per tensor, from the checkpoint),
     "fp8_online" (a float checkpoint quantized to FP8 per output row at load). Names are matched
     as the checkpoint spells its modules."""
@@ -55,10 +59,10 @@ class QuantSpec:
     format: str
     group_size: int = 128  # int4, int8: input columns per scale (and zero point)
     bits: int = 4  # gptq: 4 or 8
-    symmetric: bool = True  # w4a16 without weight_zero_point
+    symmetric: bool = True  # w4a16, w8a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
-    per_tensor: bool = False  # fp8_channel: one scale for the whole tensor (repeated per row at load)
-    act_order: bool = False  # gptq, w4a16: groups scattered over the input columns (`g_idx`; groups.py sorts them)
+    per_tensor: bool = False  # fp8_channel, w8a8: one scale for the whole tensor (repeated per row at load)
+    act_order: bool = False  # gptq, w4a16, w8a16: groups scattered over the input columns (`g_idx`, sorted)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
 
@@ -143,7 +147,8 @@ def check_tensor_parallel(spec: QuantSpec | None, tp_size: int) -> None:
     """ValueError in one line where the checkpoint cannot be split over `tp_size` ranks: an
     act-order int4 layer split by input columns gives a rank groups it holds only part of."""
     if spec is not None and spec.act_order and tp_size > 1:
-        what = "GPTQ with act-order (desc_act: true)" if spec.format == "gptq" else "W4A16 with actorder group"
+        what = ("GPTQ with act-order (desc_act: true)" if spec.format == "gptq"
+                else f"{spec.format.upper()} with actorder group")
         raise ValueError(f"{what} runs on one rank only: use --tensor-parallel-size 1 (or a checkpoint "
                          "quantized without act-order)")
 
@@ -173,15 +178,36 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
         if acts is not None and not acts.get("dynamic", False):
             raise ValueError("compressed-tensors FP8 with static activation scales is not supported (dynamic only)")
         return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", skip_names=skip)
-    if fmt == "pack-quantized" and (bits, kind) == (4, "int") and strategy in ("group", "channel") and acts is None:
+    packed = fmt == "pack-quantized" and bits in (4, 8) and kind == "int"
+    if packed and strategy in ("group", "channel") and acts is None:
+        width = 4 if bits == 4 else 8
+        name = f"w{width}a16"
         actorder = weights.get("actorder")
         if actorder not in (None, "weight", "static", "group"):
-            raise ValueError(f"compressed-tensors W4A16 with actorder {actorder!r} is not supported")
+            raise ValueError(f"compressed-tensors {name.upper()} with actorder {actorder!r} is not supported")
         group = int(weights.get("group_size") or 0) if strategy == "group" else 0  # 0: one group per row
-        return QuantSpec("w4a16", group_size=group, symmetric=bool(weights.get("symmetric", True)), skip_names=skip,
-                         act_order=actorder == "group" and group > 0)
-    raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r} "
-                     "is not supported (FP8 by channel or tensor, W4A16 by group or channel)")
+        return QuantSpec(name, group_size=group, bits=width, symmetric=bool(weights.get("symmetric", True)),
+                         skip_names=skip, act_order=actorder == "group" and group > 0)
+    if fmt == "int-quantized" and (bits, kind) == (8, "int") and strategy in ("channel", "tensor") and acts:
+        _check_int8_activations(acts, weights)
+        return QuantSpec("w8a8", bits=8, per_tensor=strategy == "tensor", skip_names=skip)
+    raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r}"
+                     f"{' and activations' if acts else ''} is not supported (FP8 by channel or tensor; W4A16, "
+                     "W8A16 by group or channel; W8A8 int8 by channel or tensor)")
+
+
+def _check_int8_activations(acts: dict[str, Any], weights: dict[str, Any]) -> None:
+    """W8A8's input activations as vLLM's int8 kernels take them (`CompressedTensorsW8A8Int8`):
+    8-bit int, quantized per token at run time, symmetric, as are the weights."""
+    if (acts.get("num_bits"), acts.get("type")) != (8, "int"):
+        raise ValueError(f"compressed-tensors int8 weights with {acts.get('num_bits')}-bit {acts.get('type')} "
+                         "activations are not supported (W8A8: int8 activations)")
+    if not acts.get("dynamic", False) or acts.get("strategy") != "token":
+        raise ValueError("compressed-tensors W8A8 with static activation scales is not supported "
+                         "(dynamic per-token only)")
+    if not acts.get("symmetric", True) or not weights.get("symmetric", True):
+        raise ValueError("compressed-tensors W8A8 with asymmetric weights or activations is not supported "
+                         "(symmetric only)")
 
 
 def check_cpu_activation_quant(mode: str, spec: QuantSpec | None, device: str, dtype: str) -> None:

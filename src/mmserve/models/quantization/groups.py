@@ -1,6 +1,6 @@
 """What the integer formats with a scale and zero point per group of input columns share (int4.py,
-int8.py): a rank's slice of their packed tensors, the order act-order checkpoints quantized their
-input columns in, and siblings' tensors stacked for one GEMM.
+int8.py): a rank's slice of their packed tensors (GPTQ's, compressed-tensors'), the order
+act-order checkpoints quantized their input columns in, and siblings' tensors stacked for one GEMM.
 
 Act-order (GPTQ's `desc_act: true`, compressed-tensors' `actorder: "group"`): GPTQ quantizes W's
 input columns in the order of its Hessian's diagonal, group after group, so each group is a
@@ -43,6 +43,28 @@ def register_gptq(layer: Layer, shape: LinearShape, group: int, per_word: int, w
              along(s, 1, per_word) if by_out else per_group)
     register(layer, "scales", (inp // group, out), torch.float32, along(s, 1) if by_out else per_group, keep_dtype=True)
     register(layer, "g_idx", (inp,), torch.int32, None if by_out else along(s, 0))
+
+
+def register_packed(layer: Layer, shape: LinearShape, group: int, per_word: int, whole_rows: bool,
+                    symmetric: bool, act_order: bool) -> None:
+    """compressed-tensors' pack-quantized tensors (W4A16 at 8 codes to an int32, W8A16 at 4),
+    each with this rank's slice: `weight_packed` int32 [out, in / per_word], `weight_scale` [out, in
+    / group], `weight_shape` [2]; asymmetric: `weight_zero_point` int32 [out / per_word, in / group]
+    (packed along rows); `act_order`: `weight_g_idx` [in]; `whole_rows` (one group per row): the
+    scales and zero points whole on every rank of a row-parallel layer."""
+    out, inp, s = shape.out_features, shape.in_features, shape.shard
+    by_out = s is not None and s.dim == 0
+    check_aligned(s, per_word if by_out else group)
+    per_group = along(s, 0) if by_out else None if whole_rows else along(s, 1, group)
+    register(layer, "weight_packed", (out, inp // per_word), torch.int32,
+             along(s, 0) if by_out else along(s, 1, per_word))
+    register(layer, "weight_scale", (out, inp // group), torch.float32, per_group, keep_dtype=True)
+    register(layer, "weight_shape", (2,), torch.int64)
+    if not symmetric:
+        register(layer, "weight_zero_point", (out // per_word, inp // group), torch.int32,
+                 along(s, 0, per_word) if by_out else per_group)
+    if act_order:
+        register(layer, "weight_g_idx", (inp,), torch.int32, None if by_out else along(s, 0))
 
 
 def group_order(g_idx: torch.Tensor, group: int, groups: int) -> torch.Tensor | None:

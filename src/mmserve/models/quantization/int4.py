@@ -47,8 +47,8 @@ import torch
 
 from mmserve.models.quantization import cpu_gemv, q8_gemv
 from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, register, replace, tiled_linear
-from mmserve.models.quantization.groups import (along, check_aligned, gathered, group_order, register_gptq, stack,
-                                                unsorted)
+from mmserve.models.quantization.groups import (along, check_aligned, gathered, group_order, register_gptq,
+                                                register_packed, stack, unsorted)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column 8c + AWQ_ORDER[k]
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j lies in nibble AWQ_REVERSE[j]
@@ -116,18 +116,7 @@ class Int4Method(LinearMethod):
         register_gptq(layer, shape, group, 8, whole_rows=self.group == 0)
 
     def _w4a16_weights(self, layer: Layer, shape: LinearShape, group: int) -> None:
-        out, inp, s = shape.out_features, shape.in_features, shape.shard
-        by_out = s is not None and s.dim == 0
-        check_aligned(s, 8 if by_out else group)
-        per_group = along(s, 0) if by_out else None if self.group == 0 else along(s, 1, group)
-        register(layer, "weight_packed", (out, inp // 8), torch.int32, along(s, 0) if by_out else along(s, 1, 8))
-        register(layer, "weight_scale", (out, inp // group), torch.float32, per_group, keep_dtype=True)
-        register(layer, "weight_shape", (2,), torch.int64)
-        if not self.symmetric:
-            register(layer, "weight_zero_point", (out // 8, inp // group), torch.int32,
-                     along(s, 0, 8) if by_out else per_group)
-        if self.act_order:
-            register(layer, "weight_g_idx", (inp,), torch.int32, None if by_out else along(s, 0))
+        register_packed(layer, shape, group, 8, self.group == 0, self.symmetric, self.act_order)
 
     def process_weights(self, layer: Layer) -> None:
         if self.format == "awq":

@@ -1,5 +1,6 @@
 """8-bit integer weights with a scale and zero point per group of input columns: GPTQ's 8-bit form
-(AutoGPTQ's packing; Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int8`).
+(AutoGPTQ's packing; Qwen's `Qwen2-VL-*-Instruct-GPTQ-Int8`) and compressed-tensors' W8A16
+(llm-compressor's "W8A16" preset; RedHatAI's `*-quantized.w8a16`).
 
 Resident form (what the kernels read), for this rank's W [out, in] in groups of `group` columns:
 - `qweight` uint8 [out, in]: the codes 0..255, rows contiguous;
@@ -13,6 +14,13 @@ GPTQ 8-bit as published (AutoGPTQ `QuantLinear.pack` with `bits` 8, GPTQModel's 
 word c holds zero[g, 4c + k] - 1: zeros stored less one, as at 4 bits), `scales` fp16 [in / group,
 out], `g_idx` int32 [in]; W^T[i, o] = (q[i, o] - (qzero[g_idx[i], o] + 1)) * scale[g_idx[i], o].
 
+W8A16 as published (compressed-tensors `pack_quantized.py`: `pack_to_int32` with 8 bits): as
+int4.py's W4A16 with four codes to a word: `weight_packed` int32 [out, in / 4], byte k of word j =
+q[o, 4j + k] + 128 (signed codes offset to unsigned: the resident code as it is); `weight_scale`
+[out, in / group] (one column for `channel`); asymmetric: `weight_zero_point` int32 [out / 4, in /
+group], packed along rows the same way; symmetric: zero point 0, i.e. code 128; `weight_g_idx` with
+`actorder: "group"`. W = (q - zp) * scale.
+
 Kernels: Triton's GEMV and GEMM on a GPU (triton_kernels.py: `int8_linear`, W dequantized in
 registers as int4's is). On the CPU, W dequantized `PREFILL_TILE_ROWS` rows at a time and multiplied
 in float32: exact, but with no C GEMV a decode step dequantizes every weight (int4's C kernel
@@ -24,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, replace, tiled_linear
-from mmserve.models.quantization.groups import gathered, group_order, register_gptq, stack, unsorted
+from mmserve.models.quantization.groups import gathered, group_order, register_gptq, register_packed, stack, unsorted
 
 _BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int32)
 
@@ -45,13 +53,14 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 class Int8Method(LinearMethod):
-    """GPTQ's 8-bit weights in one resident form; `group` 0 means one group per row."""
+    """8-bit weights in one resident form, from `format` "gptq" (AutoGPTQ's packing) or "w8a16"
+    (compressed-tensors' pack-quantized); `group` 0 means one group per row."""
 
-    name = "gptq-int8"
     attrs = ("int8_group",)
 
-    def __init__(self, group: int) -> None:
-        self.group = group
+    def __init__(self, group: int, format: str = "gptq", symmetric: bool = True, act_order: bool = False) -> None:
+        self.group, self.format, self.symmetric, self.act_order = group, format, symmetric, act_order
+        self.name = "gptq-int8" if format == "gptq" else format
 
     def create_weights(self, layer: Layer, shape: LinearShape) -> None:
         out, inp = shape.out_features, shape.in_features
@@ -60,13 +69,25 @@ class Int8Method(LinearMethod):
             raise ValueError(f"int8 weights of {out}x{inp} on this rank do not fit groups of {group} "
                              "(the rank's input columns must be a multiple of the group, and rows of 4)")
         layer.int8_group = group
-        register_gptq(layer, shape, group, 4, whole_rows=self.group == 0)
+        if self.format == "gptq":
+            register_gptq(layer, shape, group, 4, whole_rows=self.group == 0)
+        else:
+            register_packed(layer, shape, group, 4, self.group == 0, self.symmetric, self.act_order)
 
     def process_weights(self, layer: Layer) -> None:
-        codes = unpack_bytes(layer.qweight.t().contiguous())  # [out, in]
-        zeros = (unpack_bytes(layer.qzeros).to(torch.int16) + 1).t().contiguous()  # AutoGPTQ stores zero - 1
-        scales = layer.scales.t().contiguous()
-        perm = group_order(layer.g_idx, layer.int8_group, scales.shape[1])
+        if self.format == "gptq":
+            codes = unpack_bytes(layer.qweight.t().contiguous())  # [out, in]
+            zeros = (unpack_bytes(layer.qzeros).to(torch.int16) + 1).t().contiguous()  # AutoGPTQ stores zero - 1
+            scales, g_idx = layer.scales.t().contiguous(), layer.g_idx
+        else:
+            codes, scales = unpack_bytes(layer.weight_packed.contiguous()), layer.weight_scale.contiguous()
+            if self.symmetric:
+                zeros = torch.full(scales.shape, 128, dtype=torch.int16, device=scales.device)
+            else:  # packed along rows: unpack the transpose
+                packed = layer.weight_zero_point.t().contiguous()
+                zeros = unpack_bytes(packed).t()[:scales.shape[0]].to(torch.int16).contiguous()
+            g_idx = getattr(layer, "weight_g_idx", None)
+        perm = None if g_idx is None else group_order(g_idx, layer.int8_group, scales.shape[1])
         if perm is None:
             replace(layer, qweight=codes, scales=scales, zeros=zeros)
         else:

@@ -11,6 +11,7 @@ from mmserve.models.quantization.config import QuantSpec
 from mmserve.models.quantization.fp8 import Fp8BlockMethod, Fp8RowMethod
 from mmserve.models.quantization.int4 import Int4Method
 from mmserve.models.quantization.int8 import Int8Method
+from mmserve.models.quantization.w8a8 import W8A8Method
 
 
 def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod:
@@ -18,6 +19,10 @@ def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod
     `--cpu-activation-quant`, which int4 methods take)."""
     if spec.format == "gptq" and spec.bits == 8:
         return Int8Method(spec.group_size)
+    if spec.format == "w8a16":
+        return Int8Method(spec.group_size, "w8a16", spec.symmetric, spec.act_order)
+    if spec.format == "w8a8":
+        return W8A8Method(spec.per_tensor)
     if spec.is_int4:
         return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant, spec.act_order)
     if spec.format == "fp8_block":

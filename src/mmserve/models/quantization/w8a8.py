@@ -1,0 +1,90 @@
+"""Int8 weights multiplied by int8 activations (W8A8): compressed-tensors' int-quantized format,
+llm-compressor's "W8A8" preset (RedHatAI's `Qwen2.5-VL-*-Instruct-quantized.w8a8`).
+
+Resident form: `weight` int8 [out, in] and `scale` float32 [out] (a per-tensor scale repeated on
+every row); W = weight * scale[:, None].
+
+As published (compressed-tensors `compressors/quantized_compressors/naive_quantized.py`:
+`IntQuantizationCompressor`; vLLM `compressed_tensors/schemes/compressed_tensors_w8a8_int8.py`):
+`weight` int8 [out, in], `weight_scale` [out, 1] (`channel`) or [1] (`tensor`), symmetric; the
+input activations int8, `dynamic` per `token`, symmetric: nothing stored for them.
+
+A step's activations are quantized per row (token) as vLLM's `scaled_int8_quant` quantizes them
+(`csrc/quantization/compressed_tensors/int8_quant_kernels.cu`, dynamic): s = max|x| / 127 and
+q = x * (127 / max|x|) rounded half to even, clamped to [-128, 127] (a row of zeros: q = 0, s = 0).
+compressed-tensors' own fake quantization divides by 127.5 (`calculate_qparams`: the range over
+two); vLLM, which these checkpoints are published for, by 127, and so does mmserve. Under tensor
+parallelism a row-parallel layer's rank quantizes its own slice of x, as in vLLM.
+
+y = (q_x q_w^T) * s_x * s_w (+ b): the integer products summed in int32 (exact), then scaled in
+float32. `apply` is proven equal to the float product of the dequantized activations and weights
+(`quantize_rows` then `dequantize`). Kernels: `torch._int_mm` on the CPU (oneDNN's int8 GEMM), our
+Triton GEMM on a GPU (triton_int8_mm.py: int8 dot products into int32, the scales applied in its
+epilogue).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, register, replace
+
+INT8_MAX = 127.0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q int8 [M, K], s float32 [M, 1]) with x ~ q * s per row (see
+    the module docstring). Plain torch ops, the same on every device: no host sync, so a decode
+    graph captures them."""
+    values = x.float()
+    peak = values.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(peak > 0, INT8_MAX / peak, torch.zeros_like(peak))
+    q = torch.round(values * inverse).clamp_(-128, 127).to(torch.int8)
+    return q, peak / INT8_MAX
+
+
+def int8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(q [M, K] int8 @ weight [N, K]^T int8) * s [M, 1] * scale [N] (+ bias), in `dtype`."""
+    if q.is_cuda:
+        from mmserve.models.quantization.triton_int8_mm import int8_scaled_mm
+
+        return int8_scaled_mm(q, s, weight, scale, bias, dtype)
+    y = torch._int_mm(q, weight.t()).float() * s * scale
+    return (y if bias is None else y + bias.float()).to(dtype)
+
+
+class W8A8Method(LinearMethod):
+    """Int8 weights with one scale per output row (`per_tensor`: one for the tensor, stored [1] or
+    []), multiplied by activations quantized to int8 per token at run time."""
+
+    name = "w8a8"
+
+    def __init__(self, per_tensor: bool = False) -> None:
+        self.per_tensor = per_tensor
+
+    def create_weights(self, layer: Layer, shape: LinearShape) -> None:
+        out, inp, s = shape.out_features, shape.in_features, shape.shard
+        register(layer, "weight", (out, inp), torch.int8, s)
+        if self.per_tensor:
+            register(layer, "weight_scale", (1,), torch.float32, keep_dtype=True)
+            layer.weight_scale.any_shape_of_one = True
+        else:
+            register(layer, "weight_scale", (out, 1), torch.float32, None if s is None or s.dim == 1 else s,
+                     keep_dtype=True)
+
+    def process_weights(self, layer: Layer) -> None:
+        weight = layer.weight
+        scale = layer.weight_scale.reshape(-1).float().expand(weight.shape[0]).contiguous()
+        replace(layer, weight=weight.contiguous(), scale=scale)
+
+    def dequantize(self, layer: Layer) -> torch.Tensor:
+        return layer.weight.float() * layer.scale[:, None]
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+        y = int8_product(q, s, layer.weight, layer.scale, bias, x.dtype)
+        return y.reshape(*x.shape[:-1], layer.weight.shape[0])
+
+    def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
+        return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
