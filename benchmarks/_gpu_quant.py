@@ -3,9 +3,11 @@
 quantized copies of itself in the layouts Qwen publishes, each served by its own `LLM` in turn.
 
 - The copies: AWQ int4 (groups of 128, AutoAWQ's GEMM packing, the tensors it leaves unquantized in
-  float16, the vision tower left out: as `Qwen/Qwen2.5-VL-7B-Instruct-AWQ`) and FP8 block-wise
+  float16, the vision tower left out: as `Qwen/Qwen2.5-VL-7B-Instruct-AWQ`), FP8 block-wise
   (128 x 128 blocks, `weight_scale_inv`, the LM head and the tower left out: as
-  `Qwen/Qwen3-VL-8B-Instruct-FP8`), written by the tests' packer
+  `Qwen/Qwen3-VL-8B-Instruct-FP8`) and W8A8 int8 (compressed-tensors' int-quantized, a scale per
+  row, the tower and LM head left out: as RedHatAI's `Qwen2.5-VL-7B-Instruct-quantized.w8a8`; its
+  decode step at half the bytes against the same target as FP8's), written by the tests' packer
   (`tests/helpers/quant_checkpoints.py: quantize_checkpoint`) tensor by tensor on the benchmark's
   device, each deleted once its `LLM` is shut down (disk holds the unquantized one and one copy).
 - Per model: the batch-1 decode step (CUDA graphs where the engine captured them, at the decode
@@ -54,7 +56,8 @@ class QuantFormat:
     target: float
 
 
-QUANT_FORMATS = (QuantFormat("awq", "awq", torch.float16, 0.40), QuantFormat("fp8", "fp8-block", None, 0.60))
+QUANT_FORMATS = (QuantFormat("awq", "awq", torch.float16, 0.40), QuantFormat("fp8", "fp8-block", None, 0.60),
+                 QuantFormat("w8a8", "w8a8", None, 0.60))  # last: the newest rows, cut first by the time limit
 
 
 @dataclass(frozen=True)

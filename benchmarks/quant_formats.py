@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 FORMATS = ("dense", "awq", "w4a16", "w4a16-asym", "fp8-block", "fp8-channel", "fp8-online", "awq-f16", "awq-int8",
-           "w4a16-int8")
+           "w4a16-int8", "w8a16", "w8a8")
 INT8_ACTIVATIONS = "-int8"  # an int4 format's name + this: the same checkpoint, --cpu-activation-quant int8
 
 

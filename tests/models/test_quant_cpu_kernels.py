@@ -1,15 +1,15 @@
 """The C kernels of quantized weights (models/quantization/csrc/) against dequantize-then-matmul:
 decode GEMVs equal up to the order of sums, by the AVX-512 library where the machine has it and
-by the other (AVX2 or plain C) in every case, dequantized row tiles bit for bit, on int4 (groups,
-zero points) and FP8 (per row, per block, partial blocks, subnormals)."""
+by the other (AVX2 or plain C) in every case, dequantized row tiles bit for bit, on int4 and int8
+(groups, zero points) and FP8 (per row, per block, partial blocks, subnormals)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers.resident_weights import random_fp8, random_int4
-from mmserve.models.quantization import cpu_gemv
+from helpers.resident_weights import random_fp8, random_int4, random_int8
+from mmserve.models.quantization import cpu_gemv, int8
 from mmserve.models.quantization.base import tiled_linear
 from mmserve.models.quantization.int4 import dequantize_rows
 
@@ -48,6 +48,23 @@ def test_int4_gemv_equals_dequantize_then_matmul(M, N, K, group, wide):
     assert got is not None
     _close(got, x, W, bias, 16 * scales.repeat_interleave(group, dim=1))
     assert torch.equal(cpu_gemv.int4_rows(qweight, scales, zeros, group, 5, N), W[5:])
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 11, 32, 33])
+@pytest.mark.parametrize("N, K, group", [(24, 64, 32), (40, 256, 256), (8, 128, 8), (16, 384, 128)])
+def test_int8_gemv_equals_dequantize_then_matmul(M, N, K, group):
+    """GPTQ 8-bit's and W8A16's resident form (no AVX-512 version: the AVX2 or plain C library);
+    more rows than a GEMV takes are left to the tiles, which the C kernel dequantizes."""
+    codes, scales, zeros = random_int8(N, K, group, GEN)
+    x, bias = torch.randn(M, K, generator=GEN), torch.randn(N, generator=GEN)
+    W = int8.dequantize_rows(codes, scales, zeros, group)
+    got = cpu_gemv.int8_gemv(x, codes, scales, zeros, group, bias)
+    if M > cpu_gemv.INT8_GEMV_MAX_ROWS:
+        assert got is None
+        return
+    assert got is not None
+    _close(got, x, W, bias, 256 * scales.repeat_interleave(group, dim=1))
+    assert torch.equal(cpu_gemv.int8_rows(codes, scales, zeros, group, 5, N), W[5:])
 
 
 @pytest.mark.parametrize("M", [1, 2, 4, 9, 17])

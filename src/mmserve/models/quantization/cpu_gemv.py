@@ -1,5 +1,5 @@
 """Quantized weights' CPU kernels in C, built per machine as the decode attention kernel is
-(built by mmserve/native.py): decode GEMVs that dequantize in registers (int4 with group
+(built by mmserve/native.py): decode GEMVs that dequantize in registers (int4 and int8 with group
 scales and zeros, FP8 e4m3 per row or block) and the dequantized row tiles a prefill's matmul
 reads (`csrc/quant_gemv.c`, AVX2 or plain C), and the GEMVs again with AVX-512 where the machine
 has it (`csrc/quant_gemv512.c`, tried first; `WIDE` turns it off); and the GEMV of a quantized
@@ -24,10 +24,13 @@ WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
 HALF_SOURCE = SOURCE.with_name("half_gemv.c")
 WIDE = True  # use the AVX-512 GEMVs where they are built (tests turn it off to prove the others)
 GEMV_MAX_ROWS = 256  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
+INT8_GEMV_MAX_ROWS = 32  # the int8 GEMV's (no AVX-512 version): even with the tiles at 64 rows, 7B shapes, one thread
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "mmserve_int4_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "mmserve_int4_dequant_rows": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "mmserve_int8_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "mmserve_int8_dequant_rows": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "mmserve_fp8_gemv_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
     "mmserve_fp8_dequant_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
 }
@@ -204,6 +207,33 @@ def int4_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     K = qweight.shape[1] * 8
     out = torch.empty(stop - start, K)
     done = library.mmserve_int4_dequant_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
+                                             start, stop - start, K, group, torch.get_num_threads())
+    return out if done == 0 else None
+
+
+def int8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [.., K] float32 @ W^T (+ bias) for an int8 weight (int8.py's resident form), up to
+    `INT8_GEMV_MAX_ROWS` rows of x; else None."""
+    library, rows = load(), gemv_rows(x, bias, codes, scales, zeros)
+    if library is None or rows is None or rows.shape[0] > INT8_GEMV_MAX_ROWS:
+        return None
+    N, K = codes.shape
+    y = torch.empty(rows.shape[0], N)
+    done = library.mmserve_int8_gemv_f32(rows.data_ptr(), codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                         _ptr(bias), y.data_ptr(), rows.shape[0], N, K, group, torch.get_num_threads())
+    return _shaped(y, x) if done == 0 else None
+
+
+def int8_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, start: int,
+              stop: int) -> torch.Tensor | None:
+    """Rows [start, stop) of an int8 weight's W, float32, or None."""
+    library = load()
+    if library is None or not ours(codes, scales, zeros):
+        return None
+    K = codes.shape[1]
+    out = torch.empty(stop - start, K)
+    done = library.mmserve_int8_dequant_rows(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
                                              start, stop - start, K, group, torch.get_num_threads())
     return out if done == 0 else None
 

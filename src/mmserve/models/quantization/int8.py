@@ -22,15 +22,16 @@ group], packed along rows the same way; symmetric: zero point 0, i.e. code 128; 
 `actorder: "group"`. W = (q - zp) * scale.
 
 Kernels: Triton's GEMV and GEMM on a GPU (triton_kernels.py: `int8_linear`, W dequantized in
-registers as int4's is). On the CPU, W dequantized `PREFILL_TILE_ROWS` rows at a time and multiplied
-in float32: exact, but with no C GEMV a decode step dequantizes every weight (int4's C kernel
-dequantizes in registers).
+registers as int4's is). On the CPU, the C GEMV for up to `cpu_gemv.INT8_GEMV_MAX_ROWS` rows of x
+(csrc/quant_gemv.c: `mmserve_int8_gemv_f32`, dequantized in registers, AVX2 or plain C), past
+that W dequantized `PREFILL_TILE_ROWS` rows at a time by C and multiplied in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mmserve.models.quantization import cpu_gemv
 from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, replace, tiled_linear
 from mmserve.models.quantization.groups import gathered, group_order, register_gptq, register_packed, stack, unsorted
 
@@ -103,8 +104,18 @@ class Int8Method(LinearMethod):
             from mmserve.models.quantization.triton_kernels import int8_linear
 
             return int8_linear(x, layer.qweight, layer.scales, layer.zeros, layer.int8_group, bias)
-        return tiled_linear(x, bias, layer.qweight.shape[0], lambda start, stop: dequantize_rows(
-            layer.qweight, layer.scales, layer.zeros, layer.int8_group, start, stop))
+        args = (layer.qweight, layer.scales, layer.zeros, layer.int8_group)
+        out = cpu_gemv.int8_gemv(x, *args, bias)
+        if out is not None:
+            return out
+        return tiled_linear(x, bias, layer.qweight.shape[0], lambda start, stop: _rows(*args, start, stop))
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         return stack(layers, ("qweight", "scales", "zeros"))
+
+
+def _rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, start: int,
+          stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the resident form's W, float32: by the C kernel where it runs."""
+    rows = cpu_gemv.int8_rows(codes, scales, zeros, group, start, stop)
+    return dequantize_rows(codes, scales, zeros, group, start, stop) if rows is None else rows

@@ -6,10 +6,13 @@
  *  - int4: qweight int32 [N, K / 8], nibble k of word j in row o = code of column 8j + k (0..15);
  *    scales float32 [N, K / group], zeros uint8 [N, K / group];
  *    W[o, i] = (float)(code - zero) * scale of (o, i / group).
+ *  - int8: codes uint8 [N, K] (0..255); scales float32 [N, K / group], zeros int16 [N, K / group];
+ *    W[o, i] = (float)(code - zero) * scale of (o, i / group).
  *  - fp8 (e4m3fn): weight uint8 [N, K]; W[o, i] = e4m3(weight[o, i]) * scale, the scale one per row
  *    (scales [N]) or per (bo x bi) block (scales [ceil(N / bo), ceil(K / bi)]).
  * Each weight value is formed exactly as the reference dequantization forms it (the same float
- * operations), so only the order of the sums differs from dequantize-then-matmul.
+ * operations), so only the order of the sums differs from dequantize-then-matmul (the vector
+ * paths of int8 and FP8 multiply a span's sum by its scale once: the order of a product too).
  *
  * Threads split the output rows (OpenMP, the runtime torch loaded); each thread reads its rows of
  * W once for up to ROWS_X rows of x at a time: a decode step's GEMV reads every weight byte once.
@@ -183,6 +186,65 @@ static inline __m256 fp8_span1(const uint8_t *row, const float *x, int64_t first
     return _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
 }
 
+/* 8 int8 codes less their group's zero point, as floats (exact: small integers) */
+static inline __m256 int8_less8(const uint8_t *bytes, __m256i zero) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, zero));
+}
+
+/* sum x * (code - zero) over columns [first, last) (multiples of 8 apart) of one row of x: four chains */
+static inline __m256 int8_span1(const uint8_t *row, const float *x, int64_t first, int64_t last, __m256i zero) {
+    __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps(), p2 = _mm256_setzero_ps(), p3 = _mm256_setzero_ps();
+    int64_t i = first;
+    for (; i + 32 <= last; i += 32) {
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), int8_less8(row + i, zero), p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), int8_less8(row + i + 8, zero), p1);
+        p2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), int8_less8(row + i + 16, zero), p2);
+        p3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), int8_less8(row + i + 24, zero), p3);
+    }
+    for (; i < last; i += 8)
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), int8_less8(row + i, zero), p0);
+    return _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
+}
+
+/* several rows of x: 8 codes widened once, one chain per row (inlined with `rows` a constant) */
+static inline __attribute__((always_inline)) void int8_span_rows(const uint8_t *row, const float *x, int64_t K,
+                                                                 int64_t rows, int64_t first, int64_t last,
+                                                                 __m256i zero, __m256 part[ROWS_X]) {
+    for (int m = 0; m < ROWS_X; m++)
+        part[m] = _mm256_setzero_ps();
+    for (int64_t i = first; i < last; i += 8)
+        fma_rows(part, x + i, K, rows, int8_less8(row + i, zero));
+}
+
+/* Row o: per group, part = sum x * (code - zero), then acc += part * scale */
+static void int8_row_avx2(const Weight *w, int64_t o, const float *x, int64_t K, int64_t rows,
+                          float out[ROWS_X][8]) {
+    const int64_t groups = K / w->group;
+    const uint8_t *row = (const uint8_t *)w->weight + o * K;
+    const int16_t *zeros = (const int16_t *)(const void *)w->zeros;
+    __m256 acc[ROWS_X], part[ROWS_X];
+    for (int m = 0; m < ROWS_X; m++)
+        acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * w->group, last = first + w->group;
+        const __m256i zero = _mm256_set1_epi32(zeros[o * groups + g]);
+        const __m256 scale = _mm256_set1_ps(w->scales[o * groups + g]);
+        if (rows == 1) {
+            acc[0] = _mm256_fmadd_ps(int8_span1(row, x, first, last, zero), scale, acc[0]);
+            continue;
+        }
+        switch (rows) {
+#define INT8_ROWS(R) case R: int8_span_rows(row, x, K, R, first, last, zero, part); break;
+            INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4) INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)
+#undef INT8_ROWS
+        }
+        for (int64_t m = 0; m < rows; m++)
+            acc[m] = _mm256_fmadd_ps(part[m], scale, acc[m]);
+    }
+    spill(acc, rows, out);
+}
+
 /* several rows of x: one chain per row (inlined with `rows` a constant) */
 static inline __attribute__((always_inline)) void fp8_span_rows(const uint8_t *row, const float *x, int64_t K,
                                                                 int64_t rows, int64_t first, int64_t last,
@@ -345,6 +407,61 @@ int mmserve_fp8_dequant_rows(const uint8_t *weight, const float *scales, float *
             const int64_t last = (c + 1) * span < K ? (c + 1) * span : K;
             for (int64_t i = c * span; i < last; i++)
                 out[r * K + i] = e4m3(weight[o * K + i]) * scale;
+        }
+    }
+    return 0;
+}
+
+/* row o's products without vector code: 8 columns at a time */
+static void int8_row_scalar(const Weight *w, int64_t o, const float *x, int64_t K, int64_t rows,
+                            float acc[ROWS_X][8]) {
+    const int64_t groups = K / w->group;
+    const uint8_t *row = (const uint8_t *)w->weight + o * K;
+    const int16_t *zeros = (const int16_t *)(const void *)w->zeros;
+    float dq[8];
+    for (int64_t i = 0; i < K; i += 8) {
+        const int64_t g = i / w->group;
+        const int zero = zeros[o * groups + g];
+        const float scale = w->scales[o * groups + g];
+        for (int k = 0; k < 8; k++)
+            dq[k] = (float)(row[i + k] - zero) * scale;
+        accumulate8(acc, x + i, K, rows, dq);
+    }
+}
+
+static void int8_row(const Weight *w, int64_t o, const float *x, int64_t m0, int64_t K, int64_t rows,
+                     float acc[ROWS_X][8]) {
+    (void)m0;
+#ifdef __AVX2__
+    int8_row_avx2(w, o, x, K, rows, acc);
+    return;
+#endif
+    int8_row_scalar(w, o, x, K, rows, acc);
+}
+
+int mmserve_int8_gemv_f32(const float *x, const uint8_t *codes, const float *scales, const int16_t *zeros,
+                          const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                          int threads) {
+    if (K % 8 || group % 8 || K % group)
+        return 1;
+    const Weight w = {codes, scales, (const uint8_t *)(const void *)zeros, group, 0, 0, NULL};
+    gemv(int8_row, &w, x, bias, y, M, N, K, threads);
+    return 0;
+}
+
+int mmserve_int8_dequant_rows(const uint8_t *codes, const float *scales, const int16_t *zeros, float *out,
+                              int64_t first, int64_t count, int64_t K, int64_t group, int threads) {
+    if (K % group)
+        return 1;
+    const int64_t groups = K / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t o = first + r;
+        for (int64_t g = 0; g < groups; g++) { /* a group's columns: a loop the compiler vectorizes */
+            const int zero = zeros[o * groups + g];
+            const float scale = scales[o * groups + g];
+            for (int64_t i = g * group; i < (g + 1) * group; i++)
+                out[r * K + i] = (float)(codes[o * K + i] - zero) * scale;
         }
     }
     return 0;
