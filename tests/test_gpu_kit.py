@@ -62,18 +62,24 @@ def gpu_bench(tmp_path_factory) -> Iterator[tuple[Any, str]]:
 
 def test_the_gpu_benchmarks_quantized_copies_take_the_published_layouts(gpu_bench, tmp_path):
     """AWQ: int4 in groups of 128 packed [in, out / 8], float16 scales and every unquantized tensor
-    (the tower's too); FP8: e4m3 weights with a float32 `weight_scale_inv` per 128 x 128 block."""
+    (the tower's too); FP8: e4m3 weights with a float32 `weight_scale_inv` per 128 x 128 block;
+    W8A8: compressed-tensors' int-quantized, int8 weights with a scale per row, the tower left out."""
     quant, path = gpu_bench
-    awq, fp8 = quant.QUANT_FORMATS
-    for fmt in (awq, fp8):
+    awq, fp8, w8a8 = quant.QUANT_FORMATS
+    for fmt in (awq, fp8, w8a8):
         quant.write_copy(path, tmp_path / fmt.name, fmt, torch.device("cpu"))
-    configs = {f: json.loads((tmp_path / f / "config.json").read_text())["quantization_config"] for f in ("awq", "fp8")}
+    configs = {f: json.loads((tmp_path / f / "config.json").read_text())["quantization_config"]
+               for f in ("awq", "fp8", "w8a8")}
+    assert configs["w8a8"]["format"] == "int-quantized" and "re:.*visual.*" in configs["w8a8"]["ignore"]
     assert {k: configs["awq"][k] for k in ("quant_method", "bits", "group_size", "version", "zero_point")} == \
         {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
     assert "visual" in configs["awq"]["modules_to_not_convert"]
     assert configs["fp8"]["quant_method"] == "fp8" and configs["fp8"]["weight_block_size"] == [128, 128]
-    tensors = {f: load_file(str(tmp_path / f / "model.safetensors")) for f in ("awq", "fp8")}
+    tensors = {f: load_file(str(tmp_path / f / "model.safetensors")) for f in ("awq", "fp8", "w8a8")}
     mlp = next(name for name in tensors["fp8"] if name.endswith("layers.0.mlp.down_proj.weight")).removesuffix("weight")
+    assert tensors["w8a8"][mlp + "weight"].dtype == torch.int8
+    assert tensors["w8a8"][mlp + "weight_scale"].shape == (128, 1)
+    assert all(t.is_floating_point() for name, t in tensors["w8a8"].items() if "visual" in name)
     assert tensors["awq"][mlp + "qweight"].shape == (256, 128 // 8) and tensors["awq"][mlp + "qweight"].dtype == \
         torch.int32
     assert tensors["awq"][mlp + "scales"].shape == (2, 128) and tensors["awq"][mlp + "scales"].dtype == torch.float16
@@ -93,7 +99,7 @@ def test_the_gpu_benchmarks_quantized_rows_run_on_the_cpu(gpu_bench, capsys):
     out = capsys.readouterr().out
     number = r"(\d+\.\d+)"
     byte_ratios = {}
-    for name, target in (("awq", "0.40"), ("fp8", "0.60")):
+    for name, target in (("awq", "0.40"), ("fp8", "0.60"), ("w8a8", "0.60")):
         decode = re.search(rf"quantized decode, batch 1, eager: {name} {number} ms / float32 {number} ms = {number} "
                            rf"\(target <= {target}; bytes {number}\)", out)
         assert decode is not None, out
@@ -101,7 +107,7 @@ def test_the_gpu_benchmarks_quantized_rows_run_on_the_cpu(gpu_bench, capsys):
         byte_ratios[name] = float(decode[4])
         assert re.search(rf"quantized TTFT, one new 112x84 image: {name} {number} ms / float32 {number} ms = "
                          rf"{number} \(target <= 1.00\)", out), out
-    assert byte_ratios["awq"] < byte_ratios["fp8"] < 1 and "failed" not in out
+    assert byte_ratios["awq"] < byte_ratios["fp8"] < 1 and byte_ratios["w8a8"] < 1 and "failed" not in out
     assert os.listdir(os.path.dirname(path)) == ["model"]
 
 

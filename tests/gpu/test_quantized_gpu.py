@@ -11,7 +11,8 @@ import torch
 
 from helpers.gpu_cases import checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, W8A8, assert_w8a8_greedy_close, int8_activation_hooks, quantize_copy
+from helpers.quant_checkpoints import FORMATS, W8A8, quantize_copy
+from helpers.w8a8_reference import assert_w8a8_greedy_close, int8_activation_hooks
 from helpers.resident_weights import random_fp8, random_int4, random_int8
 from mmserve.models.quantization import int8
 from mmserve.models.quantization.int4 import dequantize_rows

@@ -134,11 +134,12 @@ def _linear(rows: int, out: int, inner: int, fmt: str, bias: bool = False) -> Ca
 
 
 def _w8a8(rows: int, out: int, inner: int) -> Callable[[], object]:
-    from mmserve.models.quantization.triton_int8_mm import int8_scaled_mm
+    """The rows quantized (bfloat16 in), then the int8 GEMM."""
+    from mmserve.models.quantization.triton_int8_mm import int8_scaled_mm, quantize_rows
 
-    q, s = _empty(rows, inner, dtype=torch.int8), _empty(rows, 1, dtype=F32)
+    x, q, s = _empty(rows, inner, dtype=BF16), _empty(rows, inner, dtype=torch.int8), _empty(rows, 1, dtype=F32)
     weight, scale, b = _empty(out, inner, dtype=torch.int8), _empty(out, dtype=F32), _empty(out, dtype=BF16)
-    return lambda: int8_scaled_mm(q, s, weight, scale, b, BF16)
+    return lambda: (quantize_rows(x), int8_scaled_mm(q, s, weight, scale, b, BF16))
 
 
 def quantized_cases() -> list[Case]:

@@ -1,5 +1,6 @@
 """W8A8 (models/quantization/w8a8.py): activations quantized per token as vLLM's dynamic
-`scaled_int8_quant` does, and our Triton int8 GEMM (triton_int8_mm.py) against exact integer
+`scaled_int8_quant` does (torch's and our one-launch Triton kernel's, bit for bit), and our
+Triton int8 GEMM (triton_int8_mm.py) against exact integer
 products scaled in float64: the decode tile of 16 rows with K split over programs, the 64-row
 prefill tile, rows and columns past a tile's edge, a bias, float32 and bfloat16 outputs;
 interpreted on the CPU where there is no GPU (the interpreter's int8 dot sums in int32, as the
@@ -91,6 +92,30 @@ def test_rows_are_quantized_at_127_over_their_largest_magnitude_half_to_even():
     assert q[0].tolist() == [127, 2, 4, -2, 0, 0]  # half to even, as nearbyint in vLLM's kernel
     assert q[1].tolist() == [0] * 6 and float(s[1]) == 0.0  # a row of zeros: no NaN
     assert q[2].tolist() == [-127, 32, 0, 0, 0, 0] and float(s[2]) == pytest.approx(4 / 127)
+
+
+def test_127_over_the_peak_is_one_ieee_division():
+    """127 / 0.004974365234375 (= 163 / 32768) is 25530.8957..., which rounds to 25530.896484375;
+    torch's `127.0 / tensor` (a reciprocal, then a product) gives 25530.89453125, and with it this
+    value's code would be -63 (-63.499996) instead of -64 (-63.500004)."""
+    q, _ = quantize_rows(torch.tensor([[0.004974365234375, -0.0024871826171875]]))
+    assert q.tolist() == [[127, -64]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [6, 300, 2500])  # within one block of the kernel's columns, and over three
+def test_the_one_launch_quantization_is_the_torch_one_bit_for_bit(dtype, K):
+    """triton_int8_mm.quantize_rows (the GPU's) against w8a8.quantize_rows (the definition): rows
+    of every magnitude, a row of zeros, ties at half a code, from a strided view."""
+    x = torch.randn(7, 2 * K, generator=GEN) * torch.logspace(-4, 3, 7)[:, None]
+    x[2] = 0
+    x[3, :6] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.49])
+    x[3, 6:] = 0
+    x = x.to(dtype)[:, :K]  # rows K apart in a 2K-wide tensor
+    q, s = triton_int8_mm.quantize_rows(x.to(DEVICE))
+    want_q, want_s = quantize_rows(x)
+    assert torch.equal(q.cpu(), want_q) and torch.equal(s.cpu(), want_s)
+    assert q[3, :6].tolist() == [127, 2, 4, -2, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

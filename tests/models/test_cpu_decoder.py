@@ -28,7 +28,8 @@ CASES = [("qwen3_vl", "awq", 128, "none", "auto"),
          ("qwen3_vl", "awq", 128, "int8", "float16"),
          ("qwen3_vl", "fp8-block", 32, "none", "bfloat16"),
          ("qwen2_5_vl", "w4a16", 128, "none", "auto"),
-         ("llava", "fp8-channel", 32, "none", "float16")]
+         ("llava", "fp8-channel", 32, "none", "float16"),
+         ("qwen2_5_vl", "w8a16", 32, "none", "auto")]  # int8 weights (GPTQ 8-bit's resident form)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, VISION, W8A8, Recipe, awq_pack, checkpoint_bytes,
-                                       ct_pack, gptq_pack, gptq_pack_columns, int8_token_fake_quant,
-                                       quantization_config, quantize_copy, quantize_entry, w4a16_config)
+                                       ct_pack, gptq_pack, gptq_pack_columns, quantization_config, quantize_copy,
+                                       quantize_entry, w4a16_config)
+from helpers.w8a8_reference import int8_token_fake_quant
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear

@@ -17,8 +17,8 @@ import torch
 
 from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import (FORMATS, W8A8, assert_w8a8_greedy_close, checkpoint_bytes, online_fp8_twin,
-                                       quantize_copy)
+from helpers.quant_checkpoints import FORMATS, W8A8, checkpoint_bytes, online_fp8_twin, quantize_copy
+from helpers.w8a8_reference import assert_w8a8_greedy_close
 from mmserve import LLM
 from mmserve.models.quantization.select import describe_quantization
 from helpers.tiny_models import make_checkpoint, make_image, make_qwen_checkpoint

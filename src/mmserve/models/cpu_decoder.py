@@ -8,7 +8,7 @@ PyTorch's dispatch between ~15 calls a layer, a quarter to a third of a quantize
 
 A model gets a plan (`CpuDecoder.build`, by the runner once its KV cache is allocated; not with
 `--enforce-eager`) where every decoder linear has a C GEMV (`LinearMethod.cpu_gemv`: int4 exact
-or with int8 activations, FP8, 16-bit weights kept as stored; float32 weights go through oneDNN,
+or with int8 activations, int8 weights, FP8, 16-bit weights kept as stored; float32 weights go through oneDNN,
 which C cannot call), Q/K/V and gate/up are fused, the model is float32 on one rank, and the layer
 ops, their SiLU and the decode attention kernel are loaded. A step the plan does not cover
 (prefill, a mixed step, Qwen3-VL's deepstack rows, more than `MAX_ROWS` tokens, or a kernel

@@ -24,7 +24,9 @@ WIDE_SOURCE = SOURCE.with_name("quant_gemv512.c")
 HALF_SOURCE = SOURCE.with_name("half_gemv.c")
 WIDE = True  # use the AVX-512 GEMVs where they are built (tests turn it off to prove the others)
 GEMV_MAX_ROWS = 256  # rows of x up to which a GEMV beats dequantized tiles (`benchmarks/quant_formats.py --rows`)
-INT8_GEMV_MAX_ROWS = 32  # the int8 GEMV's (no AVX-512 version): even with the tiles at 64 rows, 7B shapes, one thread
+# the int8 GEMV's (no AVX-512 version): even with the tiles at 64 rows (7B shapes, one thread), and
+# the compiled decode step's most rows (cpu_ops.MAX_ROWS), whose calls must be the Python step's
+INT8_GEMV_MAX_ROWS = 64
 _I64, _P, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "mmserve_int4_gemv_f32": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT],
@@ -37,7 +39,7 @@ _SIGNATURES = {
 
 
 # `CpuGemv.kind`: which kernel signature (models/csrc/decode_layers.c's enum)
-INT4, INT4_Q8, FP8, HALF = 1, 2, 3, 4
+INT4, INT4_Q8, FP8, HALF, INT8 = 1, 2, 3, 4, 5
 
 
 class CpuGemv(NamedTuple):
@@ -76,6 +78,15 @@ def int4_call(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     fn, fallback = (exact, 0) if wide is None else (address(wide, "mmserve_int4_gemv512"), exact)
     return CpuGemv(INT4, fn, fallback, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), qweight.shape[0],
                    qweight.shape[1] * 8, group, tensors=(qweight, scales, zeros))
+
+
+def int8_call(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> CpuGemv | None:
+    """`int8_gemv`'s call for this weight (resident form), or None where the kernel is not its own."""
+    library = load()
+    if library is None or not ours(codes, scales, zeros):
+        return None
+    return CpuGemv(INT8, address(library, "mmserve_int8_gemv_f32"), 0, codes.data_ptr(), scales.data_ptr(),
+                   zeros.data_ptr(), codes.shape[0], codes.shape[1], group, tensors=(codes, scales, zeros))
 
 
 def fp8_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> CpuGemv | None:

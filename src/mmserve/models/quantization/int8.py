@@ -110,6 +110,11 @@ class Int8Method(LinearMethod):
             return out
         return tiled_linear(x, bias, layer.qweight.shape[0], lambda start, stop: _rows(*args, start, stop))
 
+    def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        if getattr(layer, "perm", None) is not None:  # the C call would skip the gather of x's columns
+            return None
+        return cpu_gemv.int8_call(layer.qweight, layer.scales, layer.zeros, layer.int8_group)
+
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
         return stack(layers, ("qweight", "scales", "zeros"))
 

@@ -1,8 +1,14 @@
-"""Our Triton GEMM for W8A8 on the GPU: y = (q_x q_w^T) * s_x * s_w (+ b) with q_x int8 [M, K]
-(a step's activations, quantized per row by w8a8.py), q_w int8 [N, K], s_x float32 [M, 1], s_w
+"""Our Triton kernels for W8A8 on the GPU: a step's activations quantized per row in one launch
+(`quantize_rows`: the arithmetic of w8a8.py's torch `quantize_rows`, bit for bit), and the GEMM
+y = (q_x q_w^T) * s_x * s_w (+ b) with q_x int8 [M, K], q_w int8 [N, K], s_x float32 [M, 1], s_w
 float32 [N]. `tl.dot` of int8 tiles accumulates in int32 (the tensor cores' int8 MMA on a GPU;
 exact, as the interpreter's integer product is), the scales and bias applied in float32 in the
 epilogue.
+
+The quantization rounds as torch does: 127 / max|x| and max|x| / 127 by IEEE division
+(`div_rn`: Triton's `/` on float32 is an approximate division), x times it rounded half to even
+by floor(p + 0.5) less one on an odd tie, with floating-point contraction off (`enable_fp_fusion`:
+p + 0.5 fused into an FMA would round p's product differently).
 
 A decode step's few rows take tiles of 16 rows (the dot's least) and K split over programs when
 the output has too few column blocks to give every SM one: the splits' int32 sums go to a
@@ -19,6 +25,42 @@ import triton.language as tl
 
 SMALL_M = 16  # rows up to which the tile is 16 rows and K may be split
 TARGET_PROGRAMS = 264  # twice an H100's SMs: what split-K aims the grid at
+
+
+QUANT_BLOCK = 1024  # columns of x a quantizing program reads at a time
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    """Row `program_id(0)` of x: its largest magnitude, then its codes and scale."""
+    row = tl.program_id(0)
+    peak = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(v))
+    top = tl.max(peak, axis=0)
+    inverse = tl.where(top > 0, tl.math.div_rn(127.0, tl.where(top > 0, top, 1.0)), 0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        p = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32) * inverse
+        t = tl.floor(p + 0.5)
+        t = tl.where((t - p == 0.5) & (t - 2.0 * tl.floor(t * 0.5) != 0.0), t - 1.0, t)  # a tie: to even
+        t = tl.minimum(tl.maximum(t, -128.0), 127.0)
+        tl.store(q_ptr + row * K + k, t.to(tl.int8), mask=k < K)
+    tl.store(s_ptr + row, tl.math.div_rn(top, 127.0))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q int8 [M, K], s float32 [M, 1]): w8a8.py's `quantize_rows`
+    in one launch."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=QUANT_BLOCK, enable_fp_fusion=False)
+    return q, s
 
 
 @triton.jit

@@ -11,16 +11,17 @@ input activations int8, `dynamic` per `token`, symmetric: nothing stored for the
 
 A step's activations are quantized per row (token) as vLLM's `scaled_int8_quant` quantizes them
 (`csrc/quantization/compressed_tensors/int8_quant_kernels.cu`, dynamic): s = max|x| / 127 and
-q = x * (127 / max|x|) rounded half to even, clamped to [-128, 127] (a row of zeros: q = 0, s = 0).
+q = x * (127 / max|x|) rounded half to even, clamped to [-128, 127] (a row of zeros: q = 0, s = 0);
+both divisions IEEE-rounded, as CUDA's `/` is.
 compressed-tensors' own fake quantization divides by 127.5 (`calculate_qparams`: the range over
 two); vLLM, which these checkpoints are published for, by 127, and so does mmserve. Under tensor
 parallelism a row-parallel layer's rank quantizes its own slice of x, as in vLLM.
 
 y = (q_x q_w^T) * s_x * s_w (+ b): the integer products summed in int32 (exact), then scaled in
 float32. `apply` is proven equal to the float product of the dequantized activations and weights
-(`quantize_rows` then `dequantize`). Kernels: `torch._int_mm` on the CPU (oneDNN's int8 GEMM), our
-Triton GEMM on a GPU (triton_int8_mm.py: int8 dot products into int32, the scales applied in its
-epilogue).
+(`quantize_rows` then `dequantize`). Kernels: `torch._int_mm` on the CPU (oneDNN's int8 GEMM); on
+a GPU our Triton kernels (triton_int8_mm.py: the rows quantized in one launch, int8 dot products
+into int32 with the scales applied in the GEMM's epilogue).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ INT8_MAX = 127.0
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (q int8 [M, K], s float32 [M, 1]) with x ~ q * s per row (see
-    the module docstring). Plain torch ops, the same on every device: no host sync, so a decode
-    graph captures them."""
+    the module docstring): the CPU's, and the definition triton_int8_mm.py's one-launch kernel of
+    the same name is held to bit for bit."""
     values = x.float()
     peak = values.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(peak > 0, INT8_MAX / peak, torch.zeros_like(peak))
+    top = torch.full_like(peak, INT8_MAX)  # tensor / tensor: IEEE division (a scalar numerator is
+    inverse = torch.where(peak > 0, top / peak, torch.zeros_like(peak))  # a reciprocal times it)
     q = torch.round(values * inverse).clamp_(-128, 127).to(torch.int8)
-    return q, peak / INT8_MAX
+    return q, peak / top
 
 
 def int8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -82,7 +84,13 @@ class W8A8Method(LinearMethod):
         return layer.weight.float() * layer.scale[:, None]
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+        rows = x.reshape(-1, x.shape[-1])
+        if x.is_cuda:  # two launches: the rows quantized, then the GEMM
+            from mmserve.models.quantization import triton_int8_mm
+
+            q, s = triton_int8_mm.quantize_rows(rows)
+        else:
+            q, s = quantize_rows(rows)
         y = int8_product(q, s, layer.weight, layer.scale, bias, x.dtype)
         return y.reshape(*x.shape[:-1], layer.weight.shape[0])
 
