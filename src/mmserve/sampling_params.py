@@ -42,9 +42,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     sampleable; `bad_words` (vLLM's) are never completed: each word's tokens (as it would start
     the text and after a space, `bad_words_token_ids`, filled by the input processor) has its last
     token masked wherever the output ends with the ones before it. `structured_outputs` constrains the output to JSON, a
-    regex, a choice or a grammar. `prompt_logprobs` K: each prompt token's log probability after
-    the tokens before it (the first has none), its rank and the K most likely tokens there, from the
-    raw logits (vLLM's default); such a request computes its whole prompt (no prefix-cache read).
+    regex, a choice or a grammar. `truncate_prompt_tokens` K (vLLM's) keeps the prompt's last K
+    tokens, -1 as many as fit (frontend/request/truncation.py). `prompt_logprobs` K: each prompt
+    token's log probability after the tokens before it (the first has none), its rank and the K
+    most likely tokens there, from the raw logits (vLLM's default); such a request computes its
+    whole prompt (no prefix-cache read).
     """
 
     max_tokens: int = 16
@@ -70,6 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # the input processor's tokenization of `bad_words`
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: the most that fit)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +101,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def _check_extras(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}; got {self.n!r:.40}")
+        k = self.truncate_prompt_tokens
+        _check(k is None or (isinstance(k, int) and (k == -1 or 1 <= k < _INT64)),
+               f"truncate_prompt_tokens must be a positive integer or -1 (the most that fit); got {k!r:.40}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),

@@ -1,7 +1,8 @@
 """Issue 17 through a real server with the official client: /v1/completions, logprobs, n, the
-penalties, min_tokens, logit_bias, vLLM's allowed_token_ids, bad_words and return_token_ids, response_format and
-vLLM's structured_outputs / guided_* fields, whole and streamed, each equal to what the offline
-engine gives for the same parameters; invalid values are 400s with OpenAI's error body."""
+penalties, min_tokens, logit_bias, vLLM's allowed_token_ids, bad_words, return_token_ids and
+truncate_prompt_tokens, response_format and vLLM's structured_outputs / guided_* fields, whole
+and streamed, each equal to what the offline engine gives for the same parameters; invalid
+values are 400s with OpenAI's error body."""
 
 from __future__ import annotations
 
@@ -310,6 +311,27 @@ def test_prompts_of_token_ids_answer_as_their_text(client, offline):
         offline.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": make_image(1)}}, params)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline):
+    """vLLM's `truncate_prompt_tokens`: a completion answers as its prompt's last K token ids do
+    offline; -1 fits a prompt longer than the context into it (255 of max_model_len 256); a chat
+    with an image may drop text before the image, counted in the image's tokens too."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ids = offline.generate(PROMPT, params)[0].prompt_token_ids
+    ref = offline.generate({"prompt_token_ids": ids[-5:]}, params)[0].outputs[0].text
+    cut = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 5})
+    assert cut.choices[0].text == ref and cut.usage.prompt_tokens == 5
+    long = PROMPT * 40  # more tokens than max_model_len
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt=long, max_tokens=1)
+    fitted = client.completions.create(model="m", prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert fitted.usage.prompt_tokens == 255
+    whole = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=1)
+    kept = client.chat.completions.create(model="m", messages=chat_messages(), max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": whole.usage.prompt_tokens - 1})
+    assert kept.usage.prompt_tokens == whole.usage.prompt_tokens - 1
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", {"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
     ("chat", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
@@ -332,6 +354,10 @@ def test_prompts_of_token_ids_answer_as_their_text(client, offline):
     ("text", {"prompt": ["a"] * 65, "n": 2}, "n"),
     ("chat", {"priority": 1}, "priority"),  # needs --scheduling-policy priority, as in vLLM
     ("text", {"priority": -(2**70)}, "priority"),
+    ("text", {"truncate_prompt_tokens": 0}, None),
+    ("text", {"truncate_prompt_tokens": -2}, None),
+    ("text", {"truncate_prompt_tokens": 257}, None),  # more than max_model_len, as vLLM refuses it
+    ("chat", {"truncate_prompt_tokens": 3}, None),  # would cut into the image
 ])
 def test_invalid_values_are_400_with_the_openai_body(client, kind, body, param):
     with pytest.raises(openai.BadRequestError) as err:

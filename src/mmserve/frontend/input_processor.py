@@ -17,6 +17,7 @@ from mmserve.cache_report import CacheReport
 from mmserve.config import EngineConfig, compute_encoder_budget
 from mmserve.frontend.request.bad_words import bad_word_sequences
 from mmserve.frontend.request.prompt import Prompt
+from mmserve.frontend.request.truncation import kept_tokens, truncate
 from mmserve.frontend.video_input import VideoInputs
 from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.generation_config import announce, load_generation_defaults
@@ -89,11 +90,13 @@ class InputProcessor:
         self._check_priority(priority)
         params = self._check_params(params)
         prompt = Prompt.parse(prompt)
+        keep = kept_tokens(params.truncate_prompt_tokens, self.max_model_len)
         if prompt.token_ids is not None:
-            return self._tokens_request(request_id, prompt, params, bypass_caches, priority)
+            return self._tokens_request(request_id, prompt, params, bypass_caches, priority, keep)
         text, images, salt = prompt.text, prompt.images, prompt.settings.cache_salt
         mm_kwargs = {**self.mm_defaults, **(prompt.settings.mm_processor_kwargs or {})}  # the request's win
-        self.check_prompt_length(text)
+        if keep is None:  # a truncated prompt may be longer than the context: it is cut once tokenized
+            self.check_prompt_length(text)
         limit = self.config.multimodal.max_images
         if len(images) > limit:
             raise ClientError(f"the prompt has {len(images)} images, more than the limit of {limit} "
@@ -107,6 +110,8 @@ class InputProcessor:
             self.videos.check_sizes(videos, self.max_encoder_tokens)
             token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
             token_ids = self._continued(token_ids, prompt.continuation)
+            if keep is not None:
+                token_ids, ranges, groups = truncate(token_ids, ranges, groups, keep)
             if len(token_ids) >= self.max_model_len:
                 raise ClientError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
                                  f"is {self.max_model_len}, which must also leave room for one output token")
@@ -129,9 +134,12 @@ class InputProcessor:
                                  cache_salt=salt, bypass_caches=bypass_caches, priority=priority)
 
     def _tokens_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                        bypass_caches: bool, priority: int) -> EngineCoreRequest:
-        """A prompt of token ids: each within the vocabulary, and room for one output token."""
+                        bypass_caches: bool, priority: int, keep: int | None) -> EngineCoreRequest:
+        """A prompt of token ids: each within the vocabulary, and room for one output token (its
+        last `keep` tokens where the request truncates it)."""
         token_ids = self._continued(list(prompt.token_ids or ()), prompt.continuation)
+        if keep is not None:
+            token_ids = token_ids[-keep:]
         bad = [t for t in token_ids if t >= self.vocab_size]
         if bad:
             raise ClientError(f"prompt token ids {bad[:3]} are not token ids of this model (vocabulary of "

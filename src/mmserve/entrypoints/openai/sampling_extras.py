@@ -82,6 +82,7 @@ class SamplingExtras(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log probability and top K (not streamed)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output never completes
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: the most that fit)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (default: the flag)
     return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids in the answer
     request_id: str | None = None  # vLLM's: the answer's id (after the endpoint's prefix); X-Request-Id wins
@@ -130,6 +131,7 @@ class SamplingExtras(BaseModel):
                                   "min_p": self.min_p,
                                   "logit_bias": _token_bias(self.logit_bias),
                                   "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+                                  "truncate_prompt_tokens": self.truncate_prompt_tokens,
                                   "structured_outputs": self._structure()}
         return {k: v for k, v in values.items() if v is not None}
 
