@@ -77,6 +77,14 @@ def test_bfloat16_output_is_the_float32_product_to_a_bfloat16_step(M):
     assert ((got.cpu().float() - exact).abs() <= exact.abs() * 2**-7).all()
 
 
+def test_no_rows_launch_nothing():
+    x = torch.empty(0, 64, device=DEVICE)
+    q, s = triton_int8_mm.quantize_rows(x)
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+    w = torch.zeros(8, 64, dtype=torch.int8, device=DEVICE)
+    assert triton_int8_mm.int8_scaled_mm(q, s, w, torch.ones(8, device=DEVICE), None, torch.float32).shape == (0, 8)
+
+
 def test_the_cpu_product_is_the_same_arithmetic():
     """`int8_product` on the CPU (torch's int8 GEMM) equals the exact products as the kernel does."""
     q, w, s, scale = _random(7, 24, 96)

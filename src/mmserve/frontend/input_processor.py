@@ -23,7 +23,7 @@ from mmserve.ipc.messages import EngineCoreRequest
 from mmserve.models.generation_config import announce, load_generation_defaults
 from mmserve.models.hf_config import load_model_config
 from mmserve.multimodal.processor_cache import ProcessorCache
-from mmserve.ipc.items import MultiModalItem
+from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.multimodal.budget import ItemBudget
 from mmserve.multimodal.image_items import ItemResolver
 from mmserve.multimodal.items import ResolvedItem
@@ -106,15 +106,7 @@ class InputProcessor:
         videos: list[ResolvedItem] = []
         try:
             videos = self.videos.resolve(prompt, bypass_caches)  # [] without videos
-            self._check_item_sizes(resolved)
-            self.videos.check_sizes(videos, self.max_encoder_tokens)
-            token_ids, ranges, groups = self.videos.expand(text, [r.num_tokens for r in resolved], videos)
-            token_ids = self._continued(token_ids, prompt.continuation)
-            if keep is not None:
-                token_ids, ranges, groups = truncate(token_ids, ranges, groups, keep)
-            if len(token_ids) >= self.max_model_len:
-                raise ClientError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
-                                 f"is {self.max_model_len}, which must also leave room for one output token")
+            token_ids, ranges, groups = self._placed(prompt, resolved, videos, keep)
         except BaseException:
             self.items.release(resolved + videos)  # one in-flight table for every modality
             raise
@@ -132,6 +124,22 @@ class InputProcessor:
         params = self.generation.with_eos_stops(params, self.tokenizer.eos_token_id)
         return EngineCoreRequest(request_id, token_ids, items, params, self.eos_token_id, time.time(),
                                  cache_salt=salt, bypass_caches=bypass_caches, priority=priority)
+
+    def _placed(self, prompt: Prompt, resolved: list[ResolvedItem], videos: list[ResolvedItem],
+                keep: int | None) -> tuple[list[int], list[PlaceholderRange], list[MultiModalItem]]:
+        """The prompt's token ids with its items' placeholders expanded (each item within the
+        encoder budget), its last `keep` tokens where it is truncated, room left for one output
+        token; the images' ranges and the videos' groups."""
+        self._check_item_sizes(resolved)
+        self.videos.check_sizes(videos, self.max_encoder_tokens)
+        token_ids, ranges, groups = self.videos.expand(prompt.text, [r.num_tokens for r in resolved], videos)
+        token_ids = self._continued(token_ids, prompt.continuation)
+        if keep is not None:
+            token_ids, ranges, groups = truncate(token_ids, ranges, groups, keep)
+        if len(token_ids) >= self.max_model_len:
+            raise ClientError(f"the prompt has {len(token_ids)} tokens (images included), but max_model_len "
+                              f"is {self.max_model_len}, which must also leave room for one output token")
+        return token_ids, ranges, groups
 
     def _tokens_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                         bypass_caches: bool, priority: int, keep: int | None) -> EngineCoreRequest:

@@ -25,8 +25,6 @@ import triton.language as tl
 
 SMALL_M = 16  # rows up to which the tile is 16 rows and K may be split
 TARGET_PROGRAMS = 264  # twice an H100's SMs: what split-K aims the grid at
-
-
 QUANT_BLOCK = 1024  # columns of x a quantizing program reads at a time
 
 
@@ -59,7 +57,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=QUANT_BLOCK, enable_fp_fusion=False)
+    if M:
+        _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=QUANT_BLOCK, enable_fp_fusion=False)
     return q, s
 
 
@@ -93,12 +92,15 @@ def _int8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_s
 
 def int8_scaled_mm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(q [M, K] int8 @ weight [N, K]^T int8) * s [M, 1] * scale [N] (+ bias), [M, N] in `dtype`."""
+    """(q [M, K] int8 @ weight [N, K]^T int8) * s [M, 1] * scale [N] (+ bias), [M, N] in `dtype`.
+    A program's int32 sum holds up to 127 * 128 * K: exact for K below 132,000 columns."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     M, K = q.shape
     N = weight.shape[0]
     s = s.reshape(-1)
+    if M == 0:
+        return torch.empty(0, N, dtype=dtype, device=q.device)
     if M <= SMALL_M:
         BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
         columns = triton.cdiv(N, BLOCK_N)
