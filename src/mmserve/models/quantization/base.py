@@ -70,6 +70,25 @@ def register(layer: Layer, name: str, shape: tuple[int, ...], dtype: torch.dtype
         layer.tp_shards[name] = shard
 
 
+def register_row_scaled(layer: Layer, shape: LinearShape, dtype: torch.dtype, per_tensor: bool) -> None:
+    """`weight` [out, in] in `dtype` and its `weight_scale`: [1] (stored [1] or []) for the whole
+    tensor, else [out, 1], one per row, with this rank's rows (compressed-tensors' `tensor` and
+    `channel` strategies, vLLM's serialized per-tensor FP8); `row_scale` gives it per row."""
+    s = shape.shard
+    register(layer, "weight", (shape.out_features, shape.in_features), dtype, s)
+    if per_tensor:
+        register(layer, "weight_scale", (1,), torch.float32, keep_dtype=True)
+        layer.weight_scale.any_shape_of_one = True
+    else:
+        register(layer, "weight_scale", (shape.out_features, 1), torch.float32,
+                 None if s is None or s.dim == 1 else s, keep_dtype=True)
+
+
+def row_scale(layer: Layer) -> torch.Tensor:
+    """A `register_row_scaled` layer's scale as float32 [out], a tensor's one repeated on every row."""
+    return layer.weight_scale.reshape(-1).float().expand(layer.weight.shape[0]).contiguous()
+
+
 def replace(layer: Layer, **tensors: torch.Tensor) -> None:
     """Set the layer's parameters to `tensors` (the resident form), dropping the names it had."""
     for name in getattr(layer, "weight_names", []):

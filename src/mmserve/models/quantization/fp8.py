@@ -29,7 +29,9 @@ import functools
 import torch
 
 from mmserve.models.quantization import cpu_gemv
-from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, Shard, register, replace, tiled_linear
+from mmserve.models.quantization.base import (Layer, LinearMethod, LinearShape, Shard, register, register_row_scaled,
+                                              replace, row_scale, tiled_linear)
+from mmserve.models.quantization.groups import stack
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite magnitude
@@ -49,13 +51,7 @@ class Fp8RowMethod(LinearMethod):
             register(layer, "weight", (out, inp), torch.float32, s)
             layer.weight.load_lazily = True  # allocated when read, quantized at once (models/loader.py)
             return
-        register(layer, "weight", (out, inp), FP8, s)
-        if self.per_tensor:
-            register(layer, "weight_scale", (1,), torch.float32, keep_dtype=True)
-            layer.weight_scale.any_shape_of_one = True  # stored as [] or [1]
-        else:
-            row = None if s is None or s.dim == 1 else s
-            register(layer, "weight_scale", (out, 1), torch.float32, row, keep_dtype=True)
+        register_row_scaled(layer, shape, FP8, self.per_tensor)
 
     def process_weights(self, layer: Layer) -> None:
         weight = layer.weight
@@ -64,8 +60,7 @@ class Fp8RowMethod(LinearMethod):
             scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
             replace(layer, weight=(w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale=scale)
             return
-        scale = layer.weight_scale.reshape(-1).float().expand(weight.shape[0]).contiguous()
-        replace(layer, weight=weight, scale=scale)
+        replace(layer, weight=weight, scale=row_scale(layer))
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
         return layer.weight.float() * layer.scale[:, None]
@@ -86,7 +81,7 @@ class Fp8RowMethod(LinearMethod):
         return cpu_gemv.fp8_call(layer.weight, layer.scale, None)
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
-        return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
+        return stack(layers, ("weight", "scale"))
 
 
 class Fp8BlockMethod(LinearMethod):

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, register, replace
+from mmserve.models.quantization.base import Layer, LinearMethod, LinearShape, register_row_scaled, replace, row_scale
+from mmserve.models.quantization.groups import stack
 
 INT8_MAX = 127.0
 
@@ -66,19 +67,10 @@ class W8A8Method(LinearMethod):
         self.per_tensor = per_tensor
 
     def create_weights(self, layer: Layer, shape: LinearShape) -> None:
-        out, inp, s = shape.out_features, shape.in_features, shape.shard
-        register(layer, "weight", (out, inp), torch.int8, s)
-        if self.per_tensor:
-            register(layer, "weight_scale", (1,), torch.float32, keep_dtype=True)
-            layer.weight_scale.any_shape_of_one = True
-        else:
-            register(layer, "weight_scale", (out, 1), torch.float32, None if s is None or s.dim == 1 else s,
-                     keep_dtype=True)
+        register_row_scaled(layer, shape, torch.int8, self.per_tensor)
 
     def process_weights(self, layer: Layer) -> None:
-        weight = layer.weight
-        scale = layer.weight_scale.reshape(-1).float().expand(weight.shape[0]).contiguous()
-        replace(layer, weight=weight.contiguous(), scale=scale)
+        replace(layer, weight=layer.weight.contiguous(), scale=row_scale(layer))
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
         return layer.weight.float() * layer.scale[:, None]
@@ -95,4 +87,4 @@ class W8A8Method(LinearMethod):
         return y.reshape(*x.shape[:-1], layer.weight.shape[0])
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
-        return {name: torch.cat([getattr(layer, name) for layer in layers]) for name in ("weight", "scale")}
+        return stack(layers, ("weight", "scale"))
