@@ -5,7 +5,6 @@ from the engine cores' `RankStats`, and a restarted rank is forgotten."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 
@@ -18,7 +17,8 @@ from mmserve.frontend.dp.remote_router import RemoteRouter
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.ipc.launcher_messages import RankStats
 from mmserve.ipc.messages import EngineCoreRequest, SchedulerStats
-from mmserve.ipc.queues import QueueSender, make_ipc_dir
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
+from mmserve.ipc.queues import QueueSender
 from mmserve.ipc.serial import MsgpackEncoder
 from mmserve.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ def coordinator():
     c.start()
     yield c
     c.close()
-    shutil.rmtree(ipc_dir)
+    remove_private_dir(ipc_dir)
 
 
 def request(rid: str, image: str) -> EngineCoreRequest:

@@ -6,7 +6,6 @@ consistent store whose every handle reads back its own bytes or nothing."""
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import time
 
 import msgspec
@@ -15,7 +14,7 @@ import pytest
 
 from mmserve.ipc.items import ShmStoreInfo
 from mmserve.item_store.node_store import NodeStoreClient, NodeStoreServer
-from mmserve.ipc.queues import make_ipc_dir
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
 from mmserve.item_store.shm_store import ShmStore
 from helpers.shm_items_for_tests import CHUNK, item, same
 
@@ -29,7 +28,7 @@ def server():
     s.start()
     yield s
     s.close()
-    shutil.rmtree(ipc_dir, ignore_errors=True)
+    remove_private_dir(ipc_dir)
 
 
 def client(server: NodeStoreServer, index: int) -> NodeStoreClient:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 
 import pytest
 import torch
 import zmq
 
 from mmserve.ipc.messages import AbortRequests, EngineCoreInput, EngineCoreRequest
-from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, ipc_path, make_ipc_dir, tcp_address
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, ipc_path, tcp_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.items import MultiModalItem, PlaceholderRange
 from mmserve.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def pair():
         receiver.close()
     finally:
         ctx.destroy(linger=0)
-        shutil.rmtree(ipc_dir)
+        remove_private_dir(ipc_dir)
 
 
 def test_ipc_dir_is_per_instance_and_holds_the_socket_files(pair):
@@ -40,7 +40,7 @@ def test_ipc_dir_is_per_instance_and_holds_the_socket_files(pair):
     assert f"mmserve-{os.getpid()}-" in os.path.basename(os.path.dirname(path))
     other = make_ipc_dir()
     assert other != os.path.dirname(path)
-    os.rmdir(other)
+    remove_private_dir(other)
 
 
 def test_messages_with_tensors_arrive_intact(pair):
@@ -80,7 +80,7 @@ def test_send_without_a_peer_times_out():
             sender.send(AbortRequests([]), timeout_s=0.05)
     finally:
         ctx.destroy(linger=0)
-        shutil.rmtree(ipc_dir)
+        remove_private_dir(ipc_dir)
 
 
 def test_async_receive_does_not_block_the_loop_and_cancelling_loses_nothing(pair):

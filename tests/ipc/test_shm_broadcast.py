@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import msgspec
 import pytest
 import torch
 import zmq
 
-from mmserve.ipc.queues import make_ipc_dir
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast, ShmBroadcastReader
 
@@ -33,7 +32,7 @@ def ring():
         reader.close()
     writer.close()
     ctx.destroy(linger=0)
-    shutil.rmtree(ipc_dir)
+    remove_private_dir(ipc_dir)
 
 
 def test_every_reader_gets_every_message_in_order_across_wraparound(ring):
@@ -93,4 +92,4 @@ def test_close_unlinks_the_segment():
     writer.close()  # idempotent
     assert not os.path.exists(f"/dev/shm/{writer.name}")
     ctx.destroy(linger=0)
-    shutil.rmtree(ipc_dir)
+    remove_private_dir(ipc_dir)

@@ -2,7 +2,7 @@
 
 `QueueSender[T]` encodes with a `MsgpackEncoder` and sends multipart frames without copying
 big ones; `QueueReceiver[T]` receives without copying and decodes with a `MsgpackDecoder`.
-Addresses are `ipc://` paths inside a per-instance directory from `make_ipc_dir()`; the side
+Addresses are `ipc://` paths inside a per-instance directory from `private_dirs.make_ipc_dir()`; the side
 that binds (P0) owns that directory and removes it. An engine core on another machine (Ray) is
 reached over `tcp_address(host)` instead: the port is picked at bind time, and the queue's
 `address` is then the bound one, to give the peer.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from typing import Generic, TypeVar
 
@@ -29,18 +28,6 @@ import zmq.asyncio
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 
 T = TypeVar("T")
-
-_MAX_IPC_PATH = 100  # sun_path holds 107 bytes on Linux, 103 on macOS
-
-
-def make_ipc_dir() -> str:
-    """A fresh private directory for one instance's socket files (pid in its name)."""
-    path = tempfile.mkdtemp(prefix=f"mmserve-{os.getpid()}-")
-    if len(path) > _MAX_IPC_PATH - 20:
-        os.rmdir(path)
-        raise RuntimeError(f"temp dir {path!r} is too long for ipc:// socket paths; set TMPDIR to a short path")
-    return path
-
 
 def ipc_address(ipc_dir: str, name: str) -> str:
     """`ipc://<ipc_dir>/<name>.sock`."""

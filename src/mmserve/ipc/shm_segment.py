@@ -36,6 +36,8 @@ import time
 import uuid
 from typing import Any
 
+from mmserve.ipc.lifecycle import is_running
+
 SHM_DIR = "/dev/shm"
 OWNER_BYTE = 1 << 62  # locked by the writer for its life; past EOF, so never a chunk's byte
 _INIT_GRACE_S = 60.0
@@ -161,19 +163,9 @@ def _owner_gone(path: str, pid: int) -> bool:
     try:
         if lock_held(fd, OWNER_BYTE):  # the writer lives (even one in another pid namespace)
             return False
-        return not _pid_alive(pid) or time.time() - os.fstat(fd).st_mtime > _INIT_GRACE_S
+        return not is_running(pid) or time.time() - os.fstat(fd).st_mtime > _INIT_GRACE_S
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def _register(name: str) -> None:

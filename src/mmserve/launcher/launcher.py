@@ -30,10 +30,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
@@ -51,7 +49,7 @@ from mmserve.launcher.response_store_server import ResponseStoreServer
 from mmserve.frontend.engine_client.engine_process import LocalEngineProcess
 from mmserve.frontend.engine_client.supervisor import EngineSupervisor
 from mmserve.item_store.node_store import NodeStoreServer
-from mmserve.ipc.queues import make_ipc_dir
+from mmserve.ipc.private_dirs import make_ipc_dir, make_private_dir, remove_private_dir
 from mmserve.item_store.shm_store import ShmStore
 from mmserve.models.generation_config import announce, load_generation_defaults
 from mmserve.models.hub import resolve_engine_model
@@ -92,7 +90,7 @@ class Launcher:
         self.store: NodeStoreServer | None = None
         self.responses: ResponseStoreServer | None = None
         self.ipc_dir = make_ipc_dir()
-        self.metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
+        self.metrics_dir = make_private_dir("metrics")
         self.sock: socket.socket | None = None
 
     def run(self) -> int:
@@ -189,8 +187,8 @@ class Launcher:
             self.responses.close()
         if self.sock is not None:
             self.sock.close()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        remove_private_dir(self.ipc_dir)
+        remove_private_dir(self.metrics_dir)
 
 
 def _api_server_main(server_config: ServerConfig, engine_config: EngineConfig, attachment: Attachment,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import shutil
 import time
 import weakref
 from collections.abc import Sequence
@@ -39,7 +38,8 @@ from mmserve.ipc.lifecycle import describe_exit
 from mmserve.ipc.worker_messages import (ExecuteModel, InitializeKVCache, ModelRunnerOutput, SchedulerOutput,
                                          ShutdownWorker, WorkerDone, WorkerEvent, WorkerFailed, WorkerInput,
                                          WorkerReady, WorkerStepOutput)
-from mmserve.ipc.queues import QueueReceiver, ipc_address, make_ipc_dir
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
+from mmserve.ipc.queues import QueueReceiver, ipc_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 from mmserve.ipc.shm_broadcast import ShmBroadcast
 from mmserve.models.hf_config import load_model_config
@@ -85,7 +85,7 @@ class _Resources:
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
             self.ctx = None
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        remove_private_dir(self.ipc_dir)
 
 
 def _stop_processes(procs: list[BaseProcess]) -> None:

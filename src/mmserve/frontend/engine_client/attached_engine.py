@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
+from mmserve.ipc.lifecycle import is_running
 from mmserve.ipc.queues import ipc_address
 
 _JOIN_POLL_S = 0.05
@@ -49,21 +50,6 @@ def engine_addresses(ipc_dir: str, server: int, rank: int) -> tuple[str, str]:
     return ipc_address(ipc_dir, f"in_s{server}_r{rank}"), ipc_address(ipc_dir, f"out_s{server}_r{rank}")
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: signal 0 says whether it exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
 class AttachedEngineProcess:
     is_local = True
     host = None
@@ -83,8 +69,8 @@ class AttachedEngineProcess:
 
     def is_alive(self) -> bool:
         if self.pid is None:
-            return os.getppid() == self.launcher and pid_alive(self.launcher)
-        return pid_alive(self.pid)
+            return os.getppid() == self.launcher and is_running(self.launcher)
+        return is_running(self.pid)
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import shutil
 import time
 import weakref
 from collections.abc import Iterable
@@ -31,7 +30,8 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.engine_client.engine_process import EngineProcess, LocalEngineProcess, place_engine
 from mmserve.ipc.messages import (AbortRequests, EngineCoreEvent, EngineCoreFailed, EngineCoreInput,
                                   EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, ResetCaches)
-from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, make_ipc_dir, tcp_address
+from mmserve.ipc.private_dirs import make_ipc_dir, remove_private_dir
+from mmserve.ipc.queues import QueueReceiver, QueueSender, ipc_address, tcp_address
 from mmserve.ipc.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _Resources:
             self.ctx.destroy(linger=0)
             self.ctx = None
         if self.ipc_dir is not None:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            remove_private_dir(self.ipc_dir)
 
 
 class EngineCoreClient:
