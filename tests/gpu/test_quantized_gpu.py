@@ -1,5 +1,5 @@
-"""On a CUDA GPU: quantized weights (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8, FP8 block-wise and per row,
-`--quantization fp8`)
+"""On a CUDA GPU: quantized weights (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8 dynamic and static,
+FP8 block-wise, per row and with static activation scales (ModelOpt's), `--quantization fp8`)
 through our Triton kernels at the 7B's shapes against dequantize-then-matmul, and greedy tokens
 against transformers on the dequantized weights (float32 equal, bfloat16 agreement printed).
 `make test-gpu`; skipped (instantly) where CUDA is absent."""
@@ -11,7 +11,7 @@ import torch
 
 from helpers.gpu_cases import checkpoint, hf_tokens, prompts
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, W8A8, quantize_copy
+from helpers.quant_checkpoints import FORMATS, STATIC_INPUT, W8A8, quantize_copy
 from helpers.w8a8_reference import assert_w8a8_greedy_close, int8_activation_hooks
 from helpers.resident_weights import random_fp8, random_int4, random_int8
 from mmserve.models.quantization import int8
@@ -56,7 +56,8 @@ def test_kernels_at_the_7b_shapes_equal_dequantize_then_matmul(M, N, K):
         assert ((got.double() - want).abs() <= bound).all(), name
 
 
-@pytest.mark.parametrize("fmt", [*(f for f in FORMATS if f not in ("w8a16-asym", "w8a8-tensor")), "fp8-online"])
+@pytest.mark.parametrize("fmt", [*(f for f in FORMATS if f not in ("w8a16-asym", "w8a8-tensor", "fp8-static")),
+                                 "fp8-online"])
 def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
     """float32: token-equal to transformers on the dequantized weights (W8A8: close, its activations
     quantized alike, `assert_w8a8_greedy_close`); bfloat16: agreement printed."""
@@ -68,10 +69,11 @@ def test_quantized_greedy_on_the_gpu(tmp_path, fmt):
         path, twin, extra = source, online_fp8_twin(source, tmp_path / "twin"), {"quantization": "fp8"}
     else:
         (path, twin), extra = quantize_copy(source, tmp_path, fmt), {}
-    prepare = (lambda model: int8_activation_hooks(model)) if fmt in W8A8 else None
+    static = fmt if fmt in STATIC_INPUT else None
+    prepare = (lambda model: int8_activation_hooks(model, 1, static)) if fmt in W8A8 else None
     if fmt in W8A8:
-        assert_w8a8_greedy_close(path, twin, items, MAX_NEW, hf_qwen_greedy, 0.1, device="cuda", dtype="float32",
-                                 max_model_len=512).shutdown()
+        assert_w8a8_greedy_close(path, twin, items, MAX_NEW, hf_qwen_greedy, 0.1, static, device="cuda",
+                                 dtype="float32", max_model_len=512).shutdown()
     else:
         ours, _ = run_greedy(path, items, MAX_NEW, device="cuda", dtype="float32", max_model_len=512, **extra)
         assert ours == hf_tokens("qwen3_vl", twin, items, MAX_NEW, torch.float32)

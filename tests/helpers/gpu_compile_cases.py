@@ -133,19 +133,22 @@ def _linear(rows: int, out: int, inner: int, fmt: str, bias: bool = False) -> Ca
     return lambda: triton_kernels.fp8_linear(x, weight, _empty(out, dtype=F32), None, b)
 
 
-def _w8a8(rows: int, out: int, inner: int) -> Callable[[], object]:
-    """The rows quantized (bfloat16 in), then the int8 GEMM."""
+def _w8a8(rows: int, out: int, inner: int, static: bool = False) -> Callable[[], object]:
+    """The rows quantized (bfloat16 in; by a static scale), then the int8 GEMM."""
     from mmserve.models.quantization.triton_int8_mm import int8_scaled_mm, quantize_rows
 
     x, q, s = _empty(rows, inner, dtype=BF16), _empty(rows, inner, dtype=torch.int8), _empty(rows, 1, dtype=F32)
     weight, scale, b = _empty(out, inner, dtype=torch.int8), _empty(out, dtype=F32), _empty(out, dtype=BF16)
-    return lambda: (quantize_rows(x), int8_scaled_mm(q, s, weight, scale, b, BF16))
+    input_scale = _empty(1, dtype=F32) if static else None
+    return lambda: (quantize_rows(x, input_scale), int8_scaled_mm(q, s, weight, scale, b, BF16))
 
 
 def quantized_cases() -> list[Case]:
     """The int4, int8 and FP8 GEMV (decode rows) and GEMM (prefill rows), Q/K/V of the 7B with its
-    bias; W8A8's int8 GEMM at a decode step's rows (K split: o_proj's narrow output) and a prefill's."""
+    bias; W8A8's int8 GEMM at a decode step's rows (K split: o_proj's narrow output) and a prefill's,
+    and its quantization by a static scale."""
     return [*[(f"{fmt} qkv of qwen2.5-7b, {rows} rows", _linear(rows, 4608, 3584, fmt, bias=True))
               for fmt in ("int4", "int8", "fp8 block", "fp8 row") for rows in (1, 1024)],
             ("w8a8 o_proj of qwen2.5-7b, 1 row", _w8a8(1, 3584, 3584)),
-            ("w8a8 qkv of qwen2.5-7b, 1024 rows", _w8a8(1024, 4608, 3584))]
+            ("w8a8 qkv of qwen2.5-7b, 1024 rows", _w8a8(1024, 4608, 3584)),
+            ("w8a8 static-scale qkv of qwen2.5-7b, 1 row", _w8a8(1, 4608, 3584, static=True))]

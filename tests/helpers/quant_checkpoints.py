@@ -7,7 +7,9 @@ zeros stored less one, `g_idx`), W4A16 and W8A16 as compressed-tensors'
 `pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), W8A8 as its int-quantized
 format stores it (int8 `weight`, `weight_scale` [out, 1] or [1]), FP8 block-wise as
 transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
-compressed-tensors' float-quantized format (`weight_scale` [out, 1]). `quantize_copy` writes the
+compressed-tensors' float-quantized format (`weight_scale` [out, 1]), and with static activation
+scales (`input_scale` per layer) as llm-compressor's FP8 and W8A8 presets and NVIDIA ModelOpt's FP8
+export store them (ModelOpt's in `hf_quant_config.json`). `quantize_copy` writes the
 quantized checkpoint and a plain float32 one holding exactly the weights it stands for, which
 transformers runs as the reference; `quantize_checkpoint` writes the quantized one alone, from a
 sharded checkpoint too, quantizing on any device (the GPU benchmark's 7B copies, on the GPU).
@@ -32,8 +34,16 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
 FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "gptq-int8", "w4a16", "w4a16-asym", "w4a16-act-order",
-           "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "fp8-block", "fp8-channel")
-W8A8 = ("w8a8", "w8a8-tensor")  # activations quantized too: the reference needs helpers/w8a8_reference.py
+           "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "w8a8-static", "fp8-block", "fp8-channel", "fp8-static",
+           "modelopt-fp8")
+W8A8 = ("w8a8", "w8a8-tensor", "w8a8-static")  # activations quantized too: see helpers/w8a8_reference.py
+STATIC_INPUT = ("w8a8-static", "fp8-static", "modelopt-fp8")  # an `input_scale` per layer
+# the largest activation each projection's static scale covers (the tiny models' inputs reach ~4
+# before q/k/v and gate/up, ~5-9 before o_proj, ~15-46 before down_proj: the last clamp a little),
+# and each sibling's share of it: fused, q/k/v and gate/up take the largest of theirs, 1.0
+INPUT_PEAK = {"q_proj": 4.0, "k_proj": 4.0, "v_proj": 4.0, "o_proj": 6.0, "gate_proj": 4.0, "up_proj": 4.0,
+              "down_proj": 32.0}
+SIBLING_SHARE = {"q_proj": 0.8, "k_proj": 0.9, "gate_proj": 0.9}
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -173,6 +183,37 @@ def _w8a8(w: torch.Tensor, per_tensor: bool) -> tuple[dict[str, torch.Tensor], t
     return {"weight": q.to(torch.int8), "weight_scale": scale.reshape(1) if per_tensor else scale}, q * scale.float()
 
 
+def effective_input_scale(fmt: str, module: str) -> float:
+    """The static activation scale a decoder projection (`module`: its name) runs with: its input's
+    peak over int8's 127 or e4m3's 448 (the largest of its fused siblings')."""
+    return INPUT_PEAK[module.rsplit(".", 1)[-1]] / (127.0 if fmt == "w8a8-static" else FP8_MAX)
+
+
+def _static_scales(fmt: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The `input_scale` a static format stores for the projection `prefix`, as each publisher
+    stores it: compressed-tensors [1] in the model's dtype (bfloat16), ModelOpt a float32 scalar;
+    and a k_proj's KV-cache scales, which the engine reads past (FP8 KV caches: not here)."""
+    part = prefix.rsplit(".", 1)[-1]
+    value = effective_input_scale(fmt, prefix) * SIBLING_SHARE.get(part, 1.0)
+    scales = {"input_scale": torch.tensor([value], dtype=torch.float32)}
+    if fmt == "fp8-static":
+        scales = {"input_scale": scales["input_scale"].bfloat16()}
+    elif fmt == "modelopt-fp8":
+        scales = {"input_scale": scales["input_scale"].reshape(())}
+    if part == "k_proj" and fmt != "w8a8-static":
+        kv = torch.tensor(0.01) if fmt == "modelopt-fp8" else torch.tensor([0.01])
+        scales |= {"k_scale": kv, "v_scale": kv.clone()}
+    return scales
+
+
+def _fp8_tensor(w: torch.Tensor, scalar: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """FP8 with one scale for the tensor (largest magnitude at 448): [] float32 as ModelOpt stores
+    it (`scalar`), or compressed-tensors' [1]."""
+    scale = (w.abs().amax() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.reshape(() if scalar else (1,))}, q.float() * scale
+
+
 def _fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     out, inp = w.shape
     rows, cols = -(-out // block), -(-inp // block)
@@ -212,15 +253,26 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [block, block],
                 "modules_to_not_convert": ["lm_head", *vision, "model.visual"] if vision else ["lm_head"]}
+    if fmt == "modelopt-fp8":  # hf_quant_config.json's "quantization" (quantize_checkpoint writes it there)
+        return {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                "exclude_modules": ["lm_head", *(f"*{name}*" for name in vision)]}
     ignore = ["lm_head", *(f"re:.*{name}.*" for name in vision)]
-    if fmt == "fp8-channel":
-        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    static = {"strategy": "tensor", "dynamic": False, "observer": "minmax"}
+    kv_cache = None
+    if fmt in ("fp8-channel", "fp8-static"):
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel" if fmt == "fp8-channel" else "tensor",
+                   "symmetric": True, "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+        if fmt == "fp8-static":  # llm-compressor's FP8 preset, with an FP8 KV cache's scales
+            acts |= static
+            kv_cache = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
         fmt_name = "float-quantized"
-    elif fmt in W8A8:  # llm-compressor's W8A8 preset
+    elif fmt in W8A8:  # llm-compressor's W8A8 preset (static: older neuralmagic exports)
         weights = {"num_bits": 8, "type": "int", "strategy": "tensor" if fmt == "w8a8-tensor" else "channel",
                    "symmetric": True, "dynamic": False, "group_size": None, "actorder": None}
         acts = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+        if fmt == "w8a8-static":
+            acts |= static
         fmt_name = "int-quantized"
     else:
         by_channel = fmt == "w8a16-asym"  # llm-compressor's W8A16 preset is per channel
@@ -231,7 +283,7 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
         acts, fmt_name = None, "pack-quantized"
     return {"quant_method": "compressed-tensors", "format": fmt_name, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
-            "ignore": ignore}
+            "ignore": ignore, "kv_cache_scheme": kv_cache}
 
 
 def w4a16_config(actorder: str | None) -> dict[str, Any]:
@@ -258,6 +310,8 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
         return _w8a8(w, per_tensor=fmt == "w8a8-tensor")
     if fmt == "fp8-block":
         return _fp8_block(w, block)
+    if fmt in ("fp8-static", "modelopt-fp8"):
+        return _fp8_tensor(w, scalar=fmt == "modelopt-fp8")
     return _fp8_channel(w)
 
 
@@ -288,7 +342,13 @@ def quantize_entry(name: str, w: torch.Tensor, recipe: Recipe) -> tuple[dict[str
     if _quantized(name, w, recipe.tower):
         stored, deq = quantize_tensor(recipe.fmt, w.float(), recipe.group, recipe.block)
         prefix = name.removesuffix(".weight")
-        return {f"{prefix}.{suffix}": t for suffix, t in stored.items()}, deq.contiguous()
+        if recipe.fmt in STATIC_INPUT:
+            stored |= {key: t.to(w.device) for key, t in _static_scales(recipe.fmt, prefix).items()}
+        tensors = {f"{prefix}.{suffix}": t for suffix, t in stored.items()}
+        if recipe.fmt == "fp8-static":  # compressed-tensors keeps the KV-cache scales on the attention
+            tensors = {key.replace("k_proj.k_scale", "k_scale").replace("k_proj.v_scale", "v_scale"): t
+                       for key, t in tensors.items()}
+        return tensors, deq.contiguous()
     if recipe.unquantized is not None and w.is_floating_point():
         kept = w.to(recipe.unquantized)
         return {name: kept}, kept.float()
@@ -330,8 +390,13 @@ def quantize_checkpoint(src: str, dst: Path, recipe: Recipe, twin: Path | None =
     if (Path(src) / INDEX).exists():
         for folder, names, total in zip(folders, maps, totals):
             (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": names}))
+    quant = quantization_config(recipe.fmt, recipe.group, recipe.block, recipe.tower)
+    if recipe.fmt == "modelopt-fp8":  # ModelOpt's export: its own file, config.json untouched
+        exported = {"producer": {"name": "modelopt", "version": "0.33.0"}, "quantization": quant}
+        (dst / "hf_quant_config.json").write_text(json.dumps(exported))
+        return
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = quantization_config(recipe.fmt, recipe.group, recipe.block, recipe.tower)
+    config["quantization_config"] = quant
     (dst / "config.json").write_text(json.dumps(config))
 
 

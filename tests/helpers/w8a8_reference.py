@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from helpers.quant_checkpoints import VISION
+from helpers.quant_checkpoints import VISION, effective_input_scale
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # a rank holds a slice of their input
 
@@ -29,15 +29,28 @@ def int8_token_fake_quant(x: torch.Tensor, parts: int = 1) -> torch.Tensor:
     return torch.cat(slices, dim=-1).to(x.dtype)
 
 
-def int8_activation_hooks(model: torch.nn.Module, tp: int = 1) -> None:
+def int8_static_fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as static W8A8's activations stand for it, as vLLM's `static_scaled_int8_quant` quantizes
+    them: x / scale (IEEE, float32) rounded half to even, clamped to int8, times the scale."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (torch.round(x.float() / s).clamp(-128, 127) * s).to(x.dtype)
+
+
+def int8_activation_hooks(model: torch.nn.Module, tp: int = 1, static: str | None = None) -> None:
     """Make transformers' `model` quantize the inputs of its decoder projections (the layers
     `quantize_copy` quantizes) as W8A8 runs them: per token, and in `tp` slices for the
-    row-parallel ones, as each rank of a tensor-parallel engine quantizes its own."""
+    row-parallel ones, as each rank of a tensor-parallel engine quantizes its own; with `static`
+    (the format's name) by each layer's static scale (every rank's slice by the same)."""
     pattern = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
     for name, module in model.named_modules():
-        if pattern.search(name) and not any(v in name for v in VISION):
-            parts = tp if name.endswith(ROW_PARALLEL) else 1
-            module.register_forward_pre_hook(lambda _m, args, parts=parts: (int8_token_fake_quant(args[0], parts),))
+        if not pattern.search(name) or any(v in name for v in VISION):
+            continue
+        if static is not None:
+            scale = effective_input_scale(static, name)
+            module.register_forward_pre_hook(lambda _m, args, scale=scale: (int8_static_fake_quant(args[0], scale),))
+            continue
+        parts = tp if name.endswith(ROW_PARALLEL) else 1
+        module.register_forward_pre_hook(lambda _m, args, parts=parts: (int8_token_fake_quant(args[0], parts),))
 
 
 def record_logprobs(into: list[torch.Tensor]) -> Callable[[torch.nn.Module], None]:
@@ -69,11 +82,11 @@ def assert_greedy_close(ours: list[int], our_logprobs: list[dict[int, float]], t
 
 def assert_w8a8_greedy_close(quantized: str, dequantized: str, items: list[dict], max_new: int,
                              reference: Callable[..., tuple[list[list[int]], list[int]]], tol: float,
-                             **engine_args: Any) -> Any:
+                             static: str | None = None, **engine_args: Any) -> Any:
     """A W8A8 checkpoint's greedy tokens and log-probabilities (an `LLM` on `engine_args`, the CPU
     unless they name a device) against `reference` (`hf_greedy`, `hf_qwen_greedy`: transformers on
-    `dequantized`, its activations quantized as the engine's ranks quantize them), by
-    `assert_greedy_close`. Returns the `LLM`."""
+    `dequantized`, its activations quantized as the engine's ranks quantize them; `static`: a
+    static format's name), by `assert_greedy_close`. Returns the `LLM`."""
     from mmserve import LLM, SamplingParams
 
     engine_args.setdefault("device", "cpu")
@@ -86,7 +99,7 @@ def assert_w8a8_greedy_close(quantized: str, dequantized: str, items: list[dict]
     record = record_logprobs(steps)
 
     def prepare(model: torch.nn.Module) -> None:
-        int8_activation_hooks(model, engine_args.get("tensor_parallel_size", 1))
+        int8_activation_hooks(model, engine_args.get("tensor_parallel_size", 1), static)
         record(model)
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[engine_args.get("dtype", "float32")]

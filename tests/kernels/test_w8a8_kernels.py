@@ -132,3 +132,19 @@ def test_quantized_rows_stand_for_x_within_half_a_quantum(dtype):
     q, s = quantize_rows(x)
     assert q.abs().amax(dim=1).tolist() == [127] * 9  # each row's largest magnitude at 127
     assert ((q.float() * s - x.float()).abs() <= s * (0.5 + 1e-5)).all()  # bfloat16 values can sit on a tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [6, 2500])
+def test_static_quantization_is_x_over_the_scale_half_to_even_in_one_launch(dtype, K):
+    """A static `input_scale` (vLLM's `static_scaled_int8_quant`): q = x / s (IEEE) rounded half
+    to even and clamped, every row's scale s; the Triton kernel's bit for bit the torch one's."""
+    scale = torch.tensor([0.25])
+    x = (torch.randn(5, 2 * K, generator=GEN) * torch.logspace(-2, 2, 5)[:, None])
+    x[0, :6] = torch.tensor([0.625, 0.375, -0.125, 40.0, -40.0, 0.0])  # ties at 2.5, 1.5, -0.5; clamped
+    x = x.to(dtype)[:, :K]
+    q, s = quantize_rows(x, scale)
+    assert q[0, :6].tolist() == [2, 2, 0, 127, -128, 0][:K] and s.tolist() == [[0.25]] * 5
+    assert torch.equal(q, torch.round(x.float() / 0.25).clamp(-128, 127).to(torch.int8))
+    got_q, got_s = triton_int8_mm.quantize_rows(x.to(DEVICE), scale.to(DEVICE))
+    assert torch.equal(got_q.cpu(), q) and torch.equal(got_s.cpu(), s.contiguous())

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.quant_checkpoints import (AWQ_ORDER, FORMATS, INDEX, VISION, W8A8, Recipe, awq_pack, checkpoint_bytes,
-                                       ct_pack, gptq_pack, gptq_pack_columns, quantization_config, quantize_copy,
-                                       quantize_entry, w4a16_config)
-from helpers.w8a8_reference import int8_token_fake_quant
+                                       ct_pack, effective_input_scale, gptq_pack, gptq_pack_columns,
+                                       fp8_rows, quantization_config, quantize_copy, quantize_entry, w4a16_config)
+from helpers.w8a8_reference import int8_static_fake_quant, int8_token_fake_quant
 from helpers.tiny_models import make_qwen_checkpoint
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import FusedLinear, ParallelLinear
@@ -34,7 +34,10 @@ EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_p
                      "w8a16": ("weight_packed", "weight_scale"),
                      "w8a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
                      "w8a8": ("weight", "weight_scale"), "w8a8-tensor": ("weight", "weight_scale"),
-                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale")}
+                     "w8a8-static": ("weight", "weight_scale", "input_scale"),
+                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale"),
+                     "fp8-static": ("weight", "weight_scale", "input_scale"),
+                     "modelopt-fp8": ("weight", "weight_scale", "input_scale")}
 
 
 def _nibble(word: int, k: int) -> int:
@@ -132,13 +135,21 @@ def test_loaded_layers_are_the_checkpoints_weights_bit_for_bit(fmt, source, tmp_
     model, plain = load_model(quantized), load_model(dequantized)
     reference = _linears(plain)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
-    x_as_run = int8_token_fake_quant(x) if fmt in W8A8 else x
     for name, layer in _linears(model).items():
         assert layer.method.name != "dense", name
         want = reference[name].method.dequantize(reference[name])
         assert torch.equal(layer.method.dequantize(layer), want), name
         if want.shape[1] == x.shape[1]:
-            torch.testing.assert_close(layer(x), reference[name](x_as_run), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer(x), reference[name](_as_run(fmt, name, x)), rtol=1e-5, atol=1e-5)
+
+
+def _as_run(fmt: str, layer: str, x: torch.Tensor) -> torch.Tensor:
+    """x as a layer of `fmt` multiplies it on the CPU: W8A8's rounded to int8 per token, or by the
+    layer's static scale (a fused layer is its first sibling's `fused`: q_proj's, gate_proj's);
+    FP8's as it is (weight-only on the CPU)."""
+    if fmt == "w8a8-static":
+        return int8_static_fake_quant(x, effective_input_scale(fmt, layer.removesuffix(".fused")))
+    return int8_token_fake_quant(x) if fmt in W8A8 else x
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -240,17 +251,49 @@ def test_compressed_tensors_8_bit_schemes_are_read_as_published(tmp_path):
         "w8a8", bits=8, per_tensor=True, skip_names=skip)
 
 
+def test_static_activation_scales_are_read_as_published(tmp_path):
+    """vLLM's serialized FP8 with `activation_scheme: static`, compressed-tensors FP8 and W8A8 with
+    static `tensor` activations, ModelOpt's FP8 from `hf_quant_config.json` or config.json."""
+    assert _spec({"quant_method": "fp8", "activation_scheme": "static"}, tmp_path / "a") == QuantSpec(
+        "fp8_channel", per_tensor=True, static_input=True)
+    skip = ("lm_head", *(f"re:.*{name}.*" for name in VISION))
+    assert _spec(quantization_config("fp8-static", 128, 128), tmp_path / "b") == QuantSpec(
+        "fp8_channel", per_tensor=True, static_input=True, skip_names=skip)
+    assert _spec(quantization_config("w8a8-static", 128, 128), tmp_path / "c") == QuantSpec(
+        "w8a8", bits=8, static_input=True, skip_names=skip)
+    exported = tmp_path / "d"
+    exported.mkdir()
+    (exported / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (exported / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt"}, "quantization": quantization_config("modelopt-fp8", 128, 128)}))
+    from_file = read_quant_spec(str(exported))
+    flat = _spec({"quant_method": "modelopt", "quant_algo": "fp8", "ignore": ["lm_head", "*multi_modal_projector*"]},
+                 tmp_path / "e")
+    for spec in (from_file, flat):
+        assert spec is not None and (spec.format, spec.per_tensor, spec.static_input) == ("fp8_channel", True, True)
+        assert spec.quantizes("model.layers.0.mlp.up_proj") and spec.quantizes("model.language_model.layers.1.o_proj")
+        assert not spec.quantizes("lm_head") and not spec.quantizes("model.multi_modal_projector.linear_1")
+        assert not spec.quantizes("model.visual.blocks.0.attn.qkv")  # the tower: dense, listed or not
+    # config.json's own quantization_config wins over an hf_quant_config.json beside it
+    (exported / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert read_quant_spec(str(exported)) == QuantSpec("fp8_channel", per_tensor=True)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' of"),
     ({"quant_method": "gguf"}, "'gguf' of"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "AWQ with 8 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "marlin"}, "AWQ version 'marlin'"),
-    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "weight_block_size and activation_scheme 'static'"),
+    ({"quant_method": "fp8", "activation_scheme": "per_token"}, "activation_scheme 'per_token'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt quant_algo 'NVFP4'"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False}, "GPTQ with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "'gptq_v2'"),
     (w4a16_config("columns"), "W4A16 with actorder 'columns'"),
-    (w8a8_config(dynamic=False, strategy="tensor"), "W8A8 with static activation scales"),
-    (w8a8_config(symmetric=False), "W8A8 with asymmetric"),
+    (w8a8_config(dynamic=False, strategy="channel"), "W8A8 with static activation scales by 'channel'"),
+    (w8a8_config(dynamic=False, strategy="tensor", symmetric=False), "static activation scales by 'tensor', asym"),
+    (w8a8_config(symmetric=False), "W8A8 with dynamic activations by 'token', asymmetric"),
     (w8a8_config(num_bits=4, type="int"), "int8 weights with 4-bit int activations"),
     ({**w8a8_config(), "format": "pack-quantized"}, "'pack-quantized' with 8-bit int weights by 'channel' and act"),
 ])
@@ -318,3 +361,22 @@ def test_online_fp8_holds_one_float_weight_at_a_time_while_loading(source, monke
     tower = [name for name, m in model.named_modules() if m in layer_registry and "visual" in name]
     assert tower  # as vLLM's online FP8 does, the tower's linears too
     assert model.weight_bytes < 0.8 * load_model(source).weight_bytes
+
+
+def test_fp8_static_scale_quantizes_activations_by_the_one_scale():
+    """The FP8 tensor-core path (`_scaled_mm`; torch runs it on the CPU too): x / input_scale
+    rounded to e4m3, clamped at 448 (x[0, 0] past the scale's range), times the scale, against
+    the dequantized weight; per-token scales (dynamic) give another product."""
+    from mmserve.models.quantization.fp8 import FP8, _scaled_mm
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen)
+    codes, scale = fp8_rows(w)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    x[0, 0] = 10.0  # past 448 x 0.01
+    static = torch.tensor([0.01])
+    got = _scaled_mm(x, codes, scale, None, static)
+    x_q = (x.float() / static).clamp(-448, 448).to(FP8).float() * static
+    want = x_q @ (codes.float() * scale[:, None]).t()
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(_scaled_mm(x, codes, scale, None).float(), want, rtol=1e-2, atol=1e-2)

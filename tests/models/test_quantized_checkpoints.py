@@ -1,7 +1,8 @@
-"""Quantized checkpoints (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8, FP8 block-wise and per channel,
-`--quantization fp8`): greedy float32 tokens equal transformers running the dequantized weights (for
-W8A8 with its activations quantized per token, `int8_activation_hooks`), on Qwen3-VL, Qwen2.5-VL and
-LLaVA, with the weights held quantized.
+"""Quantized checkpoints (AWQ, GPTQ 4- and 8-bit, W4A16, W8A16, W8A8 dynamic and static, FP8 block-wise,
+per channel and with static activation scales (compressed-tensors', ModelOpt's), `--quantization fp8`):
+greedy float32 tokens equal transformers running the dequantized weights (for W8A8 with its
+activations quantized per token or by each layer's scale, `int8_activation_hooks`), on Qwen3-VL,
+Qwen2.5-VL and LLaVA, with the weights held quantized.
 
 The quantized checkpoints are written here from random weights in the published layouts
 (`helpers/quant_checkpoints.py`, written from AutoAWQ's, compressed-tensors' and transformers'
@@ -17,7 +18,7 @@ import torch
 
 from helpers.hf_reference import hf_greedy, hf_qwen_greedy
 from helpers.parity_runs import run_greedy
-from helpers.quant_checkpoints import FORMATS, W8A8, checkpoint_bytes, online_fp8_twin, quantize_copy
+from helpers.quant_checkpoints import FORMATS, STATIC_INPUT, W8A8, checkpoint_bytes, online_fp8_twin, quantize_copy
 from helpers.w8a8_reference import assert_w8a8_greedy_close
 from mmserve import LLM
 from mmserve.models.quantization.select import describe_quantization
@@ -29,8 +30,9 @@ MAX_NEW = 6
 W8A8_TOL = 0.1  # log-probability: a few activation quanta rounded the other way move it ~0.03 here
 METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "gptq-int8": "gptq-int8",
           "w4a16": "w4a16", "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "w8a16": "w8a16",
-          "w8a16-asym": "w8a16", "w8a8": "w8a8", "w8a8-tensor": "w8a8", "fp8-block": "fp8_block",
-          "fp8-channel": "fp8_channel"}
+          "w8a16-asym": "w8a16", "w8a8": "w8a8", "w8a8-tensor": "w8a8", "w8a8-static": "w8a8_static",
+          "fp8-block": "fp8_block", "fp8-channel": "fp8_channel", "fp8-static": "fp8_static",
+          "modelopt-fp8": "fp8_static"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -60,7 +62,9 @@ def _check(fmt: str, family: str, quantized: str, dequantized: str, items: list[
     close (`assert_w8a8_greedy_close`: its activations rounded to int8 turn float noise into quanta)."""
     reference = hf_greedy if family == "llava" else hf_qwen_greedy
     if fmt in W8A8:
-        return assert_w8a8_greedy_close(quantized, dequantized, items, MAX_NEW, reference, W8A8_TOL, **engine_args)
+        static = fmt if fmt in STATIC_INPUT else None
+        return assert_w8a8_greedy_close(quantized, dequantized, items, MAX_NEW, reference, W8A8_TOL, static,
+                                        **engine_args)
     got, llm = run_greedy(quantized, items, MAX_NEW, **engine_args)
     assert got == reference(dequantized, items, MAX_NEW)[0]
     return llm
@@ -74,7 +78,8 @@ def sources(tmp_path_factory) -> dict[str, str]:
 
 # every format on every family; GPTQ's asymmetric and the act-order variants on one each
 ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava",
-              "w8a16-asym": "qwen2_5_vl", "w8a8-tensor": "llava"}
+              "w8a16-asym": "qwen2_5_vl", "w8a8-tensor": "llava", "w8a8-static": "qwen2_5_vl",
+              "fp8-static": "qwen3_vl", "modelopt-fp8": "llava"}
 # GPTQ's 8-bit form (as Qwen's Qwen2-VL-*-GPTQ-Int8) on every family: its own method and kernels
 CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 
@@ -107,7 +112,7 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
 
 
 @pytest.mark.parametrize("fmt, stored", [("awq", None), ("gptq-asym", None), ("gptq-int8", None), ("w4a16-asym", None),
-                                         ("w8a16", None), ("w8a8", None), ("fp8-block", None),
+                                         ("w8a16", None), ("w8a8", None), ("w8a8-static", None), ("fp8-block", None),
                                          ("fp8-channel", None), ("awq", torch.float16)])
 def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
     """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM

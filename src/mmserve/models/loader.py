@@ -152,6 +152,9 @@ def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 module.register_buffer(name, buffer.to(dtype))
 
 
+KV_CACHE_SCALES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale")
+
+
 def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str, dtype: torch.dtype,
                   device: torch.device) -> None:
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter, one at a time;
@@ -175,6 +178,8 @@ def _load_weights(model: VisionLanguageModel, cls, cfg, model_dir: str, dtype: t
                 _process_layer(layers[prefix])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints also store the head: the model's is the embedding table
+        elif name.endswith(KV_CACHE_SCALES):
+            continue  # an FP8 KV cache's scales (compressed-tensors' kv_cache_scheme, ModelOpt's): not one here
         elif not cls.is_unused(name, cfg):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     missing = set(params) - loaded
@@ -245,7 +250,7 @@ def _read(tensor_slice, shard: ShardSpec | None) -> torch.Tensor:
     """The whole tensor, or the shard's indices along its dim (zero-padded past the shape); a
     list of shards along one dim is read piece by piece and concatenated."""
     if shard is None:
-        return tensor_slice[:]
+        return tensor_slice[...]  # `[:]` fails on a scalar (a per-tensor scale stored as [])
     if isinstance(shard, list):
         return torch.cat([_read(tensor_slice, s) for s in shard], dim=shard[0].dim)
     index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)

@@ -84,6 +84,19 @@ def register_row_scaled(layer: Layer, shape: LinearShape, dtype: torch.dtype, pe
                  None if s is None or s.dim == 1 else s, keep_dtype=True)
 
 
+def register_input_scale(layer: Layer) -> None:
+    """`input_scale`: the static scale of the layer's activations, one for the tensor (stored [] or
+    [1]), whole on every rank (a row-parallel rank quantizes its slice of x by it, as vLLM's)."""
+    register(layer, "input_scale", (1,), torch.float32, keep_dtype=True)
+    layer.input_scale.any_shape_of_one = True
+
+
+def input_scale(layers: list[Layer]) -> torch.Tensor:
+    """The static activation scale of sibling layers fused into one GEMM (one input, one scale):
+    the largest of theirs, as vLLM takes it (calibrated on one input, theirs are equal)."""
+    return torch.stack([layer.input_scale.reshape(()).float() for layer in layers]).amax().reshape(1)
+
+
 def row_scale(layer: Layer) -> torch.Tensor:
     """A `register_row_scaled` layer's scale as float32 [out], a tensor's one repeated on every row."""
     return layer.weight_scale.reshape(-1).float().expand(layer.weight.shape[0]).contiguous()

@@ -17,18 +17,28 @@ Formats read (each key and its meaning as the named source writes or reads it):
 - `quant_method: "fp8"` (transformers `FineGrainedFP8Config`; vLLM `fp8.py`; Qwen's
   `Qwen3-VL-*-Instruct-FP8`): `fmt: "e4m3"`, `activation_scheme: "dynamic"`,
   `weight_block_size: [128, 128]` (block-wise, `weight_scale_inv`), or no block size (one
-  `weight_scale` per tensor, vLLM's serialized FP8); `modules_to_not_convert` / `ignored_layers`
+  `weight_scale` per tensor, vLLM's serialized FP8, whose `activation_scheme: "static"` also
+  stores each layer's `input_scale`); `modules_to_not_convert` / `ignored_layers`
   name modules exactly, by a prefix ending at a dot or by a last part (transformers'
   `should_convert_module`: "lm_head", "model.visual", "gate").
+- `quant_method: "modelopt"` (NVIDIA Model Optimizer's unified export; vLLM `modelopt.py`), in
+  config.json's `quantization_config` (`quant_algo`, `ignore`) or, where config.json has none, in
+  `hf_quant_config.json` (`{"producer": {"name": "modelopt"}, "quantization": {"quant_algo",
+  "exclude_modules"}}`): `quant_algo: "FP8"`, FP8 weights with one `weight_scale` per tensor and a
+  static `input_scale`. Excluded modules are wildcards (`fnmatch`) or substrings of a name, and the
+  vision tower stays dense whatever the list says, as vLLM reads them.
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
-  `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic), or
+  `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic; or FP8 with
+  static activation scales by `tensor`, each layer's `input_scale`), or
   `"pack-quantized"` with 4- or 8-bit `int` weights by `group` or `channel` and no activation
   quantization (W4A16, W8A16; `actorder` "group" stores `weight_g_idx`, as GPTQ's `g_idx`;
   "weight", alias "static", stores none), or `"int-quantized"` with 8-bit symmetric `int` weights by
   `channel` or `tensor` and 8-bit symmetric `int` input activations, `dynamic` by `token` (W8A8,
-  llm-compressor's "W8A8" preset; RedHatAI's `*-quantized.w8a8`); `ignore` entries match a
-  module's name exactly, or as a regular expression after `re:` (`re.match`).
+  llm-compressor's "W8A8" preset; RedHatAI's `*-quantized.w8a8`) or static by `tensor` (an
+  `input_scale` per layer: older neuralmagic exports); `ignore` entries match a module's name
+  exactly, or as a regular expression after `re:` (`re.match`). A `kv_cache_scheme` (FP8 KV-cache
+  scales, `k_scale` / `v_scale`) is read past: the KV cache stays in `--kv-cache-dtype`.
 - `--quantization fp8` (vLLM's online `Fp8Config`): every linear layer, the vision tower's and the
   projector's too, as vLLM's Qwen-VL and LLaVA models hand it their quant config (only GPTQ is
   kept off the tower, `_maybe_ignore_quant_config`); the LM head and convolutions stay.
@@ -36,6 +46,7 @@ Formats read (each key and its meaning as the named source writes or reads it):
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -62,6 +73,7 @@ class QuantSpec:
     symmetric: bool = True  # w4a16, w8a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
     per_tensor: bool = False  # fp8_channel, w8a8: one scale for the whole tensor (repeated per row at load)
+    static_input: bool = False  # fp8_channel, w8a8: activations quantized by each layer's stored `input_scale`
     act_order: bool = False  # gptq, w4a16, w8a16: groups scattered over the input columns (`g_idx`, sorted)
     skip_substrings: tuple[str, ...] = ()
     skip_names: tuple[str, ...] = ()  # exact names, prefixes or suffixes at a dot, or "re:" patterns
@@ -96,8 +108,7 @@ def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | No
     if os.path.isfile(path):
         with open(path) as f:
             config = json.load(f)
-    decoder = config.get("text_config") or config.get("llm_config") or {}  # InternVL's own layout: llm_config
-    q = config.get("quantization_config") or decoder.get("quantization_config")
+    q = _quantization_config(model_dir, config)
     if online is not None:
         if online not in ONLINE_CHOICES:
             raise ValueError(f"--quantization {online!r} is not supported (choices: {', '.join(ONLINE_CHOICES)})")
@@ -107,12 +118,25 @@ def read_quant_spec(model_dir: str, online: str | None = None) -> QuantSpec | No
         return QuantSpec("fp8_online")
     if not q:
         return None
-    method = q.get("quant_method")
-    readers = {"awq": _awq, "gptq": _gptq, "fp8": _fp8, "compressed-tensors": _compressed}
+    method = str(q.get("quant_method", "")).lower()
+    readers = {"awq": _awq, "gptq": _gptq, "fp8": _fp8, "compressed-tensors": _compressed, "modelopt": _modelopt}
     if method not in readers:
-        raise ValueError(f"quantization method {method!r} of {model_dir!r} is not supported "
-                         "(supported: awq, gptq, fp8, compressed-tensors)")
+        raise ValueError(f"quantization method {q.get('quant_method')!r} of {model_dir!r} is not supported "
+                         "(supported: awq, gptq, fp8, compressed-tensors, modelopt)")
     return readers[method](q)
+
+
+def _quantization_config(model_dir: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's `quantization_config` (the decoder's, in a nested layout), else ModelOpt's
+    `hf_quant_config.json` beside it, marked `quant_method: "modelopt"`."""
+    decoder = config.get("text_config") or config.get("llm_config") or {}  # InternVL's own layout: llm_config
+    q = config.get("quantization_config") or decoder.get("quantization_config")
+    path = os.path.join(model_dir, "hf_quant_config.json")
+    if q or not os.path.isfile(path):
+        return q
+    with open(path) as f:
+        exported = json.load(f)
+    return {**exported, "quant_method": "modelopt"}
 
 
 def _awq(q: dict[str, Any]) -> QuantSpec:
@@ -154,14 +178,17 @@ def check_tensor_parallel(spec: QuantSpec | None, tp_size: int) -> None:
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"FP8 with activation_scheme {q.get('activation_scheme')!r} is not supported (dynamic only)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"FP8 with activation_scheme {scheme!r} is not supported (dynamic or static)")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (e4m3 only)")
     skip = tuple(q.get("modules_to_not_convert") or ()) + tuple(q.get("ignored_layers") or ())
     block = q.get("weight_block_size")
     if block is None:
-        return QuantSpec("fp8_channel", per_tensor=True, skip_names=skip)
+        return QuantSpec("fp8_channel", per_tensor=True, static_input=scheme == "static", skip_names=skip)
+    if scheme == "static":  # as vLLM: block scales quantize activations per token-group, at run time
+        raise ValueError("FP8 with weight_block_size and activation_scheme 'static' is not supported")
     if len(block) != 2:
         raise ValueError(f"FP8 weight_block_size {block!r} is not supported ([rows, columns])")
     return QuantSpec("fp8_block", block=(int(block[0]), int(block[1])), skip_names=skip)
@@ -175,9 +202,10 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
     skip = tuple(q.get("ignore") or ())
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if fmt == "float-quantized" and (bits, kind) == (8, "float") and strategy in ("channel", "tensor"):
-        if acts is not None and not acts.get("dynamic", False):
-            raise ValueError("compressed-tensors FP8 with static activation scales is not supported (dynamic only)")
-        return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", skip_names=skip)
+        static = acts is not None and not acts.get("dynamic", False)
+        if static:
+            _check_static_activations(acts, (8, "float"), "FP8")
+        return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", static_input=static, skip_names=skip)
     packed = fmt == "pack-quantized" and bits in (4, 8) and kind == "int"
     if packed and strategy in ("group", "channel") and acts is None:
         width = 4 if bits == 4 else 8
@@ -190,7 +218,8 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
                          skip_names=skip, act_order=actorder == "group" and group > 0)
     if fmt == "int-quantized" and (bits, kind) == (8, "int") and strategy in ("channel", "tensor") and acts:
         _check_int8_activations(acts, weights)
-        return QuantSpec("w8a8", bits=8, per_tensor=strategy == "tensor", skip_names=skip)
+        return QuantSpec("w8a8", bits=8, per_tensor=strategy == "tensor", static_input=not acts.get("dynamic"),
+                         skip_names=skip)
     raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r}"
                      f"{' and activations' if acts else ''} is not supported (FP8 by channel or tensor; W4A16, "
                      "W8A16 by group or channel; W8A8 int8 by channel or tensor)")
@@ -198,16 +227,44 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
 
 def _check_int8_activations(acts: dict[str, Any], weights: dict[str, Any]) -> None:
     """W8A8's input activations as vLLM's int8 kernels take them (`CompressedTensorsW8A8Int8`):
-    8-bit int, quantized per token at run time, symmetric, as are the weights."""
+    8-bit int, symmetric as are the weights, quantized per token at run time or by a stored scale."""
     if (acts.get("num_bits"), acts.get("type")) != (8, "int"):
         raise ValueError(f"compressed-tensors int8 weights with {acts.get('num_bits')}-bit {acts.get('type')} "
                          "activations are not supported (W8A8: int8 activations)")
-    if not acts.get("dynamic", False) or acts.get("strategy") != "token":
-        raise ValueError("compressed-tensors W8A8 with static activation scales is not supported "
-                         "(dynamic per-token only)")
-    if not acts.get("symmetric", True) or not weights.get("symmetric", True):
-        raise ValueError("compressed-tensors W8A8 with asymmetric weights or activations is not supported "
-                         "(symmetric only)")
+    if not weights.get("symmetric", True):
+        raise ValueError("compressed-tensors W8A8 with asymmetric weights is not supported (symmetric only)")
+    if not acts.get("dynamic", False):
+        _check_static_activations(acts, (8, "int"), "W8A8")
+    elif acts.get("strategy") != "token" or not acts.get("symmetric", True):
+        raise ValueError(f"compressed-tensors W8A8 with dynamic activations by {acts.get('strategy')!r}"
+                         f"{'' if acts.get('symmetric', True) else ', asymmetric,'} is not supported "
+                         "(symmetric, by token)")
+
+
+def _check_static_activations(acts: dict[str, Any], width: tuple[int, str], name: str) -> None:
+    """Static input activations as vLLM's kernels take them: one symmetric `input_scale` per layer."""
+    if (acts.get("num_bits"), acts.get("type")) != width or acts.get("strategy") != "tensor" or not acts.get(
+            "symmetric", True):
+        raise ValueError(f"compressed-tensors {name} with static activation scales by {acts.get('strategy')!r}"
+                         f"{'' if acts.get('symmetric', True) else ', asymmetric,'} is not supported (one symmetric "
+                         "scale per tensor)")
+
+
+_VISION_PARTS = ("visual", "vision_tower", "vision_model")  # vLLM's ModelOpt reader keeps these dense
+
+
+def _modelopt(q: dict[str, Any]) -> QuantSpec:
+    nested = q.get("quantization")  # hf_quant_config.json's layout; config.json's is flat
+    inner: dict[str, Any] = nested if isinstance(nested, dict) else q
+    algo = str(inner.get("quant_algo") or "").upper()
+    if algo != "FP8":
+        raise ValueError(f"ModelOpt quant_algo {inner.get('quant_algo')!r} is not supported (FP8: per-tensor weight "
+                         "and activation scales)")
+    excluded = list(inner.get("exclude_modules") or inner.get("ignore") or [])
+    plain = tuple(entry for entry in excluded if not any(c in entry for c in "*?["))
+    patterns = tuple("re:" + fnmatch.translate(entry) for entry in excluded if entry not in plain)
+    return QuantSpec("fp8_channel", per_tensor=True, static_input=True,
+                     skip_substrings=plain + _VISION_PARTS, skip_names=patterns)
 
 
 def check_cpu_activation_quant(mode: str, spec: QuantSpec | None, device: str, dtype: str) -> None:

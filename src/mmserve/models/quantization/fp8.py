@@ -15,11 +15,16 @@ As published:
 - online (vLLM `--quantization fp8`, `Fp8LinearMethod` without a serialized checkpoint): here
   each output row is scaled so its largest magnitude is e4m3's largest finite value, 448.
 
+- static activation scales (vLLM's serialized FP8 with `activation_scheme: "static"`,
+  compressed-tensors FP8 with static `tensor` activations, ModelOpt's FP8): also `input_scale`
+  [] or [1], the one scale of the layer's activations; fused siblings take the largest of theirs.
+
 Activations stay in the model's dtype on the CPU (weight-only: the product is
 dequantize-then-matmul's, by the C kernels of cpu_gemv.py). On a GPU with FP8 (compute
 capability 8.9+), per-row layers multiply through `torch._scaled_mm` with activations quantized
-per token at run time (vLLM's dynamic scheme); block-wise layers, and per-row ones on older GPUs,
-through our Triton kernels (triton_kernels.py: weight-only, dequantized in registers).
+per token at run time (vLLM's dynamic scheme), or by their `input_scale` (static); block-wise
+layers, and per-row ones on older GPUs, through our Triton kernels (triton_kernels.py:
+weight-only, dequantized in registers).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import functools
 import torch
 
 from mmserve.models.quantization import cpu_gemv
-from mmserve.models.quantization.base import (Layer, LinearMethod, LinearShape, Shard, register, register_row_scaled,
-                                              replace, row_scale, tiled_linear)
-from mmserve.models.quantization.groups import stack
+from mmserve.models.quantization.base import (Layer, LinearMethod, LinearShape, Shard, input_scale, register,
+                                              register_input_scale, register_row_scaled, replace, row_scale,
+                                              tiled_linear)
+from mmserve.models.quantization.groups import stack_row_scaled
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite magnitude
@@ -39,11 +45,12 @@ FP8_MAX = 448.0  # e4m3's largest finite magnitude
 
 class Fp8RowMethod(LinearMethod):
     """FP8 weights with one scale per output row; `source`: "checkpoint" (`weight_scale` of
-    `scale_shape`) or "online" (a float `weight` quantized at load)."""
+    `scale_shape`) or "online" (a float `weight` quantized at load); `static_input`: the
+    checkpoint also stores the activations' scale (`input_scale`)."""
 
-    def __init__(self, source: str, per_tensor: bool = False) -> None:
-        self.source, self.per_tensor = source, per_tensor
-        self.name = "fp8_online" if source == "online" else "fp8_channel"
+    def __init__(self, source: str, per_tensor: bool = False, static_input: bool = False) -> None:
+        self.source, self.per_tensor, self.static_input = source, per_tensor, static_input
+        self.name = "fp8_online" if source == "online" else "fp8_static" if static_input else "fp8_channel"
 
     def create_weights(self, layer: Layer, shape: LinearShape) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
@@ -52,6 +59,8 @@ class Fp8RowMethod(LinearMethod):
             layer.weight.load_lazily = True  # allocated when read, quantized at once (models/loader.py)
             return
         register_row_scaled(layer, shape, FP8, self.per_tensor)
+        if self.static_input:
+            register_input_scale(layer)
 
     def process_weights(self, layer: Layer) -> None:
         weight = layer.weight
@@ -59,15 +68,17 @@ class Fp8RowMethod(LinearMethod):
             w = weight.float()
             scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
             replace(layer, weight=(w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale=scale)
-            return
-        replace(layer, weight=weight, scale=row_scale(layer))
+        elif self.static_input:
+            replace(layer, weight=weight, scale=row_scale(layer), input_scale=input_scale([layer]))
+        else:
+            replace(layer, weight=weight, scale=row_scale(layer))
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
         return layer.weight.float() * layer.scale[:, None]
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if _has_fp8_matmul(x, layer.weight):
-            return _scaled_mm(x, layer.weight, layer.scale, bias)
+            return _scaled_mm(x, layer.weight, layer.scale, bias, getattr(layer, "input_scale", None))
         if x.is_cuda:
             from mmserve.models.quantization.triton_kernels import fp8_linear
 
@@ -81,7 +92,7 @@ class Fp8RowMethod(LinearMethod):
         return cpu_gemv.fp8_call(layer.weight, layer.scale, None)
 
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
-        return stack(layers, ("weight", "scale"))
+        return stack_row_scaled(layers, self.static_input)
 
 
 class Fp8BlockMethod(LinearMethod):
@@ -163,11 +174,16 @@ def _fp8_capable(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               static: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., in] @ (weight * scale)^T on FP8 tensor cores: x quantized per row (token) at run
-    time; no host sync. `torch._scaled_mm` wants the second operand column-major (weight.t())."""
+    time, or by the `static` scale [1] for the tensor; no host sync. `torch._scaled_mm` wants the
+    second operand column-major (weight.t())."""
     rows = x.reshape(-1, x.shape[-1])
-    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
+    if static is not None:
+        x_scale = static.reshape(1, 1).expand(rows.shape[0], 1).contiguous()  # [M, 1], as row-wise scaling wants
+    else:
+        x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
     x_q = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
     out = out.reshape(*x.shape[:-1], weight.shape[0])  # row-wise scales want bfloat16 out

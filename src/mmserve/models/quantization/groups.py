@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.models.quantization.base import Layer, LinearShape, Shard, register
+from mmserve.models.quantization.base import Layer, LinearShape, Shard, input_scale, register
 
 
 def along(shard: Shard | None, dim: int, unit: int = 1) -> Shard | None:
@@ -112,3 +112,10 @@ def stack(layers: list[Layer], names: tuple[str, ...]) -> dict[str, torch.Tensor
             return None
     stacked = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
     return stacked if perm is None else {**stacked, "perm": perm}
+
+
+def stack_row_scaled(layers: list[Layer], static_input: bool) -> dict[str, torch.Tensor] | None:
+    """Siblings of a per-row scaled method (FP8, W8A8) stacked: `weight` and `scale` by output rows,
+    and with `static_input` their one `input_scale`."""
+    stacked = stack(layers, ("weight", "scale"))
+    return stacked if stacked is None or not static_input else {**stacked, "input_scale": input_scale(layers)}

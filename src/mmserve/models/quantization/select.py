@@ -22,14 +22,14 @@ def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod
     if spec.format == "w8a16":
         return Int8Method(spec.group_size, "w8a16", spec.symmetric, spec.act_order)
     if spec.format == "w8a8":
-        return W8A8Method(spec.per_tensor)
+        return W8A8Method(spec.per_tensor, spec.static_input)
     if spec.is_int4:
         return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant, spec.act_order)
     if spec.format == "fp8_block":
         return Fp8BlockMethod(spec.block)
     if spec.format == "fp8_online":
         return Fp8RowMethod("online")
-    return Fp8RowMethod("checkpoint", spec.per_tensor)
+    return Fp8RowMethod("checkpoint", spec.per_tensor, spec.static_input)
 
 
 def assign_methods(model: nn.Module, spec: QuantSpec | None, checkpoint_names: dict[str, str],

@@ -5,10 +5,10 @@ float32 [N]. `tl.dot` of int8 tiles accumulates in int32 (the tensor cores' int8
 exact, as the interpreter's integer product is), the scales and bias applied in float32 in the
 epilogue.
 
-The quantization rounds as torch does: 127 / max|x| and max|x| / 127 by IEEE division
-(`div_rn`: Triton's `/` on float32 is an approximate division), x times it rounded half to even
-by floor(p + 0.5) less one on an odd tie, with floating-point contraction off (`enable_fp_fusion`:
-p + 0.5 fused into an FMA would round p's product differently).
+The quantization rounds as torch does: 127 / max|x| and max|x| / 127 (or x / s, by a static
+scale s) by IEEE division (`div_rn`: Triton's `/` on float32 is an approximate division), x times
+it rounded half to even by floor(p + 0.5) less one on an odd tie, with floating-point contraction
+off (`enable_fp_fusion`: p + 0.5 fused into an FMA would round p's product differently).
 
 A decode step's few rows take tiles of 16 rows (the dot's least) and K split over programs when
 the output has too few column blocks to give every SM one: the splits' int32 sums go to a
@@ -49,15 +49,33 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr)
     tl.store(s_ptr + row, tl.math.div_rn(top, 127.0))
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _quant_static_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    """Row `program_id(0)` of x by the one static scale: x / scale rounded half to even, clamped;
+    the row's scale written out for the GEMM's epilogue."""
+    row = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        p = tl.math.div_rn(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), scale)
+        t = tl.floor(p + 0.5)
+        t = tl.where((t - p == 0.5) & (t - 2.0 * tl.floor(t * 0.5) != 0.0), t - 1.0, t)  # a tie: to even
+        t = tl.minimum(tl.maximum(t, -128.0), 127.0)
+        tl.store(q_ptr + row * K + k, t.to(tl.int8), mask=k < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (q int8 [M, K], s float32 [M, 1]): w8a8.py's `quantize_rows`
-    in one launch."""
+    in one launch (by the `static` scale [1] float32 where given)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
-    if M:
+    if M and static is not None:
+        _quant_static_kernel[(M,)](x, q, s, static, K, x.stride(0), BLOCK_K=QUANT_BLOCK, enable_fp_fusion=False)
+    elif M:
         _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BLOCK_K=QUANT_BLOCK, enable_fp_fusion=False)
     return q, s
 
