@@ -6,7 +6,8 @@ Written from the formats' own code, not from mmserve's: AWQ as AutoAWQ's
 zeros stored less one, `g_idx`), W4A16 and W8A16 as compressed-tensors'
 `pack_to_int32` (`compressors/quantized_compressors/pack_quantized.py`), W8A8 as its int-quantized
 format stores it (int8 `weight`, `weight_scale` [out, 1] or [1]), FP8 block-wise as
-transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block), FP8 per channel as
+transformers' fine-grained FP8 stores it (`weight_scale_inv`, one per block; compressed-tensors'
+FP8_BLOCK: `weight_scale`), FP8 per channel as
 compressed-tensors' float-quantized format (`weight_scale` [out, 1]), and with static activation
 scales (`input_scale` per layer) as llm-compressor's FP8 and W8A8 presets and NVIDIA ModelOpt's FP8
 export store them (ModelOpt's in `hf_quant_config.json`). `quantize_copy` writes the
@@ -34,8 +35,8 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map
 FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
 FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "gptq-int8", "w4a16", "w4a16-asym", "w4a16-act-order",
-           "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "w8a8-static", "fp8-block", "fp8-channel", "fp8-static",
-           "modelopt-fp8")
+           "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "w8a8-static", "fp8-block", "fp8-block-ct", "fp8-channel",
+           "fp8-static", "modelopt-fp8")
 W8A8 = ("w8a8", "w8a8-tensor", "w8a8-static")  # activations quantized too: see helpers/w8a8_reference.py
 STATIC_INPUT = ("w8a8-static", "fp8-static", "modelopt-fp8")  # an `input_scale` per layer
 # the largest activation each projection's static scale covers (the tiny models' inputs reach ~4
@@ -259,7 +260,13 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
     ignore = ["lm_head", *(f"re:.*{name}.*" for name in vision)]
     static = {"strategy": "tensor", "dynamic": False, "observer": "minmax"}
     kv_cache = None
-    if fmt in ("fp8-channel", "fp8-static"):
+    if fmt == "fp8-block-ct":  # llm-compressor's FP8_BLOCK preset
+        weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [block, block],
+                   "symmetric": True, "dynamic": False}
+        acts = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block, "symmetric": True,
+                "dynamic": True}
+        fmt_name = "float-quantized"
+    elif fmt in ("fp8-channel", "fp8-static"):
         weights = {"num_bits": 8, "type": "float", "strategy": "channel" if fmt == "fp8-channel" else "tensor",
                    "symmetric": True, "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
@@ -310,6 +317,9 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
         return _w8a8(w, per_tensor=fmt == "w8a8-tensor")
     if fmt == "fp8-block":
         return _fp8_block(w, block)
+    if fmt == "fp8-block-ct":  # the same values, under compressed-tensors' name
+        stored, deq = _fp8_block(w, block)
+        return {"weight": stored["weight"], "weight_scale": stored["weight_scale_inv"]}, deq
     if fmt in ("fp8-static", "modelopt-fp8"):
         return _fp8_tensor(w, scalar=fmt == "modelopt-fp8")
     return _fp8_channel(w)

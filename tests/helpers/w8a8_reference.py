@@ -32,7 +32,7 @@ def int8_token_fake_quant(x: torch.Tensor, parts: int = 1) -> torch.Tensor:
 def int8_static_fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x as static W8A8's activations stand for it, as vLLM's `static_scaled_int8_quant` quantizes
     them: x / scale (IEEE, float32) rounded half to even, clamped to int8, times the scale."""
-    s = torch.tensor(scale, dtype=torch.float32)
+    s = torch.tensor(scale, dtype=torch.float32, device=x.device)
     return (torch.round(x.float() / s).clamp(-128, 127) * s).to(x.dtype)
 
 

@@ -35,7 +35,8 @@ EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_p
                      "w8a16-asym": ("weight_packed", "weight_scale", "weight_zero_point"),
                      "w8a8": ("weight", "weight_scale"), "w8a8-tensor": ("weight", "weight_scale"),
                      "w8a8-static": ("weight", "weight_scale", "input_scale"),
-                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-channel": ("weight", "weight_scale"),
+                     "fp8-block": ("weight", "weight_scale_inv"), "fp8-block-ct": ("weight", "weight_scale"),
+                     "fp8-channel": ("weight", "weight_scale"),
                      "fp8-static": ("weight", "weight_scale", "input_scale"),
                      "modelopt-fp8": ("weight", "weight_scale", "input_scale")}
 
@@ -253,7 +254,8 @@ def test_compressed_tensors_8_bit_schemes_are_read_as_published(tmp_path):
 
 def test_static_activation_scales_are_read_as_published(tmp_path):
     """vLLM's serialized FP8 with `activation_scheme: static`, compressed-tensors FP8 and W8A8 with
-    static `tensor` activations, ModelOpt's FP8 from `hf_quant_config.json` or config.json."""
+    static `tensor` activations, ModelOpt's FP8 from `hf_quant_config.json` or config.json (and
+    compressed-tensors' FP8_BLOCK, read beside them)."""
     assert _spec({"quant_method": "fp8", "activation_scheme": "static"}, tmp_path / "a") == QuantSpec(
         "fp8_channel", per_tensor=True, static_input=True)
     skip = ("lm_head", *(f"re:.*{name}.*" for name in VISION))
@@ -261,6 +263,8 @@ def test_static_activation_scales_are_read_as_published(tmp_path):
         "fp8_channel", per_tensor=True, static_input=True, skip_names=skip)
     assert _spec(quantization_config("w8a8-static", 128, 128), tmp_path / "c") == QuantSpec(
         "w8a8", bits=8, static_input=True, skip_names=skip)
+    assert _spec(quantization_config("fp8-block-ct", 64, 64), tmp_path / "f") == QuantSpec(
+        "fp8_block", block=(64, 64), block_scale="weight_scale", skip_names=skip)
     exported = tmp_path / "d"
     exported.mkdir()
     (exported / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))

@@ -31,8 +31,8 @@ W8A8_TOL = 0.1  # log-probability: a few activation quanta rounded the other way
 METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "gptq", "gptq-int8": "gptq-int8",
           "w4a16": "w4a16", "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "w8a16": "w8a16",
           "w8a16-asym": "w8a16", "w8a8": "w8a8", "w8a8-tensor": "w8a8", "w8a8-static": "w8a8_static",
-          "fp8-block": "fp8_block", "fp8-channel": "fp8_channel", "fp8-static": "fp8_static",
-          "modelopt-fp8": "fp8_static"}
+          "fp8-block": "fp8_block", "fp8-block-ct": "fp8_block", "fp8-channel": "fp8_channel",
+          "fp8-static": "fp8_static", "modelopt-fp8": "fp8_static"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -79,7 +79,7 @@ def sources(tmp_path_factory) -> dict[str, str]:
 # every format on every family; GPTQ's asymmetric and the act-order variants on one each
 ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava",
               "w8a16-asym": "qwen2_5_vl", "w8a8-tensor": "llava", "w8a8-static": "qwen2_5_vl",
-              "fp8-static": "qwen3_vl", "modelopt-fp8": "llava"}
+              "fp8-static": "qwen3_vl", "modelopt-fp8": "llava", "fp8-block-ct": "qwen2_5_vl"}
 # GPTQ's 8-bit form (as Qwen's Qwen2-VL-*-GPTQ-Int8) on every family: its own method and kernels
 CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 

@@ -30,7 +30,8 @@ Formats read (each key and its meaning as the named source writes or reads it):
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic; or FP8 with
-  static activation scales by `tensor`, each layer's `input_scale`), or
+  static activation scales by `tensor`, each layer's `input_scale`) or by `block` (FP8_BLOCK:
+  `block_structure`, a `weight_scale` per block), or
   `"pack-quantized"` with 4- or 8-bit `int` weights by `group` or `channel` and no activation
   quantization (W4A16, W8A16; `actorder` "group" stores `weight_g_idx`, as GPTQ's `g_idx`;
   "weight", alias "static", stores none), or `"int-quantized"` with 8-bit symmetric `int` weights by
@@ -72,6 +73,7 @@ class QuantSpec:
     bits: int = 4  # gptq: 4 or 8
     symmetric: bool = True  # w4a16, w8a16 without weight_zero_point
     block: tuple[int, int] = (128, 128)  # fp8_block: [output rows, input columns] per scale
+    block_scale: str = "weight_scale_inv"  # fp8_block: the scales' tensor (compressed-tensors': weight_scale)
     per_tensor: bool = False  # fp8_channel, w8a8: one scale for the whole tensor (repeated per row at load)
     static_input: bool = False  # fp8_channel, w8a8: activations quantized by each layer's stored `input_scale`
     act_order: bool = False  # gptq, w4a16, w8a16: groups scattered over the input columns (`g_idx`, sorted)
@@ -206,6 +208,8 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
         if static:
             _check_static_activations(acts, (8, "float"), "FP8")
         return QuantSpec("fp8_channel", per_tensor=strategy == "tensor", static_input=static, skip_names=skip)
+    if fmt == "float-quantized" and (bits, kind) == (8, "float") and strategy == "block":
+        return _compressed_fp8_block(weights, acts, skip)
     packed = fmt == "pack-quantized" and bits in (4, 8) and kind == "int"
     if packed and strategy in ("group", "channel") and acts is None:
         width = 4 if bits == 4 else 8
@@ -221,8 +225,20 @@ def _compressed(q: dict[str, Any]) -> QuantSpec:
         return QuantSpec("w8a8", bits=8, per_tensor=strategy == "tensor", static_input=not acts.get("dynamic"),
                          skip_names=skip)
     raise ValueError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights by {strategy!r}"
-                     f"{' and activations' if acts else ''} is not supported (FP8 by channel or tensor; W4A16, "
+                     f"{' and activations' if acts else ''} is not supported (FP8 by channel, tensor or block; W4A16, "
                      "W8A16 by group or channel; W8A8 int8 by channel or tensor)")
+
+
+def _compressed_fp8_block(weights: dict[str, Any], acts: dict[str, Any] | None, skip: tuple[str, ...]) -> QuantSpec:
+    """llm-compressor's FP8_BLOCK: `block_structure` [rows, columns] per `weight_scale` entry (the
+    layout of `weight_scale_inv`), activations dynamic (by token group) or none: weight-only here,
+    as the fine-grained FP8 format is."""
+    block = weights.get("block_structure")
+    if not isinstance(block, list) or len(block) != 2:
+        raise ValueError(f"compressed-tensors FP8 block_structure {block!r} is not supported ([rows, columns])")
+    if acts is not None and not acts.get("dynamic", False):
+        raise ValueError("compressed-tensors FP8 by block with static activation scales is not supported")
+    return QuantSpec("fp8_block", block=(int(block[0]), int(block[1])), block_scale="weight_scale", skip_names=skip)
 
 
 def _check_int8_activations(acts: dict[str, Any], weights: dict[str, Any]) -> None:

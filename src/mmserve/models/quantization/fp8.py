@@ -9,6 +9,8 @@ As published:
 - block-wise (transformers `integrations/finegrained_fp8.py`, vLLM `quantization/fp8.py` and
   `utils/fp8_utils.py`; DeepSeek-V3's `weight_dequant`): `weight` [out, in], `weight_scale_inv`
   float32 [ceil(out / bo), ceil(in / bi)], which despite its name multiplies: W = weight * s;
+  compressed-tensors' FP8_BLOCK (`strategy: block`, `block_structure`) stores the same as
+  `weight_scale`;
 - compressed-tensors `float-quantized` (`quantization/lifecycle/forward.py`: `dequantize` is
   x_q * scale): `weight` [out, in], `weight_scale` [out, 1] (channel) or [1] (tensor); vLLM's
   serialized per-tensor FP8 stores `weight_scale` as a scalar.
@@ -96,13 +98,14 @@ class Fp8RowMethod(LinearMethod):
 
 
 class Fp8BlockMethod(LinearMethod):
-    """FP8 weights with one scale per `block` = (rows, columns) tile, from `weight_scale_inv`."""
+    """FP8 weights with one scale per `block` = (rows, columns) tile, from `scale_name`
+    (`weight_scale_inv`; compressed-tensors' FP8_BLOCK: `weight_scale`)."""
 
     name = "fp8_block"
     attrs = ("fp8_block",)
 
-    def __init__(self, block: tuple[int, int]) -> None:
-        self.block = block
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
+        self.block, self.scale_name = block, scale_name
 
     def create_weights(self, layer: Layer, shape: LinearShape) -> None:
         out, inp, s = shape.out_features, shape.in_features, shape.shard
@@ -116,11 +119,10 @@ class Fp8BlockMethod(LinearMethod):
             scale_shard = Shard(s.dim, s.start // unit, -(-s.length // unit))
         layer.fp8_block = self.block
         register(layer, "weight", (out, inp), FP8, s)
-        register(layer, "weight_scale_inv", (-(-out // bo), -(-inp // bi)), torch.float32, scale_shard,
-                 keep_dtype=True)
+        register(layer, self.scale_name, (-(-out // bo), -(-inp // bi)), torch.float32, scale_shard, keep_dtype=True)
 
     def process_weights(self, layer: Layer) -> None:
-        replace(layer, weight=layer.weight, scale=layer.weight_scale_inv.float().contiguous())
+        replace(layer, weight=layer.weight, scale=getattr(layer, self.scale_name).float().contiguous())
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
         return _block_rows(layer, 0, layer.weight.shape[0])

@@ -26,7 +26,7 @@ def make_method(spec: QuantSpec, activation_quant: str = "none") -> LinearMethod
     if spec.is_int4:
         return Int4Method(spec.format, spec.group_size, spec.symmetric, activation_quant, spec.act_order)
     if spec.format == "fp8_block":
-        return Fp8BlockMethod(spec.block)
+        return Fp8BlockMethod(spec.block, spec.block_scale)
     if spec.format == "fp8_online":
         return Fp8RowMethod("online")
     return Fp8RowMethod("checkpoint", spec.per_tensor, spec.static_input)
