@@ -36,7 +36,7 @@ FP8_MAX = 448.0
 INDEX = "model.safetensors.index.json"
 FORMATS = ("awq", "gptq", "gptq-asym", "gptq-act-order", "gptq-int8", "w4a16", "w4a16-asym", "w4a16-act-order",
            "w8a16", "w8a16-asym", "w8a8", "w8a8-tensor", "w8a8-static", "fp8-block", "fp8-block-ct", "fp8-channel",
-           "fp8-static", "modelopt-fp8")
+           "fp8-static", "modelopt-fp8", "modelopt-fp8-pc")
 W8A8 = ("w8a8", "w8a8-tensor", "w8a8-static")  # activations quantized too: see helpers/w8a8_reference.py
 STATIC_INPUT = ("w8a8-static", "fp8-static", "modelopt-fp8")  # an `input_scale` per layer
 # the largest activation each projection's static scale covers (the tiny models' inputs reach ~4
@@ -257,6 +257,9 @@ def quantization_config(fmt: str, group: int, block: int, tower: bool = False) -
     if fmt == "modelopt-fp8":  # hf_quant_config.json's "quantization" (quantize_checkpoint writes it there)
         return {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
                 "exclude_modules": ["lm_head", *(f"*{name}*" for name in vision)]}
+    if fmt == "modelopt-fp8-pc":  # config.json's own form of ModelOpt's config
+        return {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                "ignore": ["lm_head", *(f"*{name}*" for name in vision)]}
     ignore = ["lm_head", *(f"re:.*{name}.*" for name in vision)]
     static = {"strategy": "tensor", "dynamic": False, "observer": "minmax"}
     kv_cache = None
@@ -322,7 +325,10 @@ def quantize_tensor(fmt: str, w: torch.Tensor, group: int, block: int) -> tuple[
         return {"weight": stored["weight"], "weight_scale": stored["weight_scale_inv"]}, deq
     if fmt in ("fp8-static", "modelopt-fp8"):
         return _fp8_tensor(w, scalar=fmt == "modelopt-fp8")
-    return _fp8_channel(w)
+    stored, deq = _fp8_channel(w)
+    if fmt == "modelopt-fp8-pc":  # ModelOpt stores the row scales flat: [out]
+        stored["weight_scale"] = stored["weight_scale"][:, 0].contiguous()
+    return stored, deq
 
 
 def _quantized(name: str, w: torch.Tensor, tower: bool) -> bool:

@@ -38,7 +38,8 @@ EXPECTED_SUFFIXES = {"awq": ("qweight", "qzeros", "scales"), "w4a16": ("weight_p
                      "fp8-block": ("weight", "weight_scale_inv"), "fp8-block-ct": ("weight", "weight_scale"),
                      "fp8-channel": ("weight", "weight_scale"),
                      "fp8-static": ("weight", "weight_scale", "input_scale"),
-                     "modelopt-fp8": ("weight", "weight_scale", "input_scale")}
+                     "modelopt-fp8": ("weight", "weight_scale", "input_scale"),
+                     "modelopt-fp8-pc": ("weight", "weight_scale")}
 
 
 def _nibble(word: int, k: int) -> int:
@@ -278,6 +279,9 @@ def test_static_activation_scales_are_read_as_published(tmp_path):
         assert spec.quantizes("model.layers.0.mlp.up_proj") and spec.quantizes("model.language_model.layers.1.o_proj")
         assert not spec.quantizes("lm_head") and not spec.quantizes("model.multi_modal_projector.linear_1")
         assert not spec.quantizes("model.visual.blocks.0.attn.qkv")  # the tower: dense, listed or not
+    per_row = _spec(quantization_config("modelopt-fp8-pc", 128, 128), tmp_path / "g")
+    assert per_row is not None and (per_row.format, per_row.per_tensor, per_row.static_input) == (
+        "fp8_channel", False, False)
     # config.json's own quantization_config wins over an hf_quant_config.json beside it
     (exported / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     assert read_quant_spec(str(exported)) == QuantSpec("fp8_channel", per_tensor=True)

@@ -32,7 +32,7 @@ METHOD = {"awq": "awq", "gptq": "gptq", "gptq-asym": "gptq", "gptq-act-order": "
           "w4a16": "w4a16", "w4a16-asym": "w4a16", "w4a16-act-order": "w4a16", "w8a16": "w8a16",
           "w8a16-asym": "w8a16", "w8a8": "w8a8", "w8a8-tensor": "w8a8", "w8a8-static": "w8a8_static",
           "fp8-block": "fp8_block", "fp8-block-ct": "fp8_block", "fp8-channel": "fp8_channel",
-          "fp8-static": "fp8_static", "modelopt-fp8": "fp8_static"}
+          "fp8-static": "fp8_static", "modelopt-fp8": "fp8_static", "modelopt-fp8-pc": "fp8_channel"}
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "llava")
 
 
@@ -79,7 +79,8 @@ def sources(tmp_path_factory) -> dict[str, str]:
 # every format on every family; GPTQ's asymmetric and the act-order variants on one each
 ONE_FAMILY = {"gptq-asym": "qwen3_vl", "gptq-act-order": "qwen2_5_vl", "w4a16-act-order": "llava",
               "w8a16-asym": "qwen2_5_vl", "w8a8-tensor": "llava", "w8a8-static": "qwen2_5_vl",
-              "fp8-static": "qwen3_vl", "modelopt-fp8": "llava", "fp8-block-ct": "qwen2_5_vl"}
+              "fp8-static": "qwen3_vl", "modelopt-fp8": "llava", "fp8-block-ct": "qwen2_5_vl",
+              "modelopt-fp8-pc": "qwen3_vl"}
 # GPTQ's 8-bit form (as Qwen's Qwen2-VL-*-GPTQ-Int8) on every family: its own method and kernels
 CASES = [(fmt, family) for fmt in FORMATS for family in FAMILIES if ONE_FAMILY.get(fmt, family) == family]
 
@@ -113,7 +114,7 @@ def test_online_fp8_equals_transformers_on_its_dequantized_weights(family, sourc
 
 @pytest.mark.parametrize("fmt, stored", [("awq", None), ("gptq-asym", None), ("gptq-int8", None), ("w4a16-asym", None),
                                          ("w8a16", None), ("w8a8", None), ("w8a8-static", None), ("fp8-block", None),
-                                         ("fp8-channel", None), ("awq", torch.float16)])
+                                         ("fp8-channel", None), ("modelopt-fp8-pc", None), ("awq", torch.float16)])
 def test_tensor_parallel_shards_of_quantized_weights_give_the_same_tokens(fmt, stored, sources, tmp_path):
     """Each rank reads its slice of the packed tensors (words of 8, groups, blocks; a float16 LM
     head's rows): two ranks give transformers' tokens on the dequantized weights, as one does."""

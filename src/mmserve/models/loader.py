@@ -266,6 +266,8 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: S
         expected[shard.dim] = shard.length
     if getattr(param, "any_shape_of_one", False) and tensor.numel() == 1:
         tensor = tensor.reshape(expected)  # a per-tensor scale, stored as [] or [1]
+    elif getattr(param, "column_or_flat", False) and tensor.dim() == 1:
+        tensor = tensor[:, None]  # a scale per row, stored [out] (ModelOpt) rather than [out, 1]
     if list(tensor.shape) != expected:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
     if shard is None or shard.length == param.shape[shard.dim]:

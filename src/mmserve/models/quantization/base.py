@@ -72,8 +72,9 @@ def register(layer: Layer, name: str, shape: tuple[int, ...], dtype: torch.dtype
 
 def register_row_scaled(layer: Layer, shape: LinearShape, dtype: torch.dtype, per_tensor: bool) -> None:
     """`weight` [out, in] in `dtype` and its `weight_scale`: [1] (stored [1] or []) for the whole
-    tensor, else [out, 1], one per row, with this rank's rows (compressed-tensors' `tensor` and
-    `channel` strategies, vLLM's serialized per-tensor FP8); `row_scale` gives it per row."""
+    tensor, else [out, 1] (or stored [out]), one per row, with this rank's rows (compressed-tensors'
+    `tensor` and `channel` strategies, vLLM's serialized per-tensor FP8, ModelOpt's FP8 per tensor
+    or per channel); `row_scale` gives it per row."""
     s = shape.shard
     register(layer, "weight", (shape.out_features, shape.in_features), dtype, s)
     if per_tensor:
@@ -82,6 +83,7 @@ def register_row_scaled(layer: Layer, shape: LinearShape, dtype: torch.dtype, pe
     else:
         register(layer, "weight_scale", (shape.out_features, 1), torch.float32,
                  None if s is None or s.dim == 1 else s, keep_dtype=True)
+        layer.weight_scale.column_or_flat = True  # ModelOpt's per-channel FP8 stores it [out]
 
 
 def register_input_scale(layer: Layer) -> None:

@@ -25,8 +25,10 @@ Formats read (each key and its meaning as the named source writes or reads it):
   config.json's `quantization_config` (`quant_algo`, `ignore`) or, where config.json has none, in
   `hf_quant_config.json` (`{"producer": {"name": "modelopt"}, "quantization": {"quant_algo",
   "exclude_modules"}}`): `quant_algo: "FP8"`, FP8 weights with one `weight_scale` per tensor and a
-  static `input_scale`. Excluded modules are wildcards (`fnmatch`) or substrings of a name, and the
-  vision tower stays dense whatever the list says, as vLLM reads them.
+  static `input_scale`, or `"FP8_PER_CHANNEL_PER_TOKEN"`, a `weight_scale` [out] per row and
+  activations per token at run time (FP8-dynamic's). Excluded modules are wildcards (`fnmatch`)
+  or substrings of a name, and the vision tower stays dense whatever the list says, as vLLM reads
+  them.
 - `quant_method: "compressed-tensors"` (llm-compressor; compressed-tensors' `QuantizationConfig`;
   vLLM `compressed_tensors.py`): one config group targeting `Linear`, `format`
   `"float-quantized"` with 8-bit `float` weights by `channel` or `tensor` (FP8-dynamic; or FP8 with
@@ -273,13 +275,14 @@ def _modelopt(q: dict[str, Any]) -> QuantSpec:
     nested = q.get("quantization")  # hf_quant_config.json's layout; config.json's is flat
     inner: dict[str, Any] = nested if isinstance(nested, dict) else q
     algo = str(inner.get("quant_algo") or "").upper()
-    if algo != "FP8":
+    if algo not in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
         raise ValueError(f"ModelOpt quant_algo {inner.get('quant_algo')!r} is not supported (FP8: per-tensor weight "
-                         "and activation scales)")
+                         "and activation scales; FP8_PER_CHANNEL_PER_TOKEN)")
     excluded = list(inner.get("exclude_modules") or inner.get("ignore") or [])
     plain = tuple(entry for entry in excluded if not any(c in entry for c in "*?["))
     patterns = tuple("re:" + fnmatch.translate(entry) for entry in excluded if entry not in plain)
-    return QuantSpec("fp8_channel", per_tensor=True, static_input=True,
+    static = algo == "FP8"  # else a weight scale per row, activations per token at run time
+    return QuantSpec("fp8_channel", per_tensor=static, static_input=static,
                      skip_substrings=plain + _VISION_PARTS, skip_names=patterns)
 
 
