@@ -2,10 +2,11 @@
 machine and loaded by ctypes.
 
 Each file is built by the C compiler (`$CC`, else `cc`) with `-O3 -march=native -ffast-math
--fopenmp` into a cache folder (`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or
-`~/.cache/mmserve/kernels`) under a name made of the source, the compiler's version, the flags and
-this CPU's feature flags, so that each machine builds its own once (an atomic rename makes
-concurrent builds safe; a build removes the folder's older ones of that file). It links OpenMP by
+-fopenmp` (a file that defines MMSERVE_NO_FAST_MATH: without -ffast-math) into a cache folder
+(`$MMSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/mmserve/kernels` or `~/.cache/mmserve/kernels`)
+under a name made of the source, the compiler's version, the flags and this CPU's feature flags,
+so that each machine builds its own once (an atomic rename makes concurrent builds safe; a build
+removes the folder's older ones of that file). It links OpenMP by
 soname after torch has loaded, so it shares torch's runtime and thread pool. Without a compiler, or
 with `MMSERVE_CPU_KERNELS=0`, `build` returns None and the caller keeps its Python path; the first
 failure is logged.
@@ -26,9 +27,16 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+IEEE_MARK = "#define MMSERVE_NO_FAST_MATH"  # a source whose float arithmetic must be IEEE's, in order
 # linked apart from the compile so that -ffast-math's start-up file (which sets flush-to-zero for
 # the whole process) is not linked into the library
 LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+def compile_flags(text: str) -> tuple[str, ...]:
+    """The flags a source is compiled with: COMPILE_FLAGS, without -ffast-math where it says
+    `IEEE_MARK` (its divisions and the order of its products are a definition it must equal)."""
+    return (*COMPILE_FLAGS, "-fno-fast-math") if IEEE_MARK in text else COMPILE_FLAGS
 
 
 def enabled() -> bool:
@@ -49,7 +57,8 @@ def library_path(source: Path) -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, *COMPILE_FLAGS, *LINK_FLAGS,
+    flags = compile_flags(source.read_text())
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, *flags, *LINK_FLAGS,
                                      _cpu_flags()]).encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{key}.so"
@@ -58,7 +67,7 @@ def library_path(source: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         obj, lib = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+        for command in ([compiler, *flags, "-c", str(source), "-o", str(obj)],
                         [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode:

@@ -80,8 +80,9 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
-def _linear(layer: Any) -> tuple[_Linear, tuple[torch.Tensor, ...]] | None:
-    """A layer's GEMV as the C struct (and the tensors it points into), or None where it has none."""
+def _linear(layer: Any) -> tuple[_Linear, tuple[torch.Tensor, ...], int] | None:
+    """A layer's GEMV as the C struct (the tensors it points into, the rows it takes), or None where
+    it has none."""
     if layer is None or getattr(getattr(layer, "tp", None), "size", 1) != 1:
         return None
     call: CpuGemv | None = layer.method.cpu_gemv(layer)
@@ -90,9 +91,10 @@ def _linear(layer: Any) -> tuple[_Linear, tuple[torch.Tensor, ...]] | None:
         return None
     fields = call._asdict()
     tensors: tuple[torch.Tensor, ...] = fields.pop("tensors")
+    max_rows: int = fields.pop("max_rows")
     if bias is not None:
         tensors += (bias,)
-    return _Linear(**fields, bias=None if bias is None else bias.data_ptr()), tensors
+    return _Linear(**fields, bias=None if bias is None else bias.data_ptr()), tensors, max_rows
 
 
 def _f32(t: torch.Tensor | None) -> bool:
@@ -102,8 +104,10 @@ def _f32(t: torch.Tensor | None) -> bool:
 class CpuDecoder:
     """One text model's decode plan over its KV caches (see the module docstring)."""
 
-    def __init__(self, plan: _Decoder, keep: list[object], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, plan: _Decoder, keep: list[object], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_rows: int = MAX_ROWS) -> None:
         self.plan, self.keep, self.kv_caches = plan, keep, kv_caches  # keep: what the plan's addresses point into
+        self.max_rows = max_rows  # tokens up to which every linear's C call is the one the Python step makes
         self.steps = 0  # steps run by the plan (tests read it)
 
     @classmethod
@@ -120,7 +124,8 @@ class CpuDecoder:
         if cache_dtype is None or entry is None or not _uniform(model, layers):
             return None
         keep: list[object] = [model.norm.weight]
-        planned = [_layer_plan(layer, cache, keep) for layer, cache in zip(layers, kv_caches)]
+        limits: list[int] = [MAX_ROWS]
+        planned = [_layer_plan(layer, cache, keep, limits) for layer, cache in zip(layers, kv_caches)]
         rows = [row for row in planned if row is not None]
         if len(rows) != len(layers):
             return None
@@ -135,8 +140,8 @@ class CpuDecoder:
                         silu_mul=address(library, "mmserve_silu_mul_f32"), attend=address(attention, entry),
                         final_norm=model.norm.weight.data_ptr(), layer=array)
         logger.info("decode steps of up to %d tokens run the %d decoder layers in one C call (compiled CPU step)",
-                    MAX_ROWS, len(rows))
-        return cls(plan, keep, kv_caches)
+                    min(limits), len(rows))
+        return cls(plan, keep, kv_caches, min(limits))
 
     def run(self, x: torch.Tensor, rope: Rope, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             meta: object) -> torch.Tensor | None:
@@ -145,7 +150,7 @@ class CpuDecoder:
         runs it in Python)."""
         T = x.shape[0]
         if (kv_caches is not self.kv_caches or type(meta) is not AttentionMetadata or meta.prefills
-                or meta.kernel_splits <= 0 or meta.decode_lens is None or not 0 < T <= MAX_ROWS
+                or meta.kernel_splits <= 0 or meta.decode_lens is None or not 0 < T <= self.max_rows
                 or meta.decode_index.shape[0] != T or not _f32(x) or x.shape[1] != self.plan.D):
             return None
         cos, sin = rope
@@ -189,8 +194,10 @@ def _norms(layer: Any) -> list[Any]:
                         getattr(attn, "k_norm", None)) if n is not None]
 
 
-def _layer_plan(layer: Any, cache: tuple[torch.Tensor, torch.Tensor], keep: list[object]) -> _Layer | None:
-    """One decoder layer's struct (its tensors appended to `keep`), or None where it is not covered."""
+def _layer_plan(layer: Any, cache: tuple[torch.Tensor, torch.Tensor], keep: list[object],
+                limits: list[int]) -> _Layer | None:
+    """One decoder layer's struct (its tensors appended to `keep`, its linears' row limits to
+    `limits`), or None where it is not covered."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [_linear(attn.q_proj.fused), _linear(attn.o_proj), _linear(mlp.gate_proj.fused), _linear(mlp.down_proj)]
     norms = _norms(layer)
@@ -201,6 +208,7 @@ def _layer_plan(layer: Any, cache: tuple[torch.Tensor, torch.Tensor], keep: list
         return None
     for item in linears:
         keep.append(item[1])  # type: ignore[index]
+        limits.append(item[2])  # type: ignore[index]
     keep.extend(n.weight for n in norms)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     qkv, o, gate_up, down = (item[0] for item in linears)  # type: ignore[index]

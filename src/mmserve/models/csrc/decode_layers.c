@@ -47,7 +47,7 @@ typedef int (*attend_fn)(const float *, const void *, const void *, const int64_
                          const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                          int64_t, int);
 
-enum { INT4 = 1, INT4_Q8 = 2, FP8 = 3, HALF = 4, INT8 = 5 }; /* mm_linear.kind: which kernel's signature */
+enum { INT4 = 1, INT4_Q8 = 2, FP8 = 3, HALF = 4, INT8 = 5, W8A8 = 6 }; /* mm_linear.kind: which kernel's signature */
 enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 }; /* mm_decoder.cache_dtype */
 
 /* One linear layer's GEMV: y [T, N] = x [T, K] W^T (+ bias). `fallback` (or NULL) is called when
@@ -83,6 +83,7 @@ static int call_fn(const mm_linear *l, void *fn, const float *x, float *y, int64
     switch (l->kind) {
     case INT4:
     case INT8: /* the int8 GEMV takes int4's arguments (codes, scales, int16 zeros) */
+    case W8A8: /* so does W8A8's (codes, row scales then the input scale, row sums; `group`: static) */
         return ((int4_fn)fn)(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->N, l->K, l->group, threads);
     case INT4_Q8:
         return ((int4_q8_fn)fn)(x, l->weight, l->scales, l->zeros, l->bias, y, T, l->N, l->K, l->group,

@@ -39,7 +39,7 @@ _SIGNATURES = {
 
 
 # `CpuGemv.kind`: which kernel signature (models/csrc/decode_layers.c's enum)
-INT4, INT4_Q8, FP8, HALF, INT8 = 1, 2, 3, 4, 5
+INT4, INT4_Q8, FP8, HALF, INT8, W8A8 = 1, 2, 3, 4, 5, 6
 
 
 class CpuGemv(NamedTuple):
@@ -47,7 +47,8 @@ class CpuGemv(NamedTuple):
     arguments the Python call would give it, for models/cpu_decoder.py's compiled step. `fallback`
     (or 0) is the kernel tried when `fn` refuses, as the functions below try them; `flag` is the
     int8 kernel's level, or 1 for a bfloat16 weight of `HALF`. `tensors` keeps the pointed-to
-    tensors alive as long as the call is held."""
+    tensors alive as long as the call is held; `max_rows`: the rows of x up to which this kernel is
+    the one `apply` calls (the compiled step runs steps of at most its layers' least)."""
 
     kind: int
     fn: int
@@ -62,6 +63,7 @@ class CpuGemv(NamedTuple):
     block_in: int = 0
     flag: int = 0
     tensors: tuple[torch.Tensor, ...] = ()
+    max_rows: int = INT8_GEMV_MAX_ROWS
 
 
 def address(library: ctypes.CDLL | None, name: str) -> int:

@@ -22,7 +22,9 @@ parallelism a row-parallel layer's rank quantizes its own slice of x, as in vLLM
 
 y = (q_x q_w^T) * s_x * s_w (+ b): the integer products summed in int32 (exact), then scaled in
 float32. `apply` is proven equal to the float product of the dequantized activations and weights
-(`quantize_rows` then `dequantize`). Kernels: `torch._int_mm` on the CPU (oneDNN's int8 GEMM); on
+(`quantize_rows` then `dequantize`). Kernels: on the CPU our C GEMV for a decode step's rows
+(w8a8_cpu.py: the same numbers, bit for bit, and the compiled decode step's), else `torch._int_mm`
+(oneDNN's int8 GEMM); on
 a GPU our Triton kernels (triton_int8_mm.py: the rows quantized in one launch, int8 dot products
 into int32 with the scales applied in the GEMM's epilogue).
 """
@@ -33,6 +35,7 @@ import torch
 
 from mmserve.models.quantization.base import (Layer, LinearMethod, LinearShape, input_scale, register_input_scale,
                                               register_row_scaled, replace, row_scale)
+from mmserve.models.quantization import cpu_gemv, w8a8_cpu
 from mmserve.models.quantization.groups import stack_row_scaled
 
 INT8_MAX = 127.0
@@ -80,13 +83,19 @@ class W8A8Method(LinearMethod):
 
     def process_weights(self, layer: Layer) -> None:
         static = {"input_scale": input_scale([layer])} if self.static_input else {}
-        replace(layer, weight=layer.weight.contiguous(), scale=row_scale(layer), **static)
+        weight, scale = layer.weight.contiguous(), row_scale(layer)
+        replace(layer, weight=weight, scale=scale, **static,
+                **w8a8_cpu.gemv_tensors(weight, scale, static.get("input_scale")))
 
     def dequantize(self, layer: Layer) -> torch.Tensor:
         return layer.weight.float() * layer.scale[:, None]
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows, static = x.reshape(-1, x.shape[-1]), getattr(layer, "input_scale", None)
+        if hasattr(layer, "wsum"):  # a decode step's rows on the CPU: the C GEMV, the same numbers
+            out = w8a8_cpu.w8a8_gemv(x, layer.weight, layer.gemv_scales, layer.wsum, static is not None, bias)
+            if out is not None:
+                return out
         if x.is_cuda:  # two launches: the rows quantized, then the GEMM
             from mmserve.models.quantization import triton_int8_mm
 
@@ -96,5 +105,13 @@ class W8A8Method(LinearMethod):
         y = int8_product(q, s, layer.weight, layer.scale, bias, x.dtype)
         return y.reshape(*x.shape[:-1], layer.weight.shape[0])
 
+    def cpu_gemv(self, layer: Layer) -> cpu_gemv.CpuGemv | None:
+        if not hasattr(layer, "wsum"):
+            return None
+        return w8a8_cpu.w8a8_call(layer.weight, layer.gemv_scales, layer.wsum, self.static_input)
+
     def concat(self, layers: list[Layer]) -> dict[str, torch.Tensor] | None:
-        return stack_row_scaled(layers, self.static_input)
+        stacked = stack_row_scaled(layers, self.static_input)
+        if stacked is None:
+            return None
+        return {**stacked, **w8a8_cpu.gemv_tensors(stacked["weight"], stacked["scale"], stacked.get("input_scale"))}
