@@ -143,6 +143,14 @@ def _w8a8(rows: int, out: int, inner: int, static: bool = False) -> Callable[[],
     return lambda: (quantize_rows(x, input_scale), int8_scaled_mm(q, s, weight, scale, b, BF16))
 
 
+def _fp8_rows(rows: int, inner: int, static: bool = False) -> Callable[[], object]:
+    """FP8 activations for `torch._scaled_mm` (bfloat16 in), per token or by a static scale."""
+    from mmserve.models.quantization.triton_fp8_quant import quantize_rows
+
+    x, input_scale = _empty(rows, inner, dtype=BF16), _empty(1, dtype=F32) if static else None
+    return lambda: quantize_rows(x, input_scale)
+
+
 def quantized_cases() -> list[Case]:
     """The int4, int8 and FP8 GEMV (decode rows) and GEMM (prefill rows), Q/K/V of the 7B with its
     bias; W8A8's int8 GEMM at a decode step's rows (K split: o_proj's narrow output) and a prefill's,
@@ -151,4 +159,6 @@ def quantized_cases() -> list[Case]:
               for fmt in ("int4", "int8", "fp8 block", "fp8 row") for rows in (1, 1024)],
             ("w8a8 o_proj of qwen2.5-7b, 1 row", _w8a8(1, 3584, 3584)),
             ("w8a8 qkv of qwen2.5-7b, 1024 rows", _w8a8(1024, 4608, 3584)),
-            ("w8a8 static-scale qkv of qwen2.5-7b, 1 row", _w8a8(1, 4608, 3584, static=True))]
+            ("w8a8 static-scale qkv of qwen2.5-7b, 1 row", _w8a8(1, 4608, 3584, static=True)),
+            ("fp8 activations of qwen2.5-7b's down_proj, 1 row", _fp8_rows(1, 18944)),
+            ("fp8 static-scale activations, 1024 rows", _fp8_rows(1024, 3584, static=True))]

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_split_decode_kernel", "_reduce_splits_kernel", "_paged_attention_kernel", "_varlen_attention_kernel",
            "_rotary_write_kernel", "_rotary_kernel", "_cache_write_kernel", "_norm_kernel", "_silu_mul_kernel",
            "_quick_gelu_kernel",
-           "_gemv_kernel", "_gemm_kernel", "_int8_mm_kernel", "_quant_rows_kernel", "_quant_static_kernel"}
+           "_gemv_kernel", "_gemm_kernel", "_int8_mm_kernel", "_quant_rows_kernel", "_quant_static_kernel",
+           "_fp8_rows_kernel"}
 
 
 @pytest.fixture(scope="module")

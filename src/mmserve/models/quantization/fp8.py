@@ -176,17 +176,32 @@ def _fp8_capable(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q e4m3 [M, K], s float32 [M, 1]) with x ~ q * s per row:
+    s = max(max|x| / 448, 1e-12) (vLLM's dynamic per-token scheme), or the `static` scale [1] for
+    every row; q = x / s clamped to +-448, rounded to nearest even. Divisions by tensors: IEEE's.
+    The definition triton_fp8_quant.py's one-launch kernel is held to bit for bit."""
+    values = x.float()
+    if static is None:
+        peak = values.abs().amax(dim=-1, keepdim=True)
+        s = torch.maximum(peak / torch.full_like(peak, FP8_MAX), torch.full_like(peak, 1e-12))
+    else:
+        s = static.reshape(1, 1).float().expand(x.shape[0], 1).contiguous()  # [M, 1], as row-wise scaling wants
+    return (values / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                static: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., in] @ (weight * scale)^T on FP8 tensor cores: x quantized per row (token) at run
-    time, or by the `static` scale [1] for the tensor; no host sync. `torch._scaled_mm` wants the
-    second operand column-major (weight.t())."""
+    time, or by the `static` scale [1] for the tensor (`quantize_rows`: one Triton launch on a
+    GPU); no host sync. `torch._scaled_mm` wants the second operand column-major (weight.t())."""
     rows = x.reshape(-1, x.shape[-1])
-    if static is not None:
-        x_scale = static.reshape(1, 1).expand(rows.shape[0], 1).contiguous()  # [M, 1], as row-wise scaling wants
+    if rows.is_cuda:
+        from mmserve.models.quantization import triton_fp8_quant
+
+        x_q, x_scale = triton_fp8_quant.quantize_rows(rows, static)
     else:
-        x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
-    x_q = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        x_q, x_scale = quantize_rows(rows, static)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
     out = out.reshape(*x.shape[:-1], weight.shape[0])  # row-wise scales want bfloat16 out
     return out if bias is None else out + bias
