@@ -7,7 +7,10 @@ quantized copies of itself in the layouts Qwen publishes, each served by its own
   (128 x 128 blocks, `weight_scale_inv`, the LM head and the tower left out: as
   `Qwen/Qwen3-VL-8B-Instruct-FP8`) and W8A8 int8 (compressed-tensors' int-quantized, a scale per
   row, the tower and LM head left out: as RedHatAI's `Qwen2.5-VL-7B-Instruct-quantized.w8a8`; its
-  decode step at half the bytes against the same target as FP8's), written by the tests' packer
+  decode step at half the bytes against the same target as FP8's) and FP8-dynamic (compressed-tensors'
+  float-quantized, a scale per row: RedHatAI's `*-FP8-Dynamic`; on an FP8 GPU `torch._scaled_mm`
+  with the activations quantized per token, not the block format's weight-only kernel), written by
+  the tests' packer
   (`tests/helpers/quant_checkpoints.py: quantize_checkpoint`) tensor by tensor on the benchmark's
   device, each deleted once its `LLM` is shut down (disk holds the unquantized one and one copy).
 - Per model: the batch-1 decode step (CUDA graphs where the engine captured them, at the decode
@@ -57,7 +60,8 @@ class QuantFormat:
 
 
 QUANT_FORMATS = (QuantFormat("awq", "awq", torch.float16, 0.40), QuantFormat("fp8", "fp8-block", None, 0.60),
-                 QuantFormat("w8a8", "w8a8", None, 0.60))  # last: the newest rows, cut first by the time limit
+                 QuantFormat("w8a8", "w8a8", None, 0.60),
+                 QuantFormat("fp8-dyn", "fp8-channel", None, 0.60))  # last: the newest, cut first by the time limit
 
 
 @dataclass(frozen=True)

@@ -63,13 +63,16 @@ def gpu_bench(tmp_path_factory) -> Iterator[tuple[Any, str]]:
 def test_the_gpu_benchmarks_quantized_copies_take_the_published_layouts(gpu_bench, tmp_path):
     """AWQ: int4 in groups of 128 packed [in, out / 8], float16 scales and every unquantized tensor
     (the tower's too); FP8: e4m3 weights with a float32 `weight_scale_inv` per 128 x 128 block;
-    W8A8: compressed-tensors' int-quantized, int8 weights with a scale per row, the tower left out."""
+    W8A8: compressed-tensors' int-quantized, int8 weights with a scale per row, the tower left out;
+    FP8-dynamic: compressed-tensors' float-quantized, per-token activations."""
     quant, path = gpu_bench
-    awq, fp8, w8a8 = quant.QUANT_FORMATS
-    for fmt in (awq, fp8, w8a8):
+    for fmt in quant.QUANT_FORMATS:
         quant.write_copy(path, tmp_path / fmt.name, fmt, torch.device("cpu"))
-    configs = {f: json.loads((tmp_path / f / "config.json").read_text())["quantization_config"]
-               for f in ("awq", "fp8", "w8a8")}
+    configs = {f.name: json.loads((tmp_path / f.name / "config.json").read_text())["quantization_config"]
+               for f in quant.QUANT_FORMATS}
+    assert list(configs) == ["awq", "fp8", "w8a8", "fp8-dyn"]
+    assert configs["fp8-dyn"]["format"] == "float-quantized"
+    assert configs["fp8-dyn"]["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
     assert configs["w8a8"]["format"] == "int-quantized" and "re:.*visual.*" in configs["w8a8"]["ignore"]
     assert {k: configs["awq"][k] for k in ("quant_method", "bits", "group_size", "version", "zero_point")} == \
         {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
@@ -99,7 +102,7 @@ def test_the_gpu_benchmarks_quantized_rows_run_on_the_cpu(gpu_bench, capsys):
     out = capsys.readouterr().out
     number = r"(\d+\.\d+)"
     byte_ratios = {}
-    for name, target in (("awq", "0.40"), ("fp8", "0.60"), ("w8a8", "0.60")):
+    for name, target in (("awq", "0.40"), ("fp8", "0.60"), ("w8a8", "0.60"), ("fp8-dyn", "0.60")):
         decode = re.search(rf"quantized decode, batch 1, eager: {name} {number} ms / float32 {number} ms = {number} "
                            rf"\(target <= {target}; bytes {number}\)", out)
         assert decode is not None, out
@@ -107,7 +110,8 @@ def test_the_gpu_benchmarks_quantized_rows_run_on_the_cpu(gpu_bench, capsys):
         byte_ratios[name] = float(decode[4])
         assert re.search(rf"quantized TTFT, one new 112x84 image: {name} {number} ms / float32 {number} ms = "
                          rf"{number} \(target <= 1.00\)", out), out
-    assert byte_ratios["awq"] < byte_ratios["fp8"] < 1 and byte_ratios["w8a8"] < 1 and "failed" not in out
+    assert byte_ratios["awq"] < byte_ratios["fp8"] < 1 and byte_ratios["w8a8"] < 1 and byte_ratios["fp8-dyn"] < 1
+    assert "failed" not in out
     assert os.listdir(os.path.dirname(path)) == ["model"]
 
 
