@@ -18,9 +18,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # it on its core through a forward and bounds what an idle thread burns. An explicit value wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
+from mmserve.pooling_params import PoolingParams
 from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,7 +31,7 @@ def __getattr__(name: str) -> Any:
         from mmserve.entrypoints.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from mmserve import outputs
 
         return getattr(outputs, name)

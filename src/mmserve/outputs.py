@@ -66,6 +66,26 @@ class CompletionOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """An embedding (vLLM's `EmbeddingOutput`): the prompt's pooled hidden state."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's `EmbeddingRequestOutput`): `outputs.embedding`, pooled from
+    the hidden state of the prompt's last token (vLLM's LAST pooling), L2-normalized unless asked
+    not to be; `num_cached_tokens` as a generation request reports it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -76,3 +96,4 @@ class RequestOutput:
     cache_report: CacheReport | None = None  # what each cache layer did for the prompt (server requests)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs, from the first output
     metrics: RequestTimes | None = None  # the engine core's times (vLLM's name); None before the first token
+    hidden: bytes | None = None  # an embedding request's prompt's last hidden state (float32 bytes): `embedding.py`

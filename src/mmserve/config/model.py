@@ -13,6 +13,8 @@ from mmserve.config.fields import opt
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")  # models/attention/backend.py
 _CPU_ACTIVATION_QUANT = ("none", "int8")  # models/quantization/q8_gemv.py
+_RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner; auto: generate (every family here is generative)
+_POOLER_KEYS = {"pooling_type": str, "normalize": bool}  # vLLM's --pooler-config keys read here
 # generation_config.json's sampling names that --override-generation-config sets (vLLM's `available_params`)
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -61,6 +63,13 @@ class ModelConfig:
         "longer steps stay exact either way. Refused on a GPU, with a dtype other than float32, or with a "
         "checkpoint without int4 layers.",
         choices=_CPU_ACTIVATION_QUANT)
+    runner: str = opt(
+        "auto", "What the model serves (vLLM's flag): generate (auto) text, or pooling: embeddings — the prompt's "
+        "last hidden state, on /v1/embeddings and LLM.embed, instead of chat and completions.", choices=_RUNNERS)
+    pooler_config: dict[str, Any] = opt(
+        {}, 'How --runner pooling pools, as JSON (vLLM\'s flag): {"pooling_type": "LAST", "normalize": true}; LAST '
+        "(the last token) is the one pooling type; normalize (default true): L2-normalized, unless a request says.",
+        parse=json.loads)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -77,6 +86,9 @@ class ModelConfig:
         if self.cpu_activation_quant not in _CPU_ACTIVATION_QUANT:
             raise ValueError(f"cpu_activation_quant must be one of {', '.join(_CPU_ACTIVATION_QUANT)}; "
                              f"got {self.cpu_activation_quant!r}")
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(_RUNNERS)}; got {self.runner!r}")
+        self._check_pooler_config()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
@@ -87,6 +99,28 @@ class ModelConfig:
         if not isinstance(overrides, dict) or any(k not in GENERATION_KEYS for k in overrides):
             raise ValueError("override_generation_config must be a JSON object of generation_config.json's sampling "
                              f"names ({', '.join(GENERATION_KEYS)}); got {overrides!r}")
+
+    def _check_pooler_config(self) -> None:
+        config = self.pooler_config
+        if not isinstance(config, dict) or any(not isinstance(config.get(k, t()), t) for k, t in _POOLER_KEYS.items()):
+            raise ValueError('pooler_config must be a JSON object such as {"pooling_type": "LAST", "normalize": true}; '
+                             f"got {config!r:.80}")
+        unknown = sorted(set(config) - set(_POOLER_KEYS))
+        if unknown:
+            raise ValueError(f"pooler_config: {', '.join(unknown)} not supported (pooling_type, normalize)")
+        if str(config.get("pooling_type", "LAST")).upper() != "LAST":
+            raise ValueError(f"pooler_config pooling_type {config['pooling_type']!r} is not supported: LAST (the "
+                             "prompt's last token) only, whose hidden state the prefix cache serves like a prompt")
+
+    @property
+    def pools(self) -> bool:
+        """Whether the model serves embeddings (`--runner pooling`) rather than text."""
+        return self.runner == "pooling"
+
+    @property
+    def pooling_normalize(self) -> bool:
+        """Whether embeddings are L2-normalized when a request does not say (`--pooler-config`)."""
+        return bool(self.pooler_config.get("normalize", True))
 
     @property
     def checkpoint_dir(self) -> str:

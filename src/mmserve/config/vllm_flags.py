@@ -78,8 +78,8 @@ VLLM_FLAGS = (
              "the decoder's (vLLM's weights mode)", accepts=("weights", "data")),
     VllmFlag("--tokenizer-mode", DONE, "the checkpoint's fast tokenizer is used", accepts=("auto", "hf")),
     VllmFlag("--load-format", DONE, "weights are read from safetensors", accepts=("auto", "safetensors")),
-    VllmFlag("--task", DONE, "mmserve generates text", accepts=("auto", "generate")),
-    VllmFlag("--runner", DONE, "mmserve generates text", accepts=("auto", "generate")),
+    VllmFlag("--task", DONE, "text generation is the default; embeddings: --runner pooling",
+             accepts=("auto", "generate")),
     VllmFlag("--model-impl", DONE, "mmserve's own model code runs", accepts=("auto", "vllm")),
     VllmFlag("--guided-decoding-backend", DONE, "structured outputs are xgrammar's", accepts=("auto", "xgrammar")),
     VllmFlag("--distributed-executor-backend", DONE, "tensor-parallel workers are local processes (Ray runs "

@@ -40,7 +40,8 @@ class PrefixHit(NamedTuple):
     """What admission takes from the prefix cache: the full `blocks` to share, then `copy` (or
     None), a block the runner copies into the request's own block after them; `num_tokens`, the
     prompt tokens whose K/V the two give; `last_block`: `copy` is an identical prompt's last block
-    (every prompt token but the last)."""
+    (every prompt token but the last), or, for an embedding whose last token starts its block, the
+    full blocks reach that token (nothing to copy: `ends_on_hits`)."""
 
     blocks: list[KVBlock]
     copy: KVBlock | None = None
@@ -65,6 +66,8 @@ class PrefixHits:
         last = self._last_block(req, len(hits))
         if last is not None:
             return PrefixHit(hits, last, req.num_tokens - 1, last_block=True)
+        if self.ends_on_hits(req, len(hits)):
+            return PrefixHit(hits, None, req.num_tokens - 1, last_block=True)
         partial, k = self._partial_block(req, len(hits))
         return PrefixHit(hits, partial, len(hits) * bs + k)
 
@@ -81,6 +84,14 @@ class PrefixHits:
         block = self.kv_cache.find_last_block(req.last_block_hash(req.num_tokens))
         req.count_cache("last_block", int(block is not None), 1)
         return block
+
+    def ends_on_hits(self, req: Request, num_hits: int) -> bool:
+        """An embedding request (`return_hidden`) whose last prompt token starts a block after
+        `num_hits` full hits: the first-token cache may answer it without that token's K/V, which
+        it never needs (it ends with its answer); a generation request goes on from that K/V."""
+        bs, last = self.kv_cache.block_size, req.num_tokens - 1
+        return (req.return_hidden and self.kv_cache.cache_last_blocks and last % bs == 0 and num_hits > 0
+                and num_hits == last // bs)
 
     def _partial_block(self, req: Request, num_hits: int) -> tuple[KVBlock | None, int]:
         """A computed block whose leading part `req`'s block `num_hits` can copy (after at least

@@ -64,7 +64,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], mm_items: list[MultiModalItem],
                  sampling_params: SamplingParams, eos_token_id: int | None, arrival_time: float, *,
                  cache_salt: str | None = None, block_hasher: BlockHasher | None = None,
-                 return_first_logits: bool = False, shadow: bool = False, priority: int = 0) -> None:
+                 return_first_logits: bool = False, shadow: bool = False, priority: int = 0,
+                 return_hidden: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.mm_items = mm_items
@@ -88,6 +89,8 @@ class Request:
         self.client_id = request_id
         self.index = 0
         self.return_first_logits = return_first_logits
+        self.return_hidden = return_hidden  # an embedding: P1 sends back its prompt's last hidden state
+        self.answered_hidden: bytes | None = None  # that state, kept by the first-token cache, when it answered
         self.shadow = shadow
         self.cache_counts: dict[str, tuple[int, int]] = {}  # layer -> (hits, queries) for the prompt
         self.order = 0  # the scheduler's arrival number (siblings share their request's)
@@ -101,7 +104,7 @@ class Request:
                        r.eos_token_id, r.arrival_time, cache_salt=r.cache_salt, return_first_logits=True, shadow=True)
         return cls(r.request_id, r.prompt_token_ids, r.mm_items, r.sampling_params, r.eos_token_id, r.arrival_time,
                    cache_salt=r.cache_salt, block_hasher=block_hasher, return_first_logits=r.return_first_logits,
-                   priority=r.priority)
+                   priority=r.priority, return_hidden=r.return_hidden)
 
     def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
         """Prompt tokens `first`, `first` + 1, ...'s log probabilities, as a step scored them; those
@@ -167,14 +170,14 @@ class Request:
             self.scheduled_at = time.monotonic()
 
     def output(self, tokens: list[int], siblings_running: bool, logprobs: list[TokenLogprobs] | None,
-               first_logits: bytes | None) -> EngineCoreOutput:
+               first_logits: bytes | None, hidden: bytes | None = None) -> EngineCoreOutput:
         """What is new for this completion, its `tokens` appended already (its status decided). The
         first output carries what the caches did for the prompt, its P1 times and, when asked, the
         first logits and the prompt's log probabilities."""
         first = self.num_output_tokens == len(tokens)
         out = EngineCoreOutput(self.client_id, tokens, self.status.finish_reason, self.stop_reason,
                                index=self.index, siblings_running=siblings_running, new_logprobs=logprobs,
-                               first_logits=first_logits, timestamp=time.monotonic())
+                               first_logits=first_logits, hidden=hidden, timestamp=time.monotonic())
         if first:
             out.num_cached_tokens = self.num_cached_tokens or 0
             out.cache_counts, out.prompt_logprobs = dict(self.cache_counts), self.prompt_logprobs

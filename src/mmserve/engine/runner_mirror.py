@@ -32,7 +32,7 @@ class RunnerMirror:
         self._known.add(req.request_id)
         return NewRequestData(req.request_id, list(req.all_token_ids), req.mm_items, req.sampling_params,
                               self.kv_cache.get_block_ids(req.request_id).copy(), req.num_computed_tokens,
-                              req.num_prompt_tokens, req.eos_token_id, req.return_first_logits)
+                              req.num_prompt_tokens, req.eos_token_id, req.return_first_logits, req.return_hidden)
 
     def scheduled(self, req: Request, new_blocks: list[int], start: int, out: SchedulerOutput) -> None:
         """`req` runs this step from token `start`: whole if the runner lacks it, else its new blocks."""

@@ -297,25 +297,26 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt, or a failed step's
             req.num_in_flight -= 1
             req.append_output_token_ids(tokens)
-            self.answers.learn(req, tokens)
-            outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid)))
+            self.answers.learn(req, tokens, result.hidden.get(rid))
+            outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid),
+                                        result.hidden.get(rid)))
         return EngineCoreOutputs(outputs + self.drain_answered())
 
     def drain_answered(self) -> list[EngineCoreOutput]:
         """The outputs of the requests answered with a cached first token since the last update
         (`update_from_output` sends them; --async-scheduling, after a step with none in flight, too)."""
-        return [self._output(req, req.output_token_ids[-1:]) for req in self.answers.drain()
+        return [self._output(req, req.output_token_ids[-1:], hidden=req.answered_hidden) for req in self.answers.drain()
                 if req.status is RequestStatus.RUNNING]
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None,
-                first_logits: bytes | None = None) -> EngineCoreOutput:
+                first_logits: bytes | None = None, hidden: bytes | None = None) -> EngineCoreOutput:
         """What is new for `req`, its `tokens` appended already: finished if it stops (`Request.output`)."""
         status = req.stop_status(self.max_model_len)
         siblings_running = False
         if status is not None:
             self._unqueue(req)
             siblings_running = self._finish(req, status)
-        return req.output(tokens, siblings_running, logprobs, first_logits)
+        return req.output(tokens, siblings_running, logprobs, first_logits, hidden)
 
     def _finish(self, req: Request, status: RequestStatus) -> bool:
         """End `req`; whether other completions of its request still run."""

@@ -16,7 +16,9 @@ from mmserve.frontend.engine_client.llm_engine import LLMEngine
 from mmserve.frontend.request.prompt import Prompt
 from mmserve.models.hub import resolve_engine_model
 from mmserve.multimodal.chat_templates import ChatTemplatePolicy, load_chat_template
-from mmserve.outputs import RequestOutput
+from mmserve.frontend.output.embedding import embedding_output
+from mmserve.outputs import EmbeddingRequestOutput, RequestOutput
+from mmserve.pooling_params import PoolingParams
 from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict[str, Any] | Prompt  # a string, vLLM's dict form, or a `Prompt`
@@ -83,6 +85,9 @@ class LLM:
         A request the engine fails alone finishes with finish_reason "abort"; an engine core that
         fails as a whole raises, and every prompt of the call is aborted. One rank or N alike.
         """
+        if self.engine.config.model.pools:
+            raise ValueError("LLM.generate is for generative models; this one runs with runner='pooling' "
+                             "(LLM.embed)")
         if isinstance(prompts, (str, dict, Prompt)):
             prompts = [prompts]
         params = _broadcast_params(sampling_params, len(prompts), self.get_default_sampling_params)
@@ -95,6 +100,30 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(ids)
             raise
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` (with `runner="pooling"`): each prompt's embedding, the final-normed
+        hidden state of its last token (LAST pooling), L2-normalized unless `pooling_params` or
+        `pooler_config` say not; images as `generate` takes them, through the same caches. Every
+        prompt is checked before any runs (ValueError: none run); outputs in the prompts' order."""
+        config = self.engine.config.model
+        if not config.pools:
+            raise ValueError("LLM.embed is for pooling models: make the LLM with runner='pooling'")
+        pooling = pooling_params or PoolingParams()
+        if isinstance(prompts, (str, dict, Prompt)):
+            prompts = [prompts]
+        truncate = truncate_prompt_tokens if truncate_prompt_tokens is not None else pooling.truncate_prompt_tokens
+        params = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate)
+        ids = [str(next(self._ids)) for _ in prompts]
+        self.engine.add_requests(ids, prompts, [params] * len(ids), embed=True)
+        try:
+            finished = self._run(ids)
+        except BaseException:
+            self.engine.abort_requests(ids)
+            raise
+        normalize = config.pooling_normalize if pooling.normalize is None else pooling.normalize
+        return [embedding_output(out, normalize) for out in finished]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -56,7 +56,8 @@ from mmserve.rank_metrics import DataParallelFigures
 from mmserve.multimodal.chat_templates import ChatTemplateOptions
 from mmserve.multimodal.processing import create_processor
 from mmserve.models.hub import resolve_engine_model
-from mmserve.outputs import RequestOutput
+from mmserve.frontend.output.embedding import embedding_output
+from mmserve.outputs import EmbeddingRequestOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,22 @@ class AsyncLLM:
         finally:
             self._release(request)
 
+    async def embed(self, request_id: str, prompt: str | dict[str, Any] | Prompt, normalize: bool = True,
+                    truncate_prompt_tokens: int | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+        """The prompt's embedding: the final-normed hidden state of its last token (vLLM's LAST
+        pooling; L2-normalized with `normalize`), computed by a one-token greedy request that asks
+        P1 for it. Its images go through every cache as a generation request's do, and an
+        identical prompt embedded before is answered from the first-token cache with the same
+        vector, no forward run. Bad input: ValueError, as `generate`."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate_prompt_tokens)
+        request = await self._admit(request_id, prompt, params, False, None, False, priority, embed=True)
+        try:
+            while not request.finished:
+                await request.next_output()
+        finally:
+            self._release(request)
+        return embedding_output(request.last, normalize)
+
     async def _shadow(self, case: Case) -> tuple[RequestOutput | None, bytes | None]:
         """The cache verifier's re-run of `case` past every cache, on its rank: its last output and
         first logits row."""
@@ -194,7 +211,8 @@ class AsyncLLM:
         return request.last, request.first_logits
 
     async def _admit(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
-                     stream: bool, rank: int | None, candidate: bool, priority: int = 0) -> OpenRequest:
+                     stream: bool, rank: int | None, candidate: bool, priority: int = 0,
+                     embed: bool = False) -> OpenRequest:
         """Admit the request once a rank serves. A rank whose process ends between admission's check
         and its send (before its output loop retires it) fails the send; the request, undone whole,
         is then admitted again once a rank serves, unless a rank was forced or none can come back."""
@@ -203,7 +221,7 @@ class AsyncLLM:
             await self._until_serving(rank)
             try:
                 return await self.admission.admit(request_id, prompt, params, stream, rank, candidate=candidate,
-                                                  priority=priority)
+                                                  priority=priority, embed=embed)
             except EngineDeadError:
                 if rank is not None or not self.is_healthy or time.monotonic() >= deadline:
                     raise

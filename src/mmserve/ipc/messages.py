@@ -39,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     ipc_epoch: int = 0  # the IPC cache epoch the sender was in; a newer one empties the receiver
     client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go back there
     return_first_logits: bool = False  # send back the first sampled step's raw logits row (`first_logits`)
+    return_hidden: bool = False  # an embedding: send back the prompt's last hidden state (`hidden`)
     bypass_caches: bool = False  # a shadow run (`frontend/cache_verifier.py`): reads and writes no cache, runs last
     priority: int = 0  # --scheduling-policy priority: the lower, the sooner it runs (vLLM's)
 
@@ -150,6 +151,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: list[TokenLogprobs] | None = None
     cache_counts: dict[str, tuple[int, int]] | None = None
     first_logits: bytes | None = None
+    hidden: bytes | None = None  # the prompt's last final-normed hidden state, float32, when asked (an embedding)
     timestamp: float = 0.0
     queued_at: float | None = None
     scheduled_at: float | None = None

@@ -36,6 +36,7 @@ class NewRequestData(msgspec.Struct):
     num_prompt_tokens: int | None = None  # None: all of token_ids is prompt
     eos_token_id: int | None = None  # what `min_tokens` holds back, with the stop token ids
     return_first_logits: bool = False  # the runner returns the first sampled step's raw logits row
+    return_hidden: bool = False  # ... and the prompt's last hidden state (an embedding request)
 
 
 class CachedRequestData(msgspec.Struct):
@@ -77,7 +78,8 @@ class ModelRunnerOutput(msgspec.Struct):
     """Sampled tokens per scheduled request; an empty list where a prefill chunk ended early.
     `logprobs[id]` (requests that asked only) has one entry per sampled token; `first_logits[id]`
     the raw logits row (float32 bytes) of the first token sampled after the prompt, for requests
-    that asked (`NewRequestData.return_first_logits`); `prompt_logprobs[id]` (requests with
+    that asked (`NewRequestData.return_first_logits`); `hidden[id]` the final-normed hidden state
+    (float32 bytes) that first token was sampled from, for `return_hidden`; `prompt_logprobs[id]` (requests with
     `prompt_logprobs`) is (i, entries): the log probabilities of prompt tokens i, i + 1, ... that
     this step's chunk scored."""
 
@@ -85,6 +87,7 @@ class ModelRunnerOutput(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     first_logits: dict[str, bytes] = {}
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    hidden: dict[str, bytes] = {}
 
 
 # ---- P1 executor <-> tensor-parallel workers ---------------------------------------------

@@ -217,8 +217,11 @@ class ModelRunner:
                 embeds, deepstack = self.encoders.embed(self.model, self.requests, req_ids, prepared.num_scheduled,
                                                         step.input_ids)
                 hidden = self.model(embeds, step.positions, self.kv_caches, step.meta, deepstack)  # [T, D]
-            logits = self.model.compute_logits(hidden[step.logits_rows]) if step.sampling else None  # [R, V]
+            last = hidden[step.logits_rows] if step.sampling else None  # [R, D]: the rows that sample
+            logits = self.model.compute_logits(last) if last is not None else None  # [R, V]
             launched = LaunchedStep(req_ids, step.sampling, logits)
+            if last is not None:
+                launched.hidden_rows = self._asked_hidden(step.sampling, last)
             if step.prompt_rows:
                 launched.prompt_logprobs = score_prompts(self.model.compute_logits, hidden, step.prompt_rows,
                                                          self.requests)
@@ -237,6 +240,8 @@ class ModelRunner:
         launched.first_logits = {rid: logits[i].float().cpu().numpy().tobytes()  # raw: before any processing
                                  for i, (rid, state) in enumerate(zip(launched.sampling, states))
                                  if state.return_first_logits and len(state.token_ids) == state.num_prompt_tokens}
+        launched.hidden = {rid: row.float().cpu().numpy().tobytes() for rid, row in launched.hidden_rows.items()}
+        launched.hidden_rows = {}
         for state in states:  # seeded: each draw depends on (seed, position) alone, preemption or not
             if state.generator is not None:
                 state.generator.manual_seed(_step_seed(state.params.seed, len(state.token_ids)))
@@ -254,7 +259,17 @@ class ModelRunner:
         for rid, token in zip(launched.sampling, tokens):
             result[rid] = [token]
         return ModelRunnerOutput(result, {rid: [lp] for rid, lp in zip(launched.sampling, logprobs) if lp is not None},
-                                 launched.first_logits, launched.prompt_logprobs)
+                                 launched.first_logits, launched.prompt_logprobs, launched.hidden)
+
+    def _asked_hidden(self, sampling: list[str], last: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows of `last` [R, D] that embedding requests sample their first token from: their
+        prompts' last final-normed hidden states (copied to the host by `sample`)."""
+        asked = {}
+        for i, rid in enumerate(sampling):
+            state = self.requests[rid]
+            if state.return_hidden and len(state.token_ids) == state.num_prompt_tokens:
+                asked[rid] = last[i]
+        return asked
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
@@ -278,7 +293,7 @@ class ModelRunner:
         num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
         state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
                               num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id,
-                              return_first_logits=new.return_first_logits)
+                              return_first_logits=new.return_first_logits, return_hidden=new.return_hidden)
         if self.fault is not None and new.num_computed_tokens and len(new.token_ids) == num_prompt:
             self.fault.on_prefix_hit(self.kv_caches, new.block_ids[0])
         if params.structured_outputs is not None:

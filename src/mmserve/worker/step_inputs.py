@@ -151,4 +151,6 @@ class LaunchedStep:
     logits: torch.Tensor | None
     sampled: SampledStep | None = None
     first_logits: dict[str, bytes] = field(default_factory=dict)
+    hidden_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # rid -> [D] on the device, until `sample`
+    hidden: dict[str, bytes] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -67,15 +67,18 @@ class LLMEngine:
         self.add_requests([request_id], [prompt], [params], [priority])
 
     def add_requests(self, request_ids: Sequence[str], prompts: Sequence[Prompt],
-                     params: Sequence[SamplingParams], priorities: Sequence[int] | None = None) -> None:
+                     params: Sequence[SamplingParams], priorities: Sequence[int] | None = None,
+                     embed: bool = False) -> None:
         """Process every request, then queue them all; a fault in any raises and none stays.
 
         `priorities` (one per request, default 0) order them under `--scheduling-policy priority`.
-        Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes)."""
+        Their outputs carry a `CacheReport` (the IPC or shm layer counted only across processes);
+        with `embed` they ask for their prompt's last hidden state (`RequestOutput.hidden`)."""
         processed = self._process_all(request_ids, prompts, params, priorities or [0] * len(request_ids))
         sent: list[str] = []
         try:
             for request, prompt, report, _ in processed:
+                request.return_hidden = embed
                 self.output_processor.add_request(request, TypedPrompt.parse(prompt).shown_text, report)
                 self.client.add_request(request, report)
                 sent.append(request.request_id)

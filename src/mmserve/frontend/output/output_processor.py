@@ -45,6 +45,7 @@ class RequestState:
     report: CacheReport | None = None  # P0's layers counted at admission; P1's merged from completion 0
     prompt_logprobs: PromptLogprobs | None = None  # from completion 0's first output, when asked
     times: RequestTimes | None = None  # P1's, from its first output with tokens on (any completion's)
+    hidden: bytes | None = None  # an embedding request's: its prompt's last hidden state, from its first output
 
     @property
     def finished(self) -> bool:
@@ -54,7 +55,7 @@ class RequestState:
         return RequestOutput(self.request.request_id, self.prompt, self.request.prompt_token_ids,
                              [c.to_output() for c in self.completions], self.finished, self.num_cached_tokens,
                              self.report, self.prompt_logprobs,
-                             None if self.times is None else dataclasses.replace(self.times))
+                             None if self.times is None else dataclasses.replace(self.times), self.hidden)
 
     def timed(self, out: EngineCoreOutput) -> None:
         """Take `out`'s P1 times: queued and scheduled from a completion's first output, the token times."""
@@ -131,6 +132,7 @@ class OutputProcessor:
                     state.report.merge(out.cache_counts)
                 if out.prompt_logprobs is not None:
                     state.prompt_logprobs = [None] + [self._decode_logprobs(lp) for lp in out.prompt_logprobs]
+                state.hidden = out.hidden
         if completion.finish_reason is not None:
             return  # finished here by a stop string; the engine's last tokens are dropped
         state.timed(out)

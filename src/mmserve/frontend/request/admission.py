@@ -44,7 +44,7 @@ class Admission:
 
     async def admit(self, request_id: str, prompt: str | dict[str, Any] | Prompt, params: SamplingParams,
                     stream: bool, rank: int | None, shadow: bool = False,
-                    candidate: bool = False, priority: int = 0) -> OpenRequest:
+                    candidate: bool = False, priority: int = 0, embed: bool = False) -> OpenRequest:
         """Resolve the request, register it and send it to P1: the one place that owns the undo.
 
         What registers itself in the `UndoLog`: the request's entry, its processor-cache
@@ -53,9 +53,11 @@ class Admission:
         ours (a 5xx). A cancellation while a worker thread resolves (the client left) runs the undo
         once that thread has ended, since it goes on regardless. A `shadow` request (the cache
         verifier's) has its items processed again; a `candidate` (and a shadow) asks P1 for the
-        first token's logits row; `priority` orders it in P1 (`--scheduling-policy priority`)."""
+        first token's logits row; `priority` orders it in P1 (`--scheduling-policy priority`); an
+        `embed` request asks for its prompt's last hidden state."""
         prompt = Prompt.parse(prompt)  # a malformed prompt is refused before anything is done for it
-        request = self.requests.open(OpenRequest(request_id, prompt, params, stream, candidate, priority))  # the id
+        request = self.requests.open(OpenRequest(request_id, prompt, params, stream, candidate, priority,
+                                                 embed=embed))  # the id
         undo = UndoLog()
         undo.push(self.requests.close, request)
         undo.push(self.input_processor.reject, request.pending)
@@ -87,6 +89,7 @@ class Admission:
         processed = self.input_processor.process(request.request_id, request.prompt, request.params, request.pending,
                                                  shadow, request.report, request.priority)
         processed.return_first_logits = first_logits
+        processed.return_hidden = request.embed
         return processed, self.sender.transport.prepare(processed, undo, request.report)
 
     def _register(self, request: OpenRequest, processed: EngineCoreRequest, undo: UndoLog, rank: int | None,

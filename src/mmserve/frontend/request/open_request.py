@@ -57,6 +57,7 @@ class OpenRequest:
     finished: bool = False  # ended in P1 or failed here: nothing to abort
     last: RequestOutput | None = None  # the latest output its caller read
     first_logits: bytes | None = None  # P1's first-token logits row (float32), asked for by the verifier
+    embed: bool = False  # an embedding request: P1 sends back its prompt's last hidden state
 
     async def next_output(self) -> RequestOutput:
         """The next output for the caller; the error that ended the request is raised instead."""
