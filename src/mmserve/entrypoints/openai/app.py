@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (P0's FastAPI app over an `AsyncLLM`), as `api_server.py` serves it.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `GET /v1/models`
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (text: the default
+runner), `POST /v1/embeddings` (`--runner pooling`: `serving_embedding.py`), `GET /v1/models`
 (behind the API key when one is set), vLLM's `/tokenize` and `/detokenize` (behind it too), and
 `server_routes.py`'s `/health` (200 while the engine core lives, else 503), `/ping`, `/version`
 and `/metrics`.
@@ -25,6 +26,7 @@ from mmserve.entrypoints.openai.server_routes import add_model_routes, status_ro
 from mmserve.entrypoints.openai.serving_base import ServingOptions
 from mmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from mmserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, require_runner
 from mmserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from mmserve.entrypoints.openai.streaming import cancel_on_disconnect
@@ -65,7 +67,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     store = ResponseStore(responses_store_bytes) if responses_store is None else ResponseStoreClient(responses_store)
     text = OpenAIServingCompletion(engine, served_model_names, metrics, options)
     responses = OpenAIServingResponses(engine, served_model_names, metrics, KeptResponses(store), options)
-    v1 = _v1_routes(engine, served_model_names, chat, text, responses, api_key)
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, metrics, options)
+    v1 = _v1_routes(engine, served_model_names, chat, text, responses, embeddings, api_key)
     tokens = OpenAIServingTokenization(engine, served_model_names, metrics, options)
     behind_key = [Depends(_api_key_check(api_key))]
     root = APIRouter(dependencies=behind_key)  # vLLM's routes, behind the key too
@@ -82,21 +85,28 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 def _v1_routes(engine: AsyncLLM, served_model_names: list[str], chat: OpenAIServingChat,
                text: OpenAIServingCompletion, responses: OpenAIServingResponses,
-               api_key: str | None) -> APIRouter:
+               embeddings: OpenAIServingEmbedding, api_key: str | None) -> APIRouter:
     """The OpenAI routes under /v1, behind the API key when one is set."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     @v1.post("/chat/completions")
     async def chat_completions(raw_request: Request) -> Response:
+        require_runner(engine, False, "Chat Completions")
         return await cancel_on_disconnect(chat.create_chat_completion(raw_request), raw_request)
 
     @v1.post("/completions")
     async def completions(raw_request: Request) -> Response:
+        require_runner(engine, False, "Completions")
         return await cancel_on_disconnect(text.create_completion(raw_request), raw_request)
 
     @v1.post("/responses")
     async def create_response(raw_request: Request) -> Response:
+        require_runner(engine, False, "Responses")
         return await cancel_on_disconnect(responses.create_response(raw_request), raw_request)
+
+    @v1.post("/embeddings")
+    async def create_embedding(raw_request: Request) -> Response:
+        return await cancel_on_disconnect(embeddings.create_embedding(raw_request), raw_request)
 
     add_model_routes(v1, engine, served_model_names)
     return v1
