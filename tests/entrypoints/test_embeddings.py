@@ -119,3 +119,14 @@ def test_what_is_not_supported_is_refused():
         EngineConfig.from_kwargs(runner="pooling", pooler_config={"pooling_type": "MEAN"})
     with pytest.raises(ValueError, match="runner must be one of"):
         EngineConfig.from_kwargs(runner="embed")
+
+
+def test_two_tensor_parallel_ranks_give_the_vectors_one_does(engine, qwen):
+    """Rank 0 sends the hidden state back (the decoder's output is whole on every rank after its
+    all-reduce); equal to one rank's up to the reductions' order, and a repeat exactly."""
+    one = engine.embed(QWEN)
+    with LLM(model=qwen, device="cpu", runner="pooling", tensor_parallel_size=2) as llm:
+        two, again = llm.embed(QWEN), llm.embed(QWEN)
+    for a, b, c in zip(one, two, again):
+        torch.testing.assert_close(_vector(b), _vector(a), rtol=1e-5, atol=1e-6)
+        assert b.outputs.embedding == c.outputs.embedding
