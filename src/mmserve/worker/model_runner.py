@@ -80,6 +80,7 @@ class ModelRunner:
         self.kv_scratch_block: int | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.requests: dict[str, RunnerRequest] = {}
+        self.embedding_ids: set[str] = set()  # requests returning their hidden state (none: a step skips the check)
         self.generator = new_generator(self.device, config.model.seed)
         self.grammars = GrammarCache(model_dir, self.model.config.text.vocab_size)
         self.fault = CacheFault.from_env()  # a debugging hook that alters cache hits (tests of the verifier)
@@ -162,6 +163,7 @@ class ModelRunner:
         self.kv_caches = []
         self.encoders.outputs.clear()
         self.requests.clear()
+        self.embedding_ids.clear()
         self.__dict__.pop("model", None)
         gc.collect()  # modules and graphs may sit in reference cycles
         if self.device.type == "cuda":
@@ -264,20 +266,21 @@ class ModelRunner:
     def _asked_hidden(self, sampling: list[str], last: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rows of `last` [R, D] that embedding requests sample their first token from: their
         prompts' last final-normed hidden states (copied to the host by `sample`)."""
-        asked = {}
-        for i, rid in enumerate(sampling):
-            state = self.requests[rid]
-            if state.return_hidden and len(state.token_ids) == state.num_prompt_tokens:
-                asked[rid] = last[i]
-        return asked
+        if not self.embedding_ids:
+            return {}
+        return {rid: last[i] for i, rid in enumerate(sampling) if rid in self.embedding_ids
+                and len(self.requests[rid].token_ids) == self.requests[rid].num_prompt_tokens}
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
+            self.embedding_ids.discard(rid)
         for key in so.free_encoder_ids:
             self.encoders.outputs.pop(key, None)
         for new in so.new_requests:
             state = self.requests[new.request_id] = self._new_state(new)
+            if new.return_hidden:
+                self.embedding_ids.add(new.request_id)
             if self.model.uses_mrope:
                 state.mrope = self.model.mrope_positions(state.token_ids, state.mm_items)
         for cached in so.cached_requests:
@@ -293,7 +296,7 @@ class ModelRunner:
         num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
         state = RunnerRequest(list(new.token_ids), new.mm_items, params, list(new.block_ids), generator,
                               num_prompt_tokens=num_prompt, eos_token_id=new.eos_token_id,
-                              return_first_logits=new.return_first_logits, return_hidden=new.return_hidden)
+                              return_first_logits=new.return_first_logits)
         if self.fault is not None and new.num_computed_tokens and len(new.token_ids) == num_prompt:
             self.fault.on_prefix_hit(self.kv_caches, new.block_ids[0])
         if params.structured_outputs is not None:

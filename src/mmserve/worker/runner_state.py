@@ -42,7 +42,6 @@ class RunnerRequest:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: torch.Tensor | None = None  # allowed_token_ids [n] int64, on the sampling device
     return_first_logits: bool = False  # the first token sampled after the prompt returns its raw logits row
-    return_hidden: bool = False  # ... and the hidden state it was sampled from (an embedding)
     num_in_flight: int = 0  # 1 while its last sampled token is on its way to the host (not in token_ids yet)
 
     @property
