@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mmserve.engine.policies import first_tokens
 from mmserve.engine.policies.first_tokens import FirstTokenCache
 from mmserve.sampling_params import StructuredOutputsParams
 from helpers.scheduler_sim import fake_step, make_request, make_scheduler, run
@@ -112,3 +113,30 @@ def test_the_cache_keeps_the_most_recently_used_entries():
     cache.check_integrity()
     with pytest.raises(ValueError):
         FirstTokenCache(0)
+
+
+def test_an_embeddings_hidden_state_is_kept_beside_its_token_within_its_budget(monkeypatch):
+    """An embedding request takes an entry only with the hidden state an embedding left; a plain
+    token does not answer it, and a later token put keeps the state. States past HIDDEN_BYTES go
+    oldest first, their tokens staying; clear drops both."""
+    monkeypatch.setattr(first_tokens, "HIDDEN_BYTES", 10)
+    cache = FirstTokenCache(8)
+    prompts = [range(10 * i, 10 * i + 7) for i in range(3)]
+
+    def embedding(rid, tokens):
+        req = greedy(rid, tokens)
+        req.return_hidden = True
+        return req
+
+    cache.put(greedy("plain", prompts[0]), 5)
+    assert cache.get(embedding("e0", prompts[0])) is None and cache.get(greedy("g0", prompts[0])) == 5
+    cache.put(embedding("e1", prompts[1]), 6, b"abcd")
+    cache.put(greedy("g1", prompts[1]), 6)  # a plain put of the same prompt keeps the state
+    assert cache.get(embedding("e1b", prompts[1])) == 6 and cache.hidden(greedy("x", prompts[1])) == b"abcd"
+    cache.put(embedding("e2", prompts[2]), 7, b"efghij")  # 10 bytes: both fit
+    cache.put(embedding("e0b", prompts[0]), 5, b"klm")  # 13: the oldest state goes, its token stays
+    assert cache.hidden(greedy("y", prompts[1])) is None and cache.get(greedy("g1b", prompts[1])) == 6
+    assert cache.get(embedding("e1c", prompts[1])) is None and cache.get(embedding("e2b", prompts[2])) == 7
+    cache.check_integrity()
+    assert cache.clear() == 3 and cache.hidden(greedy("z", prompts[2])) is None
+    cache.check_integrity()

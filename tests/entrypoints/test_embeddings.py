@@ -96,18 +96,14 @@ def test_a_prompt_sharing_only_the_image_reads_its_blocks_and_agrees_with_a_fres
     torch.testing.assert_close(_vector(shared), _vector(alone), rtol=1e-5, atol=2e-5)
 
 
-def test_generation_after_an_embedding_of_the_same_prompt_is_untouched(qwen):
-    """The first-token cache keeps an embedding's hidden state beside its token; a generation
-    request is answered from it as before, and a text server's tokens are the same either way."""
+def test_each_runner_refuses_the_others_calls(engine, qwen):
     params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="LLM.embed"):
+        engine.generate(QWEN, params)
     with LLM(model=qwen, device="cpu") as text:
-        plain = [o.outputs[0].token_ids for o in text.generate(QWEN, params)]
         with pytest.raises(ValueError, match="runner='pooling'"):
             text.embed(QWEN)
-    with LLM(model=qwen, device="cpu", runner="pooling") as pooling:
-        with pytest.raises(ValueError, match="LLM.embed"):
-            pooling.generate(QWEN, params)
-    assert all(len(tokens) == 4 for tokens in plain)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in text.generate(QWEN, params))
 
 
 def test_what_is_not_supported_is_refused():

@@ -297,9 +297,9 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt, or a failed step's
             req.num_in_flight -= 1
             req.append_output_token_ids(tokens)
-            self.answers.learn(req, tokens, result.hidden.get(rid))
-            outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid),
-                                        result.hidden.get(rid)))
+            hidden = result.hidden.get(rid)  # an embedding request's, with its first token
+            self.answers.learn(req, tokens, hidden)
+            outputs.append(self._output(req, tokens, result.logprobs.get(rid), result.first_logits.get(rid), hidden))
         return EngineCoreOutputs(outputs + self.drain_answered())
 
     def drain_answered(self) -> list[EngineCoreOutput]:

@@ -49,7 +49,7 @@ class CompletionRequest(SamplingExtras):
     @field_validator("prompt")
     @classmethod
     def _some_prompts(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
-        prompts = _each_prompt(value)
+        prompts = each_prompt(value)
         if not 1 <= len(prompts) <= MAX_N:
             raise ClientError(f"prompt must be a string, a list of 1 to {MAX_N} strings, a list of token ids or "
                               f"a list of 1 to {MAX_N} lists of token ids")
@@ -61,7 +61,7 @@ class CompletionRequest(SamplingExtras):
     @property
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a text, or token ids."""
-        return _each_prompt(self.prompt)
+        return each_prompt(self.prompt)
 
     def check_supported(self) -> None:
         check_top_logprobs("logprobs", self.logprobs)
@@ -103,8 +103,8 @@ class CompletionRequest(SamplingExtras):
         return SamplingParams(**{**(defaults or {}), **{k: v for k, v in values.items() if v is not None}})
 
 
-def _each_prompt(value: Any) -> list[str | list[int]]:
-    """`prompt`'s prompts: one text, one list of ids, or a list of either."""
+def each_prompt(value: Any) -> list[str | list[int]]:
+    """`prompt`'s (or the embeddings' `input`'s) prompts: one text, one list of ids, or a list of either."""
     if isinstance(value, str) or (value and isinstance(value[0], int)):
         return [value]
     return list(value)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.entrypoints.openai.errors import OpenAIError
 from mmserve.entrypoints.openai.protocol import ChatMessage, ParameterError
+from mmserve.entrypoints.openai.protocol_completions import each_prompt
 from mmserve.entrypoints.openai.request_ids import client_request_id
 from mmserve.entrypoints.openai.serving_base import OpenAIServing
 from mmserve.frontend.request.prompt import Prompt, PromptSettings
@@ -80,11 +81,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         raw_request.state.request_id = request_id
         normalize = self.engine.config.model.pooling_normalize if request.normalize is None else request.normalize
         outs = await self._embed_all(request_id, prompts, normalize, request)
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(out, request.encoding_format)}
-                for i, out in enumerate(outs)]
-        tokens = sum(len(out.prompt_token_ids) for out in outs)
-        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": model,
-                             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        # up to MAX_INPUTS vectors of the hidden size encoded: in a worker thread, not on the event loop
+        return await asyncio.to_thread(_response, request_id, model, outs, request.encoding_format)
 
     async def _prompts(self, request: EmbeddingRequest) -> list[Prompt]:
         settings = PromptSettings(mm_processor_kwargs=request.mm_processor_kwargs)
@@ -96,7 +94,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                                                            request.continue_final_message)
             messages = [m.model_dump(exclude_none=True) for m in request.messages]
             return [await self.engine.build_prompt(messages, None, settings, template)]
-        inputs = _each_input(request.input)
+        inputs = each_prompt(request.input) if request.input else []
         if not inputs or len(inputs) > MAX_INPUTS:
             raise ParameterError("input", f"input must hold 1 to {MAX_INPUTS} texts or token lists; got {len(inputs)}")
         return [Prompt(p, settings=settings) if isinstance(p, str) else Prompt("", settings=settings, token_ids=p)
@@ -118,11 +116,13 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise
 
 
-def _each_input(value: Any) -> list[str | list[int]]:
-    """`input`'s prompts: one text, one list of token ids, or a list of either."""
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
-        return [value]
-    return list(value or [])
+def _response(request_id: str, model: str, outs: list[EmbeddingRequestOutput], encoding_format: str) -> JSONResponse:
+    """OpenAI's embeddings answer for `outs`, in the prompts' order."""
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(out, encoding_format)}
+            for i, out in enumerate(outs)]
+    tokens = sum(len(out.prompt_token_ids) for out in outs)
+    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()), "model": model,
+                         "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 def _encoded(out: EmbeddingRequestOutput, encoding_format: str) -> list[float] | str:
